@@ -1,0 +1,321 @@
+"""The typed config tree: YAML in, dotted `key=value` overrides, validation before any model loads.
+
+Every key lives in one dataclass below; `load_config` is the only way a run gets its config.
+Unknown keys and wrong types raise `ConfigError` naming the key and listing the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and what to do."""
+
+
+@dataclass
+class TargetConfig:
+    # "smollm2" (embedded default), a local HF folder, or a .gguf file.
+    path: str = "smollm2"
+    # Weights dtype of the frozen target: auto = bfloat16 on GPU, float32 on CPU.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DrafterConfig:
+    num_draft_layers: int = 5
+    block_size: int = 16
+    # Outputs of these target decoder layers feed the drafter; null = the reference rule.
+    target_layer_ids: Optional[list[int]] = None
+    # A token the tokenizer never emits in normal text; null = the target's documented default.
+    mask_token_id: Optional[int] = None
+    # flex: compiled block-sparse (GPU). sdpa: dense boolean mask (CPU, small inputs).
+    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
+
+
+@dataclass
+class DataConfig:
+    # Conversations in OpenAI `messages` JSONL (optionally .gz).
+    train_files: list[str] = field(default_factory=list)
+    max_length: int = 3072
+    # Use at most this many conversations (0 = all).
+    max_samples: int = 0
+    # A micro-batch holds at most max_batch_size sequences and token_budget tokens (padding included).
+    token_budget: int = 16384
+    max_batch_size: int = 16
+
+
+@dataclass
+class ObjectiveConfig:
+    # Anchors sampled per sequence and step.
+    max_anchors: int = 512
+    # Loss weight of block slot k is exp(-(k - 1) / gamma).
+    gamma: float = 7.0
+    # Rows of the lm_head + cross-entropy computed at once (full logits never exist).
+    loss_chunk_size: int = 2048
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    epochs: float = 6.0
+    # Stop after this many optimizer steps (0 = run all epochs).
+    max_steps: int = 0
+
+
+@dataclass
+class RunConfig:
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Compute dtype of the drafter (master weights stay float32).
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    log_every: int = 10
+    save_every: int = 500
+    keep_last: int = 3
+    # Dtype of the exported drafter weights.
+    export_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    progress_bar: bool = True
+
+
+@dataclass
+class Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in get_args(tp))}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`; return it in canonical form or raise."""
+    origin = get_origin(tp)
+    bad = ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise bad
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # Optional[X]: X's own, more precise error
+            return _coerce(value, options[0], key)
+        for arg in options:
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise bad
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise bad
+            return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        elem = args[0] if args else Any
+        items = [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if tp is Any:
+        return value
+    raise ConfigError(f"config key '{key}': unsupported type {tp}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    where = prefix or "the top level"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section '{where}' must be a mapping, got {type(data).__name__}")
+    kwargs = {}
+    for name, value in data.items():
+        if name not in fields:
+            valid = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown config key '{prefix}{name}'; valid keys in {where}: {valid}")
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, tp, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _parse_scalar(text: str) -> Any:
+    """A command-line value is read as YAML: `3e-4` -> float, `[1,2]` -> list, `null` -> None."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _apply_override(tree: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like section.key=value (e.g. optim.lr=3e-4)")
+    dotted, raw = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{item}': '{part}' is not a section")
+        node = child
+    value = _parse_scalar(raw)
+    # yaml reads "1e-4" as a string; accept it as a number where a float is meant.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            pass
+    node[parts[-1]] = value
+
+
+def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
+    tree = yaml.safe_load(yaml.safe_dump(data or {}))  # deep copy through plain types
+    for item in overrides or []:
+        _apply_override(tree, item)
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
+    try:
+        return config_from_dict(data, overrides)
+    except ConfigError as e:
+        where = f" ({path})" if path else ""
+        raise ConfigError(f"{e}{where}") from None
+
+
+def config_to_dict(cfg: Config) -> dict:
+    def plain(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def dump_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that need no model. Target-dependent checks: `validate_against_target`."""
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key '{key}': {msg}")
+
+    d, o, op, dt, r = cfg.drafter, cfg.objective, cfg.optim, cfg.data, cfg.run
+    need(d.block_size >= 2, "drafter.block_size", f"must be >= 2 (got {d.block_size})")
+    need(d.num_draft_layers >= 1, "drafter.num_draft_layers", f"must be >= 1 (got {d.num_draft_layers})")
+    if d.target_layer_ids is not None:
+        need(len(d.target_layer_ids) >= 1, "drafter.target_layer_ids", "must list at least one layer (or be null)")
+        need(min(d.target_layer_ids) >= 0, "drafter.target_layer_ids", "layer ids must be >= 0")
+        need(len(set(d.target_layer_ids)) == len(d.target_layer_ids), "drafter.target_layer_ids", "ids must be distinct")
+    if d.mask_token_id is not None:
+        need(d.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
+    need(o.max_anchors >= 1, "objective.max_anchors", f"must be >= 1 (got {o.max_anchors})")
+    need(o.gamma > 0, "objective.gamma", f"must be > 0 (got {o.gamma})")
+    need(o.loss_chunk_size >= 1, "objective.loss_chunk_size", "must be >= 1")
+    need(op.lr > 0, "optim.lr", f"must be > 0 (got {op.lr})")
+    need(op.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    need(0 <= op.warmup_ratio < 1, "optim.warmup_ratio", f"must be in [0, 1) (got {op.warmup_ratio})")
+    need(0 <= op.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+    need(op.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
+    need(op.epochs > 0 or op.max_steps > 0, "optim.epochs", "set epochs > 0 or optim.max_steps > 0")
+    need(op.max_steps >= 0, "optim.max_steps", "must be >= 0")
+    need(all(0 <= b < 1 for b in op.betas), "optim.betas", "each beta must be in [0, 1)")
+    need(dt.max_length >= 2 * d.block_size, "data.max_length",
+         f"must be >= 2 * drafter.block_size = {2 * d.block_size} (got {dt.max_length})")
+    need(dt.max_batch_size >= 1, "data.max_batch_size", "must be >= 1")
+    need(dt.token_budget >= dt.max_length, "data.token_budget",
+         f"must be >= data.max_length = {dt.max_length} so that every sequence fits (got {dt.token_budget})")
+    need(dt.max_samples >= 0, "data.max_samples", "must be >= 0")
+    need(r.log_every >= 1, "run.log_every", "must be >= 1")
+    need(r.save_every >= 1, "run.save_every", "must be >= 1")
+    need(r.keep_last >= 1, "run.keep_last", "must be >= 1")
+
+
+def validate_against_target(cfg: Config, num_target_layers: int, vocab_size: int) -> None:
+    """Checks that need only the target's config.json (run before any weights load)."""
+    ids = cfg.drafter.target_layer_ids
+    if ids is not None and max(ids) >= num_target_layers:
+        raise ConfigError(
+            f"config key 'drafter.target_layer_ids': {ids} names layer {max(ids)}, but the target has "
+            f"{num_target_layers} decoder layers (valid ids 0..{num_target_layers - 1})"
+        )
+    mask = cfg.drafter.mask_token_id
+    if mask is not None and mask >= vocab_size:
+        raise ConfigError(
+            f"config key 'drafter.mask_token_id': {mask} is outside the target's vocabulary (size {vocab_size})"
+        )

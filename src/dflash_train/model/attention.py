@@ -1,0 +1,73 @@
+"""Attention backends for the drafter's training layout. The choice is explicit and logged.
+
+- `sdpa`: a dense boolean mask from the predicate (CPU and small inputs).
+- `flex`: compiled flex_attention with a BlockMask built in closed form (GPU). FlexAttention has
+  no CPU backward, so `flex` on CPU is refused rather than run slowly or densely.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .drafter import AttentionFn, sdpa_attention
+from .mask import dense_mask, flex_block_mask
+
+log = logging.getLogger(__name__)
+
+FLEX_TILE = 128
+_compile_lock = threading.Lock()
+_compiled_flex = None
+
+
+def compiled_flex_attention() -> Callable:
+    """The process's single compiled flex_attention (compiled once, under a lock)."""
+    global _compiled_flex
+    with _compile_lock:
+        if _compiled_flex is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            _compiled_flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+        return _compiled_flex
+
+
+@dataclass
+class AttentionBackend:
+    name: str
+    attention: AttentionFn
+    # Number of blocks must be a multiple of this (flex tiles whole query blocks).
+    blocks_multiple_of: int
+
+    def build_mask(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int) -> object:
+        if self.name == "flex":
+            return flex_block_mask(anchors, keep, context_len, block_size, tile=FLEX_TILE)
+        return dense_mask(anchors, keep, context_len, block_size)
+
+
+def resolve_backend(requested: str, device: torch.device, block_size: int, training: bool = True) -> AttentionBackend:
+    name = requested
+    if name == "auto":
+        name = "flex" if device.type == "cuda" else "sdpa"
+    if name == "flex" and device.type != "cuda" and training:
+        raise ValueError(
+            "drafter.attention_backend=flex needs a CUDA device for training (FlexAttention has no CPU backward); "
+            "use drafter.attention_backend=sdpa on CPU"
+        )
+    if name == "flex":
+        if FLEX_TILE % block_size and block_size % FLEX_TILE:
+            raise ValueError(f"flex backend needs block_size to divide {FLEX_TILE} (got {block_size}); use sdpa")
+        flex = compiled_flex_attention()
+
+        def attention(q, k, v, mask):
+            return flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+        multiple = max(FLEX_TILE // block_size, 1)
+        backend = AttentionBackend("flex", attention, multiple)
+    else:
+        backend = AttentionBackend("sdpa", sdpa_attention, 1)
+    log.info("drafter attention backend: %s (requested %s, device %s)", backend.name, requested, device)
+    return backend

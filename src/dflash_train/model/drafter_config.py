@@ -1,0 +1,84 @@
+"""Derive the drafter's Qwen3-style config from the target's text config."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from transformers import PretrainedConfig, Qwen3Config
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The language-model part of a (possibly multimodal) config."""
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if getter is not None else config
+
+
+def _rope_fields(target: PretrainedConfig) -> dict[str, Any]:
+    params = getattr(target, "rope_parameters", None)
+    if params:
+        return {"rope_parameters": dict(params)}
+    fields: dict[str, Any] = {"rope_theta": getattr(target, "rope_theta", 10000.0)}
+    scaling = getattr(target, "rope_scaling", None)
+    if scaling:
+        fields["rope_scaling"] = dict(scaling)
+    return fields
+
+
+def make_drafter_config(
+    target_config: PretrainedConfig,
+    *,
+    num_draft_layers: int,
+    block_size: int,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+) -> Qwen3Config:
+    t = text_config(target_config)
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    num_kv = getattr(t, "num_key_value_heads", None) or t.num_attention_heads
+    cfg = Qwen3Config(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=num_draft_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=num_kv,
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=getattr(t, "max_position_embeddings", 32768),
+        rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+        attention_bias=False,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        layer_types=["full_attention"] * num_draft_layers,
+        bos_token_id=getattr(t, "bos_token_id", None),
+        eos_token_id=getattr(t, "eos_token_id", None),
+        **_rope_fields(t),
+    )
+    cfg.architectures = ["DFlashDraftModel"]
+    cfg.block_size = block_size
+    cfg.num_target_layers = t.num_hidden_layers
+    cfg.target_model_type = getattr(t, "model_type", None)
+    cfg.dflash_config = {
+        "mask_token_id": int(mask_token_id),
+        "target_layer_ids": [int(i) for i in target_layer_ids],
+        "block_size": block_size,
+    }
+    return cfg
+
+
+def drafter_config_from_dict(data: dict[str, Any]) -> Qwen3Config:
+    """Rebuild a drafter config from an exported config.json, checking the DFlash fields."""
+    missing = [k for k in ("block_size", "num_target_layers", "dflash_config") if k not in data]
+    dflash: Optional[dict] = data.get("dflash_config")
+    if isinstance(dflash, dict):
+        missing += [f"dflash_config.{k}" for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
+    if missing:
+        raise ValueError(f"not a DFlash drafter config: missing {', '.join(missing)}")
+    if data.get("architectures") != ["DFlashDraftModel"]:
+        raise ValueError(f"not a DFlash drafter config: architectures is {data.get('architectures')!r}")
+    fields = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
+    cfg = Qwen3Config(**fields)
+    cfg.block_size = int(data["block_size"])
+    cfg.num_target_layers = int(data["num_target_layers"])
+    cfg.dflash_config = dict(dflash)
+    return cfg

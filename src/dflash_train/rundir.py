@@ -1,0 +1,200 @@
+"""The run directory contract: config.yaml, train.log, metrics.jsonl, status.json, checkpoints/,
+tensorboard/, export/. Writers here; `read_status` / `format_status` answer `dflash-train status`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+PHASES = ("starting", "loading", "warmup", "training", "exporting", "done", "failed", "stopped")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+@dataclass
+class RunDir:
+    root: Path
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "train.log"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def status(self) -> Path:
+        return self.root / "status.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    def create(self) -> "RunDir":
+        for d in (self.root, self.checkpoints, self.tensorboard):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def attach_log(self) -> logging.Handler:
+        handler = logging.FileHandler(self.log)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger("dflash_train").addHandler(handler)
+        return handler
+
+
+class StatusWriter:
+    """status.json: phase, heartbeat, step, rates, ETA and the last error. Written atomically."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+        self.state: dict[str, Any] = {
+            "phase": "starting",
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_at": time.time(),
+            "heartbeat": time.time(),
+            "step": 0,
+            "total_steps": None,
+            "error": None,
+        }
+        self.flush()
+
+    def update(self, **fields: Any) -> None:
+        self.state.update(fields)
+        self.state["heartbeat"] = time.time()
+        self.flush()
+
+    def fail(self, exc: BaseException, phase: Optional[str] = None) -> None:
+        self.update(
+            phase="failed",
+            failed_phase=phase or self.state.get("phase"),
+            error={
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            },
+        )
+
+    def flush(self) -> None:
+        write_json_atomic(self.run.status, self.state)
+
+
+class MetricsWriter:
+    """metrics.jsonl (one record per log step) and TensorBoard scalars."""
+
+    def __init__(self, run: RunDir, tensorboard: bool = True):
+        self.path = run.metrics
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run.tensorboard))
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            step = record["step"]
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(key, value, step)
+                elif isinstance(value, list) and key == "accuracy_per_position":
+                    for k, v in enumerate(value, start=1):
+                        if v is not None:
+                            self.tb.add_scalar(f"accuracy_per_position/{k}", v, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_status(root: str | Path) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """(status.json, last metrics record or None). Raises FileNotFoundError with a clear message."""
+    run = RunDir(Path(root))
+    if not run.status.is_file():
+        raise FileNotFoundError(f"{run.status} not found: {root} is not a dflash-train run directory (or it never started)")
+    status = json.loads(run.status.read_text())
+    last = None
+    if run.metrics.is_file():
+        last = _last_json_line(run.metrics)
+    return status, last
+
+
+def _last_json_line(path: Path) -> Optional[dict]:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 65536))
+        lines = f.read().decode("utf-8", errors="replace").strip().splitlines()
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def _duration(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: Optional[float] = None) -> str:
+    now = time.time() if now is None else now
+    step, total = status.get("step", 0), status.get("total_steps")
+    lines = [
+        f"phase:      {status.get('phase')}" + (f" (in {status['failed_phase']})" if status.get("failed_phase") else ""),
+        f"step:       {step}" + (f" / {total}" if total else ""),
+        f"heartbeat:  {_duration(now - status['heartbeat'])} ago (pid {status.get('pid')} on {status.get('host')})",
+        f"elapsed:    {_duration(status.get('heartbeat', now) - status.get('started_at', now))}",
+    ]
+    if last:
+        acc = last.get("accuracy")
+        lines += [
+            f"tokens/s:   {last.get('tokens_per_s', 0):,.0f}",
+            f"loss:       {last.get('loss', float('nan')):.4f}",
+            f"accuracy:   {acc:.3f}" if acc is not None else "accuracy:   -",
+            f"tau (est.): {last.get('tau_estimate', float('nan')):.3f}",
+            f"lr:         {last.get('lr', 0):.3g}",
+        ]
+    lines.append(f"ETA:        {_duration(status.get('eta_s'))}" if status.get("phase") == "training" else "ETA:        -")
+    if status.get("export_dir"):
+        lines.append(f"export:     {status['export_dir']}")
+    err = status.get("error")
+    if err:
+        lines.append(f"last error: {err['type']}: {err['message']}")
+        lines.append(err.get("traceback", "").rstrip())
+    else:
+        lines.append("last error: none")
+    return "\n".join(lines)

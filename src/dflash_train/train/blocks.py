@@ -1,0 +1,103 @@
+"""Anchors, block inputs, labels and loss weights of one micro-batch (the DFlash objective's data side).
+
+Anchors: positions p with `loss_mask[p] == 1` and `p <= length - block_size`, up to `max_anchors`
+per sequence, drawn without replacement, sorted; rows with fewer pad with `keep = False`.
+Labels are same-position: slot k of block n predicts `input_ids[a_n + k]`. Slot 0 (the anchor)
+never counts; slot k counts iff the block is kept, `a_n + k < length` and `loss_mask[a_n + k]`.
+Weights: `exp(-(k - 1) / gamma)` for counted slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Blocks:
+    anchors: torch.Tensor  # [B, N] long
+    keep: torch.Tensor  # [B, N] bool
+    block_ids: torch.Tensor  # [B, N*bs] long: anchor token, then mask tokens
+    block_positions: torch.Tensor  # [B, N*bs] long: a_n + 0..bs-1
+    labels: torch.Tensor  # [B, N, bs] long
+    weights: torch.Tensor  # [B, N, bs] float32, 0 where the slot does not count
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchors.shape[1]
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    block_size: int,
+    max_anchors: int,
+    generator: torch.Generator,
+    multiple_of: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns anchors `[B, N]` (sorted per row) and keep `[B, N]`. N is the largest per-row count,
+    rounded up to `multiple_of` (extra blocks are not kept). Random keys come from `generator` (CPU)
+    so that a step's anchors depend only on the seed and the data."""
+    batch, seq = loss_mask.shape
+    pos = torch.arange(seq, device=loss_mask.device)
+    valid = (loss_mask > 0) & (pos.view(1, -1) <= (lengths.view(-1, 1) - block_size))
+    keys = torch.rand(batch, seq, generator=generator).to(loss_mask.device)
+    keys = torch.where(valid, keys, torch.full_like(keys, 2.0))  # invalid positions sort last
+    counts = valid.sum(1).clamp(max=max_anchors)
+    n = max(int(counts.max().item()) if batch else 0, 1)
+    n = math.ceil(n / multiple_of) * multiple_of
+    n_take = min(n, seq)
+    chosen = torch.topk(keys, n_take, dim=1, largest=False).indices  # random subset of valid positions
+    keep = torch.arange(n_take, device=loss_mask.device).view(1, -1) < counts.view(-1, 1)
+    # Sort the kept anchors; not-kept slots get a sentinel so they sort last, then read 0.
+    sortable = torch.where(keep, chosen, torch.full_like(chosen, seq))
+    anchors = torch.sort(sortable, dim=1).values
+    anchors = torch.where(keep, anchors, torch.zeros_like(anchors))
+    if n_take < n:  # (only when seq < multiple_of * something) pad with not-kept blocks
+        pad = n - n_take
+        anchors = torch.cat([anchors, anchors.new_zeros(batch, pad)], 1)
+        keep = torch.cat([keep, keep.new_zeros(batch, pad)], 1)
+    return anchors, keep
+
+
+def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """`w_k = exp(-(k - 1) / gamma)` for k >= 1, and 0 for the anchor slot."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def build_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+) -> Blocks:
+    batch, seq = input_ids.shape
+    n = anchors.shape[1]
+    offsets = torch.arange(block_size, device=input_ids.device)
+    positions = anchors.unsqueeze(-1) + offsets  # [B, N, bs]
+    in_range = positions < lengths.view(-1, 1, 1)
+    gather_at = positions.clamp(max=seq - 1).view(batch, -1)
+    labels = torch.gather(input_ids, 1, gather_at).view(batch, n, block_size)
+    supervised = torch.gather(loss_mask, 1, gather_at).view(batch, n, block_size) > 0
+    counted = keep.unsqueeze(-1) & in_range & supervised
+    counted[..., 0] = False
+    weights = slot_weights(block_size, gamma, input_ids.device).view(1, 1, -1) * counted
+    block_ids = torch.full_like(labels, mask_token_id)
+    block_ids[..., 0] = labels[..., 0]
+    return Blocks(
+        anchors=anchors,
+        keep=keep,
+        block_ids=block_ids.view(batch, -1),
+        block_positions=positions.view(batch, -1),
+        labels=labels,
+        weights=weights,
+    )

@@ -1,0 +1,164 @@
+"""One DFlash training step, start to end: target capture -> anchors and blocks -> mask ->
+drafter forward -> chunked decayed CE -> backward -> clip -> AdamW -> schedule."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import Config
+from ..model.attention import AttentionBackend
+from ..model.drafter import DFlashDrafter
+from ..model.target import TargetCapture
+from .blocks import Blocks, build_blocks, sample_anchors
+from .loss import chunked_weighted_ce
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, S] right-padded
+    loss_mask: torch.Tensor  # [B, S]
+    lengths: torch.Tensor  # [B]
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(t.to(device, non_blocking=True) for t in (self.input_ids, self.loss_mask, self.lengths)))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+@dataclass
+class StepStats:
+    """Sums over a step (tensors on the device: read them only when logging)."""
+
+    loss: torch.Tensor
+    correct_per_slot: torch.Tensor  # [bs] counted slots predicted right
+    counted_per_slot: torch.Tensor  # [bs] counted slots
+    accepted_sum: torch.Tensor  # sum over kept blocks of the acceptance-length estimate
+    kept_blocks: torch.Tensor
+    grad_norm: torch.Tensor | None = None
+
+
+def make_optimizer(drafter: DFlashDrafter, cfg: Config, device: torch.device) -> torch.optim.AdamW:
+    o = cfg.optim
+    return torch.optim.AdamW(
+        [p for p in drafter.parameters() if p.requires_grad],
+        lr=o.lr,
+        betas=o.betas,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        fused=device.type == "cuda",
+    )
+
+
+def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
+    """Linear warmup over `warmup_ratio` of the steps, then cosine down to `min_lr_ratio`."""
+    warmup = int(math.ceil(warmup_ratio * total_steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(total_steps - warmup, 1)
+    progress = min(max(progress, 0.0), 1.0)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def acceptance_estimate(correct: torch.Tensor) -> torch.Tensor:
+    """`[..., bs]` correctness of slots 1..bs-1 (slot 0 ignored) -> `1 + leading run of correct slots`."""
+    return 1 + correct[..., 1:].long().cumprod(-1).sum(-1)
+
+
+def forward_loss(
+    drafter: DFlashDrafter,
+    target: TargetCapture,
+    backend: AttentionBackend,
+    batch: Batch,
+    cfg: Config,
+    generator: torch.Generator,
+    compute_dtype: torch.dtype,
+) -> StepStats:
+    """The drafter's loss on one micro-batch (graph kept for backward)."""
+    bs = drafter.block_size
+    hidden = target(batch.input_ids)  # [B, S, K*H], no grad
+    anchors, keep = sample_anchors(
+        batch.loss_mask, batch.lengths, bs, cfg.objective.max_anchors, generator, backend.blocks_multiple_of
+    )
+    blocks: Blocks = build_blocks(
+        batch.input_ids, batch.loss_mask, batch.lengths, anchors, keep, bs, drafter.mask_token_id, cfg.objective.gamma
+    )
+    b, s = batch.input_ids.shape
+    with torch.no_grad():
+        block_embeds = target.embed_tokens(blocks.block_ids)
+    context_pos = torch.arange(s, device=anchors.device).expand(b, s)
+    position_ids = torch.cat([context_pos, blocks.block_positions], dim=1)
+    mask = backend.build_mask(anchors, keep, s, bs)
+    device_type = batch.input_ids.device.type
+    autocast = (
+        torch.autocast(device_type, dtype=compute_dtype)
+        if compute_dtype != torch.float32
+        else contextlib.nullcontext()
+    )
+    with autocast:
+        out = drafter(hidden, block_embeds, position_ids, backend.attention, mask)  # [B, N*bs, H]
+        counted = (blocks.weights > 0).view(-1)
+        rows = out.reshape(-1, out.shape[-1])[counted]
+        result = chunked_weighted_ce(
+            rows,
+            target.lm_head.weight,
+            blocks.labels.view(-1)[counted],
+            blocks.weights.view(-1)[counted],
+            cfg.objective.loss_chunk_size,
+        )
+    correct = torch.zeros_like(counted)
+    correct[counted] = result.correct
+    correct = correct.view(blocks.labels.shape)  # [B, N, bs]
+    counted = counted.view(blocks.labels.shape)
+    accept = acceptance_estimate(correct)
+    return StepStats(
+        loss=result.loss,
+        correct_per_slot=correct.sum((0, 1)),
+        counted_per_slot=counted.sum((0, 1)),
+        accepted_sum=(accept * keep).sum(),
+        kept_blocks=keep.sum(),
+    )
+
+
+class TrainStep:
+    """Holds what a step needs and runs it. `__call__` does one optimizer step on one micro-batch."""
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        target: TargetCapture,
+        backend: AttentionBackend,
+        cfg: Config,
+        total_steps: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.drafter, self.target, self.backend, self.cfg = drafter, target, backend, cfg
+        self.compute_dtype = compute_dtype
+        self.optimizer = make_optimizer(drafter, cfg, device)
+        o = cfg.optim
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, total_steps, o.warmup_ratio, o.min_lr_ratio)
+        )
+        self.generator = torch.Generator()
+
+    def __call__(self, batch: Batch, step: int) -> StepStats:
+        # Anchors depend only on (seed, step): a resumed run draws the same ones.
+        self.generator.manual_seed(self.cfg.run.seed * 1_000_003 + step)
+        self.drafter.train()
+        stats = forward_loss(
+            self.drafter, self.target, self.backend, batch, self.cfg, self.generator, self.compute_dtype
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        stats.loss.backward()
+        clip = self.cfg.optim.grad_clip
+        params = [p for p in self.drafter.parameters() if p.grad is not None]
+        stats.grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        return stats

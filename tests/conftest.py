@@ -1,0 +1,76 @@
+"""Shared fixtures: the real SmolLM2 target (converted once, cached), a tiny random target that
+uses SmolLM2's real tokenizer and chat template, and a small conversations file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "dflash_target.json")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from dflash_train.assets import resolve_target
+
+    return resolve_target("smollm2")
+
+
+def make_tiny_target(out: Path, tokenizer_dir: Path, *, layers: int = 6, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        # Large enough that the shared lm_head gives logits with real spread (std 0.02 gives ~uniform).
+        initializer_range=0.5,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smollm2_dir) -> Path:
+    return make_tiny_target(tmp_path_factory.mktemp("tiny-target"), smollm2_dir)
+
+
+def counting_conversations(n: int, seed: int = 0) -> list[dict]:
+    """Assistant turns that continue a counting sequence: learnable by a tiny drafter in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        start = int(torch.randint(0, 50, (1,), generator=g))
+        count = int(torch.randint(40, 70, (1,), generator=g))
+        answer = " ".join(str(start + j) for j in range(count))
+        rows.append({"messages": [
+            {"role": "user", "content": f"Count from {start}."},
+            {"role": "assistant", "content": answer},
+        ]})
+    return rows
+
+
+@pytest.fixture(scope="session")
+def counting_jsonl(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "counting.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in counting_conversations(64)))
+    return path

@@ -1,0 +1,104 @@
+"""A short CPU training run through the CLI on a tiny random target, and `status` on its run dir."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_train.cli import main
+from dflash_train.model.io import load_drafter
+
+
+def _write_config(path: Path, target: Path, data: Path, **extra) -> Path:
+    cfg = {
+        "target": {"path": str(target)},
+        "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},
+        "data": {"train_files": [str(data)], "max_length": 256, "token_budget": 1024, "max_batch_size": 4},
+        "objective": {"max_anchors": 16, "gamma": 4.0},
+        "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.05},
+        "run": {"device": "cpu", "log_every": 5, "save_every": 20, "keep_last": 2, "progress_bar": False},
+    }
+    for dotted, value in extra.items():
+        section, key = dotted.split("__")
+        cfg[section][key] = value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_target_dir, counting_jsonl):
+    root = tmp_path_factory.mktemp("run")
+    cfg = _write_config(root / "tiny.yaml", tiny_target_dir, counting_jsonl)
+    run_dir = root / "R"
+    rc = main(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", "30", "optim.lr=5e-3"])
+    return rc, run_dir
+
+
+def test_run_finishes_with_a_falling_loss(finished_run):
+    rc, run_dir = finished_run
+    assert rc == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    for r in records:
+        assert len(r["accuracy_per_position"]) == 3 and r["tokens_per_s"] > 0 and r["tau_estimate"] >= 1
+
+
+def test_run_directory_layout(finished_run):
+    _, run_dir = finished_run
+    for name in ("config.yaml", "train.log", "metrics.jsonl", "status.json"):
+        assert (run_dir / name).is_file(), name
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["optim"]["lr"] == 5e-3 and resolved["objective"]["gamma"] == 4.0 and "seed" in resolved["run"]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["phase"] == "done" and status["step"] == 30 and status["error"] is None
+    assert any((run_dir / "tensorboard").iterdir())
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["step-00000020", "step-00000030"]
+    state = json.loads((run_dir / "checkpoints" / "step-00000030" / "trainer_state.json").read_text())
+    assert state["step"] == 30
+    export = run_dir / "export"
+    assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in export.iterdir()}
+    drafter = load_drafter(export)
+    assert drafter.block_size == 4 and drafter.mask_token_id == 16
+
+
+def test_status_reads_the_run(finished_run, capsys):
+    _, run_dir = finished_run
+    capsys.readouterr()
+    assert main(["status", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    for field in ("phase:      done", "step:       30 / 30", "tokens/s:", "loss:", "accuracy:", "heartbeat:", "last error: none"):
+        assert field in out, field
+
+
+def test_a_failing_run_says_failed_with_the_error(tmp_path, tiny_target_dir, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": "not a list"}\n{broken json\n')
+    cfg = _write_config(tmp_path / "c.yaml", tiny_target_dir, bad)
+    assert main(["train", str(cfg), "--run-dir", str(tmp_path / "R")]) == 2
+    assert "no usable conversation" in capsys.readouterr().err
+    assert main(["status", str(tmp_path / "R")]) == 1
+    out = capsys.readouterr().out
+    assert "phase:      failed (in loading)" in out and "no usable conversation" in out
+    log = (tmp_path / "R" / "train.log").read_text()
+    assert "bad.jsonl:1" in log and "bad.jsonl:2" in log
+
+
+def test_config_errors_fail_before_any_model_loads(tmp_path, tiny_target_dir, counting_jsonl, capsys):
+    cfg = _write_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl)
+    assert main(["train", str(cfg), "--run-dir", str(tmp_path / "R1"), "objective.max_anchors=0"]) == 2
+    assert "objective.max_anchors" in capsys.readouterr().err
+    assert not (tmp_path / "R1").exists()
+    assert main(["train", str(cfg), "--run-dir", str(tmp_path / "R2"), "drafter.target_layer_ids=[1,6]"]) == 2
+    err = capsys.readouterr().err
+    assert "drafter.target_layer_ids" in err and "6 decoder layers" in err
+    assert "Loading weights" not in (tmp_path / "R2" / "train.log").read_text()
+
+
+def test_mask_token_must_not_be_pad_or_eos(tmp_path, tiny_target_dir, counting_jsonl, capsys):
+    cfg = _write_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl)
+    assert main(["train", str(cfg), "--run-dir", str(tmp_path / "R"), "drafter.mask_token_id=2"]) == 2
+    err = capsys.readouterr().err
+    assert "mask_token_id=2" in err and ("eos" in err or "pad" in err)
