@@ -45,14 +45,17 @@ def load_target_model(
     kwargs: dict = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     if _is_multimodal(config):
         tc = text_config(config)
-        model_cls = AutoModelForCausalLM._model_mapping.get(type(tc))
-        if model_cls is None:
-            raise ValueError(
-                f"{path}: multimodal config {type(config).__name__} has text config {type(tc).__name__}, "
-                "for which transformers has no causal-LM class"
-            )
-        log.info("target %s is multimodal (%s); loading its text model %s", path, type(config).__name__, model_cls.__name__)
-        model = model_cls.from_pretrained(path, config=tc, key_mapping=_MULTIMODAL_KEY_MAPPING, **kwargs)
+        model_cls = AutoModelForCausalLM._model_mapping.get(type(tc), None)
+        if model_cls is not None:
+            log.info("target %s is multimodal (%s); loading its text model %s", path, type(config).__name__, model_cls.__name__)
+            model = model_cls.from_pretrained(path, config=tc, key_mapping=_MULTIMODAL_KEY_MAPPING, **kwargs)
+        else:
+            # No text-only class in transformers: load the whole model; capture reads its language model.
+            from transformers import AutoModelForImageTextToText
+
+            log.info("target %s is multimodal (%s) with no text-only class; loading it whole (vision weights unused)",
+                     path, type(config).__name__)
+            model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.to(device)
