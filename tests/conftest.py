@@ -65,6 +65,22 @@ def tiny_target_dir(tmp_path_factory, tokenizer_dir) -> Path:
     return make_tiny_target(tmp_path_factory.mktemp("tiny-target"), tokenizer_dir)
 
 
+@pytest.fixture(scope="session")
+def smollm2_slice_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """The real SmolLM2 cut to its first 6 layers: real embeddings and lm_head, cheap on CPU, and text
+    regular enough that a drafter learns it in a few dozen steps (speculative decoding tests)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("smollm2-slice")
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    model.model.layers = model.model.layers[:6]
+    model.config.num_hidden_layers = 6
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(smollm2_dir / name, out / name)
+    return out
+
+
 def counting_conversations(n: int, seed: int = 0) -> list[dict]:
     """Assistant turns that continue a counting sequence: learnable by a tiny drafter in a few steps."""
     g = torch.Generator().manual_seed(seed)

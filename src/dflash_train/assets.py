@@ -281,6 +281,24 @@ def iter_sharegpt(limit: int | None = None) -> Iterator[dict[str, Any]]:
             return
 
 
+SHAREGPT_HELDOUT_EVERY = 20  # every 20th usable conversation is held out for evaluation
+
+
+def iter_sharegpt_split(split: str, limit: int | None = None) -> Iterator[dict[str, Any]]:
+    """The training (`train`) or evaluation (`heldout`) part of ShareGPT: usable conversation i is
+    held out when i % 20 == 0, so training never sees an evaluation prompt."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"ShareGPT split must be 'train' or 'heldout', got {split!r}")
+    count = 0
+    for i, conv in enumerate(iter_sharegpt()):
+        if (i % SHAREGPT_HELDOUT_EVERY == 0) != (split == "heldout"):
+            continue
+        if limit is not None and count >= limit:
+            return
+        count += 1
+        yield conv
+
+
 def _sharegpt_messages(turns: list[dict[str, Any]]) -> list[dict[str, str]] | None:
     """Map ShareGPT turns to chat messages, or None when the conversation is unusable."""
     messages: list[dict[str, str]] = []

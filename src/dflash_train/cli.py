@@ -69,6 +69,41 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from .infer.evaluate import evaluate, load_eval_models, markdown_table, write_report
+    from .train.trainer import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    target, tokenizer, drafter, stops = load_eval_models(args.target, args.drafter, device, dtype)
+    budgets = tuple(int(b) for b in args.tree_budget) if args.tree_budget else ()
+    template_kwargs = {"enable_thinking": args.thinking} if args.thinking is not None else None
+    with torch.no_grad():
+        report = evaluate(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, block_size=args.block_size, tree_budgets=budgets,
+                          limit=args.limit, stop_token_ids=stops, template_kwargs=template_kwargs,
+                          measure_speedup=not args.no_baseline)
+    out = Path(args.out)
+    write_report(report, out)
+    print(markdown_table(report))
+    for ds, body in report["datasets"].items():
+        if body["lossless_mismatches"]:
+            print(f"warning: {ds}: {len(body['lossless_mismatches'])} outputs differ from the target's own greedy "
+                  f"output (first at {body['lossless_mismatches'][0]}); expected only in low precision")
+    print(f"report: {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_checkpoint
+
+    out = export_checkpoint(Path(args.checkpoint), Path(args.out), dtype=args.dtype)
+    print(f"exported drafter: {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-train", description="Train DFlash speculative-decoding drafters.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -84,6 +119,30 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="phase, step, tokens/s, loss, accuracy, ETA, heartbeat and last error of a run")
     s.add_argument("run_dir")
     s.set_defaults(func=cmd_status)
+
+    e = sub.add_parser("eval", help="speculative decoding with the target: tau, histogram, speedup (block and DDTree)")
+    e.add_argument("--target", required=True, help="target: smollm2, an HF folder or a .gguf file")
+    e.add_argument("--drafter", required=True, help="an exported drafter folder (config.json + model.safetensors)")
+    e.add_argument("--data", nargs="+", default=["mt-bench"], help="mt-bench, humaneval, sharegpt (held-out) or a JSONL file")
+    e.add_argument("--out", default="eval.json", help="JSON report (a Markdown table is written beside it)")
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--block-size", type=int, default=None, help="verify this many tokens per step (default: trained)")
+    e.add_argument("--tree-budget", nargs="*", default=[], help="DDTree node budgets to evaluate, e.g. 16 64")
+    e.add_argument("--limit", type=int, default=0, help="prompts per dataset (0 = all)")
+    e.add_argument("--thinking", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
+                   help="pass enable_thinking to the chat template")
+    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    e.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                   help="float32 makes greedy decoding exactly lossless; bfloat16 is the serving dtype")
+    e.add_argument("--no-baseline", action="store_true", help="skip the target-only run (no speedup, no lossless check)")
+    e.set_defaults(func=cmd_eval)
+
+    x = sub.add_parser("export", help="export a checkpoint in the reference DFlash format, with a parity check")
+    x.add_argument("checkpoint", help="RUN/checkpoints/step-N (or its drafter/ folder)")
+    x.add_argument("--out", required=True)
+    x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    x.set_defaults(func=cmd_export)
 
     d = sub.add_parser("demo", help="train a drafter for the embedded default target (SmolLM2-135M) on CPU or GPU")
     d.add_argument("overrides", nargs="*", help="dotted overrides of the demo config")

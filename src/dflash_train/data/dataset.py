@@ -39,9 +39,9 @@ def _open_text(path: Path):
 def iter_conversations(source: str) -> Iterator[tuple[str, object]]:
     """Yields (where, messages) with `where` = `file:line` or `sharegpt:#n`."""
     if source in BUILTIN_SOURCES:
-        from ..assets import iter_sharegpt
+        from ..assets import iter_sharegpt_split
 
-        for i, conv in enumerate(iter_sharegpt()):
+        for i, conv in enumerate(iter_sharegpt_split("train")):
             yield f"sharegpt:#{i}", conv["messages"]
         return
     path = Path(source)

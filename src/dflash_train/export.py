@@ -1,0 +1,43 @@
+"""`dflash-train export`: a checkpoint's drafter in the reference format, checked by reloading it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .model.drafter import sdpa_attention
+from .model.io import load_drafter, save_drafter
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parity_check(source, exported, dtype: torch.dtype, seed: int = 0) -> None:
+    """The exported folder must reproduce the source drafter (cast to the export dtype) exactly."""
+    g = torch.Generator().manual_seed(seed)
+    c = source.config
+    k = len(source.target_layer_ids)
+    hidden = torch.randn(1, 12, k * c.hidden_size, generator=g).to(dtype)
+    block = torch.randn(1, source.block_size, c.hidden_size, generator=g).to(dtype)
+    pos = torch.cat([torch.arange(12), torch.arange(7, 7 + source.block_size)]).view(1, -1)
+    with torch.no_grad():
+        a = source.to(dtype)(hidden, block, pos, sdpa_attention, None)
+        b = exported(hidden, block, pos, sdpa_attention, None)
+    if not torch.equal(a, b):
+        raise RuntimeError(f"export parity check failed: max difference {(a - b).abs().max().item():.3g}")
+
+
+def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> Path:
+    src = checkpoint / "drafter" if (checkpoint / "drafter").is_dir() else checkpoint
+    drafter = load_drafter(src)
+    extra = {}
+    config_yaml = checkpoint.parent.parent / "config.yaml"
+    if config_yaml.is_file():
+        extra["training_config.yaml"] = config_yaml.read_text()
+    extra["README.md"] = (
+        "# DFlash drafter\n\nExported by `dflash-train export` from "
+        f"`{checkpoint}`.\n\nLoad with the reference DFlash code or a serving engine's DFlash support.\n"
+    )
+    save_drafter(drafter, out, dtype=dtype, extra_files=extra)
+    parity_check(drafter, load_drafter(out), _DTYPES[dtype])
+    return out

@@ -1,0 +1,114 @@
+"""End to end on a small real target (SmolLM2 cut to 6 layers): regenerate data with the target,
+train, then `eval` and `export`. A trained drafter must beat an untrained one on real speculative
+decoding, losslessly."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from dflash_train.cli import main
+from dflash_train.infer.spec_decode import SpeculativeDecoder
+from dflash_train.model.io import load_drafter
+from dflash_train.model.target import load_target_model, load_tokenizer
+
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def regen_data(tmp_path_factory, smollm2_slice_dir):
+    """Conversations whose answers the tiny target wrote itself (greedy), as every recipe does."""
+    target = load_target_model(smollm2_slice_dir, torch.float32, torch.device("cpu"))
+    tok = load_tokenizer(smollm2_slice_dir)
+    from dflash_train.model.drafter import DFlashDrafter
+    from dflash_train.model.drafter_config import make_drafter_config
+
+    dummy = DFlashDrafter(make_drafter_config(target.config, num_draft_layers=1, block_size=4,
+                                              target_layer_ids=[1, 4], mask_token_id=16))
+    dec = SpeculativeDecoder(target, dummy, stop_token_ids=[2])
+    words = ["apple", "river", "stone", "cloud", "green", "seven", "light", "table"]
+    rows, prompts = [], []
+    for i in range(30):
+        question = f"Tell me about {words[i % 8]} number {i}."
+        text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+        out = dec.generate_target_only(tok(text, add_special_tokens=False)["input_ids"], 32)
+        answer = tok.decode(out.tokens, skip_special_tokens=True)
+        rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
+        prompts.append({"id": i, "turns": [question]})
+    root = tmp_path_factory.mktemp("regen")
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:26]))
+    (root / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts[26:]))
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained_run(regen_data, smollm2_slice_dir):
+    cfg = {
+        "target": {"path": str(smollm2_slice_dir)},
+        "drafter": {"num_draft_layers": 1, "block_size": 4, "target_layer_ids": [1, 4]},
+        "data": {"train_files": [str(regen_data / "train.jsonl")], "max_length": 256, "token_budget": 1024, "max_batch_size": 8},
+        "objective": {"max_anchors": 32, "gamma": 4.0},
+        "optim": {"lr": 5e-3, "epochs": 20, "warmup_ratio": 0.05},
+        "run": {"device": "cpu", "log_every": 10, "save_every": 1000, "progress_bar": False, "export_dtype": "float32"},
+    }
+    (regen_data / "c.yaml").write_text(yaml.safe_dump(cfg))
+    run = regen_data / "run"
+    assert main(["train", str(regen_data / "c.yaml"), "--run-dir", str(run), "--max-steps", "40"]) == 0
+    return run
+
+
+def _eval(tmp, target_dir, drafter_dir, data, name, extra=()):
+    out = tmp / f"{name}.json"
+    assert main(["eval", "--target", str(target_dir), "--drafter", str(drafter_dir), "--data", str(data),
+                 "--out", str(out), "--max-new-tokens", "32", *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_trained_drafter_beats_untrained_and_stays_lossless(tmp_path, regen_data, trained_run, smollm2_slice_dir):
+    from dflash_train.model.io import save_drafter
+
+    trained = load_drafter(trained_run / "export")
+    torch.manual_seed(0)
+    untrained = type(trained)(trained.config)
+    save_drafter(untrained, tmp_path / "untrained", dtype="float32")
+    data = regen_data / "heldout.jsonl"
+    after = _eval(tmp_path, smollm2_slice_dir, trained_run / "export", data, "after", ["--tree-budget", "8"])
+    before = _eval(tmp_path, smollm2_slice_dir, tmp_path / "untrained", data, "before", ["--no-baseline"])
+    name = str(data)
+    tau_after = after["datasets"][name]["modes"]["block"]["tau"]
+    tau_before = before["datasets"][name]["modes"]["block"]["tau"]
+    assert tau_before < 1.3
+    assert tau_after > tau_before + 1.0, (tau_before, tau_after)
+    assert after["datasets"][name]["modes"]["tree-8"]["tau"] >= tau_after - 0.05
+    assert after["datasets"][name]["lossless_mismatches"] == []
+    body = after["datasets"][name]["modes"]["block"]
+    # Every generated token after each prompt's first comes from some verification step.
+    produced = sum(len(o["modes"]["block"][0]["token_ids"]) for o in after["outputs"])
+    assert sum(int(k) * v for k, v in body["histogram"].items()) >= produced - len(after["outputs"])
+    assert (tmp_path / "after.md").read_text().count("|") > 10
+    out0 = after["outputs"][0]["modes"]
+    assert out0["block"][0]["token_ids"] == out0["target"][0]["token_ids"] and out0["block"][0]["text"]
+
+
+def test_export_from_a_checkpoint_reloads_with_identical_outputs(tmp_path, trained_run, capsys):
+    ckpt = sorted((trained_run / "checkpoints").iterdir())[-1]
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "exp"), "--dtype", "float32"]) == 0
+    a, b = load_drafter(ckpt / "drafter"), load_drafter(tmp_path / "exp")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert (tmp_path / "exp" / "training_config.yaml").is_file()
+
+
+def test_eval_refuses_a_drafter_of_another_target(tmp_path, trained_run, tiny_target_dir, capsys):
+    """The check reads only config.json files: it fails before any target weights load."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from conftest import make_tiny_target
+
+    other = make_tiny_target(tmp_path / "other", tiny_target_dir, layers=3)
+    rc = main(["eval", "--target", str(other), "--drafter", str(trained_run / "export"), "--data", "x.jsonl",
+               "--out", str(tmp_path / "e.json")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "not trained for this target" in err and "target 3, drafter 6" in err and "hidden_size: target 64, drafter 576" in err
