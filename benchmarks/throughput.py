@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one drafter step")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -149,6 +150,13 @@ def main() -> None:
             return hidden
     step.target = Precomputed()
     t_drafter, _ = timed(lambda: step(batch, 3), args.repeat)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            step(batch, 4)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=35, max_name_column_width=70))
     step.target = real_target
 
     from dflash_train.train.blocks import sample_anchors

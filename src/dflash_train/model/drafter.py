@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
 
 
 def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -46,6 +46,20 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
     dead = ~mask.any(-1, keepdim=True)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | dead, enable_gqa=q.shape[1] != k.shape[1])
     return out.masked_fill(dead, 0.0)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm through torch's fused kernel, in the activations' dtype (statistics in float32
+    inside the kernel). Autocast is switched off around it so bf16 activations stay bf16."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
 class Rotary:
@@ -80,8 +94,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -115,8 +129,8 @@ class DFlashDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DFlashAttention(config)
         self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x, context, cos, sin, attention, mask, cache=None, layer_idx=0) -> torch.Tensor:
         # Pre-norm on the block only: the context enters already normalised by hidden_norm.
@@ -159,8 +173,8 @@ class DFlashDrafter(nn.Module):
         h = config.hidden_size
         self.layers = nn.ModuleList([DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers)])
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
-        self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary = Rotary(config)
         self.reset_parameters()
 
@@ -172,7 +186,7 @@ class DFlashDrafter(nn.Module):
                 m.weight.normal_(0.0, std)
                 if m.bias is not None:
                     m.bias.zero_()
-            elif isinstance(m, Qwen3RMSNorm):
+            elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
 
     def forward(

@@ -13,6 +13,36 @@ from dataclasses import dataclass
 import torch
 
 
+def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor):
+    """One chunk's weighted CE sum, argmax hits and d(loss)/d(logits), from logits `[c, V]`.
+    Written as plain elementwise + reductions so that on GPU it compiles to ~two passes over the logits."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(x, dim=-1)
+    target_logit = x.gather(1, labels.unsqueeze(1)).squeeze(1)
+    loss = ((lse - target_logit) * w).sum()
+    correct = x.argmax(-1) == labels
+    probs = torch.exp(x - lse.unsqueeze(1))
+    is_label = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == labels.unsqueeze(1)
+    grad = (torch.where(is_label, probs - 1, probs) * w.unsqueeze(1)).to(logits.dtype)
+    return loss, correct, grad
+
+
+_compiled_ce_chunk = None
+
+
+def _ce_chunk_fn(device: torch.device):
+    """The compiled chunk math on CUDA (one graph, dynamic rows); eager elsewhere."""
+    global _compiled_ce_chunk
+    if device.type != "cuda":
+        return _ce_chunk
+    from ..model.attention import _compile_lock
+
+    with _compile_lock:
+        if _compiled_ce_chunk is None:
+            _compiled_ce_chunk = torch.compile(_ce_chunk, fullgraph=True, dynamic=True)
+    return _compiled_ce_chunk
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, row_weights, chunk_size: int):
@@ -22,20 +52,16 @@ class _ChunkedLinearCE(torch.autograd.Function):
         total = torch.zeros((), device=hidden.device, dtype=acc_dtype)
         correct = torch.zeros(m, device=hidden.device, dtype=torch.bool)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        ce_chunk = _ce_chunk_fn(hidden.device)
         for start in range(0, m, chunk_size):
             end = min(start + chunk_size, m)
             h = hidden[start:end]
-            logits = (h @ weight.t()).to(acc_dtype)  # [c, V]
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, labels[start:end].unsqueeze(1)).squeeze(1)
-            w = row_weights[start:end]
-            total = total + ((lse - target_logit) * w).sum()
-            correct[start:end] = logits.argmax(-1) == labels[start:end]
+            logits = h @ weight.t()  # [c, V], compute dtype (bf16 under autocast)
+            loss, hits, grad_logits = ce_chunk(logits, labels[start:end], row_weights[start:end].to(acc_dtype))
+            total = total + loss
+            correct[start:end] = hits
             if grad_hidden is not None:
-                probs = torch.softmax(logits, dim=-1)
-                probs.scatter_add_(1, labels[start:end].unsqueeze(1), -torch.ones_like(w).unsqueeze(1))
-                probs.mul_(w.unsqueeze(1))
-                grad_hidden[start:end] = (probs.to(h.dtype) @ weight.to(h.dtype)).to(hidden.dtype)
+                grad_hidden[start:end] = (grad_logits @ weight.to(grad_logits.dtype)).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden if grad_hidden is not None else torch.empty(0))
         ctx.mark_non_differentiable(correct)
         return total, correct
