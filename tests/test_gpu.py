@@ -96,3 +96,52 @@ def test_colocated_one_gpu_run_with_flex(tmp_path, tiny_target_dir, counting_jso
     assert records[-1]["loss"] < records[0]["loss"]
     status = json.loads((tmp_path / "R" / "status.json").read_text())
     assert status["phase"] == "done" and status["backend"] == "flex"
+
+
+def test_field_race_replayed_through_our_layer_has_zero_errors():
+    """3 threads, cold Dynamo, simultaneous first calls, forward + backward with grad, 3 trials
+    (the field's crash: 2 of 2 trials failed on this card without serialisation)."""
+    import threading
+
+    from dflash_train.model.attention import compiled_flex_attention
+    from dflash_train.model.mask import flex_block_mask
+
+    errors = []
+    for _ in range(3):
+        torch._dynamo.reset()
+        barrier = threading.Barrier(3)
+
+        def worker(seed):
+            try:
+                g = torch.Generator(device="cuda").manual_seed(seed)
+                q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+                k = torch.randn(2, 2, 512, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+                anchors = torch.randint(0, 200, (2, 16), device="cuda").sort(1).values
+                keep = torch.ones(2, 16, dtype=torch.bool, device="cuda")
+                bm = flex_block_mask(anchors, keep, 256, 16)
+                barrier.wait()
+                out = compiled_flex_attention()(q, k, k, block_mask=bm, enable_gqa=True)
+                out.float().sum().backward()
+                torch.cuda.synchronize()
+                assert torch.isfinite(q.grad).all()
+            except BaseException as e:  # collect every failure of every thread
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+
+
+def test_no_dense_fallback_after_warmup_on_gpu():
+    """After seal(), an eager flex_attention call (which would materialise the dense scores) raises."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash_train.model import compile as compile_layer
+
+    compile_layer.seal()
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(UserWarning, match="without torch.compile"):
+        flex_attention(q, q, q)

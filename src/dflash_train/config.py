@@ -89,6 +89,8 @@ class RunConfig:
     # Dtype of the exported drafter weights.
     export_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     progress_bar: bool = True
+    # Persistent inductor cache (null = ~/.cache/dflash-train/inductor); a restart reuses compiled kernels.
+    compile_cache_dir: Optional[str] = None
 
 
 @dataclass

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,20 +19,18 @@ from .mask import dense_mask, flex_block_mask
 log = logging.getLogger(__name__)
 
 FLEX_TILE = 128
-_compile_lock = threading.Lock()
-_compiled_flex = None
 
 
-def compiled_flex_attention() -> Callable:
-    """The process's single compiled flex_attention (compiled once, under a lock)."""
-    global _compiled_flex
-    with _compile_lock:
-        if _compiled_flex is None:
-            from torch.nn.attention.flex_attention import flex_attention
+def compiled_flex_attention(dynamic: bool = True) -> Callable:
+    """The process's compiled flex_attention (compile layer: one lock, fullgraph). Training uses
+    dynamic shapes (sequence and block counts change every batch); inductor's CPU backend cannot
+    compile flex with dynamic shapes, so CPU checks use `dynamic=False`."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-            # dynamic: sequence and block counts change every batch; fullgraph: never fall back to eager.
-            _compiled_flex = torch.compile(flex_attention, fullgraph=True, dynamic=True)
-        return _compiled_flex
+    from .compile import compiled
+
+    name = "flex_attention" if dynamic else "flex_attention_static"
+    return compiled(name, flex_attention, dynamic=dynamic)
 
 
 @dataclass

@@ -27,20 +27,13 @@ def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor):
     return loss, correct, grad
 
 
-_compiled_ce_chunk = None
-
-
 def _ce_chunk_fn(device: torch.device):
     """The compiled chunk math on CUDA (one graph, dynamic rows); eager elsewhere."""
-    global _compiled_ce_chunk
     if device.type != "cuda":
         return _ce_chunk
-    from ..model.attention import _compile_lock
+    from ..model.compile import compiled
 
-    with _compile_lock:
-        if _compiled_ce_chunk is None:
-            _compiled_ce_chunk = torch.compile(_ce_chunk, fullgraph=True, dynamic=True)
-    return _compiled_ce_chunk
+    return compiled("ce_chunk", _ce_chunk, dynamic=True)
 
 
 class _ChunkedLinearCE(torch.autograd.Function):

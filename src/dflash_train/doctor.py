@@ -1,0 +1,126 @@
+"""`dflash-train doctor`: is this machine ready to train? Versions, devices, a flex_attention compile
+smoke test through our compile layer, the compile cache, and a one-line verdict."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fatal: bool = True
+
+
+def _version(pkg: str) -> str:
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def versions() -> list[Check]:
+    import torch
+
+    out = [Check("python", True, platform.python_version(), fatal=False)]
+    for pkg in ("torch", "triton", "transformers", "safetensors", "tensorboard"):
+        v = _version(pkg)
+        needed = pkg in ("torch", "transformers", "safetensors")
+        out.append(Check(pkg, v != "not installed" or not needed, v, fatal=needed))
+    cuda = torch.version.cuda or "none (CPU build)"
+    out.append(Check("CUDA (torch build)", True, cuda, fatal=False))
+    return out
+
+
+def devices() -> list[Check]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return [Check("GPUs", True, "none visible: training runs on CPU with the sdpa backend", fatal=False)]
+    checks = []
+    driver = "unknown"
+    try:
+        import subprocess
+
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+    except Exception:  # nvidia-smi missing is not fatal: torch already sees the GPUs
+        pass
+    checks.append(Check("driver", True, driver, fatal=False))
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        name = torch.cuda.get_device_name(i)
+        checks.append(Check(f"cuda:{i}", True, f"{name}, {free / 2**30:.1f} / {total / 2**30:.1f} GiB free", fatal=False))
+    return checks
+
+
+def flex_smoke_test() -> Check:
+    """Compile flex_attention through our layer and run it with a DFlash-shaped BlockMask:
+    forward + backward on GPU; forward only on CPU (FlexAttention has no CPU backward)."""
+    import torch
+
+    from .model.attention import compiled_flex_attention
+    from .model.drafter import sdpa_attention
+    from .model.mask import dense_mask, flex_block_mask
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    try:
+        t0 = time.time()
+        anchors = torch.tensor([[3, 40, 90, 0, 0, 0, 0, 0]], device=device)
+        keep = torch.tensor([[True, True, True] + [False] * 5], device=device)
+        s, bs = 128, 16
+        q = torch.randn(1, 4, 8 * bs, 64, device=device, dtype=dtype, requires_grad=device == "cuda")
+        k = torch.randn(1, 2, s + 8 * bs, 64, device=device, dtype=dtype, requires_grad=device == "cuda")
+        v = torch.randn(1, 2, s + 8 * bs, 64, device=device, dtype=dtype, requires_grad=device == "cuda")
+        flex = compiled_flex_attention(dynamic=device == "cuda")
+        out = flex(q, k, v, block_mask=flex_block_mask(anchors, keep, s, bs), enable_gqa=True)
+        ref = sdpa_attention(q.float(), k.float(), v.float(), dense_mask(anchors, keep, s, bs))
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        if device == "cuda":
+            out.float().sum().backward()
+            torch.cuda.synchronize()
+        ok = err < 2e-2
+        what = "forward + backward" if device == "cuda" else "forward (CPU has no flex backward)"
+        return Check("flex_attention compile", ok, f"{what} on {device} in {time.time() - t0:.1f} s, rel. error {err:.1e}")
+    except Exception as e:  # the verdict must report any failure, whatever its type
+        return Check("flex_attention compile", False, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+
+
+def cache_check() -> Check:
+    from .model.compile import default_cache_dir
+
+    path = default_cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+        return Check("compile cache", True, f"{path} writable ({'TORCHINDUCTOR_CACHE_DIR=' + os.environ['TORCHINDUCTOR_CACHE_DIR'] if 'TORCHINDUCTOR_CACHE_DIR' in os.environ else 'default'})")
+    except OSError as e:
+        return Check("compile cache", False, f"{path} not writable: {e}; set DFLASH_TRAIN_CACHE or run.compile_cache_dir")
+
+
+def run_doctor() -> tuple[list[Check], str]:
+    checks = versions() + devices() + [cache_check(), flex_smoke_test()]
+    failed = [c for c in checks if c.fatal and not c.ok]
+    if failed:
+        verdict = "NOT READY: " + "; ".join(f"{c.name}: {c.detail}" for c in failed)
+    else:
+        import torch
+
+        where = f"{torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "CPU only (sdpa backend)"
+        verdict = f"READY: {where}, flex_attention compiles and matches the dense reference"
+    return checks, verdict
+
+
+def format_report(checks: list[Check], verdict: str) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = [f"{'ok ' if c.ok else 'BAD'} {c.name:<{width}}  {c.detail}" for c in checks]
+    return "\n".join(lines + ["", verdict])

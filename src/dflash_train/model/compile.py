@@ -1,0 +1,117 @@
+"""The compile layer: every torch.compile'd function of the process goes through here.
+
+Rules (see compile-safety.md in the design notes):
+1. Compiled code runs under one process-wide lock, so no thread can enter Dynamo's per-call
+   FX-tracing check while another thread traces (the field's "FX to symbolically trace a
+   dynamo-optimized function" crash, and its silent dense fallback).
+2. Compilation happens in an explicit warm-up that reproduces training (grad on, forward and
+   backward, production dtype, dynamic sequence dimensions); then the layer is sealed: an
+   uncompiled flex_attention call raises instead of materialising the dense score matrix.
+3. Recompiles are logged with their reason and counted; the global FX tracing flag is checked at
+   step boundaries; the inductor cache lives in a persistent, configurable directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_LOCK = threading.RLock()
+_compiled: dict[str, Callable] = {}
+_state = {"sealed": False, "recompiles": 0, "watching": False}
+
+FLEX_EAGER_WARNING = "flex_attention called without torch.compile"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("DFLASH_TRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dflash-train")
+    return Path(base) / "inductor"
+
+
+def configure_cache(cache_dir: str | Path | None = None, fresh: bool = False) -> Path:
+    """Point inductor at a persistent cache directory (before anything compiles); `fresh` empties it."""
+    path = Path(cache_dir) if cache_dir else default_cache_dir()
+    if fresh and path.exists():
+        shutil.rmtree(path)
+        log.info("compile cache cleared: %s", path)
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
+
+
+def cache_stats() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {"fxgraph_cache_hit": int(inductor.get("fxgraph_cache_hit", 0)),
+            "fxgraph_cache_miss": int(inductor.get("fxgraph_cache_miss", 0))}
+
+
+class _RecompileCounter(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        _state["recompiles"] += 1
+        log.warning("torch.compile recompiled (#%d): %s", _state["recompiles"], record.getMessage())
+
+
+def watch_recompiles() -> None:
+    """Route Dynamo's recompile reasons into our log and count them (shown in metrics)."""
+    if _state["watching"]:
+        return
+    torch._logging.set_logs(recompiles=True)
+    logging.getLogger("torch._dynamo").addHandler(_RecompileCounter(level=logging.DEBUG))
+    _state["watching"] = True
+
+
+def recompiles() -> int:
+    return int(_state["recompiles"])
+
+
+def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
+    """`torch.compile(fn, fullgraph=True, ...)` once per process, called under the process lock."""
+    with _LOCK:
+        inner = _compiled.get(name)
+        if inner is None:
+            inner = torch.compile(fn, fullgraph=True, **compile_kwargs)
+            _compiled[name] = inner
+
+    def call(*args, **kwargs):
+        with _LOCK:
+            return inner(*args, **kwargs)
+
+    call.__name__ = f"compiled_{name}"
+    return call
+
+
+def seal() -> None:
+    """End of warm-up: from now on an eager (dense) flex_attention call is an error."""
+    warnings.filterwarnings("error", FLEX_EAGER_WARNING)
+    _state["sealed"] = True
+
+
+def is_sealed() -> bool:
+    return bool(_state["sealed"])
+
+
+def check_step_boundary() -> None:
+    """Between steps nothing may be tracing; a set global FX flag means a leaked trace."""
+    import torch.fx._symbolic_trace as st
+
+    if getattr(st, "_is_fx_tracing_flag", False):
+        raise RuntimeError(
+            "the global FX tracing flag is set between training steps: some code traced with torch.fx/make_fx "
+            "in another thread; compiled calls would now fail or fall back. Run one process per device and keep "
+            "compiled work out of helper threads"
+        )
+
+
+def lock() -> threading.RLock:
+    return _LOCK
