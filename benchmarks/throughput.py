@@ -84,6 +84,78 @@ def timed(fn, repeat: int) -> tuple[float, object]:
     return sorted(times)[len(times) // 2], out
 
 
+class _Frozen:
+    """The shared pieces a drafter-only rank holds: the target's embeddings and lm_head, and hidden
+    states that arrive from target ranks (random here)."""
+
+    def __init__(self, shape: dict, hidden: torch.Tensor):
+        v, h = shape["vocab_size"], shape["hidden_size"]
+        self.embed_tokens = torch.nn.Embedding(v, h, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+        self.lm_head = torch.nn.Linear(h, v, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+        self.hidden = hidden
+
+    def __call__(self, _ids):
+        return self.hidden
+
+
+def measure_one_side(args) -> None:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dflash_train.config import config_from_dict
+    from dflash_train.model.attention import resolve_backend
+    from dflash_train.model.drafter import DFlashDrafter, default_target_layer_ids
+    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.model.target import TargetCapture
+    from dflash_train.train.blocks import sample_anchors
+    from dflash_train.train.step import Batch, TrainStep
+
+    peak = matmul_peak_tflops()
+    shape = SHAPES[args.shape]
+    tcfg = Qwen3Config(**shape, max_position_embeddings=40960)
+    ids = default_target_layer_ids(shape["num_hidden_layers"], args.layers)
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(10, shape["vocab_size"], (args.batch, args.seq), generator=g)
+    loss_mask = torch.ones_like(input_ids)
+    loss_mask[:, : args.seq // 10] = 0
+    batch = Batch(input_ids, loss_mask, torch.full((args.batch,), args.seq)).to(torch.device("cuda"))
+    lengths = [args.seq] * args.batch
+    tokens = sum(lengths)
+    result = {"shape": args.shape, "part": args.part, "batch": args.batch, "seq": args.seq, "block": args.block,
+              "anchors": args.anchors, "peak_tflops": round(peak, 1)}
+    if args.part == "target":
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(tcfg, dtype=torch.bfloat16)
+        target = TargetCapture.from_model(model.eval().requires_grad_(False), ids)
+        target(batch.input_ids)
+        t, _ = timed(lambda: target(batch.input_ids), args.repeat)
+        result.update(seconds=round(t, 4), tokens_per_s=round(tokens / t),
+                      mfu=round(target_flops(shape, lengths, max(ids)) / t / 1e12 / peak, 3))
+    else:
+        dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
+                                   mask_token_id=5)
+        drafter = DFlashDrafter(dcfg).cuda()
+        hidden = torch.randn(args.batch, args.seq, len(ids) * shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
+        frozen = _Frozen(shape, hidden)
+        cfg = config_from_dict({"drafter": {"block_size": args.block, "num_draft_layers": args.layers},
+                                "objective": {"max_anchors": args.anchors},
+                                "data": {"max_length": args.seq, "token_budget": args.seq * args.batch}})
+        backend = resolve_backend("flex", torch.device("cuda"), args.block)
+        step = TrainStep(drafter, frozen, backend, cfg, 1000, torch.bfloat16, torch.device("cuda"))
+        step(batch, 0)
+        step(batch, 1)
+        t, stats = timed(lambda: step(batch, 2), args.repeat)
+        anchors, keep = sample_anchors(batch.loss_mask.cpu(), batch.lengths.cpu(), args.block, args.anchors,
+                                       torch.Generator().manual_seed(2), backend.blocks_multiple_of)
+        flops = drafter_flops(shape, lengths, args.layers, len(ids), keep, anchors,
+                              int(stats.counted_per_slot.sum()), args.block)
+        result.update(seconds=round(t, 4), tokens_per_s=round(tokens / t), mfu=round(flops / t / 1e12 / peak, 3))
+    result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
@@ -97,7 +169,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one drafter step")
     ap.add_argument("--cache-dir", default=None, help="inductor cache directory (see --fresh-cache)")
     ap.add_argument("--fresh-cache", action="store_true", help="empty the inductor cache first: a cold compile")
+    ap.add_argument("--part", default="both", choices=["both", "target", "drafter"],
+                    help="measure one side alone (the per-GPU rates of a split placement)")
     args = ap.parse_args()
+    if args.part != "both":
+        return measure_one_side(args)
 
     from transformers import AutoModelForCausalLM, Qwen3Config
 
