@@ -42,7 +42,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(Path(args.config).stem)
     print(f"run directory: {run_dir}  (watch it with: dflash-train status {run_dir})", flush=True)
-    export = train(cfg, run_dir, max_steps=args.max_steps)
+    export = train(cfg, run_dir, max_steps=args.max_steps, fresh_compile_cache=args.fresh_compile_cache)
     print(f"exported drafter: {export}")
     return 0
 
@@ -77,9 +77,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    target, tokenizer, drafter, stops = load_eval_models(args.target, args.drafter, device, dtype)
-    budgets = tuple(int(b) for b in args.tree_budget) if args.tree_budget else ()
     template_kwargs = {"enable_thinking": args.thinking} if args.thinking is not None else None
+    target, tokenizer, drafter, stops = load_eval_models(args.target, args.drafter, device, dtype,
+                                                         template_kwargs, args.block_size)
+    budgets = tuple(int(b) for b in args.tree_budget) if args.tree_budget else ()
     with torch.no_grad():
         report = evaluate(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, block_size=args.block_size, tree_budgets=budgets,
@@ -92,6 +93,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if body["lossless_mismatches"]:
             print(f"warning: {ds}: {len(body['lossless_mismatches'])} outputs differ from the target's own greedy "
                   f"output (first at {body['lossless_mismatches'][0]}); expected only in low precision")
+    if args.update_card:
+        from .infer.evaluate import update_model_card
+
+        update_model_card(Path(args.drafter), report)
     print(f"report: {out} and {out.with_suffix('.md')}")
     return 0
 
@@ -104,7 +109,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import format_report, run_doctor
+
+    checks, verdict = run_doctor()
+    print(format_report(checks, verdict))
+    return 0 if verdict.startswith("READY") else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .data import prepare
+    from .data import regen
+
     p = argparse.ArgumentParser(prog="dflash-train", description="Train DFlash speculative-decoding drafters.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
@@ -114,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 data.max_length=2048")
     t.add_argument("--run-dir", help="run directory (default runs/<config>-<time>)")
     t.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
+    t.add_argument("--fresh-compile-cache", action="store_true", help="empty the inductor cache before compiling")
     t.set_defaults(func=cmd_train)
 
     s = sub.add_parser("status", help="phase, step, tokens/s, loss, accuracy, ETA, heartbeat and last error of a run")
@@ -136,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                    help="float32 makes greedy decoding exactly lossless; bfloat16 is the serving dtype")
     e.add_argument("--no-baseline", action="store_true", help="skip the target-only run (no speedup, no lossless check)")
+    e.add_argument("--update-card", action="store_true", help="write the result table into the drafter's README.md")
     e.set_defaults(func=cmd_eval)
 
     x = sub.add_parser("export", help="export a checkpoint in the reference DFlash format, with a parity check")
@@ -144,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     x.set_defaults(func=cmd_export)
 
+    doc = sub.add_parser("doctor", help="versions, GPUs, a flex_attention compile smoke test, cache dir, verdict")
+    doc.set_defaults(func=cmd_doctor)
+
+    prepare.add_parser(sub)
+    regen.add_parser(sub)
     d = sub.add_parser("demo", help="train a drafter for the embedded default target (SmolLM2-135M) on CPU or GPU")
     d.add_argument("overrides", nargs="*", help="dotted overrides of the demo config")
     d.add_argument("--run-dir", default="runs/demo")

@@ -8,6 +8,7 @@ import torch
 
 from .model.drafter import sdpa_attention
 from .model.io import load_drafter, save_drafter
+from .model.provenance import PROVENANCE_NAME
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -31,9 +32,11 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> P
     src = checkpoint / "drafter" if (checkpoint / "drafter").is_dir() else checkpoint
     drafter = load_drafter(src)
     extra = {}
-    config_yaml = checkpoint.parent.parent / "config.yaml"
-    if config_yaml.is_file():
-        extra["training_config.yaml"] = config_yaml.read_text()
+    run_dir = checkpoint.parent.parent
+    if (run_dir / "config.yaml").is_file():
+        extra["training_config.yaml"] = (run_dir / "config.yaml").read_text()
+    if (run_dir / PROVENANCE_NAME).is_file():
+        extra[PROVENANCE_NAME] = (run_dir / PROVENANCE_NAME).read_text()
     extra["README.md"] = (
         "# DFlash drafter\n\nExported by `dflash-train export` from "
         f"`{checkpoint}`.\n\nLoad with the reference DFlash code or a serving engine's DFlash support.\n"

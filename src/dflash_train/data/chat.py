@@ -65,7 +65,7 @@ def tokenize_conversation(
         if m["role"] != "assistant":
             continue
         prefix = _render(tokenizer, messages[:i], True, kwargs)
-        upto = _render(tokenizer, messages[: i + 1], False, kwargs)
+        upto = full if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1], False, kwargs)
         if not upto.startswith(prefix) or not full.startswith(upto):
             raise ConversationError(
                 "the chat template does not render conversations incrementally (a prefix changes when a turn is "

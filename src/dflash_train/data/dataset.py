@@ -1,26 +1,61 @@
 """Conversations in -> tokenised examples -> token-budget micro-batches.
 
-The minimal data path: OpenAI `messages` JSONL (optionally gzip) or a built-in source name.
+`tokenize_row` holds the rules every path shares (`prepare` and on-the-fly loading): row shape ->
+messages, trailing user turns dropped, at least one assistant turn, chat template + loss mask,
+reject far over `max_length` (more than 4x), truncate, at least `2 * block_size` supervised tokens.
+`load_dataset` tokenises raw files into memory (small data); prepared directories are read by
+`store.PreparedDataset`, and `source.open_training_data` picks between them.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
-import torch
 
 from .chat import ConversationError, Tokenized, tokenize_conversation
+from .formats import BUILTIN_SOURCES, RowError, iter_source, to_messages
 
 log = logging.getLogger(__name__)
 
-BUILTIN_SOURCES = ("sharegpt",)
+__all__ = ["BUILTIN_SOURCES", "Dataset", "tokenize_row", "load_dataset", "plan_batches", "batches_from",
+           "padding_fraction", "collate"]
+
+NO_ASSISTANT = "no assistant turn (run regen first)"
+FAR_OVER = "far over max_length"
+TOO_FEW = "too few supervised tokens"
+TEMPLATE = "chat template"
+FAR_FACTOR = 4  # a row longer than FAR_FACTOR * max_length tokens is rejected instead of truncated
+
+
+def tokenize_row(tokenizer, row, max_length: int, block_size: int,
+                 template_kwargs: dict | None = None) -> tuple[Tokenized, list[dict], bool]:
+    """(example, messages, truncated) for a usable row; raises RowError with a countable reason otherwise."""
+    if isinstance(row, RowError):
+        raise row
+    messages = to_messages(row)
+    while messages and messages[-1]["role"] == "user":  # nothing is learnt after the last answer
+        messages = messages[:-1]
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RowError(NO_ASSISTANT)
+    far = FAR_FACTOR * max_length
+    try:
+        tok = tokenize_conversation(tokenizer, messages, far + 1, template_kwargs)
+    except ConversationError as e:
+        raise RowError(TEMPLATE, str(e)) from None
+    except Exception as e:  # a template that raises on this row (e.g. a role it does not accept)
+        raise RowError(TEMPLATE, f"{type(e).__name__}: {e}") from None
+    n = len(tok.input_ids)
+    if n > far:
+        raise RowError(FAR_OVER, f"more than {far} tokens ({FAR_FACTOR} x max_length {max_length})")
+    if n > max_length:
+        tok = Tokenized(tok.input_ids[:max_length], tok.loss_mask[:max_length])
+    if tok.num_supervised < 2 * block_size:
+        raise RowError(TOO_FEW, f"{tok.num_supervised} < 2 * block_size = {2 * block_size}")
+    return tok, messages, n > max_length
 
 
 @dataclass
@@ -32,70 +67,43 @@ class Dataset:
         return len(self.examples)
 
 
-def _open_text(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
-
-
-def iter_conversations(source: str) -> Iterator[tuple[str, object]]:
-    """Yields (where, messages) with `where` = `file:line` or `sharegpt:#n`."""
-    if source in BUILTIN_SOURCES:
-        from ..assets import iter_sharegpt_split
-
-        for i, conv in enumerate(iter_sharegpt_split("train")):
-            yield f"sharegpt:#{i}", conv["messages"]
-        return
-    path = Path(source)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"training data {source!r} not found: give a JSONL file of {{\"messages\": [...]}} rows or one of {BUILTIN_SOURCES}"
-        )
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield where, ConversationError(f"invalid JSON ({e.msg})")
-                continue
-            yield where, row.get("messages") if isinstance(row, dict) else ConversationError("row is not an object")
-
-
 def load_dataset(
     sources: Iterable[str],
     tokenizer,
     max_length: int,
     block_size: int,
     max_samples: int = 0,
+    template_kwargs: dict | None = None,
 ) -> Dataset:
-    """Tokenise conversations; drop (and count) rows that are broken or have fewer than
-    `2 * block_size` supervised tokens. Each bad row is logged with its `file:line`."""
+    """Tokenise conversations (any supported file shape, or a built-in source) into memory; drop and
+    count unusable rows (each logged with its `file:line`). For large data use `dflash-train prepare`."""
+    sources = list(sources)
     ds = Dataset([])
     for source in sources:
-        for where, messages in iter_conversations(source):
+        for where, row in iter_source(source):
             if max_samples and len(ds.examples) >= max_samples:
                 break
             try:
-                if isinstance(messages, Exception):
-                    raise messages
-                tok = tokenize_conversation(tokenizer, messages, max_length)
-            except ConversationError as e:
-                ds.rejected[str(e).split(" (")[0]] += 1
-                log.warning("skipping %s: %s", where, e)
-                continue
-            if tok.num_supervised < 2 * block_size:
-                ds.rejected["fewer than 2 * block_size supervised tokens"] += 1
+                tok, _, _ = tokenize_row(tokenizer, row, max_length, block_size, template_kwargs)
+            except RowError as e:
+                ds.rejected[e.reason] += 1
+                if e.reason != TOO_FEW:
+                    log.warning("skipping %s: %s", where, e)
                 continue
             ds.examples.append(tok)
     if not ds.examples:
-        raise ValueError(f"no usable conversation in {list(sources)} (rejected: {dict(ds.rejected)})")
+        raise ValueError(f"no usable conversation in {sources} (rejected: {dict(ds.rejected)})")
     return ds
 
 
 def plan_batches(lengths: np.ndarray, token_budget: int, max_batch_size: int, seed: int, epoch: int) -> list[list[int]]:
     """Length-grouped micro-batches: at most `max_batch_size` rows and `token_budget` tokens counting
     padding (rows * longest row). Deterministic per (seed, epoch); batch order shuffled."""
+    if len(lengths) and int(np.max(lengths)) > token_budget:
+        raise ValueError(
+            f"a conversation of {int(np.max(lengths))} tokens does not fit data.token_budget={token_budget}; "
+            "set data.token_budget to at least data.max_length (or lower data.max_length)"
+        )
     rng = np.random.default_rng([seed, epoch])
     # Shuffle first so equal lengths mix across epochs, then a stable sort groups by length.
     order = rng.permutation(len(lengths))
@@ -115,7 +123,30 @@ def plan_batches(lengths: np.ndarray, token_budget: int, max_batch_size: int, se
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
+def padding_fraction(lengths: np.ndarray, batches: list[list[int]]) -> float:
+    """Share of the planned batch tokens (rows * longest row) that are padding."""
+    total = sum(int(lengths[b].max()) * len(b) for b in batches)
+    real = sum(int(lengths[b].sum()) for b in batches)
+    return (total - real) / total if total else 0.0
+
+
+def batches_from(lengths: np.ndarray, token_budget: int, max_batch_size: int, seed: int,
+                 epoch: int = 0, batch_index: int = 0) -> Iterator[tuple[int, int, int, list[int]]]:
+    """Endless `(epoch, batch_index, batches_in_epoch, rows)` from a position on: the batches of an
+    uninterrupted run from there, since each epoch's plan depends on (seed, epoch) only. A checkpoint
+    stores the position after its last batch; `batch_index` may equal the epoch's batch count."""
+    if not len(lengths):
+        raise ValueError("no rows to batch")
+    while True:
+        plan = plan_batches(lengths, token_budget, max_batch_size, seed, epoch)
+        for index in range(batch_index, len(plan)):
+            yield epoch, index, len(plan), plan[index]
+        epoch, batch_index = epoch + 1, 0
+
+
 def collate(examples: list[Tokenized], pad_id: int) -> "Batch":
+    import torch
+
     from ..train.step import Batch
 
     longest = max(len(e.input_ids) for e in examples)

@@ -193,14 +193,39 @@ def check_pair(target_config, drafter: DFlashDrafter) -> None:
         raise ValueError("this drafter was not trained for this target: " + "; ".join(problems))
 
 
-def load_eval_models(target_path: str, drafter_path: str, device: torch.device, dtype: torch.dtype):
+def load_eval_models(target_path: str, drafter_path: str, device: torch.device, dtype: torch.dtype,
+                     template_kwargs: Optional[dict] = None, block_size: Optional[int] = None):
+    """Load target and drafter after checking, from config files alone, that they belong together and
+    that tokenizer, chat template and RoPE are the ones the drafter was trained with."""
     from ..model.io import load_drafter
+    from ..model.provenance import compare, read_provenance, target_provenance
     from ..model.target import load_target_model, load_tokenizer, read_target_config
 
     tpath = assets.resolve_target(target_path)
     drafter = load_drafter(drafter_path, device=device, dtype=dtype)
-    check_pair(read_target_config(tpath), drafter)  # before the target's weights load
-    target = load_target_model(tpath, dtype, device)
+    tconfig = read_target_config(tpath)
+    check_pair(tconfig, drafter)  # before the target's weights load
     tokenizer = load_tokenizer(tpath)
+    trained = read_provenance(Path(drafter_path))
+    if trained is None:
+        log.warning("%s has no dflash_train.json: tokenizer and chat template cannot be checked against training",
+                    drafter_path)
+    current = target_provenance(str(tpath), tokenizer, tconfig, template_kwargs)
+    problems = compare(trained or {}, current, drafter, block_size)
+    if problems:
+        raise ValueError("the drafter does not match how it would be used here: " + "; ".join(problems))
+    target = load_target_model(tpath, dtype, device)
     stops = assets.target_defaults(tpath).get("stop_token_ids") or [tokenizer.eos_token_id]
     return target, tokenizer, drafter, stops
+
+
+def update_model_card(drafter_dir: Path, report: dict) -> None:
+    """Put the eval table into the drafter's README.md (replacing an earlier one)."""
+    card = drafter_dir / "README.md"
+    text = card.read_text() if card.is_file() else "# DFlash drafter\n"
+    marker = "\n## Evaluation (speculative decoding)\n"
+    text = text.split(marker)[0].rstrip() + "\n" + marker
+    c = report["config"]
+    text += (f"\nGreedy={c['temperature'] <= 0}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
+             f"block size {c['block_size']}. Produced by `dflash-train eval`.\n\n" + markdown_table(report) + "\n")
+    card.write_text(text)

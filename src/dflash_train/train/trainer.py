@@ -16,14 +16,16 @@ import torch
 
 from .. import assets
 from ..config import Config, dump_config, validate_against_target
-from ..data.dataset import collate, load_dataset, plan_batches
+from ..data.dataset import batches_from, collate, padding_fraction, plan_batches
+from ..data.source import open_training_data
 from ..model.attention import resolve_backend
 from ..model.drafter import DFlashDrafter, default_target_layer_ids
 from ..model.drafter_config import make_drafter_config
 from ..model.io import save_drafter
 from ..model.target import TargetCapture, default_mask_token_id, load_target_model, load_tokenizer, read_target_config
 from ..rundir import MetricsWriter, RunDir, StatusWriter, write_json_atomic
-from .step import StepStats, TrainStep
+from ..model import compile as compile_layer
+from .step import StepStats, TrainStep, forward_loss
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ def _record(stats: StepStats, step: int, epoch: float, tokens: int, seconds: flo
         "grad_norm": float(stats.grad_norm) if stats.grad_norm is not None else None,
         "tokens": tokens,
         "tokens_per_s": tokens / max(seconds, 1e-9),
+        "recompiles": compile_layer.recompiles(),
         "time": time.time(),
     }
 
@@ -135,7 +138,26 @@ def save_checkpoint(run: RunDir, step: int, train_step: TrainStep, cursor: dict,
     return final
 
 
-def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None) -> Path:
+def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional[str]) -> dict:
+    """Compile everything the loop will run, exactly as the loop runs it (grad on, forward + backward,
+    production dtype, dynamic shapes), then seal the compile layer. Weights do not change."""
+    path = compile_layer.configure_cache(cache_dir, fresh=fresh_cache)
+    compile_layer.watch_recompiles()
+    t0 = time.time()
+    stats = forward_loss(train_step.drafter, train_step.target, train_step.backend, batch, train_step.cfg,
+                         torch.Generator().manual_seed(0), train_step.compute_dtype)
+    stats.loss.backward()
+    train_step.optimizer.zero_grad(set_to_none=True)
+    if batch.input_ids.is_cuda:
+        torch.cuda.synchronize()
+    compile_layer.seal()
+    info = {"warmup_s": round(time.time() - t0, 2), "compile_cache_dir": str(path), **compile_layer.cache_stats()}
+    log.info("warm-up done in %.1f s (compile cache %s: %d hits, %d misses)", info["warmup_s"], path,
+             info["fxgraph_cache_hit"], info["fxgraph_cache_miss"])
+    return info
+
+
+def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_compile_cache: bool = False) -> Path:
     run = RunDir(run_root).create()
     handler = run.attach_log()
     status = StatusWriter(run)
@@ -146,10 +168,11 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None) -> Path:
         plan, tokenizer = plan_run(cfg)
         log.info("target %s, layers %s, mask token %d, device %s", plan.target_path, plan.layer_ids, plan.mask_token_id, plan.device)
         bs = cfg.drafter.block_size
-        dataset = load_dataset(cfg.data.train_files, tokenizer, cfg.data.max_length, bs, cfg.data.max_samples)
-        log.info("dataset: %d conversations kept, rejected %s", len(dataset), dict(dataset.rejected))
-        lengths = np.array([len(e.input_ids) for e in dataset.examples])
-        batches_per_epoch = len(plan_batches(lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, 0))
+        data = open_training_data(cfg, tokenizer)
+        log.info("data: %s", data.describe())
+        lengths = data.lengths
+        batching = (lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed)
+        batches_per_epoch = len(plan_batches(*batching, 0))
         total = int(math.ceil(cfg.optim.epochs * batches_per_epoch)) if cfg.optim.epochs > 0 else cfg.optim.max_steps
         for cap in (cfg.optim.max_steps, max_steps or 0):
             if cap:
@@ -170,7 +193,11 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None) -> Path:
                  dcfg.num_hidden_layers, n_params / 1e6, total, batches_per_epoch)
 
         metrics = MetricsWriter(run)
-        status.update(phase="training", total_steps=total, drafter_params=n_params, backend=backend.name)
+        status.update(phase="warmup")
+        first_rows = plan_batches(*batching, 0)[0]
+        warm = warm_up(train_step, collate([data.example(i) for i in first_rows], tokenizer.pad_token_id).to(plan.device),
+                       fresh_compile_cache, cfg.run.compile_cache_dir)
+        status.update(phase="training", total_steps=total, drafter_params=n_params, backend=backend.name, **warm)
         progress = None
         if cfg.run.progress_bar:
             from tqdm import tqdm
@@ -179,37 +206,43 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None) -> Path:
         step, epoch, t_start = 0, 0, time.time()
         window_tokens, window_start = 0, time.time()
         last_record: dict = {}
-        while step < total:
-            order = plan_batches(lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, epoch)
-            for index, rows in enumerate(order):
-                if step >= total:
-                    break
-                batch = collate([dataset.examples[i] for i in rows], tokenizer.pad_token_id).to(plan.device)
-                stats = train_step(batch, step)
-                step += 1
-                window_tokens += batch.num_tokens
-                if step % cfg.run.log_every == 0 or step == total:
-                    now = time.time()
-                    lr = train_step.scheduler.get_last_lr()[0]
-                    last_record = _record(stats, step, epoch + (index + 1) / len(order), window_tokens, now - window_start, lr)
-                    metrics.write(last_record)
-                    rate = step / (now - t_start)
-                    status.update(step=step, epoch=last_record["epoch"], eta_s=(total - step) / max(rate, 1e-9),
-                                  tokens_per_s=last_record["tokens_per_s"], loss=last_record["loss"])
-                    if progress is not None:
-                        progress.set_postfix(loss=f"{last_record['loss']:.3f}", acc=f"{last_record['accuracy']:.3f}",
-                                             tok_s=f"{last_record['tokens_per_s']:.0f}")
-                    log.info("step %d loss %.4f acc %.3f tau~%.2f lr %.2e tok/s %.0f", step, last_record["loss"],
-                             last_record["accuracy"], last_record["tau_estimate"], lr, last_record["tokens_per_s"])
-                    window_tokens, window_start = 0, now
+        cursor = {"epoch": 0, "batch_index": 0}  # a resumed run would start batches_from(...) at its checkpoint's cursor
+        for epoch, index, n_batches, rows in batches_from(*batching, cursor["epoch"], cursor["batch_index"]):
+            if step >= total:
+                break
+            if index == 0 or step == 0:
+                pad = padding_fraction(lengths, plan_batches(*batching, epoch))
+                log.info("epoch %d: %d micro-batches, padding %.1f%% of batch tokens", epoch, n_batches, 100 * pad)
+                status.update(padding_fraction=round(pad, 4))
+            batch = collate([data.example(i) for i in rows], tokenizer.pad_token_id).to(plan.device)
+            stats = train_step(batch, step)
+            compile_layer.check_step_boundary()
+            step += 1
+            window_tokens += batch.num_tokens
+            if step % cfg.run.log_every == 0 or step == total:
+                now = time.time()
+                lr = train_step.scheduler.get_last_lr()[0]
+                last_record = _record(stats, step, epoch + (index + 1) / n_batches, window_tokens, now - window_start, lr)
+                metrics.write(last_record)
+                rate = step / (now - t_start)
+                status.update(step=step, epoch=last_record["epoch"], eta_s=(total - step) / max(rate, 1e-9),
+                              tokens_per_s=last_record["tokens_per_s"], loss=last_record["loss"])
                 if progress is not None:
-                    progress.update(1)
-                if step % cfg.run.save_every == 0 and step < total:
-                    save_checkpoint(run, step, train_step, {"epoch": epoch, "batch_index": index + 1}, cfg.run.keep_last)
-            epoch += 1
+                    progress.set_postfix(loss=f"{last_record['loss']:.3f}", acc=f"{last_record['accuracy']:.3f}",
+                                         tok_s=f"{last_record['tokens_per_s']:.0f}")
+                log.info("step %d loss %.4f acc %.3f tau~%.2f lr %.2e tok/s %.0f", step, last_record["loss"],
+                         last_record["accuracy"], last_record["tau_estimate"], lr, last_record["tokens_per_s"])
+                window_tokens, window_start = 0, now
+            if progress is not None:
+                progress.update(1)
+            cursor = {"epoch": epoch, "batch_index": index + 1}  # batches_from() continues exactly here
+            if step >= total:
+                break
+            if step % cfg.run.save_every == 0:
+                save_checkpoint(run, step, train_step, cursor, cfg.run.keep_last)
         if progress is not None:
             progress.close()
-        save_checkpoint(run, step, train_step, {"epoch": epoch, "batch_index": 0}, cfg.run.keep_last)
+        save_checkpoint(run, step, train_step, cursor, cfg.run.keep_last)
         status.update(phase="exporting")
         cfg_yaml = run.config.read_text()
         save_drafter(drafter, run.export, dtype=cfg.run.export_dtype,

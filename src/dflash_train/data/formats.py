@@ -1,0 +1,297 @@
+"""Input rows in any common shape -> chat messages; files in JSONL / JSON array / Parquet -> rows.
+
+Recognised row shapes:
+- ShareGPT: `{"conversations": [{"from": "human"|"gpt"|..., "value": str}, ...]}`
+- OpenAI:   `{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`
+  (`content` may also be a list of `{"type": "text", "text": str}` parts)
+- `{"prompt": str, "response": str}` and `{"prompt": str}` (a prompt only: regen writes the answer)
+Every bad row raises `RowError` with a short, countable reason; `where` strings are `file:line`
+(JSONL), `file:#index` (JSON array, Parquet, built-in sources) so a user can find the row.
+Reading is streaming for every format: memory does not grow with the file.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import json
+from pathlib import Path
+from typing import Any, Iterator, Union
+
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant", "bard": "assistant", "bing": "assistant",
+    "model": "assistant", "system": "system",
+}
+ROLES = ("system", "user", "assistant")
+
+# Built-in sources addressable by name (`--data sharegpt`). mt-bench and humaneval are prompts only.
+BUILTIN_SOURCES = ("sharegpt", "mt-bench", "humaneval")
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
+
+
+class RowError(ValueError):
+    """A row that cannot be used; `reason` is a short category for the summary counts, `detail` says
+    what exactly is wrong with this row."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def _content(content: Any, role: str, i: int) -> str:
+    if isinstance(content, list):  # OpenAI content parts
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RowError("wrong type", f"turn {i} ({role}) has a content part that is not text")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if content is None:
+        raise RowError("missing turns", f"turn {i} ({role}) has no content")
+    if not isinstance(content, str):
+        raise RowError("wrong type", f"turn {i} ({role}) content is {type(content).__name__}, not a string")
+    if not content.strip():
+        raise RowError("empty turn", f"turn {i} ({role}) is empty")
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RowError("not UTF-8", f"turn {i} ({role}) holds a lone surrogate (an escaped byte that is not text)") from None
+    return content
+
+
+def _turn(role: Any, content: Any, i: int) -> dict[str, str]:
+    if role not in ROLES:
+        raise RowError("unknown role", f"turn {i} has role {role!r}")
+    return {"role": role, "content": _content(content, role, i)}
+
+
+def to_messages(row: Any) -> list[dict[str, str]]:
+    """The row as chat messages. A prompt-only row ends with a user turn (no assistant yet)."""
+    if not isinstance(row, dict):
+        raise RowError("wrong type", f"row is a {type(row).__name__}, not an object")
+    row = {k: v for k, v in row.items() if v is not None}  # Parquet: absent columns are nulls
+    if "messages" in row:
+        turns = row["messages"]
+        if not isinstance(turns, list):
+            raise RowError("wrong type", f"'messages' is a {type(turns).__name__}, not a list")
+        msgs = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict):
+                raise RowError("wrong type", f"turn {i} is a {type(t).__name__}, not an object")
+            msgs.append(_turn(t.get("role"), t.get("content"), i))
+    elif "conversations" in row:
+        turns = row["conversations"]
+        if not isinstance(turns, list):
+            raise RowError("wrong type", f"'conversations' is a {type(turns).__name__}, not a list")
+        msgs = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict):
+                raise RowError("wrong type", f"turn {i} is a {type(t).__name__}, not an object")
+            role = SHAREGPT_ROLES.get(str(t.get("from", "")).lower())
+            if role is None:
+                raise RowError("unknown role", f"turn {i} has from={t.get('from')!r}")
+            msgs.append(_turn(role, t.get("value"), i))
+    elif "prompt" in row:
+        msgs = [_turn("user", row["prompt"], 0)]
+        if "response" in row:
+            msgs.append(_turn("assistant", row["response"], 1))
+    else:
+        raise RowError("unknown shape", f"keys {sorted(row)[:8]}; expected messages, conversations or prompt")
+    if not msgs:
+        raise RowError("missing turns", "no turns")
+    body = msgs[1:] if msgs[0]["role"] == "system" else msgs
+    if not body or body[0]["role"] != "user":
+        raise RowError("bad turn order", "the first turn (after an optional system turn) must be the user's")
+    for i, m in enumerate(body):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if m["role"] != expected:
+            raise RowError("bad turn order", f"turn {i} is {m['role']}, expected {expected} (turns must alternate)")
+    return msgs
+
+
+Row = Union[dict, RowError]
+
+
+# ----------------------------------------------------------------------------------------- files
+
+
+def _open_bytes(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def _sniff(path: Path) -> str:
+    """'parquet', 'array' or 'jsonl': Parquet by magic bytes, JSON array by a leading '['."""
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    with _open_bytes(path) as f:
+        head = f.read(4096)
+    if head[:4] == b"PAR1":
+        return "parquet"
+    stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    return "array" if stripped[:1] == b"[" else "jsonl"
+
+
+def iter_rows(path: Path) -> Iterator[tuple[str, Row]]:
+    """Rows of a JSONL (`.jsonl`, `.jsonl.gz`), JSON array (`.json`, `.json.gz`) or Parquet file, streaming.
+    A row that does not decode is yielded as a RowError (never raised), so good rows are never lost."""
+    path = Path(path)
+    last = "the start"
+    try:
+        kind = _sniff(path)
+        rows = _iter_parquet(path) if kind == "parquet" else _iter_json_array(path) if kind == "array" else _iter_jsonl(path)
+        for last, row in rows:
+            yield last, row
+    except (OSError, EOFError, ValueError) as e:  # corrupt gzip / Parquet: the rest of this file is lost
+        yield f"{path}", RowError("unreadable file", f"{type(e).__name__}: {e} (reading stopped after {last})")
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, Row]]:
+    with _open_bytes(path) as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, RowError("not UTF-8", f"invalid byte at column {e.start + 1}")
+                continue
+            if lineno == 1:
+                line = line.lstrip("\ufeff")
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield where, RowError("invalid JSON", f"{e.msg} at column {e.colno}")
+
+
+_CHUNK = 1 << 20
+_MAX_ELEMENT = 256 << 20  # a JSON array element larger than this is not a conversation
+
+
+def _iter_json_array(path: Path) -> Iterator[tuple[str, Row]]:
+    """A JSON array decoded one element at a time from a bounded window of the file. Bytes that are
+    not UTF-8 only spoil the element that holds them. An element that does not parse makes the rest of
+    the array unreadable (JSON has no line boundaries to resync on): it is reported, then reading stops."""
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    with _open_bytes(path) as f:
+        buf, pos, eof = "", 0, False
+
+        def more() -> bool:
+            nonlocal buf, pos, eof
+            if eof:
+                return False
+            data = f.read(max(_CHUNK, len(buf) - pos))  # grow geometrically: linear time for big elements
+            eof = not data
+            buf = buf[pos:] + utf8.decode(data, final=eof)
+            pos = 0
+            return bool(data)
+
+        def skip_space(chars: str) -> bool:
+            """Skip `chars`; False at the end of the file."""
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in chars:
+                    pos += 1
+                if pos < len(buf):
+                    return True
+                if not more():
+                    return False
+
+        if not skip_space("\ufeff \t\r\n") or buf[pos] != "[":
+            yield f"{path}", RowError("invalid JSON", "not a JSON array")
+            return
+        pos += 1
+        index = 0
+        while True:
+            if not skip_space(" \t\r\n,"):
+                yield f"{path}:#{index}", RowError("invalid JSON", "the array is not closed (truncated file?)")
+                return
+            if buf[pos] == "]":
+                return
+            while True:
+                try:
+                    row, end = decoder.raw_decode(buf, pos)
+                    break
+                except json.JSONDecodeError as e:
+                    if len(buf) - pos > _MAX_ELEMENT or not more():
+                        yield f"{path}:#{index}", RowError(
+                            "invalid JSON", f"{e.msg} (reading stopped here: the rest of the array is unreadable)")
+                        return
+            text, pos = buf[pos:end], end
+            where = f"{path}:#{index}"
+            index += 1
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                yield where, RowError("not UTF-8", "the element holds bytes that are not UTF-8")
+                continue
+            yield where, row
+
+
+def _iter_parquet(path: Path, batch_rows: int = 1024) -> Iterator[tuple[str, Row]]:
+    import pyarrow.parquet as pq
+
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
+        for row in batch.to_pylist():
+            yield f"{path}:#{index}", row
+            index += 1
+
+
+# --------------------------------------------------------------------------------------- sources
+
+
+def expand_source(spec: str) -> list[Path] | str:
+    """A `--data` argument: a built-in name (returned as is), a file, or a folder (its data files, sorted).
+    Raises FileNotFoundError with what to do when it is none of these."""
+    path = Path(spec)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(DATA_SUFFIXES))
+        if not files:
+            raise FileNotFoundError(f"data folder {spec!r} holds no {'/'.join(DATA_SUFFIXES)} file")
+        return files
+    if spec in BUILTIN_SOURCES:
+        return spec
+    raise FileNotFoundError(
+        f"data {spec!r} not found: give a JSONL / JSON / Parquet file, a folder of them, or a built-in source "
+        f"({', '.join(BUILTIN_SOURCES)})"
+    )
+
+
+def builtin_file(name: str) -> Path:
+    """The packaged file a built-in source reads (for checksums in manifests)."""
+    from .. import assets
+
+    return {"sharegpt": assets.sharegpt_path, "mt-bench": assets.mtbench_path, "humaneval": assets.humaneval_path}[name]()
+
+
+def iter_builtin(name: str) -> Iterator[tuple[str, Row]]:
+    """Rows of a built-in source: ShareGPT's training split as `messages`; MT-Bench and HumanEval as
+    prompt-only rows (`prompt` = first turn, `turns` = all of them, `id`)."""
+    from .. import assets
+
+    if name == "sharegpt":
+        for i, conv in enumerate(assets.iter_sharegpt_split("train")):
+            yield f"sharegpt:#{i}", {"messages": conv["messages"]}
+    elif name in ("mt-bench", "humaneval"):
+        items = assets.iter_mtbench() if name == "mt-bench" else assets.iter_humaneval()
+        for i, item in enumerate(items):
+            yield f"{name}:#{i}", {"id": item["id"], "prompt": item["turns"][0], "turns": item["turns"]}
+    else:
+        raise FileNotFoundError(f"unknown built-in source {name!r}; built-in: {', '.join(BUILTIN_SOURCES)}")
+
+
+def iter_source(spec: str) -> Iterator[tuple[str, Row]]:
+    """Rows of one `--data` argument (file, folder or built-in name), in a deterministic order."""
+    expanded = expand_source(spec)
+    if isinstance(expanded, str):
+        yield from iter_builtin(expanded)
+        return
+    for path in expanded:
+        yield from iter_rows(path)

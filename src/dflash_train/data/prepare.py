@@ -1,0 +1,258 @@
+"""`dflash-train prepare`: conversations in any supported shape -> a prepared (tokenised) dataset.
+
+Streaming from input to shards: rows are read, tokenised with the target's chat template and
+written a record batch at a time, so memory does not grow with the input. Bad rows are counted per
+reason and written to `rejects.jsonl` with their `file:line`; good rows are never lost. The output is
+built in a hidden temp directory beside `--out` and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from . import store
+from .dataset import FAR_FACTOR, tokenize_row
+from .formats import BUILTIN_SOURCES, RowError, builtin_file, expand_source, iter_source
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrepareConfig:
+    max_length: int = 3072
+    block_size: int = 16
+    val_fraction: float = 0.02
+    thinking: Optional[bool] = None
+    shard_rows: int = 50_000
+    max_samples: int = 0
+    overwrite: bool = False
+
+
+def holdout_key(messages: list[dict]) -> float:
+    """A number in [0, 1) from a hash of the conversation's content (not its position or file); it is held
+    out when this is below --val-fraction, so the same conversation lands in the same split whatever file
+    or shape it comes in."""
+    text = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:8], "big") / 2.0**64
+
+
+def template_kwargs_for(tokenizer, thinking: Optional[bool]) -> dict:
+    """`enable_thinking` goes to the template only when it is given and the template reads it."""
+    if thinking is None or "enable_thinking" not in store.chat_template_text(tokenizer):
+        return {}
+    return {"enable_thinking": thinking}
+
+
+def _source_entries(specs: list[str]) -> list[dict]:
+    """Each `--data` argument with the files it reads, their sizes and checksums. Raises
+    FileNotFoundError (before any work) when one does not exist."""
+    entries = []
+    for spec in specs:
+        expanded = expand_source(spec)
+        if isinstance(expanded, str):
+            paths = [builtin_file(expanded)]
+        else:
+            paths = expanded
+        entries.append({"data": spec, "builtin": isinstance(expanded, str), "files": [
+            {"path": str(p), "size": p.stat().st_size, "sha256": store.file_sha256(p)} for p in paths
+        ]})
+    return entries
+
+
+class _Rejects:
+    def __init__(self, path: Path):
+        self.f = open(path, "w", encoding="utf-8")
+        self.counts: Counter = Counter()
+        self.first: list[str] = []
+
+    def add(self, where: str, reason: str, detail: str = "") -> None:
+        self.counts[reason] += 1
+        rec = {"where": where, "reason": reason, "detail": detail}
+        self.f.write(json.dumps(rec) + "\n")
+        if len(self.first) < 5:
+            self.first.append(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _tmp_dir(out: Path) -> Path:
+    """A fresh hidden temp dir beside `out`; temp dirs of dead prepare processes are removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{out.name}.prepare-"
+    for stale in out.parent.glob(prefix + "*"):
+        try:
+            pid = int(stale.name[len(prefix):])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass
+    tmp = out.parent / f"{prefix}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: PrepareConfig,
+            progress: bool = False) -> dict:
+    """Write a prepared dataset to `out`; returns its manifest."""
+    out = Path(out)
+    if cfg.max_length < 2 * cfg.block_size:
+        raise ValueError(f"--max-length {cfg.max_length} is below 2 * --block-size ({2 * cfg.block_size})")
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")
+    if out.exists() and not cfg.overwrite:
+        raise FileExistsError(f"{out} already exists; pass --overwrite or choose another --out")
+    sources = _source_entries(data)
+    kwargs = template_kwargs_for(tokenizer, cfg.thinking)
+
+    tmp = _tmp_dir(out)
+    try:
+        rejects = _Rejects(tmp / store.REJECTS)
+        writers = {s: store.ShardWriter(tmp, s, cfg.shard_rows) for s in store.SPLITS}
+        rows_read = kept = truncated = 0
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(desc="prepare", unit="row", dynamic_ncols=True, mininterval=1.0)
+        for spec in data:
+            for where, row in iter_source(spec):
+                if cfg.max_samples and kept >= cfg.max_samples:
+                    break
+                rows_read += 1
+                if bar is not None:
+                    bar.update(1)
+                try:
+                    tok, messages, was_truncated = tokenize_row(tokenizer, row, cfg.max_length, cfg.block_size, kwargs)
+                except RowError as e:
+                    rejects.add(where, e.reason, e.detail)
+                    continue
+                truncated += was_truncated
+                kept += 1
+                held_out = cfg.val_fraction > 0 and holdout_key(messages) < cfg.val_fraction
+                writers["val" if held_out else "train"].add(tok)
+            if cfg.max_samples and kept >= cfg.max_samples:
+                break
+        if bar is not None:
+            bar.close()
+        rejects.close()
+        splits = {s: w.close() for s, w in writers.items()}
+        if kept == 0:
+            raise ValueError(
+                f"no usable row in {', '.join(data)} ({rows_read} read; rejected: "
+                + ", ".join(f"{r}: {n}" for r, n in rejects.counts.most_common())
+                + "). First rejects: " + "; ".join(rejects.first)
+                + ". Give conversations with assistant turns (run `dflash-train regen` on prompt-only data)"
+            )
+        manifest = {
+            "format": store.FORMAT,
+            "format_version": store.FORMAT_VERSION,
+            "target": str(target),
+            "tokenizer_fingerprint": store.tokenizer_fingerprint(tokenizer),
+            "chat_template_fingerprint": store.chat_template_fingerprint(tokenizer),
+            "thinking": cfg.thinking,
+            "template_kwargs": kwargs,
+            "max_length": cfg.max_length,
+            "block_size": cfg.block_size,
+            "val_fraction": cfg.val_fraction,
+            "max_samples": cfg.max_samples,
+            "shard_rows": cfg.shard_rows,
+            "sources": sources,
+            "counts": {"rows_read": rows_read, "kept": kept, "truncated": truncated,
+                       "rejected": dict(sorted(rejects.counts.items())), "rejected_total": sum(rejects.counts.values())},
+            "splits": splits,
+            "rejects_file": store.REJECTS,
+        }
+        store.write_json(tmp / store.MANIFEST, manifest)  # last: a directory with a manifest is complete
+        store.publish_dir(tmp, out, cfg.overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def summary(manifest: dict, out: Path) -> str:
+    c, s = manifest["counts"], manifest["splits"]
+    lines = [
+        f"prepared {out}: {c['kept']} of {c['rows_read']} rows kept ({c['truncated']} truncated to {manifest['max_length']} tokens)",
+        f"  train: {s['train']['rows']} rows, {s['train']['tokens']} tokens ({s['train']['supervised_tokens']} supervised), "
+        f"{len(s['train']['shards'])} shard(s)",
+        f"  val:   {s['val']['rows']} rows, {s['val']['tokens']} tokens ({s['val']['supervised_tokens']} supervised), "
+        f"{len(s['val']['shards'])} shard(s)",
+    ]
+    if c["rejected_total"]:
+        lines.append(f"  rejected {c['rejected_total']} rows:")
+        for reason, n in sorted(c["rejected"].items(), key=lambda kv: (-kv[1], kv[0])):
+            lines.append(f"    {n:>8}  {reason}")
+        lines.append(f"  rejects (file:line and reason for each): {out / store.REJECTS}")
+    else:
+        lines.append("  no row rejected")
+    lines.append(f"  tokenizer {manifest['tokenizer_fingerprint'][:19]}..., chat template "
+                 f"{manifest['chat_template_fingerprint'][:19]}...")
+    return "\n".join(lines)
+
+
+def _bool(value: str) -> bool:
+    v = value.lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from .. import assets
+    from ..model.target import load_tokenizer
+
+    target_path = assets.resolve_target(args.target)
+    tokenizer = load_tokenizer(target_path, args.trust_remote_code)
+    cfg = PrepareConfig(max_length=args.max_length, block_size=args.block_size, val_fraction=args.val_fraction,
+                        thinking=args.thinking, shard_rows=args.shard_rows, max_samples=args.max_samples,
+                        overwrite=args.overwrite)
+    out = Path(args.out)
+    try:
+        manifest = prepare(tokenizer, args.target, args.data, out, cfg, progress=sys.stderr.isatty())
+    except FileExistsError as e:
+        raise ValueError(str(e)) from None
+    print(summary(manifest, out))
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "prepare", help="tokenise conversations with the target's chat template into a prepared dataset directory",
+        description="Read conversations (JSONL / JSON array / Parquet; ShareGPT, OpenAI messages, {prompt, response}) "
+                    f"or a built-in source ({', '.join(BUILTIN_SOURCES)}), tokenise them with the target's chat "
+                    "template (loss on assistant tokens) and write memory-mapped shards + manifest.json to --out. "
+                    "Bad rows are skipped and listed in OUT/rejects.jsonl.",
+    )
+    p.add_argument("--target", required=True, help="target whose tokenizer and chat template are used: smollm2, an HF folder or a .gguf")
+    p.add_argument("--data", action="append", required=True, metavar="FILE|DIR|NAME",
+                   help="input file, folder of files, or built-in source; repeat for several")
+    p.add_argument("--out", required=True, help="output directory (written atomically)")
+    p.add_argument("--max-length", type=int, default=3072, help="tokens per conversation; longer ones are truncated "
+                   f"(more than {FAR_FACTOR}x this: rejected)")
+    p.add_argument("--block-size", type=int, default=16, help="drafter block size: rows with fewer than 2 * block_size "
+                   "supervised tokens are dropped")
+    p.add_argument("--val-fraction", type=float, default=0.02, help="share held out for validation (by a hash of the content)")
+    p.add_argument("--thinking", type=_bool, default=None, metavar="true|false",
+                   help="enable_thinking for templates that read it (default: the template's own default)")
+    p.add_argument("--shard-rows", type=int, default=50_000, help="rows per shard file")
+    p.add_argument("--max-samples", type=int, default=0, help="keep at most this many rows (0 = all)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--trust-remote-code", action="store_true", help="only if you trust the target folder's code")
+    p.set_defaults(func=cmd_prepare)
+    return p

@@ -1,0 +1,121 @@
+"""The trainer's view of its data: `open_training_data(cfg, tokenizer)`.
+
+Each `data.train_files` entry is a prepared dataset directory (read from its memory-mapped shards,
+one example at a time; its tokenizer and chat-template fingerprints must match the target's) or a
+raw file / built-in source (tokenised on the fly into memory). All entries become one index space.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .chat import Tokenized
+from .dataset import TOO_FEW, load_dataset
+from .store import PreparedDataset, check_fingerprints, is_prepared
+
+log = logging.getLogger(__name__)
+
+
+class _Prepared:
+    """The train split of a prepared dataset, seen through the run's max_length, block_size, max_samples."""
+
+    def __init__(self, path: str, tokenizer, target: str, max_length: int, block_size: int, limit: int):
+        self.ds = PreparedDataset(path, "train")
+        m = self.ds.manifest
+        check_fingerprints(m, tokenizer, path, target)
+        self.rejected = Counter(m["counts"]["rejected"])
+        self.max_length = max_length
+        rows = np.arange(len(self.ds))
+        if block_size > m["block_size"]:
+            keep = self.ds.num_supervised >= 2 * block_size
+            self.rejected[f"{TOO_FEW} (block_size {block_size})"] += int((~keep).sum())
+            rows = rows[keep]
+            log.warning("%s was prepared for block_size %d; %d rows have fewer than 2 * %d supervised tokens and are "
+                        "skipped", path, m["block_size"], int((~keep).sum()), block_size)
+        if m["max_length"] > max_length:
+            log.warning("%s was prepared with max_length %d; rows are truncated to data.max_length=%d when read",
+                        path, m["max_length"], max_length)
+        if limit:
+            rows = rows[:limit]
+        self.rows = rows
+        self.lengths = np.minimum(self.ds.lengths[rows], max_length)
+        self.description = (f"{path} (prepared: {len(rows)} rows, {int(self.lengths.sum())} tokens; "
+                            f"val split {m['splits']['val']['rows']} rows unused)")
+
+    def example(self, j: int) -> Tokenized:
+        ex = self.ds.example(int(self.rows[j]))
+        if len(ex.input_ids) > self.max_length:
+            ex = Tokenized(ex.input_ids[: self.max_length], ex.loss_mask[: self.max_length])
+        return ex
+
+
+class _InMemory:
+    def __init__(self, source: str, tokenizer, max_length: int, block_size: int, limit: int):
+        ds = load_dataset([source], tokenizer, max_length, block_size, limit)
+        self.examples = ds.examples
+        self.rejected = ds.rejected
+        self.lengths = np.array([len(e.input_ids) for e in ds.examples], dtype=np.int64)
+        self.description = f"{source} (tokenised on the fly: {len(ds)} rows, {int(self.lengths.sum())} tokens)"
+
+    def example(self, j: int) -> Tokenized:
+        return self.examples[j]
+
+
+@dataclass
+class TrainingData:
+    """All training rows: `lengths[i]` tokens in row i, `example(i)` its ids and loss mask."""
+
+    parts: list
+    lengths: np.ndarray
+    rejected: Counter = field(default_factory=Counter)
+    _starts: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        self._starts = np.cumsum([0] + [len(p.lengths) for p in self.parts])
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    def example(self, i: int) -> Tokenized:
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self.parts[k].example(i - int(self._starts[k]))
+
+    def describe(self) -> str:
+        parts = "; ".join(p.description for p in self.parts)
+        rejected = ", ".join(f"{r}: {n}" for r, n in self.rejected.most_common()) or "none"
+        return f"{self.num_rows} rows, {int(self.lengths.sum())} tokens from {parts}; rejected {rejected}"
+
+
+def open_training_data(cfg, tokenizer) -> TrainingData:
+    """`cfg.data.train_files` as one TrainingData (at most `cfg.data.max_samples` rows when set)."""
+    files = list(cfg.data.train_files)
+    if not files:
+        raise ValueError("data.train_files is empty: give conversation files, prepared dataset directories "
+                         "(dflash-train prepare) or 'sharegpt'")
+    parts, rejected = [], Counter()
+    limit = cfg.data.max_samples
+    taken = 0
+    for entry in files:
+        remaining = limit - taken if limit else 0
+        if limit and remaining <= 0:
+            break
+        if is_prepared(entry):
+            part = _Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, cfg.drafter.block_size, remaining)
+        else:
+            part = _InMemory(entry, tokenizer, cfg.data.max_length, cfg.drafter.block_size, remaining)
+        parts.append(part)
+        rejected.update(part.rejected)
+        taken += len(part.lengths)
+    lengths = np.concatenate([p.lengths for p in parts]).astype(np.int64)
+    if not len(lengths):
+        raise ValueError(f"no training rows in {files} (rejected: {dict(rejected)})")
+    return TrainingData(parts, lengths, rejected)

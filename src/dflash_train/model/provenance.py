@@ -1,0 +1,77 @@
+"""What a drafter was trained against, recorded beside it (`dflash_train.json`) and checked before
+eval or export: the field's "acceptance ~1.0 when served" often comes from a drafter used with
+another tokenizer, chat template, RoPE setting or target than the one it learned."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from .drafter_config import text_config
+
+PROVENANCE_NAME = "dflash_train.json"
+
+
+def _rope(config) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return {k: v for k, v in dict(params).items()}
+    out = {"rope_theta": getattr(config, "rope_theta", None)}
+    if getattr(config, "rope_scaling", None):
+        out.update(dict(config.rope_scaling))
+    return out
+
+
+def target_provenance(target_path: str, tokenizer, target_config, template_kwargs: Optional[dict] = None) -> dict:
+    from ..data.store import chat_template_fingerprint, tokenizer_fingerprint
+
+    t = text_config(target_config)
+    return {
+        "target": str(target_path),
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "chat_template_sha256": chat_template_fingerprint(tokenizer),
+        "template_kwargs": dict(template_kwargs or {}),
+        "num_hidden_layers": int(t.num_hidden_layers),
+        "hidden_size": int(t.hidden_size),
+        "vocab_size": int(t.vocab_size),
+        "rope": _rope(t),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def write_provenance(folder: Path, record: dict) -> None:
+    (Path(folder) / PROVENANCE_NAME).write_text(json.dumps(record, indent=2, sort_keys=True))
+
+
+def read_provenance(folder: Path) -> Optional[dict]:
+    path = Path(folder) / PROVENANCE_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def compare(trained: dict, current: dict, drafter, block_size: Optional[int] = None) -> list[str]:
+    """Differences between what the drafter learned and what it is about to be used with."""
+    problems = []
+    labels = {
+        "tokenizer_sha256": "tokenizer",
+        "chat_template_sha256": "chat template",
+        "template_kwargs": "chat template options (e.g. enable_thinking)",
+        "num_hidden_layers": "target layer count",
+        "hidden_size": "target hidden size",
+        "vocab_size": "target vocabulary size",
+        "rope": "target RoPE settings",
+    }
+    for key, label in labels.items():
+        if key in trained and trained[key] != current.get(key):
+            problems.append(f"{label}: trained with {trained[key]!r}, now {current.get(key)!r}")
+    drafter_rope = _rope(drafter.config)
+    if current.get("rope") and drafter_rope != current["rope"]:
+        problems.append(f"RoPE: drafter config {drafter_rope!r}, target {current['rope']!r}")
+    mask = drafter.mask_token_id
+    for name in ("pad_token_id", "eos_token_id"):
+        if current.get(name) is not None and mask == current[name]:
+            problems.append(f"mask_token_id {mask} is the tokenizer's {name.split('_')[0]} token")
+    if block_size is not None and block_size > drafter.block_size:
+        problems.append(f"block size {block_size} is larger than the trained {drafter.block_size}")
+    return problems

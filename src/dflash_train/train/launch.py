@@ -1,0 +1,161 @@
+"""Processes: `train --nproc N` starts N local ranks and supervises them; `--detach` runs in the
+background. Any rank's death stops every rank within seconds, and the run says `failed` with the
+rank; a rank whose heartbeat stops for `--stall-timeout` seconds is treated the same way.
+
+Under torchrun (several nodes) torchrun's agent does the supervising; the ranks are the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..rundir import RunDir, StatusWriter
+
+GRACE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def heartbeat_path(run: RunDir, rank: int) -> Path:
+    return run.root / "heartbeats" / f"rank-{rank}.json"
+
+
+def write_heartbeat(run: RunDir, rank: int, phase: str, step: int, **extra) -> None:
+    path = heartbeat_path(run, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"rank": rank, "pid": os.getpid(), "phase": phase, "step": step, "time": time.time(), **extra}))
+    os.replace(tmp, path)
+
+
+def read_heartbeats(run: RunDir) -> list[dict]:
+    folder = run.root / "heartbeats"
+    beats = []
+    for path in sorted(folder.glob("rank-*.json")) if folder.is_dir() else []:
+        try:
+            beats.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return beats
+
+
+def _stop_all(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.time() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _mark_failed(run: RunDir, message: str, rank: Optional[int], phase: Optional[str]) -> None:
+    status = json.loads(run.status.read_text()) if run.status.is_file() else {}
+    if status.get("phase") == "failed":
+        return  # the rank wrote its own traceback first: keep it
+    writer = StatusWriter.__new__(StatusWriter)
+    writer.run = run
+    writer.state = status or {"step": 0}
+    writer.update(phase="failed", failed_phase=phase or status.get("phase"), failed_rank=rank,
+                  error={"type": "RankFailure", "message": message, "traceback": ""})
+
+
+def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: float = 300.0,
+              env_extra: Optional[dict] = None) -> int:
+    """Start `nproc` ranks of `python -m dflash_train <child_args>` and watch them until all exit."""
+    run = RunDir(run_root).create()
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   DFLASH_SUPERVISED="1", **(env_extra or {}))
+        log = open(run.root / f"rank-{rank}.out", "ab")
+        procs.append(subprocess.Popen([sys.executable, "-m", "dflash_train", *child_args], env=env,
+                                      stdout=log if rank else None, stderr=log if rank else None))
+    forwarded = {"sig": None}
+
+    def forward(signum, _frame):
+        forwarded["sig"] = signum
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)  # ranks checkpoint and exit
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed and forwarded["sig"] is None:
+                rank, code = failed[0]
+                beats = {b["rank"]: b for b in read_heartbeats(run)}
+                how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                _stop_all(procs)
+                _mark_failed(run, f"rank {rank} {how}; the other ranks were stopped", rank,
+                             beats.get(rank, {}).get("phase"))
+                return 1
+            if all(c is not None for c in codes):
+                return 0 if all(c == 0 for c in codes) else 1
+            now = time.time()
+            for beat in read_heartbeats(run):
+                if beat.get("phase") in ("training", "warmup") and now - beat["time"] > stall_timeout:
+                    _stop_all(procs, signal.SIGKILL)
+                    _mark_failed(run, f"rank {beat['rank']} made no progress for {now - beat['time']:.0f} s "
+                                      f"(stall timeout {stall_timeout:.0f} s) in phase {beat['phase']} at step {beat['step']}",
+                                 beat["rank"], beat["phase"])
+                    return 1
+            time.sleep(0.2)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def detach(argv: list[str], run_root: Path) -> int:
+    """Re-run this command in the background, in its own session, all output in the run directory."""
+    run = RunDir(run_root).create()
+    out = open(run.root / "launcher.out", "ab")
+    args = [a for a in argv if a != "--detach"]
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_train", *args], stdout=out, stderr=out,
+                            stdin=subprocess.DEVNULL, start_new_session=True, env=os.environ.copy())
+    (run.root / "launcher.pid").write_text(str(proc.pid))
+    return proc.pid
+
+
+def request_stop(run_root: Path) -> str:
+    """Ask a run to checkpoint and exit: a STOP file every rank looks for at step boundaries, plus
+    SIGTERM to the launcher (or the single process) when it runs on this host."""
+    run = RunDir(run_root)
+    if not run.status.is_file():
+        raise FileNotFoundError(f"{run.status} not found: {run_root} is not a run directory")
+    (run.root / "STOP").write_text(str(time.time()))
+    status = json.loads(run.status.read_text())
+    pid = None
+    if (run.root / "launcher.pid").is_file():
+        pid = int((run.root / "launcher.pid").read_text())
+    elif status.get("host") == socket.gethostname():
+        pid = status.get("pid")
+    if pid:
+        try:
+            os.kill(pid, signal.SIGTERM)
+            return f"asked pid {pid} and every rank (STOP file) to checkpoint and exit"
+        except ProcessLookupError:
+            pass
+    return "wrote STOP: every rank checkpoints and exits at its next step boundary"
