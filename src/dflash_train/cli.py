@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,23 +37,68 @@ def _default_run_dir(name: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _child_train_args(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    out = ["train", args.config, *args.overrides, "--run-dir", str(run_dir)]
+    if args.max_steps is not None:
+        out += ["--max-steps", str(args.max_steps)]
+    if args.resume:
+        out.append("--resume")
+    if args.fresh_compile_cache:
+        out.append("--fresh-compile-cache")
+    return out
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from .train import launch
+
+    cfg = load_config(args.config, args.overrides)  # invalid configs fail here, before anything starts
+    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(Path(args.config).stem)
+    if args.detach:
+        child = _child_train_args(args, run_dir) + (["--nproc", str(args.nproc)] if args.nproc > 1 else [])
+        pid = launch.detach(child, run_dir)
+        print(f"started in the background (pid {pid}): {run_dir}\n"
+              f"  watch: dflash-train status {run_dir} --follow\n  stop:  dflash-train stop {run_dir}")
+        return 0
+    print(f"run directory: {run_dir}  (watch it with: dflash-train status {run_dir})", flush=True)
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        rc = launch.supervise(_child_train_args(args, run_dir), args.nproc, run_dir, args.stall_timeout)
+        if rc != 0:
+            print(f"error: the run failed; see dflash-train status {run_dir}", file=sys.stderr)
+        return rc
     from .train.trainer import train
 
-    cfg = load_config(args.config, args.overrides)
-    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(Path(args.config).stem)
-    print(f"run directory: {run_dir}  (watch it with: dflash-train status {run_dir})", flush=True)
-    export = train(cfg, run_dir, max_steps=args.max_steps, fresh_compile_cache=args.fresh_compile_cache)
-    print(f"exported drafter: {export}")
+    result = train(cfg, run_dir, max_steps=args.max_steps, fresh_compile_cache=args.fresh_compile_cache,
+                   resume=args.resume)
+    print(f"exported drafter: {result}" if result.name == "export" else f"stopped; checkpoints in {result}")
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from .rundir import format_status, read_status
+    from .train.launch import read_heartbeats
+    from .rundir import RunDir
 
-    status, last = read_status(args.run_dir)
-    print(format_status(status, last))
-    return 1 if status.get("phase") == "failed" else 0
+    while True:
+        status, last = read_status(args.run_dir)
+        text = format_status(status, last)
+        beats = read_heartbeats(RunDir(Path(args.run_dir)))
+        if beats:
+            now = time.time()
+            text += "\nranks:\n" + "\n".join(
+                f"  rank {b['rank']}: {b['phase']:<9} step {b['step']:<7} heartbeat {now - b['time']:.1f} s ago"
+                + (f"  ({b['error']})" if b.get("error") else "") for b in beats)
+        print(text, flush=True)
+        if not args.follow or status.get("phase") in ("done", "failed", "stopped"):
+            return 1 if status.get("phase") == "failed" else 0
+        print("-" * 40, flush=True)
+        time.sleep(args.interval)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from .train.launch import request_stop
+
+    print(request_stop(Path(args.run_dir)))
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -131,11 +177,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", help="run directory (default runs/<config>-<time>)")
     t.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
     t.add_argument("--fresh-compile-cache", action="store_true", help="empty the inductor cache before compiling")
+    t.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in the run directory")
+    t.add_argument("--nproc", type=int, default=1, help="start N local ranks (colocated data parallel)")
+    t.add_argument("--detach", action="store_true", help="run in the background; output goes to the run directory")
+    t.add_argument("--stall-timeout", type=float, default=300.0,
+                   help="seconds without a heartbeat from a rank before the run is stopped as failed")
     t.set_defaults(func=cmd_train)
 
     s = sub.add_parser("status", help="phase, step, tokens/s, loss, accuracy, ETA, heartbeat and last error of a run")
     s.add_argument("run_dir")
+    s.add_argument("--follow", action="store_true", help="keep printing until the run ends")
+    s.add_argument("--interval", type=float, default=5.0)
     s.set_defaults(func=cmd_status)
+
+    st = sub.add_parser("stop", help="ask a run to checkpoint and exit")
+    st.add_argument("run_dir")
+    st.set_defaults(func=cmd_stop)
 
     e = sub.add_parser("eval", help="speculative decoding with the target: tau, histogram, speedup (block and DDTree)")
     e.add_argument("--target", required=True, help="target: smollm2, an HF folder or a .gguf file")

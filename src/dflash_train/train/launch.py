@@ -68,14 +68,18 @@ def _stop_all(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
 
 
 def _mark_failed(run: RunDir, message: str, rank: Optional[int], phase: Optional[str]) -> None:
-    status = json.loads(run.status.read_text()) if run.status.is_file() else {}
-    if status.get("phase") == "failed":
-        return  # the rank wrote its own traceback first: keep it
+    """The launcher's verdict names the rank that failed first; what another rank said when it was
+    stopped (often a broken collective) is kept as secondary information."""
+    status = json.loads(run.status.read_text()) if run.status.is_file() else {"step": 0}
+    previous = status.get("error") if status.get("phase") == "failed" else None
     writer = StatusWriter.__new__(StatusWriter)
-    writer.run = run
-    writer.state = status or {"step": 0}
-    writer.update(phase="failed", failed_phase=phase or status.get("phase"), failed_rank=rank,
-                  error={"type": "RankFailure", "message": message, "traceback": ""})
+    writer.run, writer.state = run, status
+    error = {"type": "RankFailure", "message": message, "traceback": ""}
+    if previous:
+        error["secondary"] = f"{previous.get('type')}: {previous.get('message')}"
+        error["traceback"] = previous.get("traceback", "")
+    writer.update(phase="failed", failed_phase=phase or status.get("failed_phase") or status.get("phase"),
+                  failed_rank=rank, error=error)
 
 
 def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: float = 300.0,

@@ -78,8 +78,11 @@ def forward_loss(
     cfg: Config,
     generator: torch.Generator,
     compute_dtype: torch.dtype,
+    call=None,
 ) -> StepStats:
-    """The drafter's loss on one micro-batch (graph kept for backward)."""
+    """The drafter's loss on one micro-batch (graph kept for backward). `call` runs the drafter's
+    forward (its DDP wrapper on several ranks); attributes are read from `drafter`."""
+    call = call or drafter
     bs = drafter.block_size
     hidden = target(batch.input_ids)  # [B, S, K*H], no grad
     anchors, keep = sample_anchors(
@@ -101,7 +104,7 @@ def forward_loss(
         else contextlib.nullcontext()
     )
     with autocast:
-        out = drafter(hidden, block_embeds, position_ids, backend.attention, mask)  # [B, N*bs, H]
+        out = call(hidden, block_embeds, position_ids, backend.attention, mask)  # [B, N*bs, H]
         counted = (blocks.weights > 0).view(-1)
         rows = out.reshape(-1, out.shape[-1])[counted]
         result = chunked_weighted_ce(
@@ -126,7 +129,10 @@ def forward_loss(
 
 
 class TrainStep:
-    """Holds what a step needs and runs it. `__call__` does one optimizer step on one micro-batch."""
+    """Holds what a step needs and runs it. `__call__` does one optimizer step on one micro-batch per rank.
+    A step whose gradients are not finite is skipped (and counted); `max_bad_steps` in a row stop the run."""
+
+    max_bad_steps = 5
 
     def __init__(
         self,
@@ -137,28 +143,49 @@ class TrainStep:
         total_steps: int,
         compute_dtype: torch.dtype,
         device: torch.device,
+        ctx=None,
     ):
         self.drafter, self.target, self.backend, self.cfg = drafter, target, backend, cfg
         self.compute_dtype = compute_dtype
+        self.rank = ctx.rank if ctx is not None else 0
+        self.model = drafter
+        if ctx is not None and ctx.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.model = DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
         self.optimizer = make_optimizer(drafter, cfg, device)
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, total_steps, o.warmup_ratio, o.min_lr_ratio)
         )
         self.generator = torch.Generator()
+        self.skipped_steps = 0
+        self._bad_in_a_row = 0
 
     def __call__(self, batch: Batch, step: int) -> StepStats:
-        # Anchors depend only on (seed, step): a resumed run draws the same ones.
-        self.generator.manual_seed(self.cfg.run.seed * 1_000_003 + step)
+        # Anchors depend only on (seed, step, rank): a resumed run draws the same ones.
+        self.generator.manual_seed((self.cfg.run.seed * 1_000_003 + step) * 1024 + self.rank)
         self.drafter.train()
         stats = forward_loss(
-            self.drafter, self.target, self.backend, batch, self.cfg, self.generator, self.compute_dtype
+            self.drafter, self.target, self.backend, batch, self.cfg, self.generator, self.compute_dtype, self.model
         )
         self.optimizer.zero_grad(set_to_none=True)
         stats.loss.backward()
         clip = self.cfg.optim.grad_clip
         params = [p for p in self.drafter.parameters() if p.grad is not None]
         stats.grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        self.optimizer.step()
+        # After DDP's all-reduce every rank sees the same norm, so every rank takes the same decision.
+        if torch.isfinite(stats.grad_norm) and torch.isfinite(stats.loss):
+            self.optimizer.step()
+            self._bad_in_a_row = 0
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self._bad_in_a_row += 1
+            if self._bad_in_a_row >= self.max_bad_steps:
+                raise FloatingPointError(
+                    f"{self._bad_in_a_row} steps in a row had non-finite loss or gradients (step {step}); "
+                    "stopping with the last good checkpoint kept. Lower optim.lr or check the data"
+                )
         self.scheduler.step()
         return stats

@@ -3,9 +3,9 @@ that tells at any moment what is happening (status.json, metrics.jsonl, train.lo
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +23,10 @@ from ..model.drafter import DFlashDrafter, default_target_layer_ids
 from ..model.drafter_config import make_drafter_config
 from ..model.io import save_drafter
 from ..model.target import TargetCapture, default_mask_token_id, load_target_model, load_tokenizer, read_target_config
-from ..rundir import MetricsWriter, RunDir, StatusWriter, write_json_atomic
+from ..rundir import MetricsWriter, RunDir, StatusWriter
 from ..model import compile as compile_layer
+from ..model.provenance import PROVENANCE_NAME, target_provenance, write_provenance
+from . import checkpoint as checkpoints
 from .step import StepStats, TrainStep, forward_loss
 
 log = logging.getLogger(__name__)
@@ -118,26 +120,6 @@ def _record(stats: StepStats, step: int, epoch: float, tokens: int, seconds: flo
     }
 
 
-def save_checkpoint(run: RunDir, step: int, train_step: TrainStep, cursor: dict, keep_last: int) -> Path:
-    """checkpoints/step-N/: drafter/ (reference format, float32), optimizer.pt (tensors and plain types
-    only: loads with weights_only=True), trainer_state.json. Built in a temp folder, then renamed:
-    a checkpoint folder either is complete or does not exist."""
-    final = run.checkpoints / f"step-{step:08d}"
-    tmp = run.checkpoints / f".step-{step:08d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_drafter(train_step.drafter, tmp / "drafter", dtype="float32")
-    torch.save({"optimizer": train_step.optimizer.state_dict(), "scheduler": train_step.scheduler.state_dict()},
-               tmp / "optimizer.pt")
-    write_json_atomic(tmp / "trainer_state.json", {"step": step, **cursor})
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.replace(final)
-    ckpts = sorted(p for p in run.checkpoints.glob("step-*") if p.is_dir())
-    for old in ckpts[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
 def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional[str]) -> dict:
     """Compile everything the loop will run, exactly as the loop runs it (grad on, forward + backward,
     production dtype, dynamic shapes), then seal the compile layer. Weights do not change."""
@@ -157,105 +139,231 @@ def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional
     return info
 
 
-def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_compile_cache: bool = False) -> Path:
+class StopRequest:
+    """SIGTERM / SIGINT / a STOP file: finish the step, checkpoint, exit cleanly."""
+
+    def __init__(self, run: RunDir):
+        self.run, self.signalled = run, False
+        self._old = {}
+
+    def __enter__(self) -> "StopRequest":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        self.signalled = True
+        log.warning("signal %d received: finishing this step, then checkpoint and exit", signum)
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+    @property
+    def requested(self) -> bool:
+        return self.signalled or (self.run.root / "STOP").exists()
+
+
+def _micro_batch_groups(batching: tuple, world: int, epoch: int, index: int):
+    """Every optimizer step takes `world` consecutive micro-batches, one per rank; an epoch's
+    incomplete last group is dropped on every rank alike. Yields (epoch, next index, n, groups)."""
+    group, group_epoch = [], epoch
+    for ep, idx, n_batches, rows in batches_from(*batching, epoch, index):
+        if ep != group_epoch:
+            group, group_epoch = [], ep
+        group.append(rows)
+        if len(group) == world:
+            yield ep, idx + 1, n_batches, group
+            group = []
+
+
+def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_compile_cache: bool = False,
+          resume: bool = False) -> Path:
+    """One rank of a run (world size 1 = a single process). Rank 0 owns status, metrics, checkpoints."""
+    from .dist import DistContext
+    from .launch import write_heartbeat
+
+    ctx = DistContext.from_env()
     run = RunDir(run_root).create()
-    handler = run.attach_log()
-    status = StatusWriter(run)
-    dump_config(cfg, run.config)
+    handler = run.attach_log() if ctx.is_main else None
+    status = StatusWriter(run) if ctx.is_main else None
+    if ctx.is_main:
+        dump_config(cfg, run.config)
+
+    def report(**fields) -> None:
+        if status is not None:
+            status.update(**fields)
+        if "phase" in fields or "step" in fields:
+            write_heartbeat(run, ctx.rank, fields.get("phase", phase[0]), fields.get("step", step_box[0]))
+        if "phase" in fields:
+            phase[0] = fields["phase"]
+
+    phase, step_box = ["starting"], [0]
     metrics: Optional[MetricsWriter] = None
     try:
-        status.update(phase="loading")
+        report(phase="loading")
         plan, tokenizer = plan_run(cfg)
-        log.info("target %s, layers %s, mask token %d, device %s", plan.target_path, plan.layer_ids, plan.mask_token_id, plan.device)
+        device = ctx.device(plan.device)
+        ctx.init(device)
+        log.info("rank %d/%d: target %s, layers %s, mask token %d, device %s", ctx.rank, ctx.world, plan.target_path,
+                 plan.layer_ids, plan.mask_token_id, device)
         bs = cfg.drafter.block_size
         data = open_training_data(cfg, tokenizer)
         log.info("data: %s", data.describe())
         lengths = data.lengths
         batching = (lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed)
         batches_per_epoch = len(plan_batches(*batching, 0))
-        total = int(math.ceil(cfg.optim.epochs * batches_per_epoch)) if cfg.optim.epochs > 0 else cfg.optim.max_steps
+        steps_per_epoch = batches_per_epoch // ctx.world
+        if steps_per_epoch == 0:
+            raise ValueError(f"{batches_per_epoch} micro-batches per epoch cannot feed {ctx.world} ranks; add data")
+        total = int(math.ceil(cfg.optim.epochs * steps_per_epoch)) if cfg.optim.epochs > 0 else cfg.optim.max_steps
         for cap in (cfg.optim.max_steps, max_steps or 0):
             if cap:
                 total = min(total, cap)
 
-        model = load_target_model(plan.target_path, plan.target_dtype, plan.device, cfg.target.trust_remote_code)
+        model = load_target_model(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
         target = TargetCapture.from_model(model, plan.layer_ids)
         dcfg = make_drafter_config(
             model.config, num_draft_layers=cfg.drafter.num_draft_layers, block_size=bs,
             target_layer_ids=plan.layer_ids, mask_token_id=plan.mask_token_id,
         )
+        provenance = target_provenance(str(plan.target_path), tokenizer, model.config)
+        if ctx.is_main:
+            write_provenance(run.root, provenance)
         torch.manual_seed(cfg.run.seed)
-        drafter = DFlashDrafter(dcfg).to(plan.device)
+        drafter = DFlashDrafter(dcfg).to(device)
         n_params = sum(p.numel() for p in drafter.parameters())
-        backend = resolve_backend(cfg.drafter.attention_backend, plan.device, bs)
-        train_step = TrainStep(drafter, target, backend, cfg, total, plan.compute_dtype, plan.device)
-        log.info("drafter: %d layers, %.1fM parameters; %d steps (%d micro-batches per epoch)",
-                 dcfg.num_hidden_layers, n_params / 1e6, total, batches_per_epoch)
+        backend = resolve_backend(cfg.drafter.attention_backend, device, bs)
+        train_step = TrainStep(drafter, target, backend, cfg, total, plan.compute_dtype, device, ctx)
+        log.info("drafter: %d layers, %.1fM parameters; %d steps (%d micro-batches per epoch, %d rank(s))",
+                 dcfg.num_hidden_layers, n_params / 1e6, total, batches_per_epoch, ctx.world)
 
-        metrics = MetricsWriter(run)
-        status.update(phase="warmup")
+        step, cursor = 0, {"epoch": 0, "batch_index": 0}
+        identity = {"world_size": ctx.world, "tokenizer_sha256": provenance["tokenizer_sha256"],
+                    "drafter_shape": [dcfg.num_hidden_layers, dcfg.hidden_size, dcfg.intermediate_size, bs],
+                    "target_layer_ids": list(plan.layer_ids), "mask_token_id": plan.mask_token_id,
+                    "target_layers": provenance["num_hidden_layers"]}
+        if resume:
+            ckpt = checkpoints.newest_valid(run.checkpoints)
+            if ckpt is None:
+                raise FileNotFoundError(f"--resume: no valid checkpoint in {run.checkpoints}")
+            checkpoints.check_compatible(ckpt, checkpoints.read_state(ckpt), identity)
+            state = checkpoints.load_into(ckpt, drafter, train_step.optimizer, train_step.scheduler)
+            step, cursor = state["step"], {"epoch": state["epoch"], "batch_index": state["batch_index"]}
+            train_step.skipped_steps = state.get("skipped_steps", 0)
+            log.info("resumed from %s: step %d, epoch %d, batch %d", ckpt, step, cursor["epoch"], cursor["batch_index"])
+            if ctx.is_main:
+                _truncate_metrics(run.metrics, step)
+
+        def save(at_step: int) -> Path:
+            state = {**cursor, **identity, "skipped_steps": train_step.skipped_steps}
+            return checkpoints.save_checkpoint(run.checkpoints, at_step, drafter, train_step.optimizer,
+                                               train_step.scheduler, state, cfg.run.keep_last)
+
+        metrics = MetricsWriter(run) if ctx.is_main else None
+        report(phase="warmup")
         first_rows = plan_batches(*batching, 0)[0]
-        warm = warm_up(train_step, collate([data.example(i) for i in first_rows], tokenizer.pad_token_id).to(plan.device),
+        warm = warm_up(train_step, collate([data.example(i) for i in first_rows], tokenizer.pad_token_id).to(device),
                        fresh_compile_cache, cfg.run.compile_cache_dir)
-        status.update(phase="training", total_steps=total, drafter_params=n_params, backend=backend.name, **warm)
+        report(phase="training", step=step, total_steps=total, drafter_params=n_params, backend=backend.name,
+               world_size=ctx.world, **warm)
         progress = None
-        if cfg.run.progress_bar:
+        if cfg.run.progress_bar and ctx.is_main:
             from tqdm import tqdm
 
-            progress = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
-        step, epoch, t_start = 0, 0, time.time()
+            progress = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
+        t_start, start_step = time.time(), step
         window_tokens, window_start = 0, time.time()
         last_record: dict = {}
-        cursor = {"epoch": 0, "batch_index": 0}  # a resumed run would start batches_from(...) at its checkpoint's cursor
-        for epoch, index, n_batches, rows in batches_from(*batching, cursor["epoch"], cursor["batch_index"]):
-            if step >= total:
-                break
-            if index == 0 or step == 0:
-                pad = padding_fraction(lengths, plan_batches(*batching, epoch))
-                log.info("epoch %d: %d micro-batches, padding %.1f%% of batch tokens", epoch, n_batches, 100 * pad)
-                status.update(padding_fraction=round(pad, 4))
-            batch = collate([data.example(i) for i in rows], tokenizer.pad_token_id).to(plan.device)
-            stats = train_step(batch, step)
-            compile_layer.check_step_boundary()
-            step += 1
-            window_tokens += batch.num_tokens
-            if step % cfg.run.log_every == 0 or step == total:
-                now = time.time()
-                lr = train_step.scheduler.get_last_lr()[0]
-                last_record = _record(stats, step, epoch + (index + 1) / n_batches, window_tokens, now - window_start, lr)
-                metrics.write(last_record)
-                rate = step / (now - t_start)
-                status.update(step=step, epoch=last_record["epoch"], eta_s=(total - step) / max(rate, 1e-9),
-                              tokens_per_s=last_record["tokens_per_s"], loss=last_record["loss"])
+        with StopRequest(run) as stop:
+            for epoch, next_index, n_batches, group in _micro_batch_groups(batching, ctx.world, cursor["epoch"],
+                                                                          cursor["batch_index"]):
+                if step >= total:
+                    break
+                if ctx.is_main and (next_index <= ctx.world or step == start_step):
+                    pad = padding_fraction(lengths, plan_batches(*batching, epoch))
+                    log.info("epoch %d: %d micro-batches, padding %.1f%% of batch tokens", epoch, n_batches, 100 * pad)
+                    report(padding_fraction=round(pad, 4))
+                batch = collate([data.example(i) for i in group[ctx.rank]], tokenizer.pad_token_id).to(device)
+                stats = train_step(batch, step)
+                compile_layer.check_step_boundary()
+                step += 1
+                step_box[0] = step
+                cursor = {"epoch": epoch, "batch_index": next_index}
+                write_heartbeat(run, ctx.rank, "training", step)
+                window_tokens += int(sum(lengths[i] for rows in group for i in rows))
+                if step % cfg.run.log_every == 0 or step == total:
+                    now = time.time()
+                    lr = train_step.scheduler.get_last_lr()[0]
+                    last_record = _record(stats, step, epoch + next_index / n_batches, window_tokens, now - window_start, lr)
+                    last_record["skipped_steps"] = train_step.skipped_steps
+                    if metrics is not None:
+                        metrics.write(last_record)
+                    rate = (step - start_step) / max(now - t_start, 1e-9)
+                    report(step=step, epoch=last_record["epoch"], eta_s=(total - step) / max(rate, 1e-9),
+                           tokens_per_s=last_record["tokens_per_s"], loss=last_record["loss"],
+                           skipped_steps=train_step.skipped_steps)
+                    if progress is not None:
+                        progress.set_postfix(loss=f"{last_record['loss']:.3f}", acc=f"{last_record['accuracy']:.3f}",
+                                             tok_s=f"{last_record['tokens_per_s']:.0f}")
+                    log.info("step %d loss %.4f acc %.3f tau~%.2f lr %.2e tok/s %.0f", step, last_record["loss"],
+                             last_record["accuracy"], last_record["tau_estimate"], lr, last_record["tokens_per_s"])
+                    window_tokens, window_start = 0, now
                 if progress is not None:
-                    progress.set_postfix(loss=f"{last_record['loss']:.3f}", acc=f"{last_record['accuracy']:.3f}",
-                                         tok_s=f"{last_record['tokens_per_s']:.0f}")
-                log.info("step %d loss %.4f acc %.3f tau~%.2f lr %.2e tok/s %.0f", step, last_record["loss"],
-                         last_record["accuracy"], last_record["tau_estimate"], lr, last_record["tokens_per_s"])
-                window_tokens, window_start = 0, now
-            if progress is not None:
-                progress.update(1)
-            cursor = {"epoch": epoch, "batch_index": index + 1}  # batches_from() continues exactly here
-            if step >= total:
-                break
-            if step % cfg.run.save_every == 0:
-                save_checkpoint(run, step, train_step, cursor, cfg.run.keep_last)
+                    progress.update(1)
+                if ctx.any_flag(stop.requested, device):
+                    if ctx.is_main:
+                        ckpt = save(step)
+                        report(phase="stopped", step=step, checkpoint=str(ckpt))
+                        log.info("stopped at step %d; checkpoint %s (continue with --resume)", step, ckpt)
+                    return run.checkpoints
+                if step < total and step % cfg.run.save_every == 0 and ctx.is_main:
+                    save(step)
         if progress is not None:
             progress.close()
-        save_checkpoint(run, step, train_step, cursor, cfg.run.keep_last)
-        status.update(phase="exporting")
-        cfg_yaml = run.config.read_text()
-        save_drafter(drafter, run.export, dtype=cfg.run.export_dtype,
-                     extra_files={"README.md": _model_card(cfg_yaml, plan, last_record), "training_config.yaml": cfg_yaml})
-        status.update(phase="done", step=step, export_dir=str(run.export), eta_s=0)
-        log.info("done: %d steps in %.0f s; drafter exported to %s", step, time.time() - t_start, run.export)
+        if ctx.is_main:
+            save(step)
+            report(phase="exporting")
+            cfg_yaml = run.config.read_text()
+            save_drafter(drafter, run.export, dtype=cfg.run.export_dtype,
+                         extra_files={"README.md": _model_card(cfg_yaml, plan, last_record), "training_config.yaml": cfg_yaml,
+                                      PROVENANCE_NAME: (run.root / PROVENANCE_NAME).read_text()})
+            report(phase="done", step=step, export_dir=str(run.export), eta_s=0)
+            log.info("done: %d steps in %.0f s; drafter exported to %s", step, time.time() - t_start, run.export)
+        else:
+            report(phase="done", step=step)
         return run.export
     except BaseException as e:
-        status.fail(e)
-        log.error("run failed: %s", e, exc_info=True)
+        if status is not None:
+            status.fail(e)
+        else:
+            write_heartbeat(run, ctx.rank, "failed", step_box[0], error=f"{type(e).__name__}: {e}")
+        log.error("rank %d failed: %s", ctx.rank, e, exc_info=True)
         raise
     finally:
         if metrics is not None:
             metrics.close()
-        logging.getLogger("dflash_train").removeHandler(handler)
-        handler.close()
+        if handler is not None:
+            logging.getLogger("dflash_train").removeHandler(handler)
+            handler.close()
+        ctx.close()
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """A resumed run re-logs the steps after its checkpoint: drop the killed run's records of them."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError):
+            continue  # a torn last line from the kill
+    path.write_text("".join(line + "\n" for line in keep))

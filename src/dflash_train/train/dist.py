@@ -1,0 +1,53 @@
+"""One process per device on torch.distributed (NCCL on GPU, gloo on CPU). World size 1 is the same
+code path with no process group."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as torch_dist
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> "DistContext":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+
+    def device(self, requested: torch.device) -> torch.device:
+        if requested.type == "cuda":
+            if self.local_rank >= torch.cuda.device_count():
+                raise RuntimeError(f"rank {self.rank} needs cuda:{self.local_rank}, but only "
+                                   f"{torch.cuda.device_count()} GPU(s) are visible")
+            torch.cuda.set_device(self.local_rank)
+            return torch.device("cuda", self.local_rank)
+        return requested
+
+    def init(self, device: torch.device, timeout_s: float = 600) -> None:
+        if self.world > 1 and not torch_dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            torch_dist.init_process_group(backend, rank=self.rank, world_size=self.world,
+                                          timeout=timedelta(seconds=timeout_s))
+
+    def any_flag(self, flag: bool, device: torch.device) -> bool:
+        """True on every rank if it is true on any (all ranks stop at the same step)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def close(self) -> None:
+        if torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
