@@ -112,3 +112,27 @@ def test_eval_refuses_a_drafter_of_another_target(tmp_path, trained_run, tiny_ta
     assert rc == 2
     err = capsys.readouterr().err
     assert "not trained for this target" in err and "target 3, drafter 6" in err and "hidden_size: target 64, drafter 576" in err
+
+
+def test_eval_refuses_another_chat_template_and_updates_the_model_card(tmp_path, regen_data, trained_run,
+                                                                        smollm2_slice_dir, capsys):
+    import shutil
+
+    export = trained_run / "export"
+    provenance = json.loads((export / "dflash_train.json").read_text())
+    assert provenance["chat_template_sha256"].startswith("sha256:") and provenance["num_hidden_layers"] == 6
+    other = tmp_path / "other-template"
+    shutil.copytree(smollm2_slice_dir, other)
+    template = other / "chat_template.jinja"
+    template.write_text(template.read_text().replace("<|im_start|>assistant", "<|im_start|>bot"))
+    rc = main(["eval", "--target", str(other), "--drafter", str(export), "--data", str(regen_data / "heldout.jsonl"),
+               "--out", str(tmp_path / "e.json")])
+    assert rc == 2
+    assert "chat template: trained with" in capsys.readouterr().err
+    card = tmp_path / "card"
+    shutil.copytree(export, card)
+    assert main(["eval", "--target", str(smollm2_slice_dir), "--drafter", str(card), "--data",
+                 str(regen_data / "heldout.jsonl"), "--out", str(tmp_path / "c.json"), "--limit", "1",
+                 "--max-new-tokens", "8", "--update-card"]) == 0
+    text = (card / "README.md").read_text()
+    assert "## Evaluation (speculative decoding)" in text and "| block |" in text and "## Training config" in text

@@ -32,6 +32,7 @@ def test_capture_equals_hf_hidden_states_and_skips_later_layers(tiny_target_dir,
     with torch.no_grad():
         full = tiny_model(ids, output_hidden_states=True).hidden_states
     reference = torch.cat([full[i + 1] for i in [1, 3]], dim=-1)
+    norm_calls = []
     model = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
     later = model.model.layers[4]
     calls = []
@@ -39,10 +40,11 @@ def test_capture_equals_hf_hidden_states_and_skips_later_layers(tiny_target_dir,
     cap = TargetCapture.from_model(model, [1, 3])
     head_calls = []
     cap.lm_head.register_forward_hook(lambda *a: head_calls.append(1))
+    model.model.norm.register_forward_hook(lambda *a: norm_calls.append(1))
     out = cap(ids)
     assert out.shape == (2, 23, 2 * 64)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
-    assert not calls and not head_calls and len(model.model.layers) == 4
+    assert not calls and not head_calls and not norm_calls and len(model.model.layers) == 6  # whole, but cut short at run time
 
 
 def test_capture_ignores_right_padding(tiny_model):

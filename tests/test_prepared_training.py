@@ -56,9 +56,14 @@ def test_train_runs_on_a_prepared_dataset(prepared, tiny_target_dir, tmp_path, c
     with caplog.at_level(logging.INFO, logger="dflash_train"):
         assert main(["train", str(cfg), "--run-dir", str(run), "--max-steps", "5"]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    validation = [r for r in records if r.get("kind") == "validation"]
+    records = [r for r in records if r.get("kind") != "validation"]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and all(np.isfinite(r["loss"]) for r in records)
+    # The prepared val split feeds validation at the last step; the best checkpoint is kept.
+    assert [r["step"] for r in validation] == [5] and validation[0]["val_tau"] >= 1
+    assert (run / "checkpoints" / "best" / "trainer_state.json").is_file()
     log = (run / "train.log").read_text()
-    assert f"{prepared} (prepared: 56 rows" in log and "epoch 0: " in log and "padding" in log
+    assert f"{prepared} (train split: 56 rows" in log and "epoch 0: " in log and "padding" in log
     status = json.loads((run / "status.json").read_text())
     assert status["phase"] == "done" and 0 <= status["padding_fraction"] < 0.5
     state = json.loads((run / "checkpoints" / "step-00000005" / "trainer_state.json").read_text())

@@ -7,6 +7,9 @@ Unknown keys and wrong types raise `ConfigError` naming the key and listing the 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +21,21 @@ import yaml
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the key and what to do."""
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 80, 80, 8, 8
+_INT_LIMIT = 2**63  # ints are counts, ids and seeds: beyond int64 nothing downstream can use them
+# YAML 1.1 (PyYAML) reads `1e-4` (no dot) as a string; a float key accepts it as the number it means.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _show(value: Any) -> str:
+    """A short repr for messages: bounded for huge, deep or self-referencing values."""
+    try:
+        return _REPR.repr(value)
+    except (ValueError, RecursionError):  # e.g. an int beyond Python's 4300-digit str limit
+        return f"<{type(value).__name__}>"
 
 
 @dataclass
@@ -51,6 +69,8 @@ class DataConfig:
     # A micro-batch holds at most max_batch_size sequences and token_budget tokens (padding included).
     token_budget: int = 16384
     max_batch_size: int = 16
+    # Validation conversations (raw files); prepared datasets bring their own val split.
+    val_files: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -91,6 +111,13 @@ class RunConfig:
     progress_bar: bool = True
     # Persistent inductor cache (null = ~/.cache/dflash-train/inductor); a restart reuses compiled kernels.
     compile_cache_dir: Optional[str] = None
+    # Validation every N steps (0 = off): teacher-forced tau estimate on eval_batches held-out
+    # micro-batches, and real speculative decoding on eval_prompts held-out prompts. The best
+    # checkpoint by validation tau is kept in checkpoints/best.
+    eval_every: int = 500
+    eval_batches: int = 4
+    eval_prompts: int = 2
+    eval_max_new_tokens: int = 64
 
 
 @dataclass
@@ -120,7 +147,7 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against the annotation `tp`; return it in canonical form or raise."""
     origin = get_origin(tp)
-    bad = ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    bad = ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__})")
     if origin is Literal:
         if value not in get_args(tp):
             raise bad
@@ -158,11 +185,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad
+        if not -_INT_LIMIT <= value < _INT_LIMIT:
+            raise ConfigError(f"config key '{key}': {_show(value)} is out of range (a 64-bit integer is expected)")
         return value
     if tp is float:
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int too large for a float
+            value = math.inf
+        if not math.isfinite(value):
+            raise ConfigError(f"config key '{key}': must be a finite number, got {value}")
+        return value
     if tp is str:
         if not isinstance(value, str):
             raise bad
@@ -175,7 +212,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def _build(cls: type, data: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    where = prefix or "the top level"
+    where = prefix.rstrip(".") or "the top level"
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -196,9 +233,35 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 def _parse_scalar(text: str) -> Any:
     """A command-line value is read as YAML: `3e-4` -> float, `[1,2]` -> list, `null` -> None."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return yaml.load(text, Loader=_StrictLoader)
+    except (yaml.YAMLError, ValueError, RecursionError):  # not YAML, or YAML Python cannot hold: the text
         return text
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML keeps the last silently, so
+    a second `optim:` section would wipe out the first)."""
+
+
+def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        try:
+            first = seen.get(key)
+        except TypeError:  # unhashable: construct_mapping reports it
+            continue
+        if first is not None:
+            raise ConfigError(f"config key '{key}' is given twice (lines {first} and {line}); "
+                              "the second would silently replace the first: merge them")
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
 
 
 def _apply_override(tree: dict, item: str) -> None:
@@ -208,9 +271,10 @@ def _apply_override(tree: dict, item: str) -> None:
     parts = dotted.strip().split(".")
     node = tree
     for part in parts[:-1]:
-        child = node.setdefault(part, {})
+        child = node.get(part, {})
         if not isinstance(child, dict):
             raise ConfigError(f"override '{item}': '{part}' is not a section")
+        node[part] = child = dict(child)  # copy on the way down: the caller's dict is never changed
         node = child
     value = _parse_scalar(raw)
     # yaml reads "1e-4" as a string; accept it as a number where a float is meant.
@@ -223,7 +287,9 @@ def _apply_override(tree: dict, item: str) -> None:
 
 
 def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
-    tree = yaml.safe_load(yaml.safe_dump(data or {}))  # deep copy through plain types
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config section 'the top level' must be a mapping, got {type(data).__name__}")
+    tree = dict(data or {})  # overrides copy the sections they change; nothing else is ever mutated
     for item in overrides or []:
         _apply_override(tree, item)
     cfg = _build(Config, tree, "")
@@ -238,9 +304,16 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+            data = yaml.load(p.read_bytes().decode("utf-8"), Loader=_StrictLoader) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text (invalid byte at offset {e.start})") from None
+        except ConfigError as e:
+            raise ConfigError(f"{e} ({p})") from None
+        except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: e.g. an int of > 4300 digits
+            what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise ConfigError(f"config file {p} is not valid YAML: {what}") from None
+        except OSError as e:
+            raise ConfigError(f"config file {p} cannot be read: {e.strerror or e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
     try:
@@ -306,6 +379,9 @@ def validate(cfg: Config) -> None:
     need(r.log_every >= 1, "run.log_every", "must be >= 1")
     need(r.save_every >= 1, "run.save_every", "must be >= 1")
     need(r.keep_last >= 1, "run.keep_last", "must be >= 1")
+    need(r.eval_every >= 0 and r.eval_batches >= 0 and r.eval_prompts >= 0, "run.eval_every",
+         "eval_every, eval_batches and eval_prompts must be >= 0")
+    need(r.eval_max_new_tokens >= 1, "run.eval_max_new_tokens", "must be >= 1")
 
 
 def validate_against_target(cfg: Config, num_target_layers: int, vocab_size: int) -> None:

@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 class _Prepared:
     """The train split of a prepared dataset, seen through the run's max_length, block_size, max_samples."""
 
-    def __init__(self, path: str, tokenizer, target: str, max_length: int, block_size: int, limit: int):
-        self.ds = PreparedDataset(path, "train")
+    def __init__(self, path: str, tokenizer, target: str, max_length: int, block_size: int, limit: int,
+                 split: str = "train"):
+        self.ds = PreparedDataset(path, split)
         m = self.ds.manifest
         check_fingerprints(m, tokenizer, path, target)
         self.rejected = Counter(m["counts"]["rejected"])
@@ -44,8 +45,7 @@ class _Prepared:
             rows = rows[:limit]
         self.rows = rows
         self.lengths = np.minimum(self.ds.lengths[rows], max_length)
-        self.description = (f"{path} (prepared: {len(rows)} rows, {int(self.lengths.sum())} tokens; "
-                            f"val split {m['splits']['val']['rows']} rows unused)")
+        self.description = f"{path} ({split} split: {len(rows)} rows, {int(self.lengths.sum())} tokens)"
 
     def example(self, j: int) -> Tokenized:
         ex = self.ds.example(int(self.rows[j]))
@@ -119,3 +119,20 @@ def open_training_data(cfg, tokenizer) -> TrainingData:
     if not len(lengths):
         raise ValueError(f"no training rows in {files} (rejected: {dict(rejected)})")
     return TrainingData(parts, lengths, rejected)
+
+
+def open_validation_data(cfg, tokenizer) -> Optional[TrainingData]:
+    """The val splits of prepared `data.train_files` plus `data.val_files`; None when there is none."""
+    parts = []
+    for entry in cfg.data.train_files:
+        if is_prepared(entry):
+            parts.append(_Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, cfg.drafter.block_size, 0, "val"))
+    for entry in cfg.data.val_files:
+        if is_prepared(entry):
+            parts.append(_Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, cfg.drafter.block_size, 0, "val"))
+        else:
+            parts.append(_InMemory(entry, tokenizer, cfg.data.max_length, cfg.drafter.block_size, 0))
+    parts = [p for p in parts if len(p.lengths)]
+    if not parts:
+        return None
+    return TrainingData(parts, np.concatenate([p.lengths for p in parts]).astype(np.int64))

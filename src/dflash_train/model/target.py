@@ -74,9 +74,15 @@ def decoder_of(model: PreTrainedModel) -> nn.Module:
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (looked for `.layers` on its decoder)")
 
 
+class _CaptureDone(Exception):
+    """Raised by the hook on the last needed layer: the rest of the forward never runs."""
+
+
 @dataclass
 class TargetCapture:
-    """A target cut after its last needed layer; `__call__` returns `[B, S, K*H]`."""
+    """A target read up to its last needed layer; `__call__` returns `[B, S, K*H]`. The model stays
+    whole (speculative decoding during training uses it), but a capture stops the forward right after
+    the last captured layer: later layers, the final norm and the lm_head never run."""
 
     model: PreTrainedModel
     layer_ids: list[int]
@@ -92,11 +98,8 @@ class TargetCapture:
         num_layers = len(decoder.layers)
         if max(layer_ids) >= num_layers:
             raise ValueError(f"target_layer_ids {layer_ids} exceed the target's {num_layers} layers")
-        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        # Cut: later layers and the final norm never run (the drafter never sees the target's norm).
-        decoder.layers = decoder.layers[: max(layer_ids) + 1]
-        decoder.norm = nn.Identity()
-        return cls(model, list(layer_ids), embed, head, num_layers, tc.hidden_size)
+        return cls(model, list(layer_ids), model.get_input_embeddings(), model.get_output_embeddings(),
+                   num_layers, tc.hidden_size)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -104,13 +107,18 @@ class TargetCapture:
         so no attention mask is passed (the fast causal kernels stay usable)."""
         captured: dict[int, torch.Tensor] = {}
         decoder = decoder_of(self.model)
+        last = max(self.layer_ids)
         hooks = []
         for lid in self.layer_ids:
             def hook(_m, _inp, out, lid=lid):
                 captured[lid] = out[0] if isinstance(out, tuple) else out
+                if lid == last:
+                    raise _CaptureDone
             hooks.append(decoder.layers[lid].register_forward_hook(hook))
         try:
             decoder(input_ids=input_ids, use_cache=False)
+        except _CaptureDone:
+            pass
         finally:
             for h in hooks:
                 h.remove()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -30,19 +31,99 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names both sides."""
 
 
-def save_checkpoint(root: Path, step: int, drafter, optimizer, scheduler, state: dict[str, Any], keep_last: int) -> Path:
-    final = root / f"step-{step:08d}"
-    tmp = root / f".step-{step:08d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_drafter(drafter, tmp / "drafter", dtype="float32")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-    write_json_atomic(tmp / STATE, {"step": step, **state})
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.replace(final)
-    for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (disk full, file too large, no permission, ...). Nothing of it
+    is left behind and the checkpoints written before it are untouched; the message names the path, the
+    OS error and the newest intact checkpoint."""
+
+
+class _WriteRecorder:
+    """A file wrapper that remembers the OSError of a failed write: torch.save reports a failed write only
+    as 'unexpected pos N vs M', which says nothing about a full disk."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_torch(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        rec = _WriteRecorder(f)
+        try:
+            torch.save(obj, rec)
+            f.flush()
+        except Exception as e:
+            if rec.error is not None and rec.error is not e:
+                raise rec.error from e
+            raise
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or a directory entry to the disk: a renamed checkpoint survives a power loss whole."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return f"[Errno {e.errno}] {e.strerror}" + (f": {e.filename}" if e.filename else "")
+    return f"{type(e).__name__}: {e}"
+
+
+def save_checkpoint(root: Path, step: int, drafter, optimizer, scheduler, state: dict[str, Any], keep_last: int,
+                    name: Optional[str] = None) -> Path:
+    """`name` (e.g. "best") writes outside the step-N rotation. Built in `.NAME.tmp`, flushed to disk and
+    renamed into place; on any failure the temp folder is removed, earlier checkpoints stay as they were
+    and CheckpointWriteError says what happened."""
+    root = Path(root)
+    final = root / (name or f"step-{step:08d}")
+    tmp = root / f".{final.name}.tmp"
+    old = None
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_drafter(drafter, tmp / "drafter", dtype="float32")
+        _save_torch({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+        write_json_atomic(tmp / STATE, {"step": step, **state})
+        for f in sorted(tmp.rglob("*"), reverse=True):
+            _fsync(f)
+        _fsync(tmp)
+        if final.exists():  # the same step again (or `best`): move the old one aside, never delete it first
+            old = root / f".{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.replace(final)
+        _fsync(root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and old.exists() and not final.exists():
+            old.rename(final)
+        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: as they are
+            raise
+        intact = list_checkpoints(root)
+        raise CheckpointWriteError(
+            f"could not write checkpoint {final}: {_describe(e)}. "
+            + (f"The newest complete checkpoint, {intact[-1]}, is intact. " if intact else "No earlier checkpoint exists. ")
+            + f"Free disk space or fix permissions on {root}, then continue with --resume"
+        ) from e
+    for stale in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 

@@ -17,7 +17,7 @@ import torch
 from .. import assets
 from ..config import Config, dump_config, validate_against_target
 from ..data.dataset import batches_from, collate, padding_fraction, plan_batches
-from ..data.source import open_training_data
+from ..data.source import open_training_data, open_validation_data
 from ..model.attention import resolve_backend
 from ..model.drafter import DFlashDrafter, default_target_layer_ids
 from ..model.drafter_config import make_drafter_config
@@ -28,6 +28,7 @@ from ..model import compile as compile_layer
 from ..model.provenance import PROVENANCE_NAME, target_provenance, write_provenance
 from . import checkpoint as checkpoints
 from .step import StepStats, TrainStep, forward_loss
+from .validate import validate
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +121,10 @@ def _record(stats: StepStats, step: int, epoch: float, tokens: int, seconds: flo
     }
 
 
-def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional[str]) -> dict:
+def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional[str], with_validation: bool) -> dict:
     """Compile everything the loop will run, exactly as the loop runs it (grad on, forward + backward,
-    production dtype, dynamic shapes), then seal the compile layer. Weights do not change."""
+    production dtype, dynamic shapes; and the no-grad forward of validation), then seal the compile
+    layer. Weights do not change."""
     path = compile_layer.configure_cache(cache_dir, fresh=fresh_cache)
     compile_layer.watch_recompiles()
     t0 = time.time()
@@ -130,6 +132,10 @@ def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional
                          torch.Generator().manual_seed(0), train_step.compute_dtype)
     stats.loss.backward()
     train_step.optimizer.zero_grad(set_to_none=True)
+    if with_validation:
+        with torch.no_grad():
+            forward_loss(train_step.drafter, train_step.target, train_step.backend, batch, train_step.cfg,
+                         torch.Generator().manual_seed(0), train_step.compute_dtype)
     if batch.input_ids.is_cuda:
         torch.cuda.synchronize()
     compile_layer.seal()
@@ -245,6 +251,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                  dcfg.num_hidden_layers, n_params / 1e6, total, batches_per_epoch, ctx.world)
 
         step, cursor = 0, {"epoch": 0, "batch_index": 0}
+        best_val: Optional[float] = None  # best validation tau so far (kept across resumes)
         identity = {"world_size": ctx.world, "tokenizer_sha256": provenance["tokenizer_sha256"],
                     "drafter_shape": [dcfg.num_hidden_layers, dcfg.hidden_size, dcfg.intermediate_size, bs],
                     "target_layer_ids": list(plan.layer_ids), "mask_token_id": plan.mask_token_id,
@@ -257,20 +264,41 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             state = checkpoints.load_into(ckpt, drafter, train_step.optimizer, train_step.scheduler)
             step, cursor = state["step"], {"epoch": state["epoch"], "batch_index": state["batch_index"]}
             train_step.skipped_steps = state.get("skipped_steps", 0)
+            best_val = state.get("best_val_tau")
             log.info("resumed from %s: step %d, epoch %d, batch %d", ckpt, step, cursor["epoch"], cursor["batch_index"])
             if ctx.is_main:
                 _truncate_metrics(run.metrics, step)
 
-        def save(at_step: int) -> Path:
-            state = {**cursor, **identity, "skipped_steps": train_step.skipped_steps}
+        def save(at_step: int, name: Optional[str] = None) -> Path:
+            state = {**cursor, **identity, "skipped_steps": train_step.skipped_steps, "best_val_tau": best_val}
             return checkpoints.save_checkpoint(run.checkpoints, at_step, drafter, train_step.optimizer,
-                                               train_step.scheduler, state, cfg.run.keep_last)
+                                               train_step.scheduler, state, cfg.run.keep_last, name)
 
         metrics = MetricsWriter(run) if ctx.is_main else None
+        val = open_validation_data(cfg, tokenizer) if ctx.is_main and cfg.run.eval_every else None
+        if ctx.is_main and cfg.run.eval_every and val is None:
+            log.info("no validation data (prepared val split or data.val_files): validation is off")
+        stop_ids = assets.target_defaults(plan.target_path).get("stop_token_ids") or [tokenizer.eos_token_id]
         report(phase="warmup")
         first_rows = plan_batches(*batching, 0)[0]
         warm = warm_up(train_step, collate([data.example(i) for i in first_rows], tokenizer.pad_token_id).to(device),
-                       fresh_compile_cache, cfg.run.compile_cache_dir)
+                       fresh_compile_cache, cfg.run.compile_cache_dir, with_validation=val is not None)
+
+        def run_validation(at_step: int) -> None:
+            nonlocal best_val
+            t0 = time.time()
+            result = validate(train_step, val, tokenizer.pad_token_id, device, batches=cfg.run.eval_batches,
+                              prompts=cfg.run.eval_prompts, max_new_tokens=cfg.run.eval_max_new_tokens,
+                              stop_token_ids=stop_ids)
+            score = result.get("val_tau", result.get("val_tau_estimate"))
+            record = {"step": at_step, "kind": "validation", **result, "val_seconds": round(time.time() - t0, 2)}
+            if score is not None and (best_val is None or score > best_val):
+                best_val = score
+                save(at_step, name="best")
+                record["best"] = True
+            metrics.write(record)
+            report(**{k: v for k, v in record.items() if k not in ("step", "kind")}, best_val_tau=best_val)
+            log.info("validation at step %d: %s", at_step, ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
         report(phase="training", step=step, total_steps=total, drafter_params=n_params, backend=backend.name,
                world_size=ctx.world, **warm)
         progress = None
@@ -323,6 +351,8 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                         report(phase="stopped", step=step, checkpoint=str(ckpt))
                         log.info("stopped at step %d; checkpoint %s (continue with --resume)", step, ckpt)
                     return run.checkpoints
+                if val is not None and (step % cfg.run.eval_every == 0 or step == total):
+                    run_validation(step)
                 if step < total and step % cfg.run.save_every == 0 and ctx.is_main:
                     save(step)
         if progress is not None:
