@@ -9,21 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError, config_from_dict, load_config
+from .config import ConfigError, load_config
 
 log = logging.getLogger("dflash_train")
-
-# The demo: the embedded default target and built-in ShareGPT conversations, sized for a 2-core CPU.
-DEMO_CONFIG = {
-    "target": {"path": "smollm2"},
-    "drafter": {"num_draft_layers": 2, "block_size": 8, "attention_backend": "auto"},
-    "data": {"train_files": ["sharegpt"], "max_samples": 600, "max_length": 384, "token_budget": 1536, "max_batch_size": 4},
-    "objective": {"max_anchors": 48, "gamma": 4.0},
-    # ~4 s per step on a 2-core CPU: 150 steps keep the demo near 10 minutes.
-    "optim": {"lr": 1e-3, "epochs": 1.0, "max_steps": 150, "warmup_ratio": 0.05},
-    "run": {"log_every": 5, "save_every": 50},
-}
-
 
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(
@@ -102,17 +90,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .train.trainer import train
+    from .demo import run_demo
 
-    cfg = config_from_dict(DEMO_CONFIG, args.overrides)
-    run_dir = Path(args.run_dir)
-    print(f"demo: training a DFlash drafter for SmolLM2-135M-Instruct on ShareGPT conversations -> {run_dir}", flush=True)
-    t0 = time.time()
-    export = train(cfg, run_dir, max_steps=args.max_steps)
-    print(f"\ndemo finished in {time.time() - t0:.0f} s")
-    print(f"  run directory:    {run_dir}   (dflash-train status {run_dir})")
-    print(f"  exported drafter: {export}")
-    return 0
+    return run_demo(Path(args.run_dir), args.overrides)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -226,8 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_parser(sub)
     d = sub.add_parser("demo", help="train a drafter for the embedded default target (SmolLM2-135M) on CPU or GPU")
     d.add_argument("overrides", nargs="*", help="dotted overrides of the demo config")
-    d.add_argument("--run-dir", default="runs/demo")
-    d.add_argument("--max-steps", type=int, default=None)
+    d.add_argument("--run-dir", default="runs/demo", help="where every stage writes (a second run reuses it)")
     d.set_defaults(func=cmd_demo)
     return p
 
