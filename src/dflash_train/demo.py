@@ -33,8 +33,8 @@ class DemoSize:
         if torch.cuda.is_available():
             return cls(prompts=2000, max_prompt_tokens=512, max_new_tokens=256, train_steps=800, eval_prompts=20,
                        eval_new_tokens=256, tree_budget=32)
-        return cls(prompts=96, max_prompt_tokens=192, max_new_tokens=128, train_steps=120, eval_prompts=3,
-                   eval_new_tokens=48, tree_budget=16)
+        return cls(prompts=96, max_prompt_tokens=192, max_new_tokens=128, train_steps=120, eval_prompts=2,
+                   eval_new_tokens=32, tree_budget=16)
 
 
 def demo_config(size: DemoSize, data_dir: Path, overrides: list[str]):
