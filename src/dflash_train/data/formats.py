@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import gzip
 import json
+import reprlib
 from pathlib import Path
 from typing import Any, Iterator, Union
 
@@ -63,7 +64,7 @@ def _content(content: Any, role: str, i: int) -> str:
 
 def _turn(role: Any, content: Any, i: int) -> dict[str, str]:
     if role not in ROLES:
-        raise RowError("unknown role", f"turn {i} has role {role!r}")
+        raise RowError("unknown role", f"turn {i} has role {reprlib.repr(role)}")
     return {"role": role, "content": _content(content, role, i)}
 
 
@@ -89,9 +90,10 @@ def to_messages(row: Any) -> list[dict[str, str]]:
         for i, t in enumerate(turns):
             if not isinstance(t, dict):
                 raise RowError("wrong type", f"turn {i} is a {type(t).__name__}, not an object")
-            role = SHAREGPT_ROLES.get(str(t.get("from", "")).lower())
+            sender = t.get("from")
+            role = SHAREGPT_ROLES.get(sender.lower()) if isinstance(sender, str) else None
             if role is None:
-                raise RowError("unknown role", f"turn {i} has from={t.get('from')!r}")
+                raise RowError("unknown role", f"turn {i} has from={reprlib.repr(sender)}")
             msgs.append(_turn(role, t.get("value"), i))
     elif "prompt" in row:
         msgs = [_turn("user", row["prompt"], 0)]
@@ -122,10 +124,13 @@ def _open_bytes(path: Path):
 
 
 def _sniff(path: Path) -> str:
-    """'parquet', 'array' or 'jsonl': Parquet by magic bytes, JSON array by a leading '['."""
+    """'parquet', 'array' or 'jsonl': by name for .parquet / .jsonl(.gz); else Parquet by magic bytes, JSON
+    array by a leading '['."""
     name = path.name.lower()
     if name.endswith(".parquet"):
         return "parquet"
+    if name.endswith((".jsonl", ".jsonl.gz")):  # a JSONL row may itself start with '['
+        return "jsonl"
     with _open_bytes(path) as f:
         head = f.read(4096)
     if head[:4] == b"PAR1":
@@ -162,9 +167,14 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Row]]:
             if not line.strip():
                 continue
             try:
-                yield where, json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as e:
                 yield where, RowError("invalid JSON", f"{e.msg} at column {e.colno}")
+                continue
+            except (ValueError, RecursionError) as e:  # valid JSON Python will not hold: only this row is bad
+                yield where, RowError("invalid JSON", _unloadable(e))
+                continue
+            yield where, row
 
 
 _CHUNK = 1 << 20
@@ -211,7 +221,11 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, Row]]:
                 yield f"{path}:#{index}", RowError("invalid JSON", "the array is not closed (truncated file?)")
                 return
             if buf[pos] == "]":
+                pos += 1
+                if skip_space(" \t\r\n"):
+                    yield f"{path}:#{index}", RowError("invalid JSON", "data after the end of the array (not read)")
                 return
+            unloadable = None
             while True:
                 try:
                     row, end = decoder.raw_decode(buf, pos)
@@ -221,15 +235,59 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, Row]]:
                         yield f"{path}:#{index}", RowError(
                             "invalid JSON", f"{e.msg} (reading stopped here: the rest of the array is unreadable)")
                         return
+                except (ValueError, RecursionError) as e:  # valid JSON Python will not hold: skip this element
+                    unloadable, end = e, _value_end(buf, pos)
+                    if end is not None:
+                        break
+                    if len(buf) - pos > _MAX_ELEMENT or not more():
+                        yield f"{path}:#{index}", RowError(
+                            "invalid JSON", f"{_unloadable(e)} (reading stopped here: the rest of the array is unreadable)")
+                        return
             text, pos = buf[pos:end], end
             where = f"{path}:#{index}"
             index += 1
+            if unloadable is not None:
+                yield where, RowError("invalid JSON", _unloadable(unloadable))
+                continue
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 yield where, RowError("not UTF-8", "the element holds bytes that are not UTF-8")
                 continue
             yield where, row
+
+
+def _unloadable(e: BaseException) -> str:
+    """Why a syntactically plausible JSON value could not be loaded (Python's own limits)."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    return f"{e}".split(";")[0]  # e.g. an integer of more than 4300 digits
+
+
+def _value_end(buf: str, pos: int) -> int | None:
+    """End of the JSON value that starts at `pos`, found by matching brackets outside strings (no
+    recursion, no number conversion); None when `buf` ends first."""
+    depth, i, n = 0, pos, len(buf)
+    while i < n:
+        c = buf[i]
+        if c == '"':
+            i += 1
+            while i < n and buf[i] != '"':
+                i += 2 if buf[i] == "\\" else 1
+            if i >= n:
+                return None
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth < 0:  # the array's own closing bracket ends a scalar
+                return i
+        elif depth == 0 and c in ", \t\r\n":
+            return i
+        i += 1
+        if depth == 0 and c in '"]}':
+            return i
+    return None
 
 
 def _iter_parquet(path: Path, batch_rows: int = 1024) -> Iterator[tuple[str, Row]]:

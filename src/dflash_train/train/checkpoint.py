@@ -124,6 +124,8 @@ def save_checkpoint(root: Path, step: int, drafter, optimizer, scheduler, state:
         ) from e
     for stale in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(stale, ignore_errors=True)
+    for torn in [*root.glob(".*.tmp"), *root.glob(".*.old")]:  # left by a process killed mid-write
+        shutil.rmtree(torn, ignore_errors=True)
     return final
 
 
@@ -165,10 +167,13 @@ def load_into(ckpt: Path, drafter, optimizer, scheduler) -> dict:
     """Restore weights, optimizer and scheduler in place; returns the trainer state."""
     state = read_state(ckpt)
     saved = load_drafter(ckpt / "drafter")
-    own = drafter.state_dict()
-    mismatch = [k for k, v in saved.state_dict().items() if k not in own or own[k].shape != v.shape]
-    if mismatch or set(own) != set(saved.state_dict()):
-        raise CheckpointError(f"cannot resume from {ckpt}: drafter tensors differ in name or shape ({mismatch[:4]})")
+    own, theirs = drafter.state_dict(), saved.state_dict()
+    diffs = [f"{k}: checkpoint {tuple(theirs[k].shape) if k in theirs else 'absent'}, "
+             f"this run {tuple(own[k].shape) if k in own else 'absent'}"
+             for k in sorted(set(own) | set(theirs)) if k not in own or k not in theirs or own[k].shape != theirs[k].shape]
+    if diffs:
+        raise CheckpointError(f"cannot resume from {ckpt}: the drafter's tensors differ ({len(diffs)}: "
+                              + "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "") + ")")
     drafter.load_state_dict({k: v.to(own[k].device) for k, v in saved.state_dict().items()})
     opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(opt["optimizer"])

@@ -1,0 +1,103 @@
+"""Shared helpers of the reliability tests (chaos, storage faults, soak): a small CPU training config on the
+tiny target, training runs in subprocesses, heartbeat waits, loss comparison. Not a test module."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import yaml
+
+# One thread per process: two gloo ranks on a 2-core CI machine with the default thread count
+# oversubscribe the cores and run ~7x slower.
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+
+def write_config(path: Path, target: Path, data: Path, **over) -> Path:
+    """The tests/test_distributed.py config; `section__key=value` overrides."""
+    cfg = {
+        "target": {"path": str(target)},
+        "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},
+        "data": {"train_files": [str(data)], "max_length": 256, "token_budget": 512, "max_batch_size": 2},
+        "objective": {"max_anchors": 16, "gamma": 4.0},
+        "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.05},
+        "run": {"device": "cpu", "log_every": 1, "save_every": 4, "keep_last": 3, "progress_bar": False},
+    }
+    for dotted, value in over.items():
+        section, key = dotted.split("__")
+        cfg[section][key] = value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def losses(run: Path) -> dict[int, float]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = r["loss"]
+    return out
+
+
+def assert_same_losses(ref: dict[int, float], got: dict[int, float], steps: int) -> None:
+    assert sorted(got) == list(range(1, steps + 1)), sorted(got)
+    bad = {s: (ref[s], got[s]) for s in ref if got[s] != pytest.approx(ref[s], rel=1e-6, abs=1e-7)}
+    assert not bad, bad
+
+
+def launch(args: list[str], log: Path, preexec_fn: Optional[Callable] = None, **popen) -> subprocess.Popen:
+    with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "dflash_train", *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=ENV, preexec_fn=preexec_fn, **popen)
+
+
+def run(args: list[str], log: Path, timeout: float = 300) -> int:
+    proc = launch(args, log)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+def beat(run_dir: Path, rank: int) -> Optional[dict]:
+    try:
+        return json.loads((run_dir / "heartbeats" / f"rank-{rank}.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def wait_until(cond: Callable[[], object], proc: subprocess.Popen, timeout: float, what: str,
+               interval: float = 0.02, allow_exit: bool = False):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        if proc.poll() is not None and not allow_exit:
+            raise AssertionError(f"the run ended ({proc.returncode}) before {what}")
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def wait_for_step(run_dir: Path, rank: int, step: int, proc: subprocess.Popen, timeout: float = 120) -> dict:
+    def reached():
+        b = beat(run_dir, rank)
+        return b if b and b.get("phase") == "training" and b.get("step", 0) >= step else None
+    return wait_until(reached, proc, timeout, f"rank {rank} at step {step}")
+
+
+def status(run_dir: Path) -> dict:
+    return json.loads((run_dir / "status.json").read_text())
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
