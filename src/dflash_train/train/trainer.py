@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -396,4 +397,6 @@ def _truncate_metrics(path: Path, step: int) -> None:
                 keep.append(line)
         except (json.JSONDecodeError, KeyError):
             continue  # a torn last line from the kill
-    path.write_text("".join(line + "\n" for line in keep))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)  # a kill here leaves the old file, never a half-written one
