@@ -12,29 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _harness import losses as _losses, write_config as _config
+
 from dflash_train.cli import main
 
 pytestmark = pytest.mark.slow
-
-
-def _config(path: Path, target: Path, data: Path, **over) -> Path:
-    cfg = {
-        "target": {"path": str(target)},
-        "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},
-        "data": {"train_files": [str(data)], "max_length": 256, "token_budget": 512, "max_batch_size": 2},
-        "objective": {"max_anchors": 16, "gamma": 4.0},
-        "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.05},
-        "run": {"device": "cpu", "log_every": 1, "save_every": 4, "keep_last": 3, "progress_bar": False},
-    }
-    for dotted, value in over.items():
-        section, key = dotted.split("__")
-        cfg[section][key] = value
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def _losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
 def _launch(args: list[str], log: Path) -> subprocess.Popen:
