@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from .config import ConfigError, load_config, validate_world
 
 log = logging.getLogger("dflash_train")
 
@@ -40,6 +40,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train import launch
 
     cfg = load_config(args.config, args.overrides)  # invalid configs fail here, before anything starts
+    validate_world(cfg, args.nproc if "WORLD_SIZE" not in os.environ else int(os.environ["WORLD_SIZE"]))
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(Path(args.config).stem)
     if args.detach:
         child = _child_train_args(args, run_dir) + (["--nproc", str(args.nproc)] if args.nproc > 1 else [])
@@ -57,7 +58,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     result = train(cfg, run_dir, max_steps=args.max_steps, fresh_compile_cache=args.fresh_compile_cache,
                    resume=args.resume)
-    print(f"exported drafter: {result}" if result.name == "export" else f"stopped; checkpoints in {result}")
+    if result is None:
+        print("stopped during start-up; nothing to resume" if "RANK" not in os.environ or os.environ["RANK"] == "0"
+              else "target rank finished")
+    else:
+        print(f"exported drafter: {result}" if result.name == "export" else f"stopped; checkpoints in {result}")
     return 0
 
 

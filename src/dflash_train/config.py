@@ -95,6 +95,8 @@ class OptimConfig:
     epochs: float = 6.0
     # Stop after this many optimizer steps (0 = run all epochs).
     max_steps: int = 0
+    # Micro-batches per drafter rank and optimizer step (gradient accumulation).
+    grad_accum: int = 1
 
 
 @dataclass
@@ -121,6 +123,15 @@ class RunConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # colocated: every rank runs the target and the drafter (data parallel). split: the last
+    # `target_ranks` ranks only run the target and stream hidden states to the drafter ranks.
+    placement: Literal["colocated", "split"] = "colocated"
+    # split only: how many of the ranks run the target (the rest train the drafter).
+    target_ranks: int = 1
+
+
+@dataclass
 class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -128,6 +139,7 @@ class Config:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -382,6 +394,22 @@ def validate(cfg: Config) -> None:
     need(r.eval_every >= 0 and r.eval_batches >= 0 and r.eval_prompts >= 0, "run.eval_every",
          "eval_every, eval_batches and eval_prompts must be >= 0")
     need(r.eval_max_new_tokens >= 1, "run.eval_max_new_tokens", "must be >= 1")
+    need(op.grad_accum >= 1, "optim.grad_accum", f"must be >= 1 (got {op.grad_accum})")
+    need(cfg.parallel.target_ranks >= 1, "parallel.target_ranks", f"must be >= 1 (got {cfg.parallel.target_ranks})")
+    if cfg.parallel.placement == "split":
+        need(r.eval_every == 0, "run.eval_every",
+             "validation during training needs the target on the drafter's rank; with parallel.placement=split set "
+             "run.eval_every=0 and evaluate checkpoints with `dflash-train eval`")
+
+
+def validate_world(cfg: Config, world: int) -> None:
+    """Checks that need the number of ranks (run at start-up, before any model loads)."""
+    if cfg.parallel.placement == "split" and not 1 <= cfg.parallel.target_ranks < world:
+        raise ConfigError(
+            f"config key 'parallel.target_ranks': {cfg.parallel.target_ranks} target rank(s) do not fit {world} "
+            f"rank(s); the split placement needs at least one target and one drafter rank "
+            f"(start more ranks with --nproc, or use parallel.placement=colocated)"
+        )
 
 
 def validate_against_target(cfg: Config, num_target_layers: int, vocab_size: int) -> None:

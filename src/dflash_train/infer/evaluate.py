@@ -75,6 +75,78 @@ class Mode:
         return dec.generate_tree(prompt, max_new, self.budget)
 
 
+def make_modes(tree_budgets: tuple[int, ...] = (), measure_speedup: bool = True) -> list[Mode]:
+    """The modes `evaluate` runs, in report order: target (when measuring speedup), block, tree-N."""
+    modes = [Mode("block")] + [Mode(f"tree-{b}", b) for b in tree_budgets]
+    return [Mode("target")] + modes if measure_speedup else modes
+
+
+def run_prompt(dec: SpeculativeDecoder, tokenizer, item: dict, modes: list[Mode], max_new_tokens: int,
+               template_kwargs: Optional[dict] = None, dataset: str = "") -> dict:
+    """One prompt (all its turns) under every mode: `{"dataset", "id", "modes": {mode: [output per turn]}}`.
+    Each output keeps its per-step accept lengths and decode time, so records from separate processes
+    summarise exactly as one run would (`summarize_records`)."""
+    record = {"dataset": dataset, "id": item["id"], "modes": {}}
+    for mode in modes:
+        history: list[dict] = []
+        outs = []
+        for turn in item["turns"]:
+            history.append({"role": "user", "content": turn})
+            text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True,
+                                                 **(template_kwargs or {}))
+            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            res = mode.run(dec, prompt, max_new_tokens)
+            answer = tokenizer.decode(res.tokens, skip_special_tokens=True)
+            history.append({"role": "assistant", "content": answer})
+            outs.append({"token_ids": res.tokens, "text": answer, "tau": res.tau,
+                         "accept_lengths": list(res.accept_lengths), "decode_s": res.decode_s})
+        record["modes"][mode.name] = outs
+    return record
+
+
+def summarize_records(records: list[dict], mode_names: list[str], temperature: float = 0.0) -> dict:
+    """`{"modes": {mode: tau, histogram, tokens, rates[, speedup]}, "lossless_mismatches": [...]}` of one
+    dataset's prompt records (as `run_prompt` returns them), in record order. With a "target" mode the
+    other modes get a speedup and, when greedy, are checked token for token against it."""
+    per_mode: dict[str, dict] = {m: {"accepts": [], "tokens": 0, "decode_s": 0.0} for m in mode_names}
+    first_divergence: list = []
+    baseline = "target" in mode_names
+    for record in records:
+        for name in mode_names:
+            stats = per_mode[name]
+            for out in record["modes"][name]:
+                stats["accepts"] += out["accept_lengths"]
+                stats["tokens"] += len(out["token_ids"])
+                stats["decode_s"] += out["decode_s"]
+        if baseline and temperature <= 0:
+            ref = [o["token_ids"] for o in record["modes"]["target"]]
+            for name in mode_names:
+                if name == "target":
+                    continue
+                got = [o["token_ids"] for o in record["modes"][name]]
+                if got != ref:
+                    first_divergence.append({"id": record["id"], "mode": name, "at": _first_diff(ref, got)})
+    summary = {}
+    for name in mode_names:
+        s = per_mode[name]
+        n_steps = max(len(s["accepts"]), 1)
+        summary[name] = {
+            "tau": sum(s["accepts"]) / n_steps,
+            "histogram": dict(sorted(Counter(s["accepts"]).items())),
+            "tokens": s["tokens"],
+            "steps": len(s["accepts"]),
+            "decode_s": s["decode_s"],
+            "decode_tokens_per_s": s["tokens"] / max(s["decode_s"], 1e-9),
+            "time_per_token_ms": 1000 * s["decode_s"] / max(s["tokens"], 1),
+        }
+    if baseline:
+        base = summary["target"]["time_per_token_ms"]
+        for name in mode_names:
+            if name != "target":
+                summary[name]["speedup"] = base / max(summary[name]["time_per_token_ms"], 1e-9)
+    return {"modes": summary, "lossless_mismatches": first_divergence}
+
+
 def evaluate(
     target,
     tokenizer,
@@ -92,57 +164,64 @@ def evaluate(
 ) -> dict:
     """Run every mode on every prompt; returns a JSON-ready report."""
     dec = SpeculativeDecoder(target, drafter, stop_token_ids, temperature, block_size)
-    modes = [Mode("block")] + [Mode(f"tree-{b}", b) for b in tree_budgets]
-    if measure_speedup:
-        modes = [Mode("target")] + modes
-    report: dict = {"config": {"max_new_tokens": max_new_tokens, "temperature": temperature,
-                               "block_size": dec.block_size, "tree_budgets": list(tree_budgets)},
+    modes = make_modes(tree_budgets, measure_speedup)
+    report: dict = {"config": report_config(max_new_tokens, temperature, dec.block_size, tree_budgets),
                     "datasets": {}, "outputs": []}
     for ds in datasets:
-        per_mode: dict[str, dict] = {m.name: {"accepts": [], "tokens": 0, "decode_s": 0.0} for m in modes}
-        first_divergence: list = []
-        for item in iter_prompts(ds, limit):
-            record = {"dataset": ds, "id": item["id"], "modes": {}}
-            for mode in modes:
-                history: list[dict] = []
-                outs = []
-                for turn in item["turns"]:
-                    history.append({"role": "user", "content": turn})
-                    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True,
-                                                         **(template_kwargs or {}))
-                    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-                    res = mode.run(dec, prompt, max_new_tokens)
-                    stats = per_mode[mode.name]
-                    stats["accepts"] += res.accept_lengths
-                    stats["tokens"] += len(res.tokens)
-                    stats["decode_s"] += res.decode_s
-                    answer = tokenizer.decode(res.tokens, skip_special_tokens=True)
-                    history.append({"role": "assistant", "content": answer})
-                    outs.append({"token_ids": res.tokens, "text": answer, "tau": res.tau})
-                record["modes"][mode.name] = outs
-            if measure_speedup and temperature <= 0:
-                ref = [o["token_ids"] for o in record["modes"]["target"]]
-                for mode in modes[1:]:
-                    got = [o["token_ids"] for o in record["modes"][mode.name]]
-                    if got != ref:
-                        first_divergence.append({"id": item["id"], "mode": mode.name, "at": _first_diff(ref, got)})
-            report["outputs"].append(record)
-        summary = {}
-        for mode in modes:
-            s = per_mode[mode.name]
-            n_steps = max(len(s["accepts"]), 1)
-            summary[mode.name] = {
-                "tau": sum(s["accepts"]) / n_steps,
-                "histogram": dict(sorted(Counter(s["accepts"]).items())),
-                "tokens": s["tokens"],
-                "decode_tokens_per_s": s["tokens"] / max(s["decode_s"], 1e-9),
-                "time_per_token_ms": 1000 * s["decode_s"] / max(s["tokens"], 1),
-            }
-        if measure_speedup:
-            base = summary["target"]["time_per_token_ms"]
-            for mode in modes[1:]:
-                summary[mode.name]["speedup"] = base / max(summary[mode.name]["time_per_token_ms"], 1e-9)
-        report["datasets"][ds] = {"modes": summary, "lossless_mismatches": first_divergence}
+        records = [run_prompt(dec, tokenizer, item, modes, max_new_tokens, template_kwargs, ds)
+                   for item in iter_prompts(ds, limit)]
+        report["outputs"] += records
+        report["datasets"][ds] = summarize_records(records, [m.name for m in modes], temperature)
+    return report
+
+
+def report_config(max_new_tokens: int, temperature: float, block_size: int, tree_budgets) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": temperature, "block_size": block_size,
+            "tree_budgets": list(tree_budgets)}
+
+
+def merge_reports(reports: list[dict], rename: Optional[dict[str, str]] = None,
+                  order: Optional[dict[str, list]] = None) -> dict:
+    """One report from reports of disjoint prompt shards (e.g. parallel `evaluate` processes), equal to the
+    report of one process over all prompts up to timings. `rename` maps a shard's dataset name (e.g. its
+    shard file) to the merged name; `order` gives each merged dataset's prompt ids in report order (records
+    not listed follow, in shard order). Every report must have the same config and modes."""
+    if not reports:
+        raise ValueError("no reports to merge")
+    rename = rename or {}
+    config = reports[0]["config"]
+    records: dict[str, list[dict]] = {}
+    modes: dict[str, list[str]] = {}
+    for rep in reports:
+        if rep["config"] != config:
+            raise ValueError(f"cannot merge reports of different settings: {rep['config']} vs {config}")
+        for ds, body in rep["datasets"].items():
+            name = rename.get(ds, ds)
+            names = list(body["modes"])
+            if modes.setdefault(name, names) != names:
+                raise ValueError(f"dataset {name!r}: shards ran different modes ({modes[name]} vs {names})")
+            records.setdefault(name, [])
+        for rec in rep["outputs"]:
+            name = rename.get(rec["dataset"], rec["dataset"])
+            records.setdefault(name, []).append({**rec, "dataset": name})
+    return report_from_records(config, records, modes, order)
+
+
+def report_from_records(config: dict, records: dict[str, list[dict]], modes: dict[str, list[str]],
+                        order: Optional[dict[str, list]] = None) -> dict:
+    """A report (as `evaluate` writes it) from per-dataset prompt records, sorted by `order` when given."""
+    report: dict = {"config": config, "datasets": {}, "outputs": []}
+    for name, recs in records.items():
+        if order and name in order:
+            rank = {str(i): k for k, i in enumerate(order[name])}
+            recs = sorted(recs, key=lambda r: rank.get(str(r["id"]), len(rank)))
+        seen = set()
+        for r in recs:
+            if str(r["id"]) in seen:
+                raise ValueError(f"dataset {name!r}: prompt {r['id']!r} appears in more than one shard")
+            seen.add(str(r["id"]))
+        report["outputs"] += recs
+        report["datasets"][name] = summarize_records(recs, modes[name], config["temperature"])
     return report
 
 

@@ -145,3 +145,80 @@ def default_mask_token_id(tokenizer, suggestion: Optional[int] = None) -> int:
         "no mask token found in the target's tokenizer (looked for <|MASK|>, <mask>, [MASK]); set "
         "drafter.mask_token_id to a special token the model never emits in normal text (not pad or eos)"
     )
+
+
+@dataclass
+class TargetHead:
+    """What a drafter rank of a split placement needs from the target: the input embedding (block
+    tokens) and the lm_head (the loss). The decoder layers live on the target ranks only."""
+
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+
+
+def _checkpoint_keys(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the index or the single file."""
+    import json
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = path / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(f"{path} has no model.safetensors(.index.json): the split placement reads the target's "
+                            "embedding and lm_head from safetensors weights (convert the checkpoint with save_pretrained)")
+
+
+def _find_key(keys: dict[str, Path], name: str) -> Optional[str]:
+    """The checkpoint key of the parameter `name` (e.g. model.embed_tokens.weight); multimodal
+    checkpoints prefix the text model's names, so match on the module's own name when needed."""
+    if name in keys:
+        return name
+    suffix = ".".join(name.split(".")[-2:])
+    found = [k for k in keys if k == suffix or k.endswith("." + suffix)]
+    if len(found) > 1:
+        found = [k for k in found if "language_model" in k] or found
+    return found[0] if len(found) == 1 else None
+
+
+def load_target_head(path: str | Path, dtype: torch.dtype, device: torch.device,
+                     trust_remote_code: bool = False) -> TargetHead:
+    """The target's embedding and lm_head alone, read from its safetensors: a 27B target's decoder
+    never touches a drafter rank's memory."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    tc = text_config(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(tc, trust_remote_code=trust_remote_code)
+    embed_param, head_param = skeleton.get_input_embeddings().weight, skeleton.get_output_embeddings().weight
+    named = list(skeleton.named_parameters(remove_duplicate=False))
+    embed_name = next(n for n, p in named if p is embed_param and "embed" in n)
+    head_name = next((n for n, p in named if p is head_param and "embed" not in n), embed_name)
+    keys = _checkpoint_keys(path)
+
+    def read(name: str) -> Optional[torch.Tensor]:
+        key = _find_key(keys, name)
+        if key is None:
+            return None
+        with safe_open(keys[key], framework="pt") as f:
+            return f.get_tensor(key).to(device=device, dtype=dtype)
+
+    embed = read(embed_name)
+    if embed is None:
+        raise KeyError(f"the target's input embedding ({embed_name}) is not in {path}'s safetensors")
+    head = read(head_name) if head_name != embed_name else None
+    if head is None:
+        if not getattr(tc, "tie_word_embeddings", False):
+            raise KeyError(f"the target's lm_head ({head_name}) is not in {path}'s safetensors and its config does "
+                           "not tie it to the embedding")
+        head = embed
+    embed_tokens = nn.Embedding(embed.shape[0], embed.shape[1], device="meta")
+    embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
+    lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False, device="meta")
+    lm_head.weight = nn.Parameter(head, requires_grad=False)
+    return TargetHead(embed_tokens, lm_head)

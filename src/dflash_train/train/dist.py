@@ -40,12 +40,12 @@ class DistContext:
             torch_dist.init_process_group(backend, rank=self.rank, world_size=self.world,
                                           timeout=timedelta(seconds=timeout_s))
 
-    def any_flag(self, flag: bool, device: torch.device) -> bool:
-        """True on every rank if it is true on any (all ranks stop at the same step)."""
+    def any_flag(self, flag: bool, device: torch.device, group=None) -> bool:
+        """True on every rank (of `group`) if it is true on any: they all stop at the same step."""
         if self.world == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=device)
-        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX, group=group)
         return bool(t.item())
 
     def close(self) -> None:

@@ -82,6 +82,15 @@ def _mark_failed(run: RunDir, message: str, rank: Optional[int], phase: Optional
                   failed_rank=rank, error=error)
 
 
+def _mark_stopped(run: RunDir, message: str) -> None:
+    status = json.loads(run.status.read_text()) if run.status.is_file() else {"step": 0}
+    if status.get("phase") in ("stopped", "done", "failed"):
+        return
+    writer = StatusWriter.__new__(StatusWriter)
+    writer.run, writer.state = run, status
+    writer.update(phase="stopped", checkpoint=None, message=message)
+
+
 def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: float = 300.0,
               env_extra: Optional[dict] = None) -> int:
     """Start `nproc` ranks of `python -m dflash_train <child_args>` and watch them until all exit."""
@@ -107,9 +116,22 @@ def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: 
                 p.send_signal(signal.SIGTERM)  # ranks checkpoint and exit
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    start_up_stop_seen: Optional[float] = None
     try:
         while True:
             codes = [p.poll() for p in procs]
+            if forwarded["sig"] is not None and any(c is None for c in codes):
+                # A rank that got the signal during start-up exits at once; a rank already training then
+                # waits for it in a collective forever. Give the others the grace period, then end them.
+                gone = [b for b in read_heartbeats(run) if b.get("phase") == "stopped" and codes[b["rank"]] is not None]
+                if gone and start_up_stop_seen is None:
+                    start_up_stop_seen = time.time()
+                if start_up_stop_seen is not None and time.time() - start_up_stop_seen > GRACE_S:
+                    _stop_all(procs, signal.SIGKILL)
+                    _mark_stopped(run, f"stopped by signal {forwarded['sig']} while rank(s) "
+                                       f"{[b['rank'] for b in gone]} were starting up; nothing to resume from "
+                                       "after the last checkpoint")
+                    return 0
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed and forwarded["sig"] is None:
                 rank, code = failed[0]
@@ -120,7 +142,13 @@ def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: 
                              beats.get(rank, {}).get("phase"))
                 return 1
             if all(c is not None for c in codes):
-                return 0 if all(c == 0 for c in codes) else 1
+                if all(c == 0 for c in codes):
+                    return 0
+                if forwarded["sig"] is not None:
+                    rank = next(r for r, c in enumerate(codes) if c != 0)
+                    _mark_failed(run, f"stopped by signal {forwarded['sig']}, but rank {rank} exited with code "
+                                      f"{codes[rank]}", rank, None)
+                return 1
             now = time.time()
             for beat in read_heartbeats(run):
                 if beat.get("phase") in ("training", "warmup") and now - beat["time"] > stall_timeout:

@@ -12,7 +12,7 @@ import torch
 from ..config import Config
 from ..model.attention import AttentionBackend
 from ..model.drafter import DFlashDrafter
-from ..model.target import TargetCapture
+from ..model.target import TargetCapture, TargetHead
 from .blocks import Blocks, build_blocks, sample_anchors
 from .loss import chunked_weighted_ce
 
@@ -41,6 +41,23 @@ class StepStats:
     accepted_sum: torch.Tensor  # sum over kept blocks of the acceptance-length estimate
     kept_blocks: torch.Tensor
     grad_norm: torch.Tensor | None = None
+
+    @staticmethod
+    def sum(parts: "list[StepStats]") -> "StepStats":
+        """Counts add up over micro-batches; the loss is their mean."""
+        return StepStats(
+            loss=torch.stack([p.loss for p in parts]).mean(),
+            correct_per_slot=sum(p.correct_per_slot for p in parts),
+            counted_per_slot=sum(p.counted_per_slot for p in parts),
+            accepted_sum=sum(p.accepted_sum for p in parts),
+            kept_blocks=sum(p.kept_blocks for p in parts),
+        )
+
+
+@dataclass
+class MicroBatch:
+    batch: Batch
+    hidden: torch.Tensor | None = None  # the target's capture, when another rank computed it
 
 
 def make_optimizer(drafter: DFlashDrafter, cfg: Config, device: torch.device) -> torch.optim.AdamW:
@@ -79,12 +96,15 @@ def forward_loss(
     generator: torch.Generator,
     compute_dtype: torch.dtype,
     call=None,
+    hidden: torch.Tensor | None = None,
 ) -> StepStats:
     """The drafter's loss on one micro-batch (graph kept for backward). `call` runs the drafter's
-    forward (its DDP wrapper on several ranks); attributes are read from `drafter`."""
+    forward (its DDP wrapper on several ranks); attributes are read from `drafter`. `hidden` is the
+    target's capture of `batch` when another rank computed it (split placement); else `target` runs."""
     call = call or drafter
     bs = drafter.block_size
-    hidden = target(batch.input_ids)  # [B, S, K*H], no grad
+    if hidden is None:
+        hidden = target(batch.input_ids)  # [B, S, K*H], no grad
     anchors, keep = sample_anchors(
         batch.loss_mask, batch.lengths, bs, cfg.objective.max_anchors, generator, backend.blocks_multiple_of
     )
@@ -137,22 +157,28 @@ class TrainStep:
     def __init__(
         self,
         drafter: DFlashDrafter,
-        target: TargetCapture,
+        target: "TargetCapture | TargetHead",
         backend: AttentionBackend,
         cfg: Config,
         total_steps: int,
         compute_dtype: torch.dtype,
         device: torch.device,
-        ctx=None,
+        group=None,
+        rank: int = 0,
+        replicas: int | None = None,
     ):
         self.drafter, self.target, self.backend, self.cfg = drafter, target, backend, cfg
         self.compute_dtype = compute_dtype
-        self.rank = ctx.rank if ctx is not None else 0
+        # `group` / `replicas`: the ranks that train the drafter together (DDP); `rank`: this rank's index.
+        self.rank = rank
         self.model = drafter
-        if ctx is not None and ctx.world > 1:
+        if replicas is None:
+            replicas = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
+        if replicas > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.model = DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
+            self.model = DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None,
+                                                 process_group=group)
         self.optimizer = make_optimizer(drafter, cfg, device)
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -162,15 +188,26 @@ class TrainStep:
         self.skipped_steps = 0
         self._bad_in_a_row = 0
 
-    def __call__(self, batch: Batch, step: int) -> StepStats:
-        # Anchors depend only on (seed, step, rank): a resumed run draws the same ones.
-        self.generator.manual_seed((self.cfg.run.seed * 1_000_003 + step) * 1024 + self.rank)
+    def __call__(self, micro: "Batch | list[MicroBatch]", step: int) -> StepStats:
+        """One optimizer step over this rank's micro-batches (gradient accumulation when several:
+        the loss is their mean; DDP all-reduces once, on the last)."""
+        if isinstance(micro, Batch):
+            micro = [MicroBatch(micro)]
         self.drafter.train()
-        stats = forward_loss(
-            self.drafter, self.target, self.backend, batch, self.cfg, self.generator, self.compute_dtype, self.model
-        )
         self.optimizer.zero_grad(set_to_none=True)
-        stats.loss.backward()
+        parts: list[StepStats] = []
+        for k, mb in enumerate(micro):
+            # Anchors depend only on (seed, step, rank, k): a resumed run draws the same ones.
+            self.generator.manual_seed(((self.cfg.run.seed * 1_000_003 + step) * 1024 + self.rank) * 64 + k)
+            last = k == len(micro) - 1
+            sync = contextlib.nullcontext() if last or self.model is self.drafter else self.model.no_sync()
+            with sync:
+                part = forward_loss(self.drafter, self.target, self.backend, mb.batch, self.cfg, self.generator,
+                                    self.compute_dtype, self.model, mb.hidden)
+                (part.loss / len(micro)).backward()
+            part.loss = part.loss.detach()
+            parts.append(part)
+        stats = StepStats.sum(parts)
         clip = self.cfg.optim.grad_clip
         params = [p for p in self.drafter.parameters() if p.grad is not None]
         stats.grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))

@@ -16,19 +16,21 @@ import numpy as np
 import torch
 
 from .. import assets
-from ..config import Config, dump_config, validate_against_target
+from ..config import Config, dump_config, validate_against_target, validate_world
 from ..data.dataset import batches_from, collate, padding_fraction, plan_batches
 from ..data.source import open_training_data, open_validation_data
 from ..model.attention import resolve_backend
 from ..model.drafter import DFlashDrafter, default_target_layer_ids
 from ..model.drafter_config import make_drafter_config
 from ..model.io import save_drafter
-from ..model.target import TargetCapture, default_mask_token_id, load_target_model, load_tokenizer, read_target_config
+from ..model.target import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
+                            read_target_config)
 from ..rundir import MetricsWriter, RunDir, StatusWriter
 from ..model import compile as compile_layer
 from ..model.provenance import PROVENANCE_NAME, target_provenance, write_provenance
 from . import checkpoint as checkpoints
-from .step import StepStats, TrainStep, forward_loss
+from .step import MicroBatch, StepStats, TrainStep, forward_loss
+from .transport import DrafterInbox, SplitLayout, TargetOutbox
 from .validate import validate
 
 log = logging.getLogger(__name__)
@@ -122,7 +124,8 @@ def _record(stats: StepStats, step: int, epoch: float, tokens: int, seconds: flo
     }
 
 
-def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional[str], with_validation: bool) -> dict:
+def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional[str], with_validation: bool,
+            hidden: Optional[torch.Tensor] = None) -> dict:
     """Compile everything the loop will run, exactly as the loop runs it (grad on, forward + backward,
     production dtype, dynamic shapes; and the no-grad forward of validation), then seal the compile
     layer. Weights do not change."""
@@ -130,7 +133,7 @@ def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional
     compile_layer.watch_recompiles()
     t0 = time.time()
     stats = forward_loss(train_step.drafter, train_step.target, train_step.backend, batch, train_step.cfg,
-                         torch.Generator().manual_seed(0), train_step.compute_dtype)
+                         torch.Generator().manual_seed(0), train_step.compute_dtype, hidden=hidden)
     stats.loss.backward()
     train_step.optimizer.zero_grad(set_to_none=True)
     if with_validation:
@@ -146,11 +149,16 @@ def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional
     return info
 
 
+class StoppedDuringStartUp(Exception):
+    """SIGTERM / SIGINT before the training loop: nothing to checkpoint, so stop at once."""
+
+
 class StopRequest:
-    """SIGTERM / SIGINT / a STOP file: finish the step, checkpoint, exit cleanly."""
+    """SIGTERM / SIGINT / a STOP file. During start-up (loading, warm-up) a signal stops the rank at
+    once; once `training()` is called it means: finish the step, checkpoint, exit cleanly."""
 
     def __init__(self, run: RunDir):
-        self.run, self.signalled = run, False
+        self.run, self.signalled, self.in_loop = run, False, False
         self._old = {}
 
     def __enter__(self) -> "StopRequest":
@@ -162,8 +170,13 @@ class StopRequest:
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
+    def training(self) -> None:
+        self.in_loop = True
+
     def _handle(self, signum, _frame) -> None:
         self.signalled = True
+        if not self.in_loop:
+            raise StoppedDuringStartUp(f"signal {signum} during start-up")
         log.warning("signal %d received: finishing this step, then checkpoint and exit", signum)
 
     def __exit__(self, *exc) -> None:
@@ -177,9 +190,27 @@ class StopRequest:
         return self.signalled or (self.run.root / "STOP").exists()
 
 
+def _memory_gib(device: torch.device) -> float:
+    """Peak accelerator memory of this process, or its peak resident memory on CPU."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+
+
+def _resume_state(run: RunDir) -> tuple[Path, dict]:
+    ckpt = checkpoints.newest_valid(run.checkpoints)
+    if ckpt is None:
+        raise FileNotFoundError(f"--resume: no valid checkpoint in {run.checkpoints}")
+    return ckpt, checkpoints.read_state(ckpt)
+
+
+
 def _micro_batch_groups(batching: tuple, world: int, epoch: int, index: int):
-    """Every optimizer step takes `world` consecutive micro-batches, one per rank; an epoch's
-    incomplete last group is dropped on every rank alike. Yields (epoch, next index, n, groups)."""
+    """Every optimizer step takes `world` consecutive micro-batches (drafter ranks x gradient
+    accumulation); an epoch's incomplete last group is dropped on every rank alike. Yields
+    (epoch, next index, n, groups)."""
     group, group_epoch = [], epoch
     for ep, idx, n_batches, rows in batches_from(*batching, epoch, index):
         if ep != group_epoch:
@@ -191,8 +222,9 @@ def _micro_batch_groups(batching: tuple, world: int, epoch: int, index: int):
 
 
 def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_compile_cache: bool = False,
-          resume: bool = False) -> Path:
-    """One rank of a run (world size 1 = a single process). Rank 0 owns status, metrics, checkpoints."""
+          resume: bool = False) -> Optional[Path]:
+    """One rank of a run (world size 1 = a single process). Rank 0 owns status, metrics, checkpoints.
+    In the split placement a target rank serves hidden states (`serve_target`) and returns None."""
     from .dist import DistContext
     from .launch import write_heartbeat
 
@@ -202,6 +234,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
     status = StatusWriter(run) if ctx.is_main else None
     if ctx.is_main:
         dump_config(cfg, run.config)
+    phase, step_box = ["starting"], [0]
 
     def report(**fields) -> None:
         if status is not None:
@@ -211,57 +244,90 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         if "phase" in fields:
             phase[0] = fields["phase"]
 
-    phase, step_box = ["starting"], [0]
     metrics: Optional[MetricsWriter] = None
+    stop = StopRequest(run).__enter__()  # first: a signal during loading must not leave a live-looking run
     try:
         report(phase="loading")
+        validate_world(cfg, ctx.world)
+        layout = SplitLayout(ctx.world, cfg.parallel.target_ranks, cfg.optim.grad_accum) \
+            if cfg.parallel.placement == "split" else None
         plan, tokenizer = plan_run(cfg)
         device = ctx.device(plan.device)
         ctx.init(device)
-        log.info("rank %d/%d: target %s, layers %s, mask token %d, device %s", ctx.rank, ctx.world, plan.target_path,
-                 plan.layer_ids, plan.mask_token_id, device)
+        drafter_group, drafters, d_rank = None, ctx.world, ctx.rank
+        if layout is not None:
+            # Every rank takes part in creating the group; only drafter ranks use it.
+            drafter_group = torch.distributed.new_group(list(range(layout.drafter_ranks))) \
+                if layout.drafter_ranks > 1 else None
+            drafters = layout.drafter_ranks
+        role = "target" if layout is not None and layout.is_target(ctx.rank) else "drafter"
+        log.info("rank %d/%d (%s): target %s, layers %s, mask token %d, device %s", ctx.rank, ctx.world, role,
+                 plan.target_path, plan.layer_ids, plan.mask_token_id, device)
         bs = cfg.drafter.block_size
         data = open_training_data(cfg, tokenizer)
         log.info("data: %s", data.describe())
         lengths = data.lengths
         batching = (lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed)
+        per_step = drafters * cfg.optim.grad_accum
         batches_per_epoch = len(plan_batches(*batching, 0))
-        steps_per_epoch = batches_per_epoch // ctx.world
+        steps_per_epoch = batches_per_epoch // per_step
         if steps_per_epoch == 0:
-            raise ValueError(f"{batches_per_epoch} micro-batches per epoch cannot feed {ctx.world} ranks; add data")
+            raise ValueError(f"{batches_per_epoch} micro-batches per epoch cannot feed {drafters} drafter rank(s) x "
+                             f"{cfg.optim.grad_accum} accumulation; add data")
         total = int(math.ceil(cfg.optim.epochs * steps_per_epoch)) if cfg.optim.epochs > 0 else cfg.optim.max_steps
         for cap in (cfg.optim.max_steps, max_steps or 0):
             if cap:
                 total = min(total, cap)
+        step, cursor = 0, {"epoch": 0, "batch_index": 0}
 
-        model = load_target_model(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
-        target = TargetCapture.from_model(model, plan.layer_ids)
+        if role == "target":
+            if resume:
+                _, state = _resume_state(run)
+                step, cursor = state["step"], {"epoch": state["epoch"], "batch_index": state["batch_index"]}
+            model = load_target_model(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
+            target = TargetCapture.from_model(model, plan.layer_ids)
+            groups = (g for _, _, _, g in _micro_batch_groups(batching, per_step, cursor["epoch"], cursor["batch_index"]))
+            report(phase="training", step=step)
+            stop.training()
+            step = serve_target(target, layout, groups, step, data, tokenizer.pad_token_id, cfg, device,
+                         lambda at, **extra: write_heartbeat(run, ctx.rank, "training", at, mem_gib=_memory_gib(device),
+                                                             **extra))
+            write_heartbeat(run, ctx.rank, "done", step, mem_gib=_memory_gib(device))
+            return None
+
+        if layout is None:
+            model = load_target_model(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
+            target = TargetCapture.from_model(model, plan.layer_ids)
+            target_config = model.config
+        else:  # a split drafter rank: the target's embedding and lm_head, never its decoder
+            target = load_target_head(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
+            target_config = read_target_config(plan.target_path, cfg.target.trust_remote_code)
         dcfg = make_drafter_config(
-            model.config, num_draft_layers=cfg.drafter.num_draft_layers, block_size=bs,
+            target_config, num_draft_layers=cfg.drafter.num_draft_layers, block_size=bs,
             target_layer_ids=plan.layer_ids, mask_token_id=plan.mask_token_id,
         )
-        provenance = target_provenance(str(plan.target_path), tokenizer, model.config)
+        provenance = target_provenance(str(plan.target_path), tokenizer, target_config)
         if ctx.is_main:
             write_provenance(run.root, provenance)
         torch.manual_seed(cfg.run.seed)
         drafter = DFlashDrafter(dcfg).to(device)
         n_params = sum(p.numel() for p in drafter.parameters())
         backend = resolve_backend(cfg.drafter.attention_backend, device, bs)
-        train_step = TrainStep(drafter, target, backend, cfg, total, plan.compute_dtype, device, ctx)
-        log.info("drafter: %d layers, %.1fM parameters; %d steps (%d micro-batches per epoch, %d rank(s))",
-                 dcfg.num_hidden_layers, n_params / 1e6, total, batches_per_epoch, ctx.world)
+        train_step = TrainStep(drafter, target, backend, cfg, total, plan.compute_dtype, device, drafter_group, d_rank,
+                               drafters)
+        log.info("drafter: %d layers, %.1fM parameters; %d steps (%d micro-batches per epoch, %d per step)",
+                 dcfg.num_hidden_layers, n_params / 1e6, total, batches_per_epoch, per_step)
 
-        step, cursor = 0, {"epoch": 0, "batch_index": 0}
         best_val: Optional[float] = None  # best validation tau so far (kept across resumes)
-        identity = {"world_size": ctx.world, "tokenizer_sha256": provenance["tokenizer_sha256"],
+        placement = "colocated" if layout is None else f"split {layout.target_ranks}+{layout.drafter_ranks}"
+        identity = {"world_size": ctx.world, "placement": placement, "grad_accum": cfg.optim.grad_accum,
+                    "tokenizer_sha256": provenance["tokenizer_sha256"],
                     "drafter_shape": [dcfg.num_hidden_layers, dcfg.hidden_size, dcfg.intermediate_size, bs],
                     "target_layer_ids": list(plan.layer_ids), "mask_token_id": plan.mask_token_id,
                     "target_layers": provenance["num_hidden_layers"]}
         if resume:
-            ckpt = checkpoints.newest_valid(run.checkpoints)
-            if ckpt is None:
-                raise FileNotFoundError(f"--resume: no valid checkpoint in {run.checkpoints}")
-            checkpoints.check_compatible(ckpt, checkpoints.read_state(ckpt), identity)
+            ckpt, state = _resume_state(run)
+            checkpoints.check_compatible(ckpt, state, identity)
             state = checkpoints.load_into(ckpt, drafter, train_step.optimizer, train_step.scheduler)
             step, cursor = state["step"], {"epoch": state["epoch"], "batch_index": state["batch_index"]}
             train_step.skipped_steps = state.get("skipped_steps", 0)
@@ -275,15 +341,26 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             return checkpoints.save_checkpoint(run.checkpoints, at_step, drafter, train_step.optimizer,
                                                train_step.scheduler, state, cfg.run.keep_last, name)
 
+        inbox = None
+        if layout is not None:
+            inbox = DrafterInbox(layout, ctx.rank, cfg.data.token_budget, cfg.data.max_batch_size,
+                                 len(plan.layer_ids) * provenance["hidden_size"], plan.target_dtype, device, step)
+            if step < total:
+                inbox.ask(step)  # the target ranks compute the first step while this rank compiles
+
         metrics = MetricsWriter(run) if ctx.is_main else None
         val = open_validation_data(cfg, tokenizer) if ctx.is_main and cfg.run.eval_every else None
         if ctx.is_main and cfg.run.eval_every and val is None:
             log.info("no validation data (prepared val split or data.val_files): validation is off")
         stop_ids = assets.target_defaults(plan.target_path).get("stop_token_ids") or [tokenizer.eos_token_id]
         report(phase="warmup")
-        first_rows = plan_batches(*batching, 0)[0]
-        warm = warm_up(train_step, collate([data.example(i) for i in first_rows], tokenizer.pad_token_id).to(device),
-                       fresh_compile_cache, cfg.run.compile_cache_dir, with_validation=val is not None)
+        first = collate([data.example(i) for i in plan_batches(*batching, 0)[0]], tokenizer.pad_token_id).to(device)
+        synthetic = None
+        if layout is not None:  # the compile needs the shapes and dtype of a capture, not its values
+            synthetic = torch.randn(*first.input_ids.shape, len(plan.layer_ids) * provenance["hidden_size"],
+                                    dtype=plan.target_dtype, device=device)
+        warm = warm_up(train_step, first, fresh_compile_cache, cfg.run.compile_cache_dir,
+                       with_validation=val is not None, hidden=synthetic)
 
         def run_validation(at_step: int) -> None:
             nonlocal best_val
@@ -301,61 +378,76 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             report(**{k: v for k, v in record.items() if k not in ("step", "kind")}, best_val_tau=best_val)
             log.info("validation at step %d: %s", at_step, ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
         report(phase="training", step=step, total_steps=total, drafter_params=n_params, backend=backend.name,
-               world_size=ctx.world, **warm)
+               world_size=ctx.world, placement=placement, **warm)
+        stop.training()
         progress = None
         if cfg.run.progress_bar and ctx.is_main:
             from tqdm import tqdm
 
             progress = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
         t_start, start_step = time.time(), step
-        window_tokens, window_start = 0, time.time()
+        window_tokens, window_start, window_wait = 0, time.time(), 0.0
         last_record: dict = {}
-        with StopRequest(run) as stop:
-            for epoch, next_index, n_batches, group in _micro_batch_groups(batching, ctx.world, cursor["epoch"],
-                                                                          cursor["batch_index"]):
-                if step >= total:
-                    break
-                if ctx.is_main and (next_index <= ctx.world or step == start_step):
-                    pad = padding_fraction(lengths, plan_batches(*batching, epoch))
-                    log.info("epoch %d: %d micro-batches, padding %.1f%% of batch tokens", epoch, n_batches, 100 * pad)
-                    report(padding_fraction=round(pad, 4))
-                batch = collate([data.example(i) for i in group[ctx.rank]], tokenizer.pad_token_id).to(device)
-                stats = train_step(batch, step)
-                compile_layer.check_step_boundary()
-                step += 1
-                step_box[0] = step
-                cursor = {"epoch": epoch, "batch_index": next_index}
-                write_heartbeat(run, ctx.rank, "training", step)
-                window_tokens += int(sum(lengths[i] for rows in group for i in rows))
-                if step % cfg.run.log_every == 0 or step == total:
-                    now = time.time()
-                    lr = train_step.scheduler.get_last_lr()[0]
-                    last_record = _record(stats, step, epoch + next_index / n_batches, window_tokens, now - window_start, lr)
-                    last_record["skipped_steps"] = train_step.skipped_steps
-                    if metrics is not None:
-                        metrics.write(last_record)
-                    rate = (step - start_step) / max(now - t_start, 1e-9)
-                    report(step=step, epoch=last_record["epoch"], eta_s=(total - step) / max(rate, 1e-9),
-                           tokens_per_s=last_record["tokens_per_s"], loss=last_record["loss"],
-                           skipped_steps=train_step.skipped_steps)
-                    if progress is not None:
-                        progress.set_postfix(loss=f"{last_record['loss']:.3f}", acc=f"{last_record['accuracy']:.3f}",
-                                             tok_s=f"{last_record['tokens_per_s']:.0f}")
-                    log.info("step %d loss %.4f acc %.3f tau~%.2f lr %.2e tok/s %.0f", step, last_record["loss"],
-                             last_record["accuracy"], last_record["tau_estimate"], lr, last_record["tokens_per_s"])
-                    window_tokens, window_start = 0, now
+        for epoch, next_index, n_batches, group in _micro_batch_groups(batching, per_step, cursor["epoch"],
+                                                                      cursor["batch_index"]):
+            if step >= total:
+                break
+            if ctx.is_main and (next_index <= per_step or step == start_step):
+                pad = padding_fraction(lengths, plan_batches(*batching, epoch))
+                log.info("epoch %d: %d micro-batches, padding %.1f%% of batch tokens", epoch, n_batches, 100 * pad)
+                report(padding_fraction=round(pad, 4))
+            if inbox is not None:
+                if step + 1 < total:
+                    inbox.ask(step + 1)
+                micro = inbox.take(step)
+            else:
+                micro = [MicroBatch(collate([data.example(i) for i in rows], tokenizer.pad_token_id).to(device))
+                         for rows in group[ctx.rank::drafters]]
+            stats = train_step(micro, step)
+            compile_layer.check_step_boundary()
+            step += 1
+            step_box[0] = step
+            cursor = {"epoch": epoch, "batch_index": next_index}
+            write_heartbeat(run, ctx.rank, "training", step, mem_gib=_memory_gib(device),
+                            **({"transport_wait_s": round(inbox.wait_s, 2)} if inbox is not None else {}))
+            window_tokens += int(sum(lengths[i] for rows in group for i in rows))
+            if step % cfg.run.log_every == 0 or step == total:
+                now = time.time()
+                lr = train_step.scheduler.get_last_lr()[0]
+                last_record = _record(stats, step, epoch + next_index / n_batches, window_tokens, now - window_start, lr)
+                last_record["skipped_steps"] = train_step.skipped_steps
+                last_record["peak_mem_gib"] = _memory_gib(device)
+                if inbox is not None:
+                    last_record["transport_wait_s"] = round(inbox.wait_s - window_wait, 3)
+                    window_wait = inbox.wait_s
+                if metrics is not None:
+                    metrics.write(last_record)
+                rate = (step - start_step) / max(now - t_start, 1e-9)
+                report(step=step, epoch=last_record["epoch"], eta_s=(total - step) / max(rate, 1e-9),
+                       tokens_per_s=last_record["tokens_per_s"], loss=last_record["loss"],
+                       skipped_steps=train_step.skipped_steps)
                 if progress is not None:
-                    progress.update(1)
-                if ctx.any_flag(stop.requested, device):
-                    if ctx.is_main:
-                        ckpt = save(step)
-                        report(phase="stopped", step=step, checkpoint=str(ckpt))
-                        log.info("stopped at step %d; checkpoint %s (continue with --resume)", step, ckpt)
-                    return run.checkpoints
-                if val is not None and (step % cfg.run.eval_every == 0 or step == total):
-                    run_validation(step)
-                if step < total and step % cfg.run.save_every == 0 and ctx.is_main:
-                    save(step)
+                    progress.set_postfix(loss=f"{last_record['loss']:.3f}", acc=f"{last_record['accuracy']:.3f}",
+                                         tok_s=f"{last_record['tokens_per_s']:.0f}")
+                log.info("step %d loss %.4f acc %.3f tau~%.2f lr %.2e tok/s %.0f", step, last_record["loss"],
+                         last_record["accuracy"], last_record["tau_estimate"], lr, last_record["tokens_per_s"])
+                window_tokens, window_start = 0, now
+            if progress is not None:
+                progress.update(1)
+            if stop.requested if drafters == 1 else ctx.any_flag(stop.requested, device, drafter_group):
+                if inbox is not None:
+                    inbox.close()
+                if ctx.is_main:
+                    ckpt = save(step)
+                    report(phase="stopped", step=step, checkpoint=str(ckpt))
+                    log.info("stopped at step %d; checkpoint %s (continue with --resume)", step, ckpt)
+                return run.checkpoints
+            if val is not None and (step % cfg.run.eval_every == 0 or step == total):
+                run_validation(step)
+            if step < total and step % cfg.run.save_every == 0 and ctx.is_main:
+                save(step)
+        if inbox is not None:
+            inbox.close()
         if progress is not None:
             progress.close()
         if ctx.is_main:
@@ -370,6 +462,13 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         else:
             report(phase="done", step=step)
         return run.export
+    except StoppedDuringStartUp as e:
+        if status is not None:
+            status.update(phase="stopped", checkpoint=None, stopped_in=phase[0],
+                          message=f"{e}: nothing was trained, nothing to checkpoint")
+        write_heartbeat(run, ctx.rank, "stopped", step_box[0])
+        log.warning("rank %d stopped during %s (%s)", ctx.rank, phase[0], e)
+        return None
     except BaseException as e:
         if status is not None:
             status.fail(e)
@@ -378,12 +477,33 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         log.error("rank %d failed: %s", ctx.rank, e, exc_info=True)
         raise
     finally:
+        stop.__exit__(None, None, None)
         if metrics is not None:
             metrics.close()
         if handler is not None:
             logging.getLogger("dflash_train").removeHandler(handler)
             handler.close()
         ctx.close()
+
+
+def serve_target(target: TargetCapture, layout: SplitLayout, groups, start_step: int, data, pad_id: int, cfg: Config,
+                 device: torch.device, heartbeat) -> int:
+    """A target rank of the split placement: compute the captures the drafter ranks ask for, in
+    schedule order, until each has said stop. Returns the step it stopped at."""
+    outbox = TargetOutbox(layout, cfg.data.token_budget, cfg.data.max_batch_size, device)
+    t0 = time.perf_counter()
+    at = start_step
+    for m, rows in layout.produced(torch.distributed.get_rank(), groups, start_step):
+        if not outbox.next_ticket(m):
+            break
+        batch = collate([data.example(i) for i in rows], pad_id).to(device)
+        outbox.send(m, batch, target(batch.input_ids))
+        at = m // layout.per_step + 1
+        busy = time.perf_counter() - t0 - outbox.wait_s
+        heartbeat(at, produced=outbox.sent, wait_s=round(outbox.wait_s, 2), busy_s=round(busy, 2))
+    outbox.close()
+    log.info("target rank served %d micro-batches; %.1f s waiting for the drafters", outbox.sent, outbox.wait_s)
+    return at
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
