@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash_train.model.drafter import default_target_layer_ids
-from dflash_train.model.target import TargetCapture, load_target_model, read_target_config
+from dflash_train.model.target import TargetCapture, load_target_head, load_target_model, read_target_config
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=1000)
@@ -43,3 +43,6 @@ def test_multimodal_target_captures_its_language_model(tmp_path, build):
     assert torch.equal(cap.lm_head.weight, mm.lm_head.weight)
     assert torch.equal(cap.embed_tokens.weight, mm.get_input_embeddings().weight)
     assert cap.num_layers == 4 and default_target_layer_ids(cap.num_layers, 1) == [2]
+    head = load_target_head(tmp_path, torch.float32, torch.device("cpu"))  # a split drafter rank's view
+    assert torch.equal(head.embed_tokens.weight, mm.get_input_embeddings().weight)
+    assert torch.equal(head.lm_head.weight, mm.lm_head.weight)

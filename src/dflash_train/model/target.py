@@ -192,9 +192,15 @@ def load_target_head(path: str | Path, dtype: torch.dtype, device: torch.device,
     from safetensors import safe_open
 
     path = Path(path)
-    tc = text_config(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(tc, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tc = text_config(config)
+    with torch.device("meta"):  # the module tree names the two tensors; no weights are made
+        if _is_multimodal(config) and type(tc) not in AutoModelForCausalLM._model_mapping:
+            from transformers import AutoModelForImageTextToText
+
+            skeleton = AutoModelForImageTextToText.from_config(config, trust_remote_code=trust_remote_code)
+        else:
+            skeleton = AutoModelForCausalLM.from_config(tc, trust_remote_code=trust_remote_code)
     embed_param, head_param = skeleton.get_input_embeddings().weight, skeleton.get_output_embeddings().weight
     named = list(skeleton.named_parameters(remove_duplicate=False))
     embed_name = next(n for n, p in named if p is embed_param and "embed" in n)

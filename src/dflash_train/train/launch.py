@@ -142,12 +142,16 @@ def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: 
                              beats.get(rank, {}).get("phase"))
                 return 1
             if all(c is not None for c in codes):
-                if all(c == 0 for c in codes):
+                if forwarded["sig"] is None:
+                    return 0 if all(c == 0 for c in codes) else 1
+                # Stopping: a rank still importing when the signal came dies of it, with nothing to lose.
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (0, -signal.SIGTERM)]
+                if not bad:
+                    _mark_stopped(run, f"stopped by signal {forwarded['sig']} before the run started training")
                     return 0
-                if forwarded["sig"] is not None:
-                    rank = next(r for r, c in enumerate(codes) if c != 0)
-                    _mark_failed(run, f"stopped by signal {forwarded['sig']}, but rank {rank} exited with code "
-                                      f"{codes[rank]}", rank, None)
+                rank, code = bad[0]
+                _mark_failed(run, f"stopped by signal {forwarded['sig']}, but rank {rank} exited with code {code}",
+                             rank, None)
                 return 1
             now = time.time()
             for beat in read_heartbeats(run):

@@ -120,7 +120,7 @@ def forward_loss(
     device_type = batch.input_ids.device.type
     autocast = (
         torch.autocast(device_type, dtype=compute_dtype)
-        if compute_dtype != torch.float32
+        if compute_dtype in (torch.bfloat16, torch.float16)
         else contextlib.nullcontext()
     )
     with autocast:

@@ -69,6 +69,13 @@ class SplitLayout:
         first = step * self.per_step
         return [m for m in range(first, first + self.per_step) if self.consumer(m) == rank]
 
+    def stop_tickets(self, rank: int, first_unasked_step: int) -> list[int]:
+        """The micro-batches for which drafter `rank` sends STOP: for every target, the first one it
+        would wait for after the last step asked for, when this rank is its consumer."""
+        first = first_unasked_step * self.per_step
+        nexts = [first + (t - first) % self.target_ranks for t in range(self.target_ranks)]
+        return [m for m in nexts if self.consumer(m) == rank]
+
     def produced(self, rank: int, groups: Iterator[list], start_step: int) -> Iterator[tuple[int, list]]:
         """`(m, rows)` of every micro-batch target `rank` computes, from the step-ordered groups of rows."""
         t = rank - self.drafter_ranks
@@ -192,11 +199,8 @@ class DrafterInbox:
             for w in works:
                 w.wait()
         self.pending.clear()
-        first = self.asked_until * self.layout.per_step
-        for t in range(self.layout.target_ranks):
-            m = first + (t - first) % self.layout.target_ranks  # the next micro-batch target t waits for
-            if self.layout.consumer(m) == self.rank:
-                dist.send(torch.tensor([m, STOP], dtype=torch.long, device=self.device), self.layout.producer(m))
+        for m in self.layout.stop_tickets(self.rank, self.asked_until):
+            dist.send(torch.tensor([m, STOP], dtype=torch.long, device=self.device), self.layout.producer(m))
         for work, _ in self.tickets:
             work.wait()
         self.tickets.clear()

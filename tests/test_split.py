@@ -1,0 +1,209 @@
+"""Split placement over gloo on CPU: target ranks stream hidden states to drafter ranks. The schedule
+is checked exhaustively; real runs must log exactly the losses of the equivalent colocated run, stop
+and resume exactly, and fail fast when a target rank dies."""
+
+import copy
+import itertools
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from _harness import (assert_same_losses, beat, launch, losses, run, status, stop, wait_for_step, wait_until,
+                      write_config)
+
+from dflash_train.cli import main
+from dflash_train.config import ConfigError, config_from_dict, validate_world
+from dflash_train.train.transport import SplitLayout
+
+
+# ---------------------------------------------------------------------------- the schedule
+
+
+@pytest.mark.parametrize("world,targets,accum", [(2, 1, 1), (3, 2, 1), (3, 1, 2), (8, 5, 1), (8, 3, 2), (7, 3, 3)])
+def test_every_micro_batch_has_one_producer_and_one_consumer(world, targets, accum):
+    lay = SplitLayout(world, targets, accum)
+    steps = 7
+    groups = [[f"s{s}j{j}" for j in range(lay.per_step)] for s in range(steps)]
+    consumed = {m: d for d in range(lay.drafter_ranks) for s in range(steps) for m in lay.consumed(d, s)}
+    produced = {}
+    for t in range(lay.drafter_ranks, world):
+        ms = [m for m, _ in lay.produced(t, iter(groups), 0)]
+        assert ms == sorted(ms), "a target must produce in schedule order"
+        for m in ms:
+            assert m not in produced
+            produced[m] = t
+    every = set(range(steps * lay.per_step))
+    assert set(consumed) == every and set(produced) == every
+    # each drafter rank gets grad_accum micro-batches per step; targets share the work evenly
+    for d in range(lay.drafter_ranks):
+        assert all(len(lay.consumed(d, s)) == accum for s in range(steps))
+    counts = [sum(1 for t in produced.values() if t == r) for r in range(lay.drafter_ranks, world)]
+    assert max(counts) - min(counts) <= 1
+    # the rows a target sends are the rows of the micro-batch's slot in the shared plan
+    for t in range(lay.drafter_ranks, world):
+        for m, rows in lay.produced(t, iter(groups), 0):
+            assert rows == f"s{m // lay.per_step}j{m % lay.per_step}"
+
+
+@pytest.mark.parametrize("world,targets,accum", [(2, 1, 1), (3, 2, 1), (4, 1, 1), (8, 5, 1), (8, 3, 2), (5, 4, 3)])
+def test_stop_reaches_every_target_exactly_once_at_the_ticket_it_waits_for(world, targets, accum):
+    lay = SplitLayout(world, targets, accum)
+    for asked_until in range(0, 6):
+        sent = [(d, m) for d in range(lay.drafter_ranks) for m in lay.stop_tickets(d, asked_until)]
+        by_target = {}
+        for d, m in sent:
+            assert lay.consumer(m) == d
+            by_target.setdefault(lay.producer(m), []).append(m)
+        assert sorted(by_target) == list(range(lay.drafter_ranks, world))
+        for t, ms in by_target.items():
+            # brute force: the first micro-batch of target t not yet asked for
+            expect = next(m for m in itertools.count(asked_until * lay.per_step) if lay.producer(m) == t)
+            assert ms == [expect]
+
+
+def test_invalid_split_fails_before_anything_loads(tmp_path, tiny_target_dir, counting_jsonl, capsys):
+    with pytest.raises(ValueError, match="target_ranks=2 does not fit 2"):
+        SplitLayout(2, 2)
+    cfg = config_from_dict({"parallel": {"placement": "split"}, "run": {"eval_every": 0}})
+    with pytest.raises(ConfigError, match="parallel.target_ranks.*do not fit 1 rank"):
+        validate_world(cfg, 1)
+    with pytest.raises(ConfigError, match="run.eval_every.*split"):
+        config_from_dict({"parallel": {"placement": "split"}})
+    path = write_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, run__eval_every=0)
+    assert main(["train", str(path), "parallel.placement=split", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "parallel.target_ranks" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_gradient_accumulation_is_the_mean_over_micro_batches(tiny_target_dir):
+    """Two accumulated micro-batches update the weights like one backward of their mean loss."""
+    from dflash_train.model.attention import resolve_backend
+    from dflash_train.model.drafter import DFlashDrafter
+    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.model.target import TargetCapture, load_target_model
+    from dflash_train.train.step import Batch, MicroBatch, TrainStep, forward_loss
+
+    cfg = config_from_dict({"drafter": {"block_size": 4, "num_draft_layers": 1}, "objective": {"max_anchors": 8},
+                            "data": {"max_length": 64, "token_budget": 256}, "optim": {"grad_accum": 2}})
+    model = load_target_model(tiny_target_dir, torch.float64, torch.device("cpu"))
+    target = TargetCapture.from_model(model, [1, 3])
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(make_drafter_config(model.config, num_draft_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                                mask_token_id=16)).double()
+    reference = copy.deepcopy(drafter)
+    backend = resolve_backend("sdpa", torch.device("cpu"), 4)
+    g = torch.Generator().manual_seed(1)
+    batches = [Batch(ids, torch.ones_like(ids), torch.tensor([ids.shape[1]] * 2))
+               for ids in (torch.randint(3, 49152, (2, 40), generator=g), torch.randint(3, 49152, (2, 24), generator=g))]
+    step = TrainStep(drafter, target, backend, cfg, 10, torch.float64, torch.device("cpu"))
+    stats = step([MicroBatch(b) for b in batches], 3)
+
+    # by hand: the same anchors (seeded by step, rank and micro-batch), mean loss, clip, AdamW
+    ref_step = TrainStep(reference, target, backend, cfg, 10, torch.float64, torch.device("cpu"))
+    parts = []
+    for k, b in enumerate(batches):
+        gen = torch.Generator().manual_seed(((cfg.run.seed * 1_000_003 + 3) * 1024 + 0) * 64 + k)
+        parts.append(forward_loss(reference, target, backend, b, cfg, gen, torch.float64).loss)
+    loss = torch.stack(parts).mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.optim.grad_clip)
+    ref_step.optimizer.step()
+    assert float(stats.loss) == pytest.approx(float(loss), rel=1e-12)
+    for (name, p), q in zip(drafter.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+
+
+# ---------------------------------------------------------------------------- real runs (gloo)
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_target_dir, counting_jsonl):
+    root = tmp_path_factory.mktemp("split")
+    cfg = write_config(root / "c.yaml", tiny_target_dir, counting_jsonl, run__eval_every=0)
+    return root, cfg
+
+
+def _train(root, cfg, name, nproc, *extra, steps=STEPS):
+    out = root / name
+    rc = run(["train", str(cfg), *extra, "--run-dir", str(out), "--max-steps", str(steps), "--nproc", str(nproc)],
+             root / f"{name}.log", timeout=300)
+    assert rc == 0, (root / f"{name}.log").read_text()[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(setup):
+    root, cfg = setup
+    return _train(root, cfg, "single", 1)
+
+
+@pytest.mark.slow
+def test_two_targets_one_drafter_log_the_losses_of_one_process(setup, single):
+    root, cfg = setup
+    split = _train(root, cfg, "split-2+1", 3, "parallel.placement=split", "parallel.target_ranks=2")
+    assert_same_losses(losses(single), losses(split), STEPS)
+    st = status(split)
+    assert st["phase"] == "done" and st["placement"] == "split 2+1"
+    beats = {b: beat(split, b) for b in range(3)}
+    assert all(b["phase"] == "done" for b in beats.values())
+    assert sorted(b["step"] for b in beats.values()) == [STEPS - 1, STEPS, STEPS]  # target 1 made the even ones
+    record = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()][-1]
+    assert record["transport_wait_s"] >= 0 and record["peak_mem_gib"] > 0
+    assert (split / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_one_target_two_drafters_log_the_losses_of_colocated_data_parallel(setup):
+    root, cfg = setup
+    colocated = _train(root, cfg, "colocated-2", 2, steps=4)
+    split = _train(root, cfg, "split-1+2", 3, "parallel.placement=split", "parallel.target_ranks=1", steps=4)
+    assert_same_losses(losses(colocated), losses(split), 4)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_split_with_a_checkpoint_and_resume_is_exact(setup, single):
+    root, cfg = setup
+    out, log = root / "term", root / "term.log"
+    args = ["train", str(cfg), "parallel.placement=split", "--run-dir", str(out), "--max-steps", str(STEPS), "--nproc", "2"]
+    proc = launch(args, log)
+    try:
+        wait_for_step(out, 0, 3, proc)
+        pids = [beat(out, r)["pid"] for r in (0, 1)]
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        stop(proc)
+    st = status(out)
+    assert rc == 0 and st["phase"] == "stopped", (rc, st, log.read_text()[-2000:])
+    assert 3 <= st["step"] < STEPS and st["checkpoint"].endswith(f"step-{st['step']:08d}")
+    for pid in pids:  # every process is gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert run(args + ["--resume"], log, timeout=300) == 0, log.read_text()[-3000:]
+    assert_same_losses(losses(single), losses(out), STEPS)
+
+
+@pytest.mark.slow
+def test_a_killed_target_rank_fails_the_run_within_seconds(setup):
+    root, cfg = setup
+    out, log = root / "kill", root / "kill.log"
+    proc = launch(["train", str(cfg), "parallel.placement=split", "run.save_every=1000", "--run-dir", str(out),
+                   "--max-steps", "400", "--nproc", "2"], log)
+    try:
+        wait_for_step(out, 0, 2, proc)
+        target = wait_until(lambda: beat(out, 1), proc, 30, "the target's heartbeat")
+        os.kill(target["pid"], signal.SIGKILL)
+        t0 = time.time()
+        rc = proc.wait(timeout=60)
+        took = time.time() - t0
+    finally:
+        stop(proc)
+    st = status(out)
+    assert rc != 0 and took < 20, (rc, took)
+    assert st["phase"] == "failed" and st["failed_rank"] == 1 and "rank 1 killed by signal 9" in st["error"]["message"]
