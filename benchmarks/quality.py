@@ -437,7 +437,12 @@ class Driver:
             if deadline is not None:
                 cmd += ["--deadline", str(deadline)]
             log = open(adir / f"worker-{k:02d}.log", "wb")
-            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log))
+            import torch
+
+            gpus = torch.cuda.device_count() if self.args.device != "cpu" and torch.cuda.is_available() else 0
+            # one process per GPU context would time-slice: spread the workers over every GPU there is
+            worker_env = dict(env, CUDA_VISIBLE_DEVICES=str(k % gpus)) if gpus > 1 else env
+            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env, cwd=REPO), log))
         self.log(f"eval: {len(shards)} workers started ({', '.join(str(len(s)) for s in shards)} prompts); "
                  f"logs in {adir}")
         t0 = time.time()

@@ -21,6 +21,8 @@ SHAPES = {
     # hidden, layers, heads, kv heads, head_dim, intermediate, vocab
     "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=12288, vocab_size=151936),
+    "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=1000),  # CPU smoke runs of the benchmark code
     "qwen3-27b-class": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
                             head_dim=128, intermediate_size=25600, vocab_size=151936),
 }

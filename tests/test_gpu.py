@@ -145,3 +145,73 @@ def test_no_dense_fallback_after_warmup_on_gpu():
     q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(UserWarning, match="without torch.compile"):
         flex_attention(q, q, q)
+
+
+def test_preflight_refuses_a_plan_that_cannot_fit():
+    from dflash_train.train.preflight import check_gpu
+
+    free, _ = torch.cuda.mem_get_info(0)
+    check_gpu(torch.device("cuda", 0), free // 2, 0, "a small plan")  # fits: no error
+    with pytest.raises(RuntimeError, match=r"rank 0 on cuda:0 needs about .* GiB .* only .* GiB are free"):
+        check_gpu(torch.device("cuda", 0), free + 2**40, 0, "a huge plan")
+
+
+def _gpu_config(path, target, data, **run):
+    path.write_text(json.dumps({
+        "target": {"path": str(target)},
+        "drafter": {"num_draft_layers": 1, "block_size": 16, "attention_backend": "flex"},
+        "data": {"train_files": [str(data)], "max_length": 256, "token_budget": 2048, "max_batch_size": 8},
+        "objective": {"max_anchors": 32, "gamma": 7.0},
+        "optim": {"lr": 5e-3, "epochs": 20, "warmup_ratio": 0.05},
+        "run": {"device": "cuda", "log_every": 1, "save_every": 100, "progress_bar": False, "eval_every": 0, **run},
+    }))
+    return path
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_split_over_nccl_matches_one_gpu_resumes_and_fails_fast(tmp_path, tiny_target_dir, counting_jsonl):
+    """1 target GPU + 1 drafter GPU: the losses of a one-GPU run; SIGTERM checkpoints and --resume
+    finishes with the same losses; a killed target rank fails the run within seconds."""
+    import os
+    import signal
+    import time
+
+    from _harness import beat, launch, losses, run, status, stop, wait_for_step
+
+    cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl)
+    one = tmp_path / "one"
+    assert run(["train", str(cfg), "--run-dir", str(one), "--max-steps", "12"], tmp_path / "one.log") == 0
+    split_args = ["train", str(cfg), "parallel.placement=split", "--max-steps", "12", "--nproc", "2"]
+    out, log = tmp_path / "split", tmp_path / "split.log"
+    proc = launch(split_args + ["--run-dir", str(out)], log)
+    try:
+        wait_for_step(out, 0, 5, proc, timeout=300)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        stop(proc)
+    st = status(out)
+    assert st["phase"] == "stopped" and st["checkpoint"], st
+    assert run(split_args + ["--run-dir", str(out), "--resume"], log) == 0, log.read_text()[-3000:]
+    ref, got = losses(one), losses(out)
+    assert sorted(got) == list(range(1, 13))
+    # bf16 on two GPUs of the same kind: the same kernels, so equal up to reduction-order noise
+    assert all(abs(got[s] - ref[s]) <= 2e-2 * abs(ref[s]) for s in ref), (ref, got)
+    beats = {r: beat(out, r) for r in (0, 1)}
+    assert beats[1]["mem_gib"] > 0
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["transport_wait_s"] >= 0 and last["peak_mem_gib"] > 0
+
+    out, log = tmp_path / "kill", tmp_path / "kill.log"
+    proc = launch(["train", str(cfg), "parallel.placement=split", "--max-steps", "2000", "--nproc", "2",
+                   "--run-dir", str(out)], log)
+    try:
+        wait_for_step(out, 0, 3, proc, timeout=300)
+        os.kill(beat(out, 1)["pid"], signal.SIGKILL)
+        t0 = time.time()
+        rc = proc.wait(timeout=120)
+        took = time.time() - t0
+    finally:
+        stop(proc)
+    st = status(out)
+    assert rc != 0 and took < 30 and st["phase"] == "failed" and st["failed_rank"] == 1, (rc, took, st)

@@ -207,3 +207,15 @@ def test_a_killed_target_rank_fails_the_run_within_seconds(setup):
     st = status(out)
     assert rc != 0 and took < 20, (rc, took)
     assert st["phase"] == "failed" and st["failed_rank"] == 1 and "rank 1 killed by signal 9" in st["error"]["message"]
+
+
+def test_preflight_counts_parameters_from_headers_and_budgets_by_role(tiny_target_dir):
+    from dflash_train.model.target import load_target_model
+    from dflash_train.train.preflight import MARGIN, check_gpu, checkpoint_parameters, needed_bytes
+
+    model = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
+    assert checkpoint_parameters(tiny_target_dir) == sum(p.numel() for p in model.parameters())
+    assert needed_bytes(1000, torch.bfloat16, 10, "target") == MARGIN + 2000
+    assert needed_bytes(1000, torch.bfloat16, 10, "drafter") == MARGIN + 160
+    assert needed_bytes(1000, torch.float32, 10, "colocated") == MARGIN + 4160
+    check_gpu(torch.device("cpu"), 2**60, 0, "anything")  # CPU runs have no device memory to check

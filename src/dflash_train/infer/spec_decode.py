@@ -234,7 +234,7 @@ class SpeculativeDecoder:
 
     def _tree_mask(self, parents: list[int], past: int, dtype: torch.dtype) -> torch.Tensor:
         n = len(parents) + 1  # root first
-        allowed = torch.zeros(n, past + n, dtype=torch.bool, device=self.device)
+        allowed = torch.zeros(n, past + n, dtype=torch.bool)  # built on the CPU: one copy, not n^2 kernels
         allowed[:, :past] = True
         for i in range(n):
             node = i
@@ -243,8 +243,8 @@ class SpeculativeDecoder:
                 if node == 0:
                     break
                 node = parents[node - 1] + 1
-        mask = torch.zeros(1, 1, n, past + n, dtype=dtype, device=self.device)
-        return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+        mask = torch.zeros(1, 1, n, past + n, dtype=dtype)
+        return mask.masked_fill(~allowed, torch.finfo(dtype).min).to(self.device)
 
     @torch.no_grad()
     def generate_tree(self, prompt: list[int], max_new_tokens: int, budget: int) -> DecodeResult:

@@ -29,6 +29,7 @@ from ..rundir import MetricsWriter, RunDir, StatusWriter
 from ..model import compile as compile_layer
 from ..model.provenance import PROVENANCE_NAME, target_provenance, write_provenance
 from . import checkpoint as checkpoints
+from . import preflight
 from .step import MicroBatch, StepStats, TrainStep, forward_loss
 from .transport import DrafterInbox, SplitLayout, TargetOutbox
 from .validate import validate
@@ -141,7 +142,7 @@ def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional
             forward_loss(train_step.drafter, train_step.target, train_step.backend, batch, train_step.cfg,
                          torch.Generator().manual_seed(0), train_step.compute_dtype)
     if batch.input_ids.is_cuda:
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()  # not the NCCL stream: it may hold posted receives
     compile_layer.seal()
     info = {"warmup_s": round(time.time() - t0, 2), "compile_cache_dir": str(path), **compile_layer.cache_stats()}
     log.info("warm-up done in %.1f s (compile cache %s: %d hits, %d misses)", info["warmup_s"], path,
@@ -264,6 +265,20 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         log.info("rank %d/%d (%s): target %s, layers %s, mask token %d, device %s", ctx.rank, ctx.world, role,
                  plan.target_path, plan.layer_ids, plan.mask_token_id, device)
         bs = cfg.drafter.block_size
+        target_config = read_target_config(plan.target_path, cfg.target.trust_remote_code)
+        dcfg = make_drafter_config(
+            target_config, num_draft_layers=cfg.drafter.num_draft_layers, block_size=bs,
+            target_layer_ids=plan.layer_ids, mask_token_id=plan.mask_token_id,
+        )
+        if device.type == "cuda":
+            with torch.device("meta"):
+                drafter_params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
+            if role == "drafter" and layout is not None:  # plus the target's embedding and lm_head
+                drafter_params += target_config.vocab_size * target_config.hidden_size // 4
+            need_role = "colocated" if layout is None else role
+            preflight.check_gpu(device, preflight.needed_bytes(preflight.checkpoint_parameters(plan.target_path),
+                                                               plan.target_dtype, drafter_params, need_role),
+                                ctx.rank, f"the {need_role} rank's weights and optimizer state")
         data = open_training_data(cfg, tokenizer)
         log.info("data: %s", data.describe())
         lengths = data.lengths
@@ -298,14 +313,8 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         if layout is None:
             model = load_target_model(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
             target = TargetCapture.from_model(model, plan.layer_ids)
-            target_config = model.config
         else:  # a split drafter rank: the target's embedding and lm_head, never its decoder
             target = load_target_head(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
-            target_config = read_target_config(plan.target_path, cfg.target.trust_remote_code)
-        dcfg = make_drafter_config(
-            target_config, num_draft_layers=cfg.drafter.num_draft_layers, block_size=bs,
-            target_layer_ids=plan.layer_ids, mask_token_id=plan.mask_token_id,
-        )
         provenance = target_provenance(str(plan.target_path), tokenizer, target_config)
         if ctx.is_main:
             write_provenance(run.root, provenance)

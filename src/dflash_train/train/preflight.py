@@ -1,0 +1,81 @@
+"""Before any weights load: does this rank's GPU have the memory its part of the plan needs, and who
+else holds it? A run that cannot fit says so in seconds instead of failing minutes later."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+MARGIN = 2 * 2**30  # CUDA context, allocator slack, the first activations
+
+
+def checkpoint_parameters(path: Path) -> int:
+    """Parameter count of a safetensors checkpoint, from the file headers alone."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                n = 1
+                for dim in f.get_slice(key).get_shape():
+                    n *= dim
+                total += n
+    return total
+
+
+def needed_bytes(target_params: int, target_dtype: torch.dtype, drafter_params: int, role: str) -> int:
+    """Weights that must be resident: the frozen target (target and colocated ranks) and the drafter
+    with float32 master weights, gradients and AdamW moments (16 bytes a parameter; drafter ranks)."""
+    need = MARGIN
+    if role in ("target", "colocated"):
+        need += target_params * _BYTES[target_dtype]
+    if role in ("drafter", "colocated"):
+        need += drafter_params * 16
+    return need
+
+
+def other_processes(device_index: int) -> list[str]:
+    """`pid (GiB)` of other processes on that GPU, from nvidia-smi when it is installed."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        uuid = torch.cuda.get_device_properties(device_index).uuid
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory,gpu_uuid", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError, RuntimeError):
+        return []
+    import os
+
+    found = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and str(uuid) in parts[2] and parts[0] != str(os.getpid()):
+            found.append(f"pid {parts[0]} ({int(parts[1]) / 1024:.1f} GiB)")
+    return found
+
+
+def check_gpu(device: torch.device, need: int, rank: int, what: str) -> None:
+    """Raise if `device` has less free memory than `need`; name who holds it."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    others = other_processes(device.index)
+    held = f"; other processes on it: {', '.join(others)}" if others else ""
+    if free < need:
+        raise RuntimeError(
+            f"preflight: rank {rank} on cuda:{device.index} needs about {need / 2**30:.1f} GiB for {what}, but only "
+            f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free{held}. Free the GPU, use a split placement with "
+            "more target ranks, or a smaller drafter"
+        )
+    if others:
+        log.warning("rank %d: cuda:%d is shared%s", rank, device.index, held)
+    log.info("preflight: rank %d on cuda:%d: %.1f GiB free, about %.1f GiB needed for %s", rank, device.index,
+             free / 2**30, need / 2**30, what)
