@@ -167,13 +167,18 @@ def test_one_target_two_drafters_log_the_losses_of_colocated_data_parallel(setup
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_split_with_a_checkpoint_and_resume_is_exact(setup, single):
+def test_sigterm_stops_the_split_with_a_checkpoint_and_resume_is_exact(setup, single, capsys):
     root, cfg = setup
     out, log = root / "term", root / "term.log"
     args = ["train", str(cfg), "parallel.placement=split", "--run-dir", str(out), "--max-steps", str(STEPS), "--nproc", "2"]
     proc = launch(args, log)
     try:
         wait_for_step(out, 0, 3, proc)
+        wait_until(lambda: (b := beat(out, 1)) and b.get("produced"), proc, 30, "the target's first report")
+        capsys.readouterr()
+        assert main(["status", str(out)]) == 0  # live: both ranks, their roles, and which side limits the run
+        live = capsys.readouterr().out
+        assert "rank 0: drafter" in live and "rank 1: target" in live and "bound by:" in live, live
         pids = [beat(out, r)["pid"] for r in (0, 1)]
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=60)
@@ -219,3 +224,21 @@ def test_preflight_counts_parameters_from_headers_and_budgets_by_role(tiny_targe
     assert needed_bytes(1000, torch.bfloat16, 10, "drafter") == MARGIN + 160
     assert needed_bytes(1000, torch.float32, 10, "colocated") == MARGIN + 4160
     check_gpu(torch.device("cpu"), 2**60, 0, "anything")  # CPU runs have no device memory to check
+
+
+def test_status_names_the_side_that_limits_a_split_run():
+    from dflash_train.rundir import bound_side, format_ranks
+
+    now = 1000.0
+    drafter = {"rank": 0, "role": "drafter", "phase": "training", "step": 9, "time": now - 1, "train_s": 100.0,
+               "transport_wait_s": 30.0, "mem_gib": 40.0}
+    target = {"rank": 1, "role": "target", "phase": "training", "step": 10, "time": now - 2, "busy_s": 95.0,
+              "wait_s": 5.0, "produced": 20, "mem_gib": 20.0}
+    assert bound_side([drafter, target]).startswith("the target side: drafter ranks wait 30%")
+    idle = dict(target, busy_s=40.0, wait_s=60.0)
+    calm = dict(drafter, transport_wait_s=0.5)
+    assert bound_side([calm, idle]) == "the drafter side: target ranks idle 60% of the time (move a GPU to the drafter side)"
+    assert bound_side([dict(drafter, role="colocated")]) is None
+    text = format_ranks([calm, idle], now)
+    assert "rank 0: drafter" in text and "waited 0.5 s for hidden states" in text and "idle 60.0 s, busy 40.0 s" in text
+    assert text.endswith("(move a GPU to the drafter side)")

@@ -67,7 +67,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .rundir import format_status, read_status
+    from .rundir import format_ranks, format_status, read_status
     from .train.launch import read_heartbeats
     from .rundir import RunDir
 
@@ -76,10 +76,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         text = format_status(status, last)
         beats = read_heartbeats(RunDir(Path(args.run_dir)))
         if beats:
-            now = time.time()
-            text += "\nranks:\n" + "\n".join(
-                f"  rank {b['rank']}: {b['phase']:<9} step {b['step']:<7} heartbeat {now - b['time']:.1f} s ago"
-                + (f"  ({b['error']})" if b.get("error") else "") for b in beats)
+            text += "\n" + format_ranks(beats)
         print(text, flush=True)
         if not args.follow or status.get("phase") in ("done", "failed", "stopped"):
             return 1 if status.get("phase") == "failed" else 0

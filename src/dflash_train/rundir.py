@@ -204,3 +204,40 @@ def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: O
     else:
         lines.append("last error: none")
     return "\n".join(lines)
+
+
+def format_ranks(beats: list[dict[str, Any]], now: Optional[float] = None) -> str:
+    """One line per rank (phase, step, heartbeat age, memory, transport waits) and, for a split
+    placement, which side limits the run."""
+    now = time.time() if now is None else now
+    lines = ["ranks:"]
+    for b in beats:
+        line = f"  rank {b['rank']}: {b.get('role', ''):<9} {b['phase']:<9} step {b['step']:<7} heartbeat {now - b['time']:.1f} s ago"
+        if b.get("mem_gib") is not None:
+            line += f"  mem {b['mem_gib']:.1f} GiB"
+        if b.get("transport_wait_s") is not None:
+            line += f"  waited {b['transport_wait_s']:.1f} s for hidden states"
+        if b.get("wait_s") is not None:
+            line += f"  idle {b['wait_s']:.1f} s, busy {b.get('busy_s', 0):.1f} s, {b.get('produced', 0)} micro-batches"
+        if b.get("error"):
+            line += f"  ({b['error']})"
+        lines.append(line)
+    verdict = bound_side(beats)
+    if verdict:
+        lines.append(f"bound by:   {verdict}")
+    return "\n".join(lines)
+
+
+def bound_side(beats: list[dict[str, Any]]) -> Optional[str]:
+    """Split placement: the drafters waiting for hidden states means the target side is too slow;
+    idle targets mean the drafter side is. Based on the shares of time each side waited."""
+    drafters = [b for b in beats if b.get("role") == "drafter" and b.get("train_s")]
+    targets = [b for b in beats if b.get("role") == "target" and (b.get("busy_s") or b.get("wait_s"))]
+    if not drafters or not targets:
+        return None
+    drafter_wait = max(b.get("transport_wait_s", 0) / b["train_s"] for b in drafters)
+    target_idle = min(b.get("wait_s", 0) / (b.get("wait_s", 0) + b.get("busy_s", 0)) for b in targets)
+    if drafter_wait > 0.05:
+        return f"the target side: drafter ranks wait {100 * drafter_wait:.0f}% of the time (add target ranks)"
+    return (f"the drafter side: target ranks idle {100 * target_idle:.0f}% of the time"
+            + (" (move a GPU to the drafter side)" if target_idle > 0.25 else ""))

@@ -306,7 +306,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             stop.training()
             step = serve_target(target, layout, groups, step, data, tokenizer.pad_token_id, cfg, device,
                          lambda at, **extra: write_heartbeat(run, ctx.rank, "training", at, mem_gib=_memory_gib(device),
-                                                             **extra))
+                                                             role="target", **extra))
             write_heartbeat(run, ctx.rank, "done", step, mem_gib=_memory_gib(device))
             return None
 
@@ -417,7 +417,8 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             step += 1
             step_box[0] = step
             cursor = {"epoch": epoch, "batch_index": next_index}
-            write_heartbeat(run, ctx.rank, "training", step, mem_gib=_memory_gib(device),
+            write_heartbeat(run, ctx.rank, "training", step, mem_gib=_memory_gib(device), train_s=round(time.time() - t_start, 1),
+                            role="colocated" if inbox is None else "drafter",
                             **({"transport_wait_s": round(inbox.wait_s, 2)} if inbox is not None else {}))
             window_tokens += int(sum(lengths[i] for rows in group for i in rows))
             if step % cfg.run.log_every == 0 or step == total:
