@@ -195,13 +195,14 @@ def test_sigterm_stops_the_split_with_a_checkpoint_and_resume_is_exact(setup, si
 
 
 @pytest.mark.slow
-def test_a_killed_target_rank_fails_the_run_within_seconds(setup):
+def test_a_killed_target_rank_fails_the_run_within_seconds_and_resume_is_exact(setup, single):
     root, cfg = setup
     out, log = root / "kill", root / "kill.log"
-    proc = launch(["train", str(cfg), "parallel.placement=split", "run.save_every=1000", "--run-dir", str(out),
-                   "--max-steps", "400", "--nproc", "2"], log)
+    args = ["train", str(cfg), "parallel.placement=split", "run.save_every=2", "--run-dir", str(out),
+            "--max-steps", str(STEPS), "--nproc", "2"]
+    proc = launch(args, log)
     try:
-        wait_for_step(out, 0, 2, proc)
+        wait_for_step(out, 0, 3, proc)
         target = wait_until(lambda: beat(out, 1), proc, 30, "the target's heartbeat")
         os.kill(target["pid"], signal.SIGKILL)
         t0 = time.time()
@@ -212,6 +213,9 @@ def test_a_killed_target_rank_fails_the_run_within_seconds(setup):
     st = status(out)
     assert rc != 0 and took < 20, (rc, took)
     assert st["phase"] == "failed" and st["failed_rank"] == 1 and "rank 1 killed by signal 9" in st["error"]["message"]
+    assert (out / "checkpoints" / "step-00000002").is_dir()
+    assert run(args + ["--resume"], log, timeout=300) == 0, log.read_text()[-3000:]
+    assert_same_losses(losses(single), losses(out), STEPS)
 
 
 def test_preflight_counts_parameters_from_headers_and_budgets_by_role(tiny_target_dir):
