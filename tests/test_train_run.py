@@ -102,3 +102,25 @@ def test_mask_token_must_not_be_pad_or_eos(tmp_path, tiny_target_dir, counting_j
     assert main(["train", str(cfg), "--run-dir", str(tmp_path / "R"), "drafter.mask_token_id=2"]) == 2
     err = capsys.readouterr().err
     assert "mask_token_id=2" in err and ("eos" in err or "pad" in err)
+
+
+def test_train_log_rotates_and_stays_bounded(tmp_path, monkeypatch):
+    import logging
+
+    from dflash_train.rundir import RunDir
+
+    monkeypatch.setattr(RunDir, "log_max_bytes", 4096)
+    run = RunDir(tmp_path / "r").create()
+    handler = run.attach_log()
+    logger = logging.getLogger("dflash_train.test")
+    logger.setLevel(logging.INFO)
+    try:
+        for i in range(2000):  # ~150 KB of log lines
+            logger.info("step %d loss %.4f and some text to make the line longer", i, 1.0 / (i + 1))
+    finally:
+        logging.getLogger("dflash_train").removeHandler(handler)
+        handler.close()
+    parts = sorted(p.name for p in run.root.glob("train.log*"))
+    assert parts == ["train.log", "train.log.1", "train.log.2", "train.log.3"]
+    assert all((run.root / p).stat().st_size <= 4096 + 200 for p in parts)
+    assert "step 1999 " in run.log.read_text()  # the newest lines are in train.log

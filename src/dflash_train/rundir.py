@@ -62,8 +62,14 @@ class RunDir:
             d.mkdir(parents=True, exist_ok=True)
         return self
 
+    # train.log rotates: train.log.1 .. .3 keep the previous parts, so a run's log stays bounded.
+    log_max_bytes = 64 * 2**20
+    log_backups = 3
+
     def attach_log(self) -> logging.Handler:
-        handler = logging.FileHandler(self.log)
+        from logging.handlers import RotatingFileHandler
+
+        handler = RotatingFileHandler(self.log, maxBytes=self.log_max_bytes, backupCount=self.log_backups)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger("dflash_train").addHandler(handler)
         return handler
