@@ -218,7 +218,8 @@ def format_ranks(beats: list[dict[str, Any]], now: Optional[float] = None) -> st
     now = time.time() if now is None else now
     lines = ["ranks:"]
     for b in beats:
-        line = f"  rank {b['rank']}: {b.get('role', ''):<9} {b['phase']:<9} step {b['step']:<7} heartbeat {now - b['time']:.1f} s ago"
+        role = f"{b['role']:<9} " if b.get("role") else ""
+        line = f"  rank {b['rank']}: {role}{b['phase']:<9} step {b['step']:<7} heartbeat {now - b['time']:.1f} s ago"
         if b.get("mem_gib") is not None:
             line += f"  mem {b['mem_gib']:.1f} GiB"
         if b.get("transport_wait_s") is not None:
