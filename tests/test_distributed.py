@@ -63,7 +63,7 @@ def test_colocated_two_ranks_finish_and_report_both_heartbeats(reference, capsys
     capsys.readouterr()
     assert main(["status", str(reference)]) == 0
     out = capsys.readouterr().out
-    assert "rank 0: done" in out and "rank 1: done" in out
+    assert "rank 0: colocated done" in out and "rank 1: colocated done" in out
 
 
 def test_killed_rank_stops_the_run_fast_and_resume_matches(setup, reference):

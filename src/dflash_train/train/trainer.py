@@ -237,11 +237,13 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         dump_config(cfg, run.config)
     phase, step_box = ["starting"], [0]
 
+    beat_extra: dict = {}  # fields every heartbeat of this rank repeats (its role, once known)
+
     def report(**fields) -> None:
         if status is not None:
             status.update(**fields)
         if "phase" in fields or "step" in fields:
-            write_heartbeat(run, ctx.rank, fields.get("phase", phase[0]), fields.get("step", step_box[0]))
+            write_heartbeat(run, ctx.rank, fields.get("phase", phase[0]), fields.get("step", step_box[0]), **beat_extra)
         if "phase" in fields:
             phase[0] = fields["phase"]
 
@@ -262,6 +264,8 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                 if layout.drafter_ranks > 1 else None
             drafters = layout.drafter_ranks
         role = "target" if layout is not None and layout.is_target(ctx.rank) else "drafter"
+        if layout is not None:
+            beat_extra["role"] = role
         log.info("rank %d/%d (%s): target %s, layers %s, mask token %d, device %s", ctx.rank, ctx.world, role,
                  plan.target_path, plan.layer_ids, plan.mask_token_id, device)
         bs = cfg.drafter.block_size
@@ -307,7 +311,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             step = serve_target(target, layout, groups, step, data, tokenizer.pad_token_id, cfg, device,
                          lambda at, **extra: write_heartbeat(run, ctx.rank, "training", at, mem_gib=_memory_gib(device),
                                                              role="target", **extra))
-            write_heartbeat(run, ctx.rank, "done", step, mem_gib=_memory_gib(device))
+            write_heartbeat(run, ctx.rank, "done", step, mem_gib=_memory_gib(device), **beat_extra)
             return None
 
         if layout is None:
@@ -417,9 +421,10 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             step += 1
             step_box[0] = step
             cursor = {"epoch": epoch, "batch_index": next_index}
-            write_heartbeat(run, ctx.rank, "training", step, mem_gib=_memory_gib(device), train_s=round(time.time() - t_start, 1),
-                            role="colocated" if inbox is None else "drafter",
-                            **({"transport_wait_s": round(inbox.wait_s, 2)} if inbox is not None else {}))
+            beat_extra.update(mem_gib=_memory_gib(device), train_s=round(time.time() - t_start, 1),
+                              role="colocated" if inbox is None else "drafter",
+                              **({"transport_wait_s": round(inbox.wait_s, 2)} if inbox is not None else {}))
+            write_heartbeat(run, ctx.rank, "training", step, **beat_extra)
             window_tokens += int(sum(lengths[i] for rows in group for i in rows))
             if step % cfg.run.log_every == 0 or step == total:
                 now = time.time()
