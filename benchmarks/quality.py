@@ -25,6 +25,16 @@ one record per prompt and a later call runs only the missing prompts. Exit code 
         --eval humaneval=.gpu/data/humaneval.jsonl --eval sharegpt=.gpu/data/sharegpt-heldout.jsonl
     # CPU smoke: ... optim.max_steps=3 data.max_samples=64 run.device=cpu data.max_batch_size=4 \\
     #     objective.max_anchors=32 --limit 1 --max-new-tokens 16 --workers 2 --device cpu
+
+`--copy-to DIR` (e.g. the GPU machine's $OUT, which brings back at most 8 files, 16 MiB each, 64 MiB in
+all, two folders deep) writes, at the end of every call, also a failed one: summary.json, summary.md,
+logs.tar.gz (metrics.jsonl, train/driver/worker logs, eval plan and report) and drafter/ (the exported
+drafter as drafter.tar.gz.part-aa, -ab, ... of at most 15 MiB + SHA256SUMS). Here, put the drafter back
+together (sums checked) and evaluate it again, on CPU or GPU, without training:
+
+    tools/join_drafter.sh <files>/drafter runs/quality-gpu/export
+    PYTHONPATH=src python benchmarks/quality.py --out runs/quality-gpu-eval --drafter runs/quality-gpu/export \\
+        --eval mt-bench --limit 2 --max-new-tokens 64 --device cpu
 """
 
 from __future__ import annotations
@@ -176,6 +186,180 @@ def merged_report(config: dict, items: list[dict], records: dict[str, dict], mod
     return report_from_records(config, by_ds, {ds: mode_names for ds in by_ds}, order)
 
 
+# --------------------------------------------------------------------------- bringing files back (--copy-to)
+
+# What comes back from the GPU machine through $OUT: at most 8 files, 16 MiB each, 64 MiB in all, no deeper
+# than two folders. --copy-to writes summary.json, summary.md, logs.tar.gz (metrics, logs, the eval report)
+# and drafter/ (the exported drafter as drafter.tar.gz in parts of at most 15 MiB, with SHA256SUMS), within
+# those limits: the summary first, then the drafter, then the logs (the eval report dropped first).
+OUT_LIMITS = {"files": 8, "file_bytes": 16 * 2**20, "total_bytes": 64 * 2**20}
+PART_BYTES = 15 * 2**20
+DRAFTER_ARCHIVE = "drafter.tar.gz"
+LOGS_ARCHIVE = "logs.tar.gz"
+
+
+def _part_suffix(k: int) -> str:
+    """aa, ab, ..., az, ba, ...: the names `split -a 2` gives, so `cat NAME.part-*` joins them in order."""
+    if k >= 26 * 26:
+        raise ValueError("more than 676 parts")
+    return chr(ord("a") + k // 26) + chr(ord("a") + k % 26)
+
+
+class _PartWriter:
+    """A write-only file object that spreads its bytes over `folder/NAME.part-aa`, `-ab`, ... of at most
+    `part_bytes` each, hashing every part and the whole."""
+
+    def __init__(self, folder: Path, name: str, part_bytes: int):
+        self.folder, self.name, self.part_bytes = folder, name, part_bytes
+        self.parts: list[dict] = []
+        self.whole = hashlib.sha256()
+        self.size = 0
+        self._f = None
+        self._h = None
+        self._n = 0
+
+    def _rotate(self) -> None:
+        self._close_part()
+        part = f"{self.name}.part-{_part_suffix(len(self.parts))}"
+        self._f, self._h, self._n = open(self.folder / part, "wb"), hashlib.sha256(), 0
+        self.parts.append({"name": part})
+
+    def _close_part(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self.parts[-1].update(sha256=self._h.hexdigest(), bytes=self._n)
+            self._f = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.whole.update(view)
+        self.size += len(view)
+        while len(view):
+            if self._f is None or self._n >= self.part_bytes:
+                self._rotate()
+            chunk = view[: self.part_bytes - self._n]
+            self._f.write(chunk)
+            self._h.update(chunk)
+            self._n += len(chunk)
+            view = view[len(chunk):]
+        return len(data)
+
+    def flush(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+
+    def close(self) -> None:
+        if not self.parts:
+            self._rotate()  # an empty stream still gets one (empty) part
+        self._close_part()
+
+
+def _deterministic_tarinfo(info):
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.mode = 0o644 if info.isfile() else 0o755
+    return info
+
+
+def pack_drafter(export: Path, dest: Path, part_bytes: int = PART_BYTES) -> dict:
+    """The exported drafter folder as `dest/drafter.tar.gz.part-aa, -ab, ...` (each at most `part_bytes`)
+    and `dest/SHA256SUMS` (sha256sum format: every part, then the whole archive). The archive holds the
+    folder's files under their own names (no leading folder); same files -> same bytes. Joined and checked
+    by tools/join_drafter.sh. Returns {"parts": [{name, sha256, bytes}], "archive_sha256", "archive_bytes",
+    "files": {name: bytes}}."""
+    import gzip
+    import tarfile
+
+    export, dest = Path(export), Path(dest)
+    if not (export / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{export} has no model.safetensors: not an exported drafter")
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in list(dest.glob(f"{DRAFTER_ARCHIVE}.part-*")) + [dest / "SHA256SUMS"]:
+        old.unlink(missing_ok=True)
+    files = sorted(p for p in export.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(export).parts))
+    writer = _PartWriter(dest, DRAFTER_ARCHIVE, part_bytes)
+    with gzip.GzipFile(filename="", mode="wb", fileobj=writer, compresslevel=6, mtime=0) as gz:
+        with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for path in files:
+                tar.add(path, arcname=path.relative_to(export).as_posix(), recursive=False,
+                        filter=_deterministic_tarinfo)
+    writer.close()
+    sums = "".join(f"{p['sha256']}  {p['name']}\n" for p in writer.parts)
+    sums += f"{writer.whole.hexdigest()}  {DRAFTER_ARCHIVE}\n"
+    (dest / "SHA256SUMS").write_text(sums)
+    return {"parts": writer.parts, "archive_sha256": writer.whole.hexdigest(), "archive_bytes": writer.size,
+            "files": {p.relative_to(export).as_posix(): p.stat().st_size for p in files}}
+
+
+def pack_logs(members: list[tuple[Path, str]], out: Path, max_member_bytes: int = 8 * 2**20) -> list[str]:
+    """`out` (tar.gz) holding each existing `(path, name)`; a file over `max_member_bytes` keeps its tail
+    (its name gets `.tail`). Returns the names written."""
+    import io
+    import tarfile
+
+    written = []
+    with tarfile.open(out, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for path, name in members:
+            if not Path(path).is_file():
+                continue
+            size = path.stat().st_size
+            if size <= max_member_bytes:
+                tar.add(path, arcname=name, recursive=False, filter=_deterministic_tarinfo)
+            else:
+                with open(path, "rb") as f:
+                    f.seek(size - max_member_bytes)
+                    data = f.read()
+                name += ".tail"
+                info = _deterministic_tarinfo(tarfile.TarInfo(name))
+                info.size, info.mtime = len(data), int(path.stat().st_mtime)
+                tar.addfile(info, io.BytesIO(data))
+            written.append(name)
+    return written
+
+
+def drafter_origin(folder: Path, given: bool) -> dict:
+    """Where an exported drafter came from, from its own files: path, weights' sha256, shape, the checkpoint
+    it was exported from (README.md), its training recipe (training_config.yaml) and target (dflash_train.json)."""
+    folder = Path(folder)
+    out: dict = {"source": "given (--drafter)" if given else "trained by this run", "path": str(folder),
+                 "model_sha256": _file_sha256(folder / "model.safetensors"),
+                 "files": {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}}
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+        out["config"] = {k: cfg.get(k) for k in ("num_hidden_layers", "block_size", "hidden_size", "dtype",
+                                                 "num_target_layers")}
+        out["config"]["target_layer_ids"] = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    except (OSError, ValueError):
+        pass
+    readme = folder / "README.md"
+    if readme.is_file():
+        m = re.search(r"Exported by .*? from\s+`([^`]+)`", readme.read_text(errors="replace"), re.S)
+        if m:
+            out["exported_from"] = m.group(1)
+    tc = folder / "training_config.yaml"
+    if tc.is_file():
+        try:
+            import yaml
+
+            t = yaml.safe_load(tc.read_text()) or {}
+            out["training"] = {"target": (t.get("target") or {}).get("path"),
+                               "train_files": (t.get("data") or {}).get("train_files"),
+                               "max_steps": (t.get("optim") or {}).get("max_steps"),
+                               "lr": (t.get("optim") or {}).get("lr"),
+                               "drafter": t.get("drafter")}
+        except Exception:  # a hand-edited file: its origin is still the path and hash above
+            pass
+    prov = folder / "dflash_train.json"
+    if prov.is_file():
+        try:
+            p = json.loads(prov.read_text())
+            out["trained_against"] = {k: p.get(k) for k in ("target", "tokenizer_sha256", "chat_template_sha256")}
+        except ValueError:
+            pass
+    return out
+
+
 # --------------------------------------------------------------------------- worker
 
 
@@ -265,6 +449,10 @@ class Driver:
         self.log_file = open(self.out / "driver.log", "a", encoding="utf-8")
         self.settings = EvalSettings(max_new_tokens=args.max_new_tokens, tree_budgets=tuple(args.tree_budget),
                                      baseline=args.baseline, dtype=args.dtype, device=args.device)
+        # --drafter: evaluate that exported drafter (no prepare, no train); else this run's export
+        self.given_drafter = Path(args.drafter).resolve() if getattr(args, "drafter", None) else None
+        self.drafter_dir = self.given_drafter or self.run / "export"
+        self.overlap_data: Optional[str] = None  # the training file the eval prompts were filtered against
 
     def log(self, msg: str) -> None:
         line = f"[quality {time.strftime('%H:%M:%S')}] {msg}"
@@ -352,7 +540,14 @@ class Driver:
         """All eval prompts in report order (overlap with the training data removed) and the drop counts."""
         from dflash_train.infer.evaluate import iter_prompts
 
-        index = OverlapIndex.from_texts(training_user_turns([self.args.data]), self.args.overlap_prefix)
+        if Path(self.args.data).is_file():
+            self.overlap_data = self.args.data
+            index = OverlapIndex.from_texts(training_user_turns([self.args.data]), self.args.overlap_prefix)
+        else:  # only with --drafter: without --drafter, prepare has already failed on a missing file
+            self.overlap_data = None
+            index = OverlapIndex(prefix_chars=self.args.overlap_prefix)
+            self.log(f"eval: training data {self.args.data} not found: eval prompts are NOT filtered against "
+                     "training prompts (pass --data with the drafter's training file)")
         items, info = [], {}
         for spec in self.args.eval or list(DEFAULT_EVAL):
             name, _, source = spec.partition("=")
@@ -381,7 +576,7 @@ class Driver:
 
     def stage_eval(self) -> tuple[bool, dict]:
         """(complete, eval info)."""
-        drafter = self.run / "export"
+        drafter = self.drafter_dir
         items, info = self.eval_items()
         key = hashlib.sha256(json.dumps({
             "items": [[i["dataset"], i["id"], i["turns"]] for i in items],
@@ -405,7 +600,7 @@ class Driver:
         missing = [i for i in items if record_key(i["dataset"], i["id"]) not in done]
         from dflash_train.infer.evaluate import report_config
 
-        config = report_config(self.settings.max_new_tokens, self.settings.temperature, self.cfg.drafter.block_size,
+        config = report_config(self.settings.max_new_tokens, self.settings.temperature, drafter_block_size(drafter),
                                self.settings.tree_budgets)
         missing_keys = {record_key(i["dataset"], i["id"]) for i in missing}
         finished = [i for i in items if record_key(i["dataset"], i["id"]) not in missing_keys]
@@ -478,8 +673,16 @@ class Driver:
     def summarize(self, complete: bool, info: dict) -> dict:
         report = info.pop("_report")
         worker_s = info.pop("_worker_prompt_s")
-        manifest = json.loads((self.prepared / "manifest.json").read_text())
-        train = train_summary(self.run)
+        if self.given_drafter is None:
+            manifest = json.loads((self.prepared / "manifest.json").read_text())
+            data = {"file": str(self.args.data), "rows_read": manifest["counts"]["rows_read"],
+                    "rows_kept": manifest["counts"]["kept"], "rejected": manifest["counts"]["rejected"],
+                    "train_rows": manifest["splits"]["train"]["rows"], "val_rows": manifest["splits"]["val"]["rows"]}
+            train = train_summary(self.run)
+        else:  # not trained here: the run directory beside an export (run/export), when there is one
+            data = {"file": self.overlap_data, "used_for": "the overlap filter only (drafter given)"}
+            run = self.given_drafter.parent
+            train = train_summary(run) if (run / "metrics.jsonl").is_file() else {"records": 0}
         datasets = {}
         for name, meta in info.items():
             body = report["datasets"].get(name, {"modes": {}, "lossless_mismatches": []})
@@ -506,12 +709,12 @@ class Driver:
             "reference": REFERENCE,
             "config": str(self.args.config),
             "overrides": list(self.args.overrides),
-            "data": {"file": str(self.args.data), "rows_read": manifest["counts"]["rows_read"],
-                     "rows_kept": manifest["counts"]["kept"], "rejected": manifest["counts"]["rejected"],
-                     "train_rows": manifest["splits"]["train"]["rows"], "val_rows": manifest["splits"]["val"]["rows"]},
+            "drafter": drafter_origin(self.drafter_dir, self.given_drafter is not None),
+            "data": data,
             "train": train,
             "eval": {"settings": {**self.settings.__dict__, "tree_budgets": list(self.settings.tree_budgets),
-                                  "overlap_prefix_chars": self.args.overlap_prefix, "workers": self.workers()},
+                                  "overlap_prefix_chars": self.args.overlap_prefix,
+                                  "overlap_filter_data": self.overlap_data, "workers": self.workers()},
                      "datasets": datasets, "pooled_tau": pooled,
                      "worker_prompt_s": worker_s},
             "wall_s": self.timings,
@@ -522,15 +725,75 @@ class Driver:
         return summary
 
     def copy_out(self) -> None:
+        """--copy-to: summary.json/.md, drafter/ (the exported drafter in checked parts) and logs.tar.gz, within
+        OUT_LIMITS. Never raises: the run's own outcome is what the caller reports."""
         if not self.args.copy_to:
             return
-        dest = Path(self.args.copy_to)
+        try:
+            self._copy_out(Path(self.args.copy_to))
+        except Exception as e:  # noqa: BLE001
+            self.log(f"copy-to: failed: {type(e).__name__}: {e}")
+
+    def _copy_out(self, dest: Path) -> None:
+        lim = OUT_LIMITS
         dest.mkdir(parents=True, exist_ok=True)
-        for src in (self.out / "summary.json", self.out / "summary.md", self.eval_dir / "report.json",
-                    self.run / "metrics.jsonl", self.run / "train.log", self.out / "driver.log",
-                    self.out / "train.stdout.log"):
-            if src.is_file() and src.stat().st_size < 15 * 2**20:
-                shutil.copy(src, dest / (src.name if src.parent != self.eval_dir else "eval_report.json"))
+        for name in ("summary.json", "summary.md", LOGS_ARCHIVE):
+            (dest / name).unlink(missing_ok=True)
+        shutil.rmtree(dest / "drafter", ignore_errors=True)
+        others = [p for p in dest.rglob("*") if p.is_file()]  # put there by someone else: they count too
+        files, total = len(others), sum(p.stat().st_size for p in others)
+
+        def fits(n: int, size: int, largest: int) -> bool:
+            return files + n <= lim["files"] and total + size <= lim["total_bytes"] and largest <= lim["file_bytes"]
+
+        for src in (self.out / "summary.json", self.out / "summary.md"):
+            if src.is_file() and fits(1, src.stat().st_size, src.stat().st_size):
+                shutil.copy(src, dest / src.name)
+                files, total = files + 1, total + src.stat().st_size
+        export = self.drafter_dir
+        if self.given_drafter is not None:
+            self.log(f"copy-to: the drafter was given (--drafter {export}): not copied back")
+        elif (export / "model.safetensors").is_file():
+            try:
+                packed = pack_drafter(export, dest / "drafter", PART_BYTES)
+            except BaseException:
+                shutil.rmtree(dest / "drafter", ignore_errors=True)  # no half set of parts
+                raise
+            n = len(packed["parts"]) + 1
+            size = sum(p["bytes"] for p in packed["parts"]) + (dest / "drafter" / "SHA256SUMS").stat().st_size
+            if fits(n, size, max(p["bytes"] for p in packed["parts"])):
+                files, total = files + n, total + size
+                self.log(f"copy-to: drafter {export} -> {dest / 'drafter'}: {DRAFTER_ARCHIVE} in {n - 1} parts "
+                         f"({size / 2**20:.1f} MiB, sha256 {packed['archive_sha256'][:16]}...); here: "
+                         "tools/join_drafter.sh <files>/drafter <new folder>")
+            else:
+                shutil.rmtree(dest / "drafter")
+                self.log(f"copy-to: the drafter does not fit ({n} files, {size / 2**20:.1f} MiB with {files} files, "
+                         f"{total / 2**20:.1f} MiB already there; limits {lim}): NOT copied back")
+        else:
+            self.log(f"copy-to: no exported drafter in {export} yet: nothing to bring back of it")
+        members = [(self.run / "metrics.jsonl", "metrics.jsonl"), (self.run / "train.log", "train.log"),
+                   (self.run / "status.json", "status.json"), (self.out / "driver.log", "driver.log"),
+                   (self.out / "train.stdout.log", "train.stdout.log"), (self.out / "timings.json", "timings.json"),
+                   (self.eval_dir / "plan.json", "eval_plan.json")]
+        attempts = sorted(self.eval_dir.glob("attempt-*"))
+        if attempts:
+            members += [(p, f"workers/{p.name}") for p in sorted(attempts[-1].glob("worker-*.log"))]
+        logs = dest / LOGS_ARCHIVE
+        for with_report in (True, False):  # the eval report (every output's tokens and text) goes first
+            names = pack_logs(members + ([(self.eval_dir / "report.json", "eval_report.json")] if with_report else []),
+                              logs)
+            size = logs.stat().st_size
+            if fits(1, size, size):
+                self.log(f"copy-to: {LOGS_ARCHIVE} ({size / 2**20:.2f} MiB): {', '.join(names)}")
+                return
+        logs.unlink()
+        self.log(f"copy-to: {LOGS_ARCHIVE} does not fit ({size / 2**20:.1f} MiB; {files} files, "
+                 f"{total / 2**20:.1f} MiB there already): not copied")
+
+
+def drafter_block_size(folder: Path) -> int:
+    return int(json.loads((Path(folder) / "config.json").read_text())["block_size"])
 
 
 def _file_sha256(path: Path) -> str:
@@ -593,10 +856,26 @@ def summary_markdown(s: dict) -> str:
     if not s["complete"]:
         lines += ["**Incomplete**: some prompts are still to decode (run the same command again).", ""]
     ref = s["reference"]
+    dr = s.get("drafter") or {}
+    if "train_rows" in s["data"]:
+        ours = (f"Ours: `{s['config']}` {' '.join(s['overrides'])}; data {s['data']['train_rows']} training rows "
+                f"({s['data']['rows_read']} read).")
+    else:
+        ours = f"Ours: the drafter below, target from `{s['config']}`{''.join(' ' + o for o in s['overrides'])}."
+    filtered = ("all prompts after dropping training prompts" if ev["settings"].get("overlap_filter_data", True)
+                else "all prompts (NOT filtered against training prompts: the training file was not given)")
     lines += [f"Reference: {ref['trainer']}, {ref['recipe']}: tau ~{ref['tau']} ({ref['tau_on']}).",
-              f"Ours: `{s['config']}` {' '.join(s['overrides'])}; data {s['data']['train_rows']} training rows "
-              f"({s['data']['rows_read']} read). Eval: greedy, {ev['settings']['max_new_tokens']} new tokens, "
-              f"{ev['settings']['dtype']}, all prompts after dropping training prompts.", "",
+              f"{ours} Eval: greedy, {ev['settings']['max_new_tokens']} new tokens, "
+              f"{ev['settings']['dtype']}, {filtered}.", ""]
+    if dr:
+        origin = [f"model sha256 {dr['model_sha256'][:16]}..."]
+        if dr.get("exported_from"):
+            origin.append(f"exported from `{dr['exported_from']}`")
+        tr_cfg = dr.get("training") or {}
+        if tr_cfg.get("max_steps"):
+            origin.append(f"{tr_cfg['max_steps']} steps on {tr_cfg.get('train_files')}")
+        lines += [f"Drafter: {dr['source']}: `{dr['path']}` ({'; '.join(origin)}).", ""]
+    lines += [
               "| dataset | prompts (turns) | dropped as training prompts (exact / prefix) | "
               + " | ".join(f"tau {m}" for m in modes) + " | tokens (block) |",
               "|---|---|---|" + "---|" * len(modes) + "---|"]
@@ -655,7 +934,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval compute dtype (float32: greedy decoding is exactly the target's)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--workers", type=int, default=0, help="parallel eval processes (0: min(12, CPUs - 2) on GPU, 1 on CPU)")
-    p.add_argument("--stages", default="prepare,train,eval", help="comma-separated subset of prepare,train,eval")
+    p.add_argument("--stages", default=None,
+                   help="comma-separated subset of prepare,train,eval (default: all; with --drafter: eval)")
+    p.add_argument("--drafter", metavar="PATH",
+                   help="evaluate this exported drafter folder (config.json + model.safetensors, e.g. one brought "
+                        "back by --copy-to and joined with tools/join_drafter.sh) instead of training one: no "
+                        "prepare, no train. --data still names the training file the eval prompts are filtered "
+                        "against (missing: no filter, said in the summary); the target comes from --config")
     p.add_argument("--deadline-s", type=float, default=0,
                    help="stop cleanly after this many seconds (training checkpoints, eval keeps finished prompts); "
                         "the same command continues. 0 = no deadline")
@@ -663,7 +948,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --deadline-s: ask training to stop this long before the deadline")
     p.add_argument("--eval-stop-margin-s", type=float, default=40.0,
                    help="with --deadline-s: workers start no prompt this long before the deadline")
-    p.add_argument("--copy-to", help="copy summary.json/.md, the eval report, metrics and logs here (e.g. $OUT)")
+    p.add_argument("--copy-to", help="bring back here (e.g. $OUT): summary.json/.md, logs.tar.gz (metrics, logs, the "
+                        "eval report) and drafter/ (the exported drafter in parts of <= 15 MiB + SHA256SUMS; join "
+                        "with tools/join_drafter.sh), within 8 files / 16 MiB each / 64 MiB")
     return p
 
 
@@ -674,32 +961,36 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.tree_budget = args.tree_budget or [32]
     args.data = str(Path(args.data).resolve())
-    stages = {s.strip() for s in args.stages.split(",") if s.strip()}
+    stages = {s.strip() for s in (args.stages or ("eval" if args.drafter else "prepare,train,eval")).split(",") if s.strip()}
     unknown = stages - {"prepare", "train", "eval"}
     if unknown:
         raise SystemExit(f"unknown stages {sorted(unknown)}")
+    if args.drafter:
+        if stages != {"eval"}:
+            raise SystemExit(f"--drafter evaluates a given drafter: stages {sorted(stages)} make no sense with it "
+                             "(leave --stages out)")
+        missing = [n for n in ("config.json", "model.safetensors") if not (Path(args.drafter) / n).is_file()]
+        if missing:
+            raise SystemExit(f"--drafter {args.drafter}: {', '.join(missing)} missing: not an exported drafter folder")
     drv = Driver(args)
     try:
         if "prepare" in stages:
             drv.stage_prepare()
         if "train" in stages and not drv.stage_train():
             drv.log("train: stopped at the deadline with a checkpoint; run the same command again to continue")
-            drv.copy_out()
             return EXIT_UNFINISHED
         if "eval" not in stages:
-            drv.copy_out()
             return 0
         if drv.remaining() < drv.args.eval_stop_margin_s + 60:
             drv.log("eval: too little time left before the deadline; run the same command again")
-            drv.copy_out()
             return EXIT_UNFINISHED
         complete, info = drv.stage_eval()
         summary = drv.summarize(complete, info)
-        drv.copy_out()
         print(summary_markdown(summary), flush=True)
         return 0 if complete else EXIT_UNFINISHED
     finally:
         drv.log(f"this call: {time.time() - drv.start:.0f} s; totals {drv.timings}")
+        drv.copy_out()  # also after a failure: the exported drafter and the logs are what is left to look at
 
 
 if __name__ == "__main__":

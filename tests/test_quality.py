@@ -307,3 +307,175 @@ def test_gpu_assemble_joins_parts_over_two_calls(tmp_path):
     shutil.rmtree(tmp_path / "parts")
     bad = call("p2")
     assert bad.returncode == 1 and "checksum mismatch" in bad.stderr
+
+
+# --------------------------------------------------------------------------- the drafter brought back (--copy-to)
+
+needs_shell = pytest.mark.skipif(any(shutil.which(t) is None for t in ("bash", "sha256sum", "tar")),
+                                 reason="needs bash, sha256sum, tar")
+JOIN = REPO / "tools" / "join_drafter.sh"
+
+
+def _fake_export(folder: Path, weights_bytes: int = 50_000) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(os.urandom(weights_bytes))
+    (folder / "config.json").write_text(json.dumps({"block_size": 4, "num_hidden_layers": 1}))
+    (folder / "README.md").write_text("# DFlash drafter\n\nExported by `dflash-train export` from `/r/checkpoints/step-9`.\n")
+    (folder / "training_config.yaml").write_text("optim:\n  max_steps: 9\ndata:\n  train_files: [t.jsonl]\n")
+    return folder
+
+
+def _join(parts_dir: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(JOIN), str(parts_dir), str(out)], capture_output=True, text=True)
+
+
+def _same_tree(a: Path, b: Path) -> bool:
+    files = lambda d: sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())  # noqa: E731
+    return files(a) == files(b) and all((a / f).read_bytes() == (b / f).read_bytes() for f in files(a))
+
+
+@needs_shell
+def test_pack_drafter_then_join_gives_the_same_files_and_refuses_damage(tmp_path):
+    export = _fake_export(tmp_path / "export")
+    packed = Q.pack_drafter(export, tmp_path / "OUT" / "drafter", part_bytes=12_000)
+    parts = sorted((tmp_path / "OUT" / "drafter").glob("drafter.tar.gz.part-*"))
+    assert [p.name for p in parts] == [p["name"] for p in packed["parts"]] and len(parts) == 5
+    assert [p.name[-2:] for p in parts] == ["aa", "ab", "ac", "ad", "ae"]
+    assert all(p.stat().st_size <= 12_000 for p in parts)
+    sums = (tmp_path / "OUT" / "drafter" / "SHA256SUMS").read_text().splitlines()
+    assert len(sums) == 6 and sums[-1].endswith("  drafter.tar.gz")
+    assert set(packed["files"]) == {"model.safetensors", "config.json", "README.md", "training_config.yaml"}
+    # deterministic: the same files give the same archive
+    assert Q.pack_drafter(export, tmp_path / "again", part_bytes=12_000)["archive_sha256"] == packed["archive_sha256"]
+
+    ok = _join(tmp_path / "OUT", tmp_path / "joined")  # the folder holding drafter/ works too
+    assert ok.returncode == 0, ok.stderr
+    assert _same_tree(export, tmp_path / "joined")
+    assert _join(tmp_path / "OUT" / "drafter", tmp_path / "joined").returncode == 1  # not over a full folder
+
+    # a damaged part, a missing part, a part from another archive: refused, nothing left behind
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "OUT" / "drafter", broken)
+    data = bytearray((broken / parts[2].name).read_bytes())
+    data[100] ^= 1
+    (broken / parts[2].name).write_bytes(bytes(data))
+    bad = _join(broken, tmp_path / "j1")
+    assert bad.returncode == 1 and "checksum mismatch" in bad.stderr and parts[2].name in bad.stderr
+    (broken / parts[2].name).unlink()
+    bad = _join(broken, tmp_path / "j2")
+    assert bad.returncode == 1 and "missing part" in bad.stderr
+    assert not (tmp_path / "j1").exists() and not (tmp_path / "j2").exists()
+    assert not list(tmp_path.glob(".join-drafter.*"))
+    # parts that each match but were cut differently (SHA256SUMS of another packing): the whole-archive check
+    mixed = tmp_path / "mixed"
+    shutil.copytree(tmp_path / "OUT" / "drafter", mixed)
+    other = Q.pack_drafter(_fake_export(tmp_path / "export2"), tmp_path / "other", part_bytes=12_000)
+    lines = (mixed / "SHA256SUMS").read_text().splitlines()
+    lines[-1] = f"{other['archive_sha256']}  drafter.tar.gz"
+    (mixed / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+    bad = _join(mixed, tmp_path / "j3")
+    assert bad.returncode == 1 and "the joined drafter.tar.gz" in bad.stderr
+
+
+def _driver(tmp_path: Path, extra=()) -> "Q.Driver":
+    args = Q.build_parser().parse_args(["--out", str(tmp_path / "q"), "--copy-to", str(tmp_path / "OUT"),
+                                        "--tree-budget", "4", *extra])
+    return Q.Driver(args)
+
+
+def _out_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+@needs_shell
+def test_copy_out_brings_back_summary_drafter_and_logs_within_the_limits(tmp_path, monkeypatch):
+    import tarfile
+
+    monkeypatch.setattr(Q, "OUT_LIMITS", {"files": 8, "file_bytes": 16_000, "total_bytes": 64_000})
+    monkeypatch.setattr(Q, "PART_BYTES", 15_000)
+    drv = _driver(tmp_path)
+    export = _fake_export(drv.run / "export", 40_000)  # random: does not compress, 3 parts
+    (drv.run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (drv.run / "train.log").write_text("done: 1 steps in 1 s\n")
+    (drv.out / "summary.json").write_text("{}")
+    (drv.out / "summary.md").write_text("# s\n")
+    drv.eval_dir.mkdir()
+    # an eval report too large to come back with the drafter: the logs go without it
+    (drv.eval_dir / "report.json").write_text(json.dumps({"outputs": os.urandom(15_000).hex()}))
+    (drv.eval_dir / "attempt-00").mkdir()
+    (drv.eval_dir / "attempt-00" / "worker-00.log").write_text("worker: 1 of 1 prompts decoded\n")
+    drv.copy_out()
+    out = tmp_path / "OUT"
+    files = _out_files(out)
+    assert len(files) <= 8 and sum(p.stat().st_size for p in files) <= 64_000
+    assert all(p.stat().st_size <= 16_000 for p in files)
+    assert all(len(p.relative_to(out).parts) <= 3 for p in files)  # $OUT/a/b/file at most
+    assert {p.relative_to(out).as_posix() for p in files} == {
+        "summary.json", "summary.md", "logs.tar.gz", "drafter/SHA256SUMS",
+        "drafter/drafter.tar.gz.part-aa", "drafter/drafter.tar.gz.part-ab", "drafter/drafter.tar.gz.part-ac"}
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = tar.getnames()
+    assert "metrics.jsonl" in names and "workers/worker-00.log" in names and "eval_report.json" not in names
+    assert _join(out / "drafter", tmp_path / "back").returncode == 0
+    assert _same_tree(export, tmp_path / "back")
+
+    # a smaller report comes back inside the logs; a second copy replaces the first (no stale parts)
+    (drv.eval_dir / "report.json").write_text(json.dumps({"outputs": "x" * 5000}))
+    drv.copy_out()
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert "eval_report.json" in tar.getnames()
+    assert len(_out_files(out)) == 7
+
+    # a drafter too large for the limits is not half-copied: summary and logs still come back, and it says so
+    shutil.rmtree(export)
+    _fake_export(export, 70_000)
+    drv.copy_out()
+    assert not (out / "drafter").exists()
+    assert {p.name for p in _out_files(out)} == {"summary.json", "summary.md", "logs.tar.gz"}
+    assert "the drafter does not fit" in (drv.out / "driver.log").read_text()
+
+
+# --------------------------------------------------------------------------- --drafter: evaluate a given drafter
+
+
+def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair, tiny_target_dir):
+    from dflash_train.model.io import save_drafter
+
+    _, _, drafter = tiny_pair
+    given = save_drafter(drafter, tmp_path / "brought-back" / "export", dtype="float32",
+                         extra_files={"README.md": "# DFlash drafter\n\nExported by `dflash-train export` from "
+                                                   "`/root/q/run/checkpoints/step-759`.\n"})
+    prompts = [{"id": "a", "turns": ["Name a river."]}, {"id": "b", "turns": ["Say hello.", "Again."]},
+               {"id": "c", "turns": ["Count from 3."]}]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    train = tmp_path / "train.jsonl"  # prompt c is a training prompt: dropped
+    train.write_text(json.dumps({"messages": [{"role": "user", "content": "count FROM 3."},
+                                              {"role": "assistant", "content": "3 4 5"}]}) + "\n")
+    out = tmp_path / "q"
+    argv = ["--out", str(out), "--drafter", str(given), f"target.path={tiny_target_dir}",
+            "--eval", f"set={tmp_path / 'prompts.jsonl'}", "--data", str(train), "--max-new-tokens", "6",
+            "--tree-budget", "4", "--workers", "2", "--device", "cpu", "--copy-to", str(tmp_path / "OUT")]
+    with pytest.raises(SystemExit, match="stages"):
+        Q.main(argv + ["--stages", "train,eval"])
+    with pytest.raises(SystemExit, match="model.safetensors missing"):
+        Q.main(["--out", str(out), "--drafter", str(tmp_path)])
+    assert Q.main(argv) == 0
+    assert not (out / "prepared").exists() and not (out / "run").exists()  # nothing prepared or trained
+    s = json.loads((out / "summary.json").read_text())
+    assert s["complete"] and s["drafter"]["source"] == "given (--drafter)" and s["drafter"]["path"] == str(given)
+    assert s["drafter"]["model_sha256"] == hashlib.sha256((given / "model.safetensors").read_bytes()).hexdigest()
+    assert s["drafter"]["exported_from"] == "/root/q/run/checkpoints/step-759"
+    ds = s["eval"]["datasets"]["set"]
+    assert ds["prompts_done"] == 2 and ds["dropped_overlap"] == {"exact": 1, "prefix": 0}
+    assert set(ds["modes"]) == {"block", "tree-4"} and ds["modes"]["block"]["tau"] >= 1.0
+    assert s["eval"]["settings"]["overlap_filter_data"] == str(train) and s["train"] == {"records": 0}
+    md = (out / "summary.md").read_text()
+    assert f"Drafter: given (--drafter): `{given}`" in md and "exported from `/root/q/run/checkpoints/step-759`" in md
+    # brought back: summary and logs, not the drafter that was given
+    assert {p.name for p in _out_files(tmp_path / "OUT")} == {"summary.json", "summary.md", "logs.tar.gz"}
+
+    # without the training file: every prompt is evaluated and the summary says the filter was off
+    assert Q.main(argv[:argv.index("--data")] + ["--data", str(tmp_path / "nope.jsonl")] + argv[argv.index("--data") + 2:]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["eval"]["datasets"]["set"]["prompts_done"] == 3 and s["eval"]["settings"]["overlap_filter_data"] is None
+    assert "NOT filtered against training prompts" in (out / "summary.md").read_text()

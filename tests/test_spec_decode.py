@@ -145,3 +145,57 @@ def test_untrained_drafter_tau_is_about_one(target):
     dec = SpeculativeDecoder(target, make_drafter(target, 8), stop_token_ids=[2])
     taus = [dec.generate_block(p, 24).tau for p in prompts()]
     assert all(1.0 <= t < 1.2 for t in taus), taus
+
+
+def test_growing_cache_and_in_place_tree_cut_equal_the_copying_ones():
+    """`new_cache` (keys written into a buffer with room) + `trim_cache` / `accept_tree_path` hold exactly
+    what a plain DynamicCache + `select_cache` (index_select of the whole cache) holds, across buffer
+    growth, block cuts and tree cuts with contiguous and non-contiguous paths."""
+    from transformers import DynamicCache
+
+    from dflash_train.infer.spec_decode import (GrowingLayer, accept_tree_path, new_cache, select_cache,
+                                                trim_cache)
+
+    g = torch.Generator().manual_seed(0)
+    grow, plain = new_cache(), DynamicCache()
+    layers = 3
+
+    def step(n_new):
+        for i in range(layers):
+            k, v = torch.randn(1, 2, n_new, 4, generator=g), torch.randn(1, 2, n_new, 4, generator=g)
+            a, b = grow.update(k, v, i), plain.update(k, v, i)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+    step(200)  # prefill
+    length = 200
+    for it in range(40):  # past the initial 256 + 2x growth
+        if it % 2:
+            step(16)
+            length += int(torch.randint(1, 17, (1,), generator=g))
+            trim_cache(grow, length), trim_cache(plain, length)
+        else:
+            step(9)  # a tree: root + 8 nodes
+            path = [0] + sorted(torch.randperm(8, generator=g)[: int(torch.randint(0, 5, (1,), generator=g))].add(1).tolist())
+            if it % 4 == 0:
+                path = list(range(len(path)))  # contiguous
+            accept_tree_path(grow, length, path, torch.tensor(path))
+            select_cache(plain, torch.cat([torch.arange(length), length + torch.tensor(path)]))
+            length += len(path)
+        for a, b in zip(grow.layers, plain.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert all(isinstance(layer, GrowingLayer) for layer in grow.layers)
+    assert grow.get_seq_length() == length and grow.layers[0]._kbuf.shape[-2] >= length
+
+
+def test_prefill_computes_the_last_logits_only(target, monkeypatch):
+    dec = SpeculativeDecoder(target, make_drafter(target, 4), stop_token_ids=[2])
+    prompt = prompts()[1]
+    rows = []
+    head = dec.lm_head.forward
+    monkeypatch.setattr(dec.lm_head, "forward", lambda x: rows.append(x.shape[-2]) or head(x))
+    cache, hidden, first, _ = dec._prefill(prompt)
+    assert rows == [1]
+    monkeypatch.undo()
+    full = target(input_ids=torch.tensor([prompt]), use_cache=False).logits[0, -1]
+    assert first == int(full.argmax()) and hidden.shape[0] == len(prompt)
+    assert cache.get_seq_length() == len(prompt)
