@@ -32,7 +32,7 @@ def write_config(path: Path, target: Path, data: Path, **over) -> Path:
     }
     for dotted, value in over.items():
         section, key = dotted.split("__")
-        cfg[section][key] = value
+        cfg.setdefault(section, {})[key] = value
     path.write_text(yaml.safe_dump(cfg))
     return path
 
