@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from throughput import SHAPES, drafter_flops, matmul_peak_tflops, target_flops  # noqa: E402
+from throughput import (SHAPES, add_drafter_shape_args, drafter_flops, drafter_shape, matmul_peak_tflops,  # noqa: E402
+                        target_flops)
 
 
 def main() -> None:
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--layers", type=int, default=5)
+    add_drafter_shape_args(ap)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None)
@@ -105,8 +107,9 @@ def main() -> None:
                                              dtype=dtype).requires_grad_(False),
                           torch.nn.Linear(shape["hidden_size"], shape["vocab_size"], bias=False, device=device,
                                           dtype=dtype).requires_grad_(False))
+        dshape, dkwargs = drafter_shape(shape, args)
         dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
-                                   mask_token_id=5)
+                                   mask_token_id=5, **dkwargs)
         drafter = DFlashDrafter(dcfg).to(device)
         cfg = config_from_dict({"drafter": {"block_size": args.block, "num_draft_layers": args.layers},
                                 "objective": {"max_anchors": args.anchors},
@@ -138,7 +141,7 @@ def main() -> None:
         anchors, keep = sample_anchors(b0.loss_mask.cpu(), b0.lengths.cpu(), args.block, args.anchors,
                                        torch.Generator().manual_seed(0), backend.blocks_multiple_of)
         counted = int(out.counted_per_slot.sum())
-        d_flops = drafter_flops(shape, [args.seq] * args.batch, args.layers, len(ids), keep, anchors, counted,
+        d_flops = drafter_flops(dshape, [args.seq] * args.batch, args.layers, len(ids), keep, anchors, counted,
                                 args.block)
         stats = torch.tensor([compute, inbox.wait_s - wait_start, elapsed], device=device, dtype=torch.float64)
         result["drafter_ask_s_per_step"] = round(asking / args.steps, 4)

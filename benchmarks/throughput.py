@@ -75,6 +75,23 @@ def drafter_flops(c: dict, lengths: list[int], n_layers: int, k: int, keep: torc
     return 3 * fwd + lm_head
 
 
+def add_drafter_shape_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--draft-intermediate", type=int, default=None, help="drafter MLP width (default: the target's)")
+    ap.add_argument("--draft-heads", type=int, default=None, help="drafter query heads (default: the target's)")
+    ap.add_argument("--draft-kv-heads", type=int, default=None, help="drafter key/value heads (default: the target's)")
+
+
+def drafter_shape(shape: dict, args) -> tuple[dict, dict]:
+    """(the drafter's layer shape for the FLOP count, make_drafter_config keyword arguments)."""
+    kwargs = {"intermediate_size": args.draft_intermediate, "num_attention_heads": args.draft_heads,
+              "num_key_value_heads": args.draft_kv_heads}
+    merged = dict(shape)
+    for key, value in kwargs.items():
+        if value:
+            merged[key] = value
+    return merged, kwargs
+
+
 def timed(fn, repeat: int) -> tuple[float, object]:
     times, out = [], None
     for _ in range(repeat):
@@ -133,8 +150,9 @@ def measure_one_side(args) -> None:
         result.update(seconds=round(t, 4), tokens_per_s=round(tokens / t),
                       mfu=round(target_flops(shape, lengths, max(ids)) / t / 1e12 / peak, 3))
     else:
+        dshape, dkwargs = drafter_shape(shape, args)
         dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
-                                   mask_token_id=5)
+                                   mask_token_id=5, **dkwargs)
         drafter = DFlashDrafter(dcfg).cuda()
         hidden = torch.randn(args.batch, args.seq, len(ids) * shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
         frozen = _Frozen(shape, hidden)
@@ -148,7 +166,7 @@ def measure_one_side(args) -> None:
         t, stats = timed(lambda: step(batch, 2), args.repeat)
         anchors, keep = sample_anchors(batch.loss_mask.cpu(), batch.lengths.cpu(), args.block, args.anchors,
                                        torch.Generator().manual_seed(2), backend.blocks_multiple_of)
-        flops = drafter_flops(shape, lengths, args.layers, len(ids), keep, anchors,
+        flops = drafter_flops(dshape, lengths, args.layers, len(ids), keep, anchors,
                               int(stats.counted_per_slot.sum()), args.block)
         result.update(seconds=round(t, 4), tokens_per_s=round(tokens / t), mfu=round(flops / t / 1e12 / peak, 3))
     result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
@@ -166,6 +184,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--layers", type=int, default=5)
+    add_drafter_shape_args(ap)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one drafter step")
@@ -199,7 +218,9 @@ def main() -> None:
     model.eval().requires_grad_(False)
     ids = default_target_layer_ids(shape["num_hidden_layers"], args.layers)
     target = TargetCapture.from_model(model, ids)
-    dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids, mask_token_id=5)
+    dshape, dkwargs = drafter_shape(shape, args)
+    dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids, mask_token_id=5,
+                               **dkwargs)
     drafter = DFlashDrafter(dcfg).cuda()
     build_s = time.perf_counter() - t0
 
@@ -249,7 +270,7 @@ def main() -> None:
     anchors, keep = sample_anchors(batch.loss_mask.cpu(), batch.lengths.cpu(), args.block, args.anchors,
                                    torch.Generator().manual_seed(2), backend.blocks_multiple_of)
     f_target = target_flops(shape, lengths, max(ids))
-    f_drafter = drafter_flops(shape, lengths, args.layers, len(ids), keep, anchors,
+    f_drafter = drafter_flops(dshape, lengths, args.layers, len(ids), keep, anchors,
                               int(stats.counted_per_slot.sum()), args.block)
     tokens = sum(lengths)
     result = {

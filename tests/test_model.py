@@ -214,3 +214,41 @@ def test_not_kept_blocks_give_zero_output_and_finite_gradients():
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
     assert torch.equal(q.grad[:, :, 4:], torch.zeros_like(q.grad[:, :, 4:]))
+
+
+def test_a_narrower_drafter_trains_exports_and_reloads_with_its_shape(tiny_target_dir, tmp_path):
+    """drafter.intermediate_size / num_attention_heads / num_key_value_heads / head_dim override the
+    target's layer shape; the hidden size stays the target's."""
+    from dflash_train.config import ConfigError
+
+    model = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
+    dcfg = make_drafter_config(model.config, num_draft_layers=1, block_size=4, target_layer_ids=[1, 3],
+                               mask_token_id=16, intermediate_size=48, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=8)
+    assert (dcfg.hidden_size, dcfg.intermediate_size, dcfg.num_attention_heads, dcfg.num_key_value_heads,
+            dcfg.head_dim) == (model.config.hidden_size, 48, 2, 1, 8)
+    torch.manual_seed(0)
+    d = DFlashDrafter(dcfg)
+    assert d.layers[0].self_attn.q_proj.weight.shape == (16, model.config.hidden_size)
+    assert d.layers[0].mlp.up_proj.weight.shape == (48, model.config.hidden_size)
+    cfg = config_from_dict({"drafter": {"block_size": 4, "num_draft_layers": 1}, "objective": {"max_anchors": 8},
+                            "data": {"max_length": 64, "token_budget": 256}})
+    step = TrainStep(d, TargetCapture.from_model(model, [1, 3]), resolve_backend("sdpa", torch.device("cpu"), 4), cfg,
+                     10, torch.float32, torch.device("cpu"))
+    ids = torch.randint(3, 49152, (2, 40), generator=torch.Generator().manual_seed(0))
+    stats = step(Batch(ids, torch.ones_like(ids), torch.tensor([40, 33])), 0)
+    assert torch.isfinite(stats.loss)
+    save_drafter(d, tmp_path / "x", dtype="float32")
+    exported = json.loads((tmp_path / "x" / "config.json").read_text())
+    assert (exported["intermediate_size"], exported["num_attention_heads"], exported["num_key_value_heads"],
+            exported["head_dim"]) == (48, 2, 1, 8)
+    back = load_drafter(tmp_path / "x")
+    for (k, v), (k2, v2) in zip(d.state_dict().items(), back.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2), k
+    with pytest.raises(ValueError, match="3 query heads cannot share 2 key/value heads"):
+        make_drafter_config(model.config, num_draft_layers=1, block_size=4, target_layer_ids=[1], mask_token_id=16,
+                            num_attention_heads=3, num_key_value_heads=2)
+    with pytest.raises(ConfigError, match="drafter.num_key_value_heads"):
+        config_from_dict({"drafter": {"num_attention_heads": 6, "num_key_value_heads": 4}})
+    with pytest.raises(ConfigError, match="drafter.intermediate_size"):
+        config_from_dict({"drafter": {"intermediate_size": 0}})

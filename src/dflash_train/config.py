@@ -57,6 +57,12 @@ class DrafterConfig:
     mask_token_id: Optional[int] = None
     # flex: compiled block-sparse (GPU). sdpa: dense boolean mask (CPU, small inputs).
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
+    # Layer shape; null = the target's. The hidden size is always the target's. A narrower drafter
+    # (fewer heads, smaller MLP) trains more target tokens per GPU-second.
+    intermediate_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
 
 
 @dataclass
@@ -371,6 +377,12 @@ def validate(cfg: Config) -> None:
         need(len(set(d.target_layer_ids)) == len(d.target_layer_ids), "drafter.target_layer_ids", "ids must be distinct")
     if d.mask_token_id is not None:
         need(d.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
+    for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        value = getattr(d, key)
+        need(value is None or value >= 1, f"drafter.{key}", f"must be >= 1 or null (got {value})")
+    if d.num_attention_heads and d.num_key_value_heads:
+        need(d.num_attention_heads % d.num_key_value_heads == 0, "drafter.num_key_value_heads",
+             f"must divide drafter.num_attention_heads={d.num_attention_heads} (got {d.num_key_value_heads})")
     need(o.max_anchors >= 1, "objective.max_anchors", f"must be >= 1 (got {o.max_anchors})")
     need(o.gamma > 0, "objective.gamma", f"must be > 0 (got {o.gamma})")
     need(o.loss_chunk_size >= 1, "objective.loss_chunk_size", "must be >= 1")

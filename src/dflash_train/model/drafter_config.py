@@ -31,16 +31,27 @@ def make_drafter_config(
     block_size: int,
     target_layer_ids: list[int],
     mask_token_id: int,
+    intermediate_size: Optional[int] = None,
+    num_attention_heads: Optional[int] = None,
+    num_key_value_heads: Optional[int] = None,
+    head_dim: Optional[int] = None,
 ) -> Qwen3Config:
+    """The drafter copies the target's layer shape unless told otherwise; its hidden size is always
+    the target's (it reads the target's embeddings and feeds the target's lm_head)."""
     t = text_config(target_config)
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    num_kv = getattr(t, "num_key_value_heads", None) or t.num_attention_heads
+    heads = num_attention_heads or t.num_attention_heads
+    head_dim = head_dim or getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    num_kv = num_key_value_heads or min(getattr(t, "num_key_value_heads", None) or heads, heads)
+    if heads % num_kv:
+        raise ValueError(f"config keys 'drafter.num_attention_heads' / 'drafter.num_key_value_heads': {heads} query "
+                         f"heads cannot share {num_kv} key/value heads evenly (the target has "
+                         f"{t.num_attention_heads} / {getattr(t, 'num_key_value_heads', None)})")
     cfg = Qwen3Config(
         vocab_size=t.vocab_size,
         hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
+        intermediate_size=intermediate_size or t.intermediate_size,
         num_hidden_layers=num_draft_layers,
-        num_attention_heads=t.num_attention_heads,
+        num_attention_heads=heads,
         num_key_value_heads=num_kv,
         head_dim=head_dim,
         hidden_act="silu",

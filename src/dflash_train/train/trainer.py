@@ -273,6 +273,8 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         dcfg = make_drafter_config(
             target_config, num_draft_layers=cfg.drafter.num_draft_layers, block_size=bs,
             target_layer_ids=plan.layer_ids, mask_token_id=plan.mask_token_id,
+            intermediate_size=cfg.drafter.intermediate_size, num_attention_heads=cfg.drafter.num_attention_heads,
+            num_key_value_heads=cfg.drafter.num_key_value_heads, head_dim=cfg.drafter.head_dim,
         )
         if device.type == "cuda":
             with torch.device("meta"):
@@ -335,7 +337,8 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         placement = "colocated" if layout is None else f"split {layout.target_ranks}+{layout.drafter_ranks}"
         identity = {"world_size": ctx.world, "placement": placement, "grad_accum": cfg.optim.grad_accum,
                     "tokenizer_sha256": provenance["tokenizer_sha256"],
-                    "drafter_shape": [dcfg.num_hidden_layers, dcfg.hidden_size, dcfg.intermediate_size, bs],
+                    "drafter_shape": [dcfg.num_hidden_layers, dcfg.hidden_size, dcfg.intermediate_size, bs,
+                                      dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim],
                     "target_layer_ids": list(plan.layer_ids), "mask_token_id": plan.mask_token_id,
                     "target_layers": provenance["num_hidden_layers"]}
         if resume:
