@@ -807,13 +807,11 @@ def _file_sha256(path: Path) -> str:
 def train_summary(run: Path, last_n: int = 10) -> dict:
     """Steps, loss, accuracy per block position (last record, and the mean of the last `last_n` records:
     each record is one training batch, teacher-forced) and timings of a run directory."""
+    from dflash_train.rundir import read_metrics
+
     records = []
     if (run / "metrics.jsonl").is_file():
-        for line in (run / "metrics.jsonl").read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+        for r in read_metrics(run):
             if r.get("kind") != "validation":
                 records.append(r)
     out: dict = {"records": len(records)}

@@ -39,9 +39,11 @@ def write_config(path: Path, target: Path, data: Path, **over) -> Path:
 
 def losses(run: Path) -> dict[int, float]:
     out = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        out[r["step"]] = r["loss"]
+    from dflash_train.rundir import read_metrics
+
+    for r in read_metrics(run):
+        if "loss" in r:
+            out[r["step"]] = r["loss"]
     return out
 
 

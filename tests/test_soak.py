@@ -6,9 +6,9 @@ from /proc every few seconds. What must hold:
 - flat fds: the last quarter's median is at most FD_TOLERANCE (+5) above the second quarter's, and the
   maximum is at most +FD_TOLERANCE above the second quarter's median;
 - metrics.jsonl grows linearly: exactly one record per log step, records of about constant size;
-- checkpoints stay bounded (run.keep_last) with no temp folder left; train.log rotates at 64 MiB
-  (3 old parts kept; tests/test_train_run.py checks the rotation); tensorboard grows linearly: the
-  bytes per step are printed.
+- checkpoints stay bounded (run.keep_last) with no temp folder left; train.log, metrics.jsonl and
+  TensorBoard rotate at 64 MiB per file (tests/test_train_run.py checks the rotation), far beyond a
+  soak run: the bytes per step are printed.
 
 `pytest -m soak` runs the long one (DFLASH_SOAK_STEPS, default 2000 steps); the default run has a mini
 version (250 steps) that checks fds and the metrics file.

@@ -124,3 +124,32 @@ def test_train_log_rotates_and_stays_bounded(tmp_path, monkeypatch):
     assert parts == ["train.log", "train.log.1", "train.log.2", "train.log.3"]
     assert all((run.root / p).stat().st_size <= 4096 + 200 for p in parts)
     assert "step 1999 " in run.log.read_text()  # the newest lines are in train.log
+
+
+def test_metrics_rotate_into_parts_that_readers_follow_and_resume_truncates(tmp_path, monkeypatch):
+    from dflash_train.rundir import MetricsWriter, RunDir, metrics_parts, read_metrics, read_status
+    from dflash_train.train.trainer import _truncate_metrics
+
+    monkeypatch.setattr(MetricsWriter, "max_bytes", 2048)
+    run = RunDir(tmp_path / "r").create()
+    (run.root / "status.json").write_text(json.dumps({"phase": "training", "step": 0}))
+    writer = MetricsWriter(run, tensorboard=True)
+    try:
+        for step in range(1, 201):
+            writer.write({"step": step, "loss": 10.0 / step, "accuracy": 0.5, "note": "x" * 40})
+    finally:
+        writer.close()
+    parts = metrics_parts(run.root)
+    assert len(parts) > 5 and parts[-1].name == "metrics.jsonl" and parts[0].name == "metrics-00001.jsonl"
+    assert all(p.stat().st_size <= 2048 + 200 for p in parts)
+    assert [r["step"] for r in read_metrics(run.root)] == list(range(1, 201))  # nothing lost, in order
+    assert read_status(run.root)[1]["step"] == 200
+    assert len(list(run.tensorboard.glob("events.out.tfevents.*"))) >= 2  # TensorBoard rotated too
+
+    # a resume from step 57 drops the killed run's later records, across parts, and removes emptied parts
+    with open(parts[-1], "a") as f:
+        f.write('{"step": 201, "lo')  # a torn line from the kill
+    _truncate_metrics(run.metrics, 57)
+    assert [r["step"] for r in read_metrics(run.root)] == list(range(1, 58))
+    assert all(p.stat().st_size > 0 for p in metrics_parts(run.root) if p.name != "metrics.jsonl")
+    assert read_status(run.root)[1]["step"] == 57

@@ -73,7 +73,9 @@ def plot_run(run_dir: Path, eval_report: dict, out_dir: Path) -> list[Path]:
     except ImportError:
         log.warning("matplotlib is not installed: no plots")
         return []
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from .rundir import read_metrics
+
+    records = read_metrics(run_dir)
     train = [r for r in records if r.get("kind") != "validation"]
     val = [r for r in records if r.get("kind") == "validation"]
     paths = []
@@ -164,8 +166,9 @@ def run_demo(root: Path, overrides: list[str]) -> int:
     if pngs:
         card = run_dir / "export" / "README.md"
         card.write_text(card.read_text() + "\n" + "".join(f"![{p.stem}]({p.name})\n" for p in pngs))
-    train_records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                     if '"kind": "validation"' not in line]
+    from .rundir import read_metrics
+
+    train_records = [r for r in read_metrics(run_dir) if r.get("kind") != "validation"]
     tok_s = sum(r["tokens_per_s"] for r in train_records) / max(len(train_records), 1)
     print("\n" + markdown_table(report))
     print(f"\ntraining: {len(train_records) and train_records[-1]['step']} steps, {tok_s:,.0f} target tokens/s")

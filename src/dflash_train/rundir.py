@@ -112,18 +112,55 @@ class StatusWriter:
         write_json_atomic(self.run.status, self.state)
 
 
+def metrics_parts(root: str | Path) -> list[Path]:
+    """The run's metrics files in order: rotated parts (metrics-00001.jsonl, ...), then metrics.jsonl."""
+    root = Path(root)
+    parts = sorted(root.glob("metrics-*.jsonl"))
+    return parts + ([root / "metrics.jsonl"] if (root / "metrics.jsonl").is_file() else [])
+
+
+def read_metrics(root: str | Path) -> list[dict[str, Any]]:
+    """Every metrics record of a run, oldest first, across rotated parts (a torn line is skipped)."""
+    records = []
+    for path in metrics_parts(root):
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
 class MetricsWriter:
-    """metrics.jsonl (one record per log step) and TensorBoard scalars."""
+    """metrics.jsonl (one record per log step) and TensorBoard scalars. Both rotate at `max_bytes`:
+    metrics.jsonl moves to the next metrics-NNNNN.jsonl and TensorBoard starts a new event file, so
+    no file grows without bound and nothing is deleted (the metrics are the run's record)."""
+
+    max_bytes = 64 * 2**20
 
     def __init__(self, run: RunDir, tensorboard: bool = True):
-        self.path = run.metrics
+        self.run, self.path = run, run.metrics
         self.tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            self._open_tensorboard()
 
-            self.tb = SummaryWriter(str(run.tensorboard))
+    def _open_tensorboard(self) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(self.run.tensorboard))
+
+    def _rotate(self) -> None:
+        if self.path.is_file() and self.path.stat().st_size >= self.max_bytes:
+            taken = [int(p.stem.split("-")[1]) for p in self.run.root.glob("metrics-*.jsonl")]
+            os.replace(self.path, self.run.root / f"metrics-{max(taken, default=0) + 1:05d}.jsonl")
+        if self.tb is not None:
+            events = sorted(self.run.tensorboard.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+            if events and events[-1].stat().st_size >= self.max_bytes:
+                self.tb.close()
+                self._open_tensorboard()
 
     def write(self, record: dict[str, Any]) -> None:
+        self._rotate()
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None:
@@ -148,8 +185,10 @@ def read_status(root: str | Path) -> tuple[dict[str, Any], Optional[dict[str, An
         raise FileNotFoundError(f"{run.status} not found: {root} is not a dflash-train run directory (or it never started)")
     status = json.loads(run.status.read_text())
     last = None
-    if run.metrics.is_file():
-        last = _last_json_line(run.metrics)
+    for path in reversed(metrics_parts(run.root)):  # right after a rotation metrics.jsonl may be empty
+        last = _last_json_line(path)
+        if last is not None:
+            break
     return status, last
 
 

@@ -525,16 +525,26 @@ def serve_target(target: TargetCapture, layout: SplitLayout, groups, start_step:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """A resumed run re-logs the steps after its checkpoint: drop the killed run's records of them."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
-        except (json.JSONDecodeError, KeyError):
-            continue  # a torn last line from the kill
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)  # a kill here leaves the old file, never a half-written one
+    """A resumed run re-logs the steps after its checkpoint: drop the killed run's records of them,
+    newest file first, across rotated parts (a part left empty is removed)."""
+    from ..rundir import metrics_parts
+
+    for part in reversed(metrics_parts(path.parent)):
+        lines = part.read_text().splitlines()
+        keep = []
+        for line in lines:
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (json.JSONDecodeError, KeyError):
+                continue  # a torn last line from the kill
+        if len(keep) == len(lines):
+            break  # this part, and every older one, ends at or before the checkpoint
+        if not keep and part != path:
+            part.unlink()
+            continue
+        tmp = part.with_name(f".{part.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, part)  # a kill here leaves the old file, never a half-written one
+        if keep:
+            break
