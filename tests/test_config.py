@@ -100,3 +100,5 @@ def test_shipped_gpu_configs_match_their_descriptions():
     f = load_config(CONFIGS / "field-27b.yaml")
     assert (f.drafter.block_size, f.objective.max_anchors, f.objective.gamma) == (32, 1024, 10.0)
     assert (f.data.token_budget, f.data.max_batch_size) == (49152, 64)
+    assert (f.parallel.placement, f.parallel.target_ranks, f.run.eval_every) == ("split", 5, 0)
+    assert (f.drafter.num_attention_heads, f.drafter.intermediate_size) == (32, 17408)
