@@ -21,23 +21,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from throughput import (SHAPES, add_drafter_shape_args, drafter_flops, drafter_shape, matmul_peak_tflops,  # noqa: E402
+from throughput import (SHAPES, add_workload_args, drafter_flops, drafter_shape, matmul_peak_tflops,  # noqa: E402
                         target_flops)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    ap.add_argument("--targets", type=int, default=1)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--anchors", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=5)
-    add_drafter_shape_args(ap)
+    add_workload_args(ap)
+    ap.add_argument("--targets", type=int, default=1, help="target ranks; the others train the drafter")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, Qwen3Config

@@ -75,6 +75,18 @@ def drafter_flops(c: dict, lengths: list[int], n_layers: int, k: int, keep: torc
     return 3 * fwd + lm_head
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The target shape, micro-batch and drafter recipe every throughput benchmark measures."""
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=5)
+    add_drafter_shape_args(ap)
+    ap.add_argument("--json", default=None, help="append the result line to this file")
+
+
 def add_drafter_shape_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft-intermediate", type=int, default=None, help="drafter MLP width (default: the target's)")
     ap.add_argument("--draft-heads", type=int, default=None, help="drafter query heads (default: the target's)")
@@ -178,15 +190,8 @@ def measure_one_side(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--anchors", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=5)
-    add_drafter_shape_args(ap)
+    add_workload_args(ap)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one drafter step")
     ap.add_argument("--cache-dir", default=None, help="inductor cache directory (see --fresh-cache)")
     ap.add_argument("--fresh-cache", action="store_true", help="empty the inductor cache first: a cold compile")

@@ -79,18 +79,22 @@ def test_flex_matches_sdpa_outputs_and_gradients(seed):
         assert _rel(f_grads[k], ref_grads[k]) < 2 * _rel(s_grads[k], ref_grads[k]) + 1e-2, k
 
 
+def _gpu_config(path, target, data, **run):
+    path.write_text(json.dumps({
+        "target": {"path": str(target)},
+        "drafter": {"num_draft_layers": 1, "block_size": 16, "attention_backend": "flex"},
+        "data": {"train_files": [str(data)], "max_length": 256, "token_budget": 2048, "max_batch_size": 8},
+        "objective": {"max_anchors": 32, "gamma": 7.0},
+        "optim": {"lr": 5e-3, "epochs": 20, "warmup_ratio": 0.05},
+        "run": {"device": "cuda", "log_every": 1, "save_every": 100, "progress_bar": False, "eval_every": 0, **run},
+    }))
+    return path
+
+
 def test_colocated_one_gpu_run_with_flex(tmp_path, tiny_target_dir, counting_jsonl):
     from dflash_train.cli import main
 
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(json.dumps({
-        "target": {"path": str(tiny_target_dir)},
-        "drafter": {"num_draft_layers": 1, "block_size": 16, "attention_backend": "flex"},
-        "data": {"train_files": [str(counting_jsonl)], "max_length": 256, "token_budget": 2048, "max_batch_size": 8},
-        "objective": {"max_anchors": 32, "gamma": 7.0},
-        "optim": {"lr": 5e-3, "epochs": 20, "warmup_ratio": 0.05},
-        "run": {"device": "cuda", "log_every": 5, "save_every": 100, "progress_bar": False},
-    }))
+    cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, log_every=5, eval_every=500)
     assert main(["train", str(cfg), "--run-dir", str(tmp_path / "R"), "--max-steps", "40"]) == 0
     records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < records[0]["loss"]
@@ -154,18 +158,6 @@ def test_preflight_refuses_a_plan_that_cannot_fit():
     check_gpu(torch.device("cuda", 0), free // 2, 0, "a small plan")  # fits: no error
     with pytest.raises(RuntimeError, match=r"rank 0 on cuda:0 needs about .* GiB .* only .* GiB are free"):
         check_gpu(torch.device("cuda", 0), free + 2**40, 0, "a huge plan")
-
-
-def _gpu_config(path, target, data, **run):
-    path.write_text(json.dumps({
-        "target": {"path": str(target)},
-        "drafter": {"num_draft_layers": 1, "block_size": 16, "attention_backend": "flex"},
-        "data": {"train_files": [str(data)], "max_length": 256, "token_budget": 2048, "max_batch_size": 8},
-        "objective": {"max_anchors": 32, "gamma": 7.0},
-        "optim": {"lr": 5e-3, "epochs": 20, "warmup_ratio": 0.05},
-        "run": {"device": "cuda", "log_every": 1, "save_every": 100, "progress_bar": False, "eval_every": 0, **run},
-    }))
-    return path
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -36,6 +36,20 @@ def _is_multimodal(config: PretrainedConfig) -> bool:
     return text_config(config) is not config
 
 
+def _model_class(config: PretrainedConfig) -> tuple[type, PretrainedConfig]:
+    """The class that loads this target, and the config to build it from: a multimodal checkpoint
+    loads its text model class when transformers has one, else the whole model (vision unused)."""
+    if not _is_multimodal(config):
+        return AutoModelForCausalLM, config
+    tc = text_config(config)
+    text_cls = AutoModelForCausalLM._model_mapping.get(type(tc), None)
+    if text_cls is not None:
+        return text_cls, tc
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText, config
+
+
 def load_target_model(
     path: str | Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
 ) -> PreTrainedModel:
@@ -43,21 +57,15 @@ def load_target_model(
     model class (never the vision wrapper), mapping the checkpoint's prefixed weight names."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     kwargs: dict = dict(dtype=dtype, trust_remote_code=trust_remote_code)
-    if _is_multimodal(config):
-        tc = text_config(config)
-        model_cls = AutoModelForCausalLM._model_mapping.get(type(tc), None)
-        if model_cls is not None:
-            log.info("target %s is multimodal (%s); loading its text model %s", path, type(config).__name__, model_cls.__name__)
-            model = model_cls.from_pretrained(path, config=tc, key_mapping=_MULTIMODAL_KEY_MAPPING, **kwargs)
-        else:
-            # No text-only class in transformers: load the whole model; capture reads its language model.
-            from transformers import AutoModelForImageTextToText
-
+    model_cls, build_config = _model_class(config)
+    if build_config is not config:
+        log.info("target %s is multimodal (%s); loading its text model %s", path, type(config).__name__, model_cls.__name__)
+        model = model_cls.from_pretrained(path, config=build_config, key_mapping=_MULTIMODAL_KEY_MAPPING, **kwargs)
+    else:
+        if _is_multimodal(config):  # no text-only class in transformers: capture reads its language model
             log.info("target %s is multimodal (%s) with no text-only class; loading it whole (vision weights unused)",
                      path, type(config).__name__)
-            model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = model_cls.from_pretrained(path, **kwargs)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -194,13 +202,12 @@ def load_target_head(path: str | Path, dtype: torch.dtype, device: torch.device,
     path = Path(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     tc = text_config(config)
+    model_cls, build_config = _model_class(config)
     with torch.device("meta"):  # the module tree names the two tensors; no weights are made
-        if _is_multimodal(config) and type(tc) not in AutoModelForCausalLM._model_mapping:
-            from transformers import AutoModelForImageTextToText
-
-            skeleton = AutoModelForImageTextToText.from_config(config, trust_remote_code=trust_remote_code)
-        else:
-            skeleton = AutoModelForCausalLM.from_config(tc, trust_remote_code=trust_remote_code)
+        if issubclass(model_cls, PreTrainedModel):  # a concrete text-model class
+            skeleton = model_cls(build_config)
+        else:  # an Auto class
+            skeleton = model_cls.from_config(build_config, trust_remote_code=trust_remote_code)
     embed_param, head_param = skeleton.get_input_embeddings().weight, skeleton.get_output_embeddings().weight
     named = list(skeleton.named_parameters(remove_duplicate=False))
     embed_name = next(n for n, p in named if p is embed_param and "embed" in n)
