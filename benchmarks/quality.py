@@ -428,6 +428,139 @@ def worker_main(argv: list[str]) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- replay workers
+
+
+def _load_target(path: str, settings: EvalSettings):
+    """(target, tokenizer, stop ids, device) for replay, without a drafter."""
+    from dflash_train import assets
+    from dflash_train.model.target import load_target_model, load_tokenizer
+    from dflash_train.train.trainer import resolve_device, resolve_dtype
+
+    device = resolve_device(settings.device)
+    tpath = assets.resolve_target(path)
+    tokenizer = load_tokenizer(tpath)
+    stops = assets.target_defaults(tpath).get("stop_token_ids") or [tokenizer.eos_token_id]
+    return load_target_model(tpath, resolve_dtype(settings.dtype, device), device), tokenizer, stops, device
+
+
+def corpus_main(argv: list[str]) -> int:
+    """Every eval turn with the target's greedy continuation, as JSONL (`ReplayTurn` fields)."""
+    p = argparse.ArgumentParser(prog="quality.py corpus")
+    p.add_argument("--target", required=True)
+    p.add_argument("--items", required=True)
+    p.add_argument("--block-size", type=int, required=True, help="the largest block size to be replayed")
+    p.add_argument("--settings", required=True)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    from dataclasses import asdict
+
+    from dflash_train.infer.replay import build_corpus
+
+    settings = EvalSettings(**json.loads(args.settings))
+    target, tokenizer, stops, _ = _load_target(args.target, settings)
+    items = [json.loads(line) for line in Path(args.items).read_text(encoding="utf-8").splitlines() if line.strip()]
+    t0 = time.time()
+    corpus = build_corpus(target, tokenizer, items, settings.max_new_tokens, args.block_size, stops, args.batch_size)
+    tmp = Path(args.out + ".tmp")
+    tmp.write_text("".join(json.dumps(asdict(t)) + "\n" for t in corpus), encoding="utf-8")
+    tmp.replace(args.out)
+    print(f"corpus: {len(corpus)} turns of {len(items)} prompts in {time.time() - t0:.1f} s", flush=True)
+    return 0
+
+
+def replay_main(argv: list[str]) -> int:
+    """Tau by replay of the corpus for each `--drafter NAME=PATH`: records to OUT_DIR/NAME.jsonl."""
+    p = argparse.ArgumentParser(prog="quality.py replay")
+    p.add_argument("--target", required=True)
+    p.add_argument("--corpus", required=True)
+    p.add_argument("--drafter", action="append", required=True, metavar="NAME=PATH")
+    p.add_argument("--settings", required=True)
+    p.add_argument("--out-dir", required=True)
+    args = p.parse_args(argv)
+    from dflash_train.infer.evaluate import check_pair
+    from dflash_train.infer.replay import ReplayTurn, replay_records
+    from dflash_train.model.io import load_drafter
+
+    settings = EvalSettings(**json.loads(args.settings))
+    target, tokenizer, stops, device = _load_target(args.target, settings)
+    corpus = [ReplayTurn(**json.loads(line)) for line in Path(args.corpus).read_text(encoding="utf-8").splitlines()]
+    drafters = {}
+    for spec in args.drafter:
+        name, _, path = spec.partition("=")
+        drafters[name] = load_drafter(path, device=device, dtype=next(target.parameters()).dtype).eval()
+        check_pair(target.config, drafters[name])
+    t0 = time.time()
+    records = replay_records(target, tokenizer, drafters, corpus, settings.max_new_tokens, settings.tree_budgets, stops)
+    for name, recs in records.items():
+        out = Path(args.out_dir) / f"{name}.jsonl"
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+        tmp.replace(out)
+    print(f"replay: {len(drafters)} drafter(s) x {len(corpus)} turns in {time.time() - t0:.1f} s", flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- replay summaries
+
+
+def pooled_tau(report: dict, modes: list[str], names: Optional[list[str]] = None) -> dict[str, Optional[float]]:
+    """Tau per mode over the steps of the named datasets (all when None) of a report."""
+    out = {}
+    for mode in modes:
+        steps = gained = 0
+        for name, body in report["datasets"].items():
+            if names is not None and name not in names:
+                continue
+            s = body["modes"].get(mode)
+            if s:
+                steps += s["steps"]
+                gained += s["tau"] * s["steps"]
+        out[mode] = gained / steps if steps else None
+    return out
+
+
+def compare_with_decoding(decoded: dict[str, dict], replayed: dict[str, dict], modes: list[str]) -> dict:
+    """Real decoding against replay, turn by turn, for the prompts decoded: how many turns have identical
+    tokens and identical accept lengths, per mode, and the tau each way over those turns."""
+    out = {}
+    for mode in modes:
+        turns = same_tokens = same_accepts = 0
+        acc_dec: list[int] = []
+        acc_rep: list[int] = []
+        first_diff = []
+        for key, drec in decoded.items():
+            rrec = replayed.get(key)
+            if rrec is None or mode not in drec["modes"]:
+                continue
+            for t, (d, r) in enumerate(zip(drec["modes"][mode], rrec["modes"][mode])):
+                turns += 1
+                same_tokens += d["token_ids"] == r["token_ids"]
+                same_accepts += d["accept_lengths"] == r["accept_lengths"]
+                if d["accept_lengths"] != r["accept_lengths"] and len(first_diff) < 5:
+                    first_diff.append({"prompt": key.replace("\x00", "/"), "turn": t})
+                acc_dec += d["accept_lengths"]
+                acc_rep += r["accept_lengths"]
+        out[mode] = {"turns": turns, "identical_tokens": same_tokens, "identical_accept_lengths": same_accepts,
+                     "tau_decoded": sum(acc_dec) / len(acc_dec) if acc_dec else None,
+                     "tau_replayed": sum(acc_rep) / len(acc_rep) if acc_rep else None, "differing": first_diff}
+    return out
+
+
+def metric_times(run: Path) -> dict[int, float]:
+    """Step -> seconds of training after the first logged step (metrics `time` stamps)."""
+    from dflash_train.rundir import read_metrics
+
+    if not (run / "metrics.jsonl").is_file():
+        return {}
+    recs = [r for r in read_metrics(run) if r.get("kind") != "validation" and "time" in r]
+    if not recs:
+        return {}
+    t0 = recs[0]["time"]
+    return {r["step"]: r["time"] - t0 for r in recs}
+
+
 # --------------------------------------------------------------------------- the driver
 
 
@@ -453,6 +586,14 @@ class Driver:
         self.given_drafter = Path(args.drafter).resolve() if getattr(args, "drafter", None) else None
         self.drafter_dir = self.given_drafter or self.run / "export"
         self.overlap_data: Optional[str] = None  # the training file the eval prompts were filtered against
+        self.variants: dict[str, list[str]] = {}
+        for spec in getattr(args, "variant", None) or []:
+            name, sep, overrides = spec.partition("=")
+            if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == "default" or name in self.variants:
+                raise SystemExit(f"--variant {spec!r}: expected NAME=key=value[,key=value...] with a new NAME of "
+                                 "letters, digits, _ . - (not 'default')")
+            self.variants[name] = [o for o in overrides.split(",") if o]
+            load_config(args.config, list(args.overrides) + self.variants[name])  # a bad variant fails now
 
     def log(self, msg: str) -> None:
         line = f"[quality {time.strftime('%H:%M:%S')}] {msg}"
@@ -499,40 +640,86 @@ class Driver:
 
     # ------------------------------------------------------------------ train
 
+    def runs(self) -> dict[str, tuple[Path, list[str]]]:
+        """Training runs by name: "default" (the config and its overrides; with --curve-every it saves every
+        that many steps) in run/, and each --variant in variants/NAME/ (the default's overrides, then its own)."""
+        base = list(self.args.overrides)
+        if self.args.curve_every:
+            base += [f"run.save_every={self.args.curve_every}", "run.keep_last=1000"]
+        runs = {"default": (self.run, base)}
+        for name, extra in self.variants.items():
+            runs[name] = (self.out / "variants" / name, list(self.args.overrides) + extra)
+        return runs
+
+    def gpus(self) -> int:
+        import torch
+
+        return torch.cuda.device_count() if self.args.device != "cpu" and torch.cuda.is_available() else 0
+
+    @staticmethod
+    def train_gpu(name: str, k: int, gpus: int) -> int:
+        """The default run has GPU 0 to itself (its wall time is the one compared with the reference); the
+        variants share the others."""
+        if name == "default" or gpus < 2:
+            return 0
+        return 1 + (k - 1) % (gpus - 1)
+
     def stage_train(self) -> bool:
-        """True when the drafter is exported."""
+        """Train every run not yet exported, at the same time (spread over the GPUs); True when all are."""
         from dflash_train.train.checkpoint import list_checkpoints
 
-        export = self.run / "export" / "model.safetensors"
-        if export.is_file():
-            self.log(f"train: reusing {export.parent}")
+        todo = {n: r for n, r in self.runs().items() if not (r[0] / "export" / "model.safetensors").is_file()}
+        for name in sorted(set(self.runs()) - set(todo)):
+            self.log(f"train {name}: reusing {self.runs()[name][0] / 'export'}")
+        if not todo:
             return True
-        stop = self.run / "STOP"
-        if stop.exists():
-            stop.unlink()  # left by an earlier call's deadline: it would end this run at once
-        cmd = [sys.executable, "-m", "dflash_train", "train", str(self.args.config), *self.args.overrides,
-               f"data.train_files=[{self.prepared}]", "--run-dir", str(self.run)]
-        if self.run.joinpath("checkpoints").is_dir() and list_checkpoints(self.run / "checkpoints"):
-            cmd.append("--resume")
-        self.log("train: " + " ".join(cmd))
+        gpus = self.gpus()
+        procs = []
         t0 = time.time()
-        with open(self.out / "train.stdout.log", "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), cwd=REPO)
-            stopping = False
-            while proc.poll() is None:
+        for k, (name, (run, overrides)) in enumerate(todo.items()):
+            stop = run / "STOP"
+            if stop.exists():
+                stop.unlink()  # left by an earlier call's deadline: it would end this run at once
+            cmd = [sys.executable, "-m", "dflash_train", "train", str(self.args.config), *overrides,
+                   f"data.train_files=[{self.prepared}]", "--run-dir", str(run)]
+            if run.joinpath("checkpoints").is_dir() and list_checkpoints(run / "checkpoints"):
+                cmd.append("--resume")
+            self.log(f"train {name}: " + " ".join(cmd))
+            log_path = self.out / ("train.stdout.log" if name == "default" else f"train-{name}.stdout.log")
+            env = dict(self.env(), CUDA_VISIBLE_DEVICES=str(self.train_gpu(name, k, gpus))) if gpus > 1 else self.env()
+            log = open(log_path, "ab")
+            procs.append((name, run, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO),
+                          log, log_path))
+        stopping = False
+        ended: dict[str, float] = {}
+        try:
+            while any(p.poll() is None for _, _, p, _, _ in procs):
                 time.sleep(1.0)
+                for name, _, p, _, _ in procs:
+                    if p.poll() is not None and name not in ended:
+                        ended[name] = time.time()
                 if not stopping and self.remaining() < self.args.train_stop_margin_s:
-                    self.log("train: deadline near: asking the run to checkpoint and stop (resumes next call)")
-                    self.run.mkdir(parents=True, exist_ok=True)
-                    stop.touch()
+                    self.log("train: deadline near: asking the runs to checkpoint and stop (they resume next call)")
+                    for _, run, _, _, _ in procs:
+                        run.mkdir(parents=True, exist_ok=True)
+                        (run / "STOP").touch()
                     stopping = True
-        self.add_time("train_s", time.time() - t0)
-        if proc.returncode != 0:
-            raise RuntimeError(f"training failed (exit {proc.returncode}); see {self.out / 'train.stdout.log'} "
-                               f"and {self.run / 'train.log'}")
-        if stop.exists():
-            stop.unlink()
-        return export.is_file()
+        finally:
+            for _, _, p, log, _ in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                log.close()
+        for name, _, _, _, _ in procs:  # wall time of each training process (its share of this call)
+            key = "train_s" if name == "default" else f"train_s:{name}"
+            self.add_time(key, ended.get(name, time.time()) - t0)
+        failed = [(n, p.returncode, lp, run) for n, run, p, _, lp in procs if p.returncode != 0]
+        if failed:
+            n, rc, lp, run = failed[0]
+            raise RuntimeError(f"training {n} failed (exit {rc}); see {lp} and {run / 'train.log'}")
+        for _, run, _, _, _ in procs:
+            (run / "STOP").unlink(missing_ok=True)
+        return all((r[0] / "export" / "model.safetensors").is_file() for r in self.runs().values())
 
     # ------------------------------------------------------------------ eval
 
@@ -574,61 +761,218 @@ class Driver:
         cpus = os.cpu_count() or 2
         return max(1, min(12, cpus - 2)) if torch.cuda.is_available() and self.args.device != "cpu" else 1
 
-    def stage_eval(self) -> tuple[bool, dict]:
-        """(complete, eval info)."""
+    def stage_eval(self, items: Optional[list[dict]] = None, info: Optional[dict] = None,
+                   eval_dir: Optional[Path] = None, settings: Optional["EvalSettings"] = None) -> tuple[bool, dict]:
+        """Real decoding of `items` (default: every eval prompt) by worker processes: (complete, eval info)."""
         drafter = self.drafter_dir
-        items, info = self.eval_items()
+        if items is None:
+            items, info = self.eval_items()
+        eval_dir = eval_dir or self.eval_dir
+        settings = settings or self.settings
         key = hashlib.sha256(json.dumps({
             "items": [[i["dataset"], i["id"], i["turns"]] for i in items],
-            "settings": self.settings.__dict__, "drafter": _file_sha256(drafter / "model.safetensors"),
+            "settings": settings.__dict__, "drafter": _file_sha256(drafter / "model.safetensors"),
         }, sort_keys=True, default=list).encode()).hexdigest()
-        plan_path = self.eval_dir / "plan.json"
+        plan_path = eval_dir / "plan.json"
         if plan_path.is_file() and json.loads(plan_path.read_text()).get("key") != key:
-            old = self.eval_dir.with_name(f"eval-stale-{int(time.time())}")
-            self.log(f"eval: prompts, settings or drafter changed since the last call: moving {self.eval_dir} to {old}")
-            self.eval_dir.rename(old)
+            old = eval_dir.with_name(f"eval-stale-{int(time.time())}")
+            self.log(f"eval: prompts, settings or drafter changed since the last call: moving {eval_dir} to {old}")
+            eval_dir.rename(old)
             self.timings.pop("eval_s", None)
-        self.eval_dir.mkdir(parents=True, exist_ok=True)
-        (self.eval_dir / "plan.json").write_text(json.dumps({"key": key, "settings": self.settings.__dict__,
+        eval_dir.mkdir(parents=True, exist_ok=True)
+        (eval_dir / "plan.json").write_text(json.dumps({"key": key, "settings": settings.__dict__,
                                                              "datasets": info}, indent=1, default=list))
-        done = read_records(self.eval_dir.glob("records-*.jsonl"))
+        done = read_records(eval_dir.glob("records-*.jsonl"))
         todo = [i for i in items if record_key(i["dataset"], i["id"]) not in done]
         self.log(f"eval: {len(items)} prompts, {len(items) - len(todo)} already done, {len(todo)} to decode")
         if todo:
-            self.run_workers(todo, drafter)
-            done = read_records(self.eval_dir.glob("records-*.jsonl"))
+            self.run_workers(todo, drafter, eval_dir, settings)
+            done = read_records(eval_dir.glob("records-*.jsonl"))
         missing = [i for i in items if record_key(i["dataset"], i["id"]) not in done]
         from dflash_train.infer.evaluate import report_config
 
-        config = report_config(self.settings.max_new_tokens, self.settings.temperature, drafter_block_size(drafter),
-                               self.settings.tree_budgets)
+        config = report_config(settings.max_new_tokens, settings.temperature, drafter_block_size(drafter),
+                               settings.tree_budgets)
         missing_keys = {record_key(i["dataset"], i["id"]) for i in missing}
         finished = [i for i in items if record_key(i["dataset"], i["id"]) not in missing_keys]
-        report = merged_report(config, finished, done, self.settings.mode_names())
-        (self.eval_dir / "report.json").write_text(json.dumps(report, indent=1))
+        report = merged_report(config, finished, done, settings.mode_names())
+        (eval_dir / "report.json").write_text(json.dumps(report, indent=1))
         info["_worker_prompt_s"] = round(sum(r.get("wall_s", 0.0) for r in done.values()), 1)
         info["_report"] = report
         if missing:
             self.log(f"eval: {len(missing)} of {len(items)} prompts still to decode: run the same command again")
         return not missing, info
 
-    def run_workers(self, todo: list[dict], drafter: Path) -> None:
+    # ------------------------------------------------------------------ tau by replay
+
+    def replay_drafters(self) -> dict[str, Path]:
+        """Exported drafters to replay by name: each run's export and, with --curve-every, each checkpoint of
+        the default run (exported once to curve/step-N)."""
+        if self.given_drafter is not None:
+            return {"default": self.given_drafter}
+        out = {name: run / "export" for name, (run, _) in self.runs().items()}
+        if self.args.curve_every:
+            from dflash_train.export import export_checkpoint
+            from dflash_train.train.checkpoint import list_checkpoints
+
+            for ckpt in list_checkpoints(self.run / "checkpoints"):
+                step = int(ckpt.name.split("-")[1])
+                folder = self.out / "curve" / f"step-{step:08d}"
+                if not (folder / "model.safetensors").is_file():
+                    export_checkpoint(ckpt, folder, "float32")
+                out[f"step-{step:08d}"] = folder
+        return out
+
+    def stage_replay(self, items: list[dict]) -> dict[str, dict[str, dict]]:
+        """Tau by replay of every eval prompt for every drafter: `{name: {record key: record}}`. The target's
+        greedy continuations (the corpus) are made once and shared."""
+        rdir = self.out / "replay"
+        rdir.mkdir(parents=True, exist_ok=True)
+        drafters = self.replay_drafters()
+        block = max(drafter_block_size(d) for d in drafters.values())
+        settings = EvalSettings(**{**self.settings.__dict__, "baseline": False})
+        corpus_key = hashlib.sha256(json.dumps({
+            "items": [[i["dataset"], i["id"], i["turns"]] for i in items], "target": self.cfg.target.path,
+            "max_new": settings.max_new_tokens, "block": block, "dtype": settings.dtype,
+        }, sort_keys=True).encode()).hexdigest()
+        corpus = rdir / f"corpus-{corpus_key[:16]}.jsonl"
+        t0 = time.time()
+        if not corpus.is_file():
+            items_file = rdir / "items.jsonl"
+            items_file.write_text("".join(json.dumps(i) + "\n" for i in items), encoding="utf-8")
+            self.log(f"replay: generating the target's greedy continuations of {len(items)} prompts -> {corpus}")
+            self._run_helpers([[sys.executable, str(Path(__file__).resolve()), "corpus", "--target",
+                                self.cfg.target.path, "--items", str(items_file), "--block-size", str(block),
+                                "--settings", json.dumps(settings.__dict__, default=list), "--out", str(corpus)]],
+                              rdir, "corpus")
+            self.add_time("corpus_s", time.time() - t0)
+        keys = {name: hashlib.sha256((corpus_key + _file_sha256(d / "model.safetensors")
+                                      + json.dumps(settings.__dict__, default=list)).encode()).hexdigest()
+                for name, d in drafters.items()}
+        known = json.loads((rdir / "keys.json").read_text()) if (rdir / "keys.json").is_file() else {}
+        todo = [n for n in drafters if known.get(n) != keys[n] or not (rdir / f"{n}.jsonl").is_file()]
+        if todo:
+            gpus = max(self.gpus(), 1)
+            shards = [todo[g::gpus] for g in range(gpus) if todo[g::gpus]]
+            self.log(f"replay: {len(todo)} drafter(s) over {len(shards)} process(es): {', '.join(todo)}")
+            t1 = time.time()
+            cmds = [[sys.executable, str(Path(__file__).resolve()), "replay", "--target", self.cfg.target.path,
+                     "--corpus", str(corpus), "--settings", json.dumps(settings.__dict__, default=list),
+                     "--out-dir", str(rdir)] + [a for n in shard for a in ("--drafter", f"{n}={drafters[n]}")]
+                    for shard in shards]
+            self._run_helpers(cmds, rdir, "replay")
+            self.add_time("replay_s", time.time() - t1)
+            known.update({n: keys[n] for n in todo})
+            (rdir / "keys.json").write_text(json.dumps(known, indent=1))
+        return {name: read_records([rdir / f"{name}.jsonl"]) for name in drafters}
+
+    def _run_helpers(self, cmds: list[list[str]], folder: Path, what: str) -> None:
+        """Run these processes at once, one per GPU; raise with a log tail if one fails or the deadline passes."""
+        env = dict(self.env(), TOKENIZERS_PARALLELISM="false")
+        gpus = self.gpus()
+        procs = []
+        for k, cmd in enumerate(cmds):
+            log_path = folder / f"{what}-{k:02d}.log"
+            worker_env = dict(env, CUDA_VISIBLE_DEVICES=str(k % gpus)) if gpus > 1 else env
+            procs.append((subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                                           env=worker_env, cwd=REPO), log_path))
+        try:
+            while any(p.poll() is None for p, _ in procs):
+                time.sleep(1.0)
+                if self.deadline is not None and time.time() > self.deadline:
+                    raise TimeoutError(f"{what}: the deadline passed; run the same command again")
+        finally:
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for p, log_path in procs:
+            if p.returncode != 0:
+                raise RuntimeError(f"{what} failed (exit {p.returncode}); {log_path} ends:\n"
+                                   + log_path.read_text(errors="replace")[-3000:])
+            self.log(log_path.read_text(errors="replace").strip().splitlines()[-1])
+
+    def eval_by_replay(self) -> tuple[bool, dict, dict]:
+        """Replay every drafter on every eval prompt; with --check-decode, decode some prompts for real too.
+        Returns (complete, eval info of the default drafter, the replay sections of the summary)."""
+        from dflash_train.infer.evaluate import report_config
+
+        items, info = self.eval_items()
+        records = self.stage_replay(items)
+        drafters = self.replay_drafters()
+        modes = EvalSettings(**{**self.settings.__dict__, "baseline": False}).mode_names()
+        reports = {name: merged_report(report_config(self.settings.max_new_tokens, self.settings.temperature,
+                                                     drafter_block_size(drafters[name]), self.settings.tree_budgets),
+                                       items, recs, modes)
+                   for name, recs in records.items()}
+        self.eval_dir.mkdir(parents=True, exist_ok=True)
+        (self.eval_dir / "report.json").write_text(json.dumps(reports["default"], indent=1))
+        info["_report"], info["_worker_prompt_s"] = reports["default"], None
+        pooled_names = [n for n in POOLED if n in reports["default"]["datasets"]]
+        extra: dict = {"method": "replay", "argmax_mismatches": {
+            name: sum(r.get("replay", {}).get("argmax_mismatches", 0) for r in recs.values())
+            for name, recs in records.items()}}
+        if self.given_drafter is None:
+            variants = {}
+            for name, (run, overrides) in self.runs().items():
+                rep = reports[name]
+                t = train_summary(run)
+                variants[name] = {
+                    "overrides": self.variants.get(name, []),
+                    "steps": t.get("steps"), "accuracy_mean_last": t.get("accuracy_mean_last"),
+                    "train_wall_s": self.timings.get("train_s" if name == "default" else f"train_s:{name}"),
+                    "loop_s": t.get("loop_s"),
+                    "tau_mt-bench+sharegpt": pooled_tau(rep, modes, pooled_names), "tau_all": pooled_tau(rep, modes),
+                    "tau_block_by_dataset": {ds: b["modes"]["block"]["tau"] for ds, b in rep["datasets"].items()},
+                }
+            extra["variants"] = variants
+        if self.args.curve_every and self.given_drafter is None:
+            times = metric_times(self.run)
+            extra["curve"] = [{"step": int(name.split("-")[1]), "train_s_after_first_log": times.get(int(name.split("-")[1])),
+                               "tau_mt-bench+sharegpt": pooled_tau(reports[name], modes, pooled_names),
+                               "tau_all": pooled_tau(reports[name], modes)}
+                              for name in sorted(n for n in reports if n.startswith("step-"))]
+        complete = True
+        if self.args.check_decode:
+            per_ds: dict[str, int] = {}
+            check_items = []
+            for item in items:
+                if per_ds.get(item["dataset"], 0) < self.args.check_decode:
+                    per_ds[item["dataset"]] = per_ds.get(item["dataset"], 0) + 1
+                    check_items.append(item)
+            settings = EvalSettings(**{**self.settings.__dict__, "baseline": True})
+            check_info = {k: dict(v) for k, v in info.items() if not k.startswith("_")}
+            complete, check_info = self.stage_eval(check_items, check_info, self.out / "eval-decode", settings)
+            rep = check_info["_report"]
+            decoded = {record_key(r["dataset"], r["id"]): r for r in rep["outputs"]}
+            extra["decode_check"] = {
+                "prompts": len(decoded), "per_dataset": per_ds,
+                "agreement": compare_with_decoding(decoded, records["default"], modes),
+                "speedup": {ds: {m: b["modes"][m].get("speedup") for m in b["modes"] if m != "target"}
+                            for ds, b in rep["datasets"].items()},
+                "decode_tokens_per_s": {ds: {m: b["modes"][m]["decode_tokens_per_s"] for m in b["modes"]}
+                                        for ds, b in rep["datasets"].items()},
+                "lossless_mismatches": sum(len(b["lossless_mismatches"]) for b in rep["datasets"].values()),
+            }
+        return complete, info, extra
+
+    def run_workers(self, todo: list[dict], drafter: Path, eval_dir: Path, settings: "EvalSettings") -> None:
         n = min(self.workers(), len(todo))
         shards = plan_shards(todo, n)
-        attempt = len(list(self.eval_dir.glob("attempt-*")))
-        adir = self.eval_dir / f"attempt-{attempt:02d}"
+        attempt = len(list(eval_dir.glob("attempt-*")))
+        adir = eval_dir / f"attempt-{attempt:02d}"
         adir.mkdir()
         deadline = None if self.deadline is None else self.deadline - self.args.eval_stop_margin_s
         env = self.env()
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         procs = []
-        settings = json.dumps(self.settings.__dict__, default=list)
+        settings = json.dumps(settings.__dict__, default=list)
         for k, shard in enumerate(shards):
             items_file = adir / f"items-{k:02d}.jsonl"
             items_file.write_text("".join(json.dumps(i) + "\n" for i in shard), encoding="utf-8")
             cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--target", self.cfg.target.path,
                    "--drafter", str(drafter), "--items", str(items_file), "--settings", settings,
-                   "--out", str(self.eval_dir / f"records-{attempt:02d}-{k:02d}.jsonl")]
+                   "--out", str(eval_dir / f"records-{attempt:02d}-{k:02d}.jsonl")]
             if deadline is not None:
                 cmd += ["--deadline", str(deadline)]
             log = open(adir / f"worker-{k:02d}.log", "wb")
@@ -670,7 +1014,7 @@ class Driver:
 
     # ------------------------------------------------------------------ summary
 
-    def summarize(self, complete: bool, info: dict) -> dict:
+    def summarize(self, complete: bool, info: dict, extra: Optional[dict] = None) -> dict:
         report = info.pop("_report")
         worker_s = info.pop("_worker_prompt_s")
         if self.given_drafter is None:
@@ -719,6 +1063,8 @@ class Driver:
                      "worker_prompt_s": worker_s},
             "wall_s": self.timings,
             "dropped_ids": {n: m["dropped_ids"] for n, m in info.items()},
+            "method": "decode",
+            **(extra or {}),
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=list))
         (self.out / "summary.md").write_text(summary_markdown(summary))
@@ -775,7 +1121,9 @@ class Driver:
         members = [(self.run / "metrics.jsonl", "metrics.jsonl"), (self.run / "train.log", "train.log"),
                    (self.run / "status.json", "status.json"), (self.out / "driver.log", "driver.log"),
                    (self.out / "train.stdout.log", "train.stdout.log"), (self.out / "timings.json", "timings.json"),
-                   (self.eval_dir / "plan.json", "eval_plan.json")]
+                   (self.eval_dir / "plan.json", "eval_plan.json"),
+                   (self.out / "eval-decode" / "report.json", "decode_check_report.json")]
+        members += [(p, f"replay/{p.name}") for p in sorted((self.out / "replay").glob("*.log"))]
         attempts = sorted(self.eval_dir.glob("attempt-*"))
         if attempts:
             members += [(p, f"workers/{p.name}") for p in sorted(attempts[-1].glob("worker-*.log"))]
@@ -826,6 +1174,7 @@ def train_summary(run: Path, last_n: int = 10) -> dict:
             "steps": last["step"], "epoch": last["epoch"], "loss": last["loss"], "accuracy": last["accuracy"],
             "tau_estimate": last["tau_estimate"],
             "tau_estimate_mean_last": sum(r["tau_estimate"] for r in tail) / len(tail),
+            "accuracy_mean_last": sum(r["accuracy"] for r in tail) / len(tail),
             "accuracy_per_position": last["accuracy_per_position"],
             "accuracy_per_position_mean_last": mean_pos, "mean_over_last_records": len(tail),
             "tokens_per_s_mean": sum(r["tokens_per_s"] for r in records) / len(records),
@@ -841,6 +1190,11 @@ def train_summary(run: Path, last_n: int = 10) -> dict:
         if loops:
             out["loop_s"] = float(loops[-1][1])
     return out
+
+
+def _mean(values) -> Optional[float]:
+    vals = [v for v in values or [] if v is not None]
+    return sum(vals) / len(vals) if vals else None
 
 
 def _fmt(v, nd=3) -> str:
@@ -900,14 +1254,71 @@ def summary_markdown(s: dict) -> str:
               f"- prepare: {_fmt(w.get('prepare_s'), 1)} s",
               f"- train: {_fmt(w.get('train_s'), 1)} s for the training process(es) (target load, compile warm-up "
               f"{_fmt(tr.get('warmup_s'), 1)} s, loop {_fmt(tr.get('loop_s'), 1)} s); reference ~{ref['train_wall_s']} s",
-              f"- eval: {_fmt(w.get('eval_s'), 1)} s with {ev['settings']['workers']} parallel workers "
-              f"({_fmt(ev['worker_prompt_s'], 1)} s of per-prompt decoding summed over workers)", ""]
+              (f"- eval by replay: {_fmt(w.get('corpus_s'), 1)} s for the target's greedy continuations, "
+               f"{_fmt(w.get('replay_s'), 1)} s to replay every drafter"
+               + (f"; real decoding of the check prompts {_fmt(w.get('eval_s'), 1)} s" if s.get("decode_check") else "")
+               if s.get("method") == "replay" else
+               f"- eval: {_fmt(w.get('eval_s'), 1)} s with {ev['settings']['workers']} parallel workers "
+               f"({_fmt(ev['worker_prompt_s'], 1)} s of per-prompt decoding summed over workers)"), ""]
+    lines += replay_markdown(s, modes)
     hist_mode = "block"
     lines += [f"## Accepted tokens per step ({hist_mode})", ""]
     for name, d in ev["datasets"].items():
         hist = d["modes"].get(hist_mode, {}).get("histogram", {})
         lines.append(f"- {name}: " + ", ".join(f"{k}: {v}" for k, v in hist.items()))
     return "\n".join(lines) + "\n"
+
+
+def replay_markdown(s: dict, modes: list[str]) -> list[str]:
+    """The sections only a replay run has: the method, the variants, the curve, the check against decoding."""
+    if s.get("method") != "replay":
+        return []
+    lines = ["## Method", "",
+             "Tau by replay (`dflash_train.infer.replay`): the target's greedy continuation of every prompt, then "
+             "every step's acceptance from one drafter pass; equal to real greedy speculative decoding up to "
+             "floating-point ties (see the check below). Positions where the full-sequence target pass disagrees "
+             f"with the batched greedy continuation: {s.get('argmax_mismatches')}.", ""]
+    variants = s.get("variants") or {}
+    if len(variants) > 1:
+        lines += ["## Recipes at equal steps", "",
+                  "| recipe | overrides | steps | train wall s | train accuracy | "
+                  + " | ".join(f"tau {m} (MT-Bench+ShareGPT)" for m in modes) + " | "
+                  + " | ".join(f"tau {m} (all)" for m in modes) + " |",
+                  "|---|---|---|---|---|" + "---|" * (2 * len(modes))]
+        for name, v in variants.items():
+            lines.append(f"| {name} | {' '.join(v['overrides']) or '-'} | {_fmt(v['steps'])} | {_fmt(v['train_wall_s'], 1)} | "
+                         f"{_fmt(v['accuracy_mean_last'])} | "
+                         + " | ".join(_fmt(v["tau_mt-bench+sharegpt"].get(m)) for m in modes) + " | "
+                         + " | ".join(_fmt(v["tau_all"].get(m)) for m in modes) + " |")
+        lines += ["", "Train wall s of the variants: several shared one GPU (the default had its own); compare "
+                  "the variants' tau at equal steps, not their wall times.", ""]
+    if s.get("curve"):
+        lines += ["## Tau against training time (default recipe)", "",
+                  "| step | train s after the first logged step | " + " | ".join(f"tau {m} (MT-Bench+ShareGPT)" for m in modes)
+                  + " | " + " | ".join(f"tau {m} (all)" for m in modes) + " |",
+                  "|---|---|" + "---|" * (2 * len(modes))]
+        for c in s["curve"]:
+            lines.append(f"| {c['step']} | {_fmt(c['train_s_after_first_log'], 1)} | "
+                         + " | ".join(_fmt(c["tau_mt-bench+sharegpt"].get(m)) for m in modes) + " | "
+                         + " | ".join(_fmt(c["tau_all"].get(m)) for m in modes) + " |")
+        lines.append("")
+    check = s.get("decode_check")
+    if check:
+        lines += ["## Check: real speculative decoding of the first prompts of each set", "",
+                  f"{check['prompts']} prompts ({check['per_dataset']}), decoded step by step with the target alone, "
+                  f"block and DDTree; outputs differing from the target's own: {check['lossless_mismatches']}.", "",
+                  "| mode | turns | identical tokens | identical accept lengths | tau decoded | tau replayed |",
+                  "|---|---|---|---|---|---|"]
+        for m, a in check["agreement"].items():
+            lines.append(f"| {m} | {a['turns']} | {a['identical_tokens']} | {a['identical_accept_lengths']} | "
+                         f"{_fmt(a['tau_decoded'])} | {_fmt(a['tau_replayed'])} |")
+        lines += ["", "| dataset | " + " | ".join(f"speedup {m}" for m in modes) + " | target alone tok/s |",
+                  "|---|" + "---|" * (len(modes) + 1)]
+        for ds, sp in check["speedup"].items():
+            lines.append(f"| {ds} | " + " | ".join(f"{_fmt(sp.get(m), 2)}x" if sp.get(m) else "-" for m in modes)
+                         + f" | {_fmt(check['decode_tokens_per_s'][ds].get('target'), 1)} |")
+        lines.append("")
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -946,6 +1357,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --deadline-s: ask training to stop this long before the deadline")
     p.add_argument("--eval-stop-margin-s", type=float, default=40.0,
                    help="with --deadline-s: workers start no prompt this long before the deadline")
+    p.add_argument("--method", default="replay", choices=["replay", "decode"],
+                   help="replay (default): tau of greedy speculative decoding from the target's own greedy "
+                        "continuations (exact, minutes for every prompt); decode: real step-by-step decoding")
+    p.add_argument("--check-decode", type=int, default=0, metavar="N",
+                   help="with --method replay: also decode the first N prompts of each set for real (with the "
+                        "target alone too: speedup) and compare with replay turn by turn")
+    p.add_argument("--variant", action="append", metavar="NAME=K=V[,K=V...]",
+                   help="also train this recipe (the overrides on top of the default's), at the same time, and "
+                        "replay it; repeat. The default run keeps GPU 0 to itself when there are several")
+    p.add_argument("--curve-every", type=int, default=0, metavar="STEPS",
+                   help="save the default run every STEPS steps and replay every checkpoint: tau against training time")
     p.add_argument("--copy-to", help="bring back here (e.g. $OUT): summary.json/.md, logs.tar.gz (metrics, logs, the "
                         "eval report) and drafter/ (the exported drafter in parts of <= 15 MiB + SHA256SUMS; join "
                         "with tools/join_drafter.sh), within 8 files / 16 MiB each / 64 MiB")
@@ -954,8 +1376,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "worker":
-        return worker_main(argv[1:])
+    if argv and argv[0] in ("worker", "corpus", "replay"):
+        return {"worker": worker_main, "corpus": corpus_main, "replay": replay_main}[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     args.tree_budget = args.tree_budget or [32]
     args.data = str(Path(args.data).resolve())
@@ -982,10 +1404,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         if drv.remaining() < drv.args.eval_stop_margin_s + 60:
             drv.log("eval: too little time left before the deadline; run the same command again")
             return EXIT_UNFINISHED
-        complete, info = drv.stage_eval()
-        summary = drv.summarize(complete, info)
+        if args.method == "decode":
+            complete, info = drv.stage_eval()
+            summary = drv.summarize(complete, info)
+        else:
+            complete, info, extra = drv.eval_by_replay()
+            summary = drv.summarize(complete, info, extra)
         print(summary_markdown(summary), flush=True)
         return 0 if complete else EXIT_UNFINISHED
+    except TimeoutError as e:
+        drv.log(str(e))
+        return EXIT_UNFINISHED
     finally:
         drv.log(f"this call: {time.time() - drv.start:.0f} s; totals {drv.timings}")
         drv.copy_out()  # also after a failure: the exported drafter and the logs are what is left to look at

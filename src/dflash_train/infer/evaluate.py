@@ -136,7 +136,8 @@ def summarize_records(records: list[dict], mode_names: list[str], temperature: f
             "tokens": s["tokens"],
             "steps": len(s["accepts"]),
             "decode_s": s["decode_s"],
-            "decode_tokens_per_s": s["tokens"] / max(s["decode_s"], 1e-9),
+            # untimed records (tau by replay) have no rate
+            "decode_tokens_per_s": s["tokens"] / s["decode_s"] if s["decode_s"] > 0 else None,
             "time_per_token_ms": 1000 * s["decode_s"] / max(s["tokens"], 1),
         }
     if baseline:
@@ -244,7 +245,8 @@ def markdown_table(report: dict) -> str:
                 continue
             hist = ", ".join(f"{k}:{v}" for k, v in s["histogram"].items())
             speed = f"{s['speedup']:.2f}x" if "speedup" in s else "-"
-            lines.append(f"| {ds} | {mode} | {s['tau']:.3f} | {s['decode_tokens_per_s']:.1f} | {speed} | {hist} |")
+            rate = "-" if s["decode_tokens_per_s"] is None else f"{s['decode_tokens_per_s']:.1f}"
+            lines.append(f"| {ds} | {mode} | {s['tau']:.3f} | {rate} | {speed} | {hist} |")
     return "\n".join(lines)
 
 

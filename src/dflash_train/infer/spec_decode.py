@@ -288,10 +288,17 @@ class SpeculativeDecoder:
     def build_tree(log_probs: torch.Tensor, budget: int) -> tuple[list[int], list[int], list[int]]:
         """Best-first tree over per-depth candidate lists. `log_probs [D, V]` for depths 1..D.
         Returns (token, parent index or -1 for the root, depth) per node, parents before children."""
-        depth_max = log_probs.shape[0]
         k = min(budget, log_probs.shape[1])
         top_lp, top_ids = log_probs.topk(k, dim=-1)
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        return SpeculativeDecoder.build_tree_from_top(top_lp.tolist(), top_ids.tolist(), budget)
+
+    @staticmethod
+    def build_tree_from_top(top_lp: list[list[float]], top_ids: list[list[int]],
+                            budget: int) -> tuple[list[int], list[int], list[int]]:
+        """`build_tree` from each depth's candidates, best first (`top_lp[d][r]`, `top_ids[d][r]`); only the
+        first `budget` of each depth are used."""
+        depth_max = len(top_lp)
+        k = min(budget, len(top_lp[0]))
         tokens, parents, depths = [], [], []
         # heap entries: (-score, parent node, depth (1-based), rank at that depth, parent score)
         heap = [(-top_lp[0][0], -1, 1, 0, 0.0)]

@@ -1,0 +1,276 @@
+"""Greedy acceptance by replay: the tau of real greedy speculative decoding, computed from the target's own
+greedy continuation instead of by decoding step by step.
+
+Under greedy verification the output is the target's greedy continuation `y` whatever the drafter does
+(lossless), and what a step accepts depends only on `y`: at anchor position `s` the drafter sees the
+target's hidden states of positions `< s` and the block `[y_s, MASK ...]`; the step accepts the longest
+prefix of its proposals (block) or the deepest path of its tree (DDTree) that agrees with `y`, plus the
+target's bonus token, and the next step is anchored where that ends. So:
+
+1. generate `y` once per prompt, batched, with the target alone (`greedy_continuations`), a block longer
+   than `max_new_tokens` so that the last step can verify past it as real decoding does;
+2. per turn, one target forward over prompt + `y` and one drafter forward with an anchor at every
+   generated position (the training layout, `dense_mask`), giving every possible step's proposals;
+3. walk from the first generated token, jumping by each visited anchor's acceptance (`walk`).
+
+The result equals real greedy decoding (`SpeculativeDecoder.generate_block` / `generate_tree`) up to
+floating-point ties; `quality.py --check-decode` compares the two on real prompts. Decoding all of
+MT-Bench, HumanEval and held-out ShareGPT this way takes a minute on one GPU instead of an hour, and
+`y` and the target's hidden states are shared by every drafter evaluated.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from ..model.drafter import DFlashDrafter, sdpa_attention
+from ..model.mask import dense_mask
+from .spec_decode import SpeculativeDecoder
+
+
+@dataclass
+class ReplayTurn:
+    """One prompt turn and the target's greedy continuation (`max_new_tokens + block_size - 1` tokens,
+    generated past any stop token)."""
+
+    dataset: str
+    id: str
+    turn: int
+    prompt: list[int]
+    continuation: list[int]
+
+
+def finish(tokens: Sequence[int], max_new: int, stops: Iterable[int]) -> list[int]:
+    """What decoding returns: at most `max_new` tokens, cut after the first stop token."""
+    stop = set(stops)
+    out = list(tokens[:max_new])
+    for i, t in enumerate(out):
+        if t in stop:
+            return out[: i + 1]
+    return out
+
+
+def _cache_kwarg(target) -> str:
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def greedy_continuations(target, prompts: list[list[int]], num_new: int, batch_size: int = 32,
+                         pad_id: int = 0) -> list[list[int]]:
+    """The target's greedy continuation of every prompt, `num_new` tokens each (no stopping), in batches
+    of prompts of similar length (left padding)."""
+    from transformers import DynamicCache
+
+    device = next(target.parameters()).device
+    kwarg = _cache_kwarg(target)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[Optional[list[int]]] = [None] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            p = prompts[i]
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        cache = DynamicCache()
+        logits = target(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        logits_to_keep=1, **{kwarg: cache}).logits[:, -1]
+        token = logits.argmax(-1)
+        generated = [token]
+        last = positions[:, -1]
+        for _ in range(num_new - 1):
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
+            last = last + 1
+            logits = target(input_ids=token.view(-1, 1), attention_mask=mask, position_ids=last.view(-1, 1),
+                            use_cache=True, **{kwarg: cache}).logits[:, -1]
+            token = logits.argmax(-1)
+            generated.append(token)
+        table = torch.stack(generated, 1).tolist()
+        for r, i in enumerate(rows):
+            out[i] = table[r]
+    return [o for o in out]  # type: ignore[misc]
+
+
+@dataclass
+class Proposals:
+    """What the drafter would propose at every anchor `prompt_len + j`, j < `num_anchors`: greedy drafts
+    `[N, B-1]` and the top-k log-probabilities and ids per slot `[N, B-1, k]` (for trees)."""
+
+    drafts: torch.Tensor
+    top_lp: Optional[torch.Tensor]
+    top_ids: Optional[torch.Tensor]
+
+
+@torch.no_grad()
+def target_pass(target, ids: list[int]):
+    """(hidden states per layer (embeddings first), argmax of the logits) over `ids`, no cache."""
+    device = next(target.parameters()).device
+    out = target(input_ids=torch.tensor([ids], device=device), use_cache=False, output_hidden_states=True)
+    return out.hidden_states, out.logits[0].argmax(-1)
+
+
+@torch.no_grad()
+def drafter_proposals(drafter: DFlashDrafter, embed: Callable, lm_head: torch.nn.Module, hidden_states,
+                      ids: list[int], prompt_len: int, num_anchors: int, top_k: int = 0,
+                      anchors_per_chunk: int = 64) -> Proposals:
+    """The drafter's proposals for blocks anchored at `prompt_len .. prompt_len + num_anchors - 1`, each
+    seeing the target's features of every position before its anchor (the training layout)."""
+    device = next(drafter.parameters()).device
+    dtype = next(drafter.parameters()).dtype
+    bs = drafter.block_size
+    context = torch.cat([hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1).to(dtype)  # [1, L, K*H]
+    length = context.shape[1]
+    ids_t = torch.tensor(ids, device=device)
+    drafts, top_lp, top_ids = [], [], []
+    for first in range(prompt_len, prompt_len + num_anchors, anchors_per_chunk):
+        anchors = torch.arange(first, min(first + anchors_per_chunk, prompt_len + num_anchors), device=device)
+        n = len(anchors)
+        block = torch.full((n, bs), drafter.mask_token_id, dtype=torch.long, device=device)
+        block[:, 0] = ids_t[anchors]
+        positions = (anchors.view(-1, 1) + torch.arange(bs, device=device)).view(1, -1)
+        keep = torch.ones(1, n, dtype=torch.bool, device=device)
+        mask = dense_mask(anchors.view(1, -1), keep, length, bs)
+        position_ids = torch.cat([torch.arange(length, device=device).view(1, -1), positions], 1)
+        out = drafter(context, embed(block.view(1, -1)).to(dtype), position_ids, sdpa_attention, mask)
+        logits = lm_head(out[0].to(lm_head.weight.dtype)).float().view(n, bs, -1)[:, 1:]  # slots 1..B-1
+        drafts.append(logits.argmax(-1))
+        if top_k:
+            lp, tid = torch.log_softmax(logits, -1).topk(min(top_k, logits.shape[-1]), dim=-1)
+            top_lp.append(lp)
+            top_ids.append(tid)
+    return Proposals(torch.cat(drafts), torch.cat(top_lp) if top_k else None, torch.cat(top_ids) if top_k else None)
+
+
+def _block_accepts(drafts: torch.Tensor, ids: torch.Tensor, prompt_len: int) -> list[int]:
+    """Accepted drafts (0..B-1) at each anchor: the leading run of drafts equal to the continuation."""
+    n, width = drafts.shape
+    idx = (prompt_len + torch.arange(n, device=ids.device)).view(-1, 1) + torch.arange(1, width + 1, device=ids.device)
+    hits = drafts == ids[idx]
+    return hits.long().cumprod(-1).sum(-1).tolist()
+
+
+def _tree_accepts(top_lp: list, top_ids: list, budget: int, truth: Sequence[int]) -> int:
+    """Depth reached in the DDTree built from one anchor's top-k lists by following the true continuation."""
+    tokens, parents, _ = SpeculativeDecoder.build_tree_from_top(top_lp, top_ids, budget)
+    children: dict[int, dict[int, int]] = {}
+    for i, (tok, par) in enumerate(zip(tokens, parents)):
+        children.setdefault(par + 1, {}).setdefault(tok, i + 1)
+    node, depth = 0, 0
+    while depth < len(truth) and truth[depth] in children.get(node, {}):
+        node = children[node][truth[depth]]
+        depth += 1
+    return depth
+
+
+def walk(accepted_at: Callable[[int], int], continuation: Sequence[int], max_new: int,
+         stops: Iterable[int]) -> tuple[list[int], list[int]]:
+    """(tokens, accept lengths) of decoding that accepts `accepted_at(j)` drafts at the anchor `j` tokens
+    into the continuation, with the stopping rule of `SpeculativeDecoder`."""
+    stop = set(stops)
+    tokens, new = [continuation[0]], [continuation[0]]
+    accepts: list[int] = []
+    j = 0
+    while len(tokens) < max_new and not any(t in stop for t in new):
+        n_acc = accepted_at(j)
+        new = list(continuation[j + 1: j + n_acc + 2])
+        tokens += new
+        accepts.append(n_acc + 1)
+        j += n_acc + 1
+    return finish(tokens, max_new, stop), accepts
+
+
+@dataclass
+class TurnReplay:
+    """Per mode: (tokens, accept lengths); and how many positions' target argmax in the full forward
+    disagree with the continuation (0 unless ties flipped between batched generation and this pass)."""
+
+    modes: dict[str, tuple[list[int], list[int]]]
+    argmax_mismatches: int
+
+
+def replay_turn(target, drafter: DFlashDrafter, turn: ReplayTurn, max_new: int, tree_budgets: Sequence[int],
+                stops: Iterable[int], target_out=None) -> TurnReplay:
+    """Block and DDTree-`b` decoding of one turn by replay. `target_out`: `target_pass` of prompt +
+    continuation, when already computed (several drafters share it)."""
+    stops = list(stops)
+    ids = turn.prompt + turn.continuation
+    p = len(turn.prompt)
+    need = max_new + drafter.block_size - 1
+    if len(turn.continuation) < need:
+        raise ValueError(f"{turn.dataset}/{turn.id} turn {turn.turn}: continuation has {len(turn.continuation)} "
+                         f"tokens, replay with block size {drafter.block_size} needs {need}")
+    hidden_states, argmax = target_out if target_out is not None else target_pass(target, ids)
+    ids_t = torch.tensor(ids, device=argmax.device)
+    mismatches = int((argmax[p - 1:len(ids) - 1] != ids_t[p:]).sum())
+    anchors = max_new  # anchors j = 0 .. max_new - 1 (the walk never starts a step at j >= max_new - 1)
+    props = drafter_proposals(drafter, target.get_input_embeddings(), target.get_output_embeddings(),
+                              hidden_states, ids, p, anchors, top_k=max(tree_budgets, default=0))
+    cont = turn.continuation
+    block = _block_accepts(props.drafts, ids_t.to(props.drafts.device), p)
+    modes = {"block": walk(lambda j: block[j], cont, max_new, stops)}
+    if tree_budgets:
+        top_lp, top_ids = props.top_lp.tolist(), props.top_ids.tolist()
+        width = drafter.block_size - 1
+        for budget in tree_budgets:
+            modes[f"tree-{budget}"] = walk(
+                lambda j: _tree_accepts(top_lp[j], top_ids[j], budget, cont[j + 1:j + 1 + width]), cont, max_new, stops)
+    return TurnReplay(modes, mismatches)
+
+
+# --------------------------------------------------------------------------- prompts -> corpus -> records
+
+
+def build_corpus(target, tokenizer, items: list[dict], max_new: int, block_size: int, stops: Iterable[int],
+                 batch_size: int = 32, template_kwargs: Optional[dict] = None) -> list[ReplayTurn]:
+    """Every turn of every item (`{"dataset", "id", "turns"}`) with the target's greedy continuation. A later
+    turn's prompt holds the earlier turns' answers as decoding would have written them (`finish`ed, decoded),
+    so multi-turn prompts (MT-Bench) replay exactly what `run_prompt` would decode."""
+    stops = list(stops)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    histories: list[list[dict]] = [[] for _ in items]
+    corpus: list[ReplayTurn] = []
+    for t in range(max((len(i["turns"]) for i in items), default=0)):
+        rows = [k for k, item in enumerate(items) if t < len(item["turns"])]
+        prompts = []
+        for k in rows:
+            histories[k].append({"role": "user", "content": items[k]["turns"][t]})
+            text = tokenizer.apply_chat_template(histories[k], tokenize=False, add_generation_prompt=True,
+                                                 **(template_kwargs or {}))
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        conts = greedy_continuations(target, prompts, max_new + block_size - 1, batch_size, pad)
+        for k, prompt, cont in zip(rows, prompts, conts):
+            answer = tokenizer.decode(finish(cont, max_new, stops), skip_special_tokens=True)
+            histories[k].append({"role": "assistant", "content": answer})
+            corpus.append(ReplayTurn(items[k]["dataset"], str(items[k]["id"]), t, prompt, cont))
+    return corpus
+
+
+def replay_records(target, tokenizer, drafters: dict[str, DFlashDrafter], corpus: list[ReplayTurn], max_new: int,
+                   tree_budgets: Sequence[int], stops: Iterable[int]) -> dict[str, list[dict]]:
+    """Per drafter: one record per prompt in `run_prompt`'s shape (`{"dataset", "id", "modes": {mode: [output
+    per turn]}}`, decode_s 0: nothing was timed), plus `"replay": {"argmax_mismatches": n}`. The target runs
+    once per turn for all drafters."""
+    stops = list(stops)
+    out: dict[str, dict[tuple, dict]] = {name: {} for name in drafters}
+    for turn in corpus:
+        shared = None
+        for name, drafter in drafters.items():
+            if shared is None:
+                shared = target_pass(target, turn.prompt + turn.continuation)
+            rep = replay_turn(target, drafter, turn, max_new, tree_budgets, stops, shared)
+            rec = out[name].setdefault((turn.dataset, turn.id), {"dataset": turn.dataset, "id": turn.id, "modes": {},
+                                                                 "replay": {"argmax_mismatches": 0}})
+            rec["replay"]["argmax_mismatches"] += rep.argmax_mismatches
+            for mode, (tokens, accepts) in rep.modes.items():
+                rec["modes"].setdefault(mode, []).append({
+                    "token_ids": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True),
+                    "tau": sum(accepts) / max(len(accepts), 1), "accept_lengths": accepts, "decode_s": 0.0})
+    return {name: list(recs.values()) for name, recs in out.items()}

@@ -1,0 +1,129 @@
+"""Tau by replay equals real greedy speculative decoding: the same tokens and the same accept lengths,
+step for step, for block and DDTree verification (float64, where ties cannot flip)."""
+
+import pytest
+import torch
+
+from dflash_train.infer.replay import ReplayTurn, greedy_continuations, replay_turn, walk
+from dflash_train.infer.spec_decode import SpeculativeDecoder
+from dflash_train.model.drafter import DFlashDrafter, sdpa_attention
+from dflash_train.model.drafter_config import make_drafter_config
+from dflash_train.model.mask import dense_mask
+from dflash_train.model.target import load_target_model
+
+STOPS = [2]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target_model(tiny_target_dir, torch.float64, torch.device("cpu"))
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (7, 19, 33)]
+
+
+def _drafter(target, block_size: int) -> DFlashDrafter:
+    torch.manual_seed(0)
+    cfg = make_drafter_config(target.config, num_draft_layers=1, block_size=block_size, target_layer_ids=[1, 4],
+                              mask_token_id=16)
+    return DFlashDrafter(cfg).double()
+
+
+def _memorise(drafter: DFlashDrafter, target, sequences: list[list[int]], steps: int = 20) -> DFlashDrafter:
+    """Train the drafter on blocks of these exact sequences (every anchor) until it predicts much of them:
+    a drafter that is often right, so that acceptance lengths vary and the comparison means something."""
+    bs = drafter.block_size
+    opt = torch.optim.Adam(drafter.parameters(), lr=1e-2)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    batches = []
+    for ids in sequences:
+        with torch.no_grad():
+            hs = target(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        context = torch.cat([hs[i + 1] for i in drafter.target_layer_ids], -1)
+        anchors = torch.arange(1, len(ids) - bs + 1)
+        block = torch.tensor(ids)[anchors.view(-1, 1) + torch.arange(bs)]
+        inputs = torch.full_like(block, drafter.mask_token_id)
+        inputs[:, 0] = block[:, 0]
+        positions = torch.cat([torch.arange(len(ids)), (anchors.view(-1, 1) + torch.arange(bs)).view(-1)]).view(1, -1)
+        mask = dense_mask(anchors.view(1, -1), torch.ones(1, len(anchors), dtype=torch.bool), len(ids), bs)
+        batches.append((context, embed(inputs.view(1, -1)).detach(), positions, mask, block[:, 1:]))
+    drafter.train()
+    for _ in range(steps):
+        for context, block_embeds, positions, mask, labels in batches:
+            out = drafter(context, block_embeds, positions, sdpa_attention, mask)
+            logits = head(out[0]).view(labels.shape[0], bs, -1)[:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return drafter.eval()
+
+
+def test_batched_greedy_continuations_equal_one_prompt_at_a_time(target):
+    prompts = _prompts()
+    dec = SpeculativeDecoder(target, _drafter(target, 4), stop_token_ids=[])
+    want = [dec.generate_target_only(p, 12).tokens for p in prompts]
+    assert greedy_continuations(target, prompts, 12, batch_size=2) == want
+
+
+@pytest.mark.parametrize("max_new", [9, 24])
+def test_walk_reproduces_the_decoders_steps_and_stopping(target, max_new):
+    """A drafter forced to be right for exactly r(j) slots at the anchor j tokens into the output: real
+    decoding's accept lengths and tokens are what `walk` computes from r alone (the step and stop rules)."""
+    bs = 6
+    prompt = _prompts()[1]
+    dec = SpeculativeDecoder(target, _drafter(target, bs), stop_token_ids=STOPS)
+    cont = greedy_continuations(target, [prompt], max_new + bs - 1)[0]
+    seen: list[int] = []
+    # without a stop in the output (the token budget ends it), and with one of its own tokens as the stop
+    for stops in ([2], [cont[max_new // 2]]):
+        dec.stop = set(stops)
+        right = lambda j: (j * 7 + 3) % bs  # noqa: E731  0..bs-1 accepted drafts
+        original = dec._draft_logits
+
+        def forced(context, anchor, start, dcache, original=original):
+            logits = original(context, anchor, start, dcache)
+            j = start - len(prompt)
+            for k in range(logits.shape[0]):
+                logits[k] = -1e9
+                good = k < right(j)
+                want = cont[j + 1 + k]
+                logits[k, want if good else (want + 1) % logits.shape[1]] = 0
+            return logits
+
+        dec._draft_logits = forced
+        real = dec.generate_block(prompt, max_new)
+        dec._draft_logits = original
+        tokens, accepts = walk(right, cont, max_new, stops)
+        assert real.tokens == tokens
+        assert real.accept_lengths == accepts
+        seen += accepts
+    assert len(set(seen)) > 1
+
+
+def test_replay_equals_real_decoding_for_block_and_tree(target):
+    bs, max_new = 5, 20
+    prompts = _prompts()
+    conts = greedy_continuations(target, prompts, max_new + bs - 1)
+    drafter = _memorise(_drafter(target, bs), target, [p + c for p, c in zip(prompts, conts)])
+    dec = SpeculativeDecoder(target, drafter, stop_token_ids=STOPS)
+    taus = []
+    for i, (p, c) in enumerate(zip(prompts, conts)):
+        rep = replay_turn(target, drafter, ReplayTurn("toy", str(i), 0, p, c), max_new, (3, 8), STOPS)
+        assert rep.argmax_mismatches == 0
+        real = {"block": dec.generate_block(p, max_new), "tree-3": dec.generate_tree(p, max_new, 3),
+                "tree-8": dec.generate_tree(p, max_new, 8)}
+        for mode, res in real.items():
+            tokens, accepts = rep.modes[mode]
+            assert tokens == res.tokens, mode
+            assert accepts == res.accept_lengths, mode
+        taus.append(sum(rep.modes["block"][1]) / len(rep.modes["block"][1]))
+    assert max(taus) > 1.5  # the comparison covered multi-token steps, not only tau = 1
+
+
+def test_replay_refuses_a_continuation_too_short_for_the_block(target):
+    drafter = _drafter(target, 8)
+    with pytest.raises(ValueError, match="needs 23"):
+        replay_turn(target, drafter, ReplayTurn("toy", "x", 0, [5, 6, 7], list(range(10, 30))), 16, (), STOPS)
