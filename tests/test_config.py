@@ -33,6 +33,9 @@ def test_unknown_key_names_the_key_and_lists_valid_ones():
     ({"drafter": {"target_layer_ids": [1, "x"]}}, "drafter.target_layer_ids[1]"),
     ({"optim": {"betas": [0.9]}}, "optim.betas"),
     ({"data": []}, "data"),
+    ({"objective": {"slot_weighting": "dpace"}}, "objective.slot_weighting"),
+    ({"optim": {"schedule": "linear"}}, "optim.schedule"),
+    ({"objective": {"distill_weight": "half"}}, "objective.distill_weight"),
 ])
 def test_wrong_types_name_the_key(tree, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
@@ -46,10 +49,29 @@ def test_wrong_types_name_the_key(tree, key):
     ({"data": {"max_length": 20}}, "data.max_length"),
     ({"data": {"token_budget": 100, "max_length": 200}}, "data.token_budget"),
     ({"optim": {"warmup_ratio": 1.5}}, "optim.warmup_ratio"),
+    ({"objective": {"distill_weight": 1.5}}, "objective.distill_weight"),
+    ({"objective": {"distill_weight": -0.1}}, "objective.distill_weight"),
+    ({"objective": {"distill_temperature": 0.0}}, "objective.distill_temperature"),
+    ({"objective": {"acceptance_floor": 0.0}}, "objective.acceptance_floor"),
+    ({"optim": {"decay_ratio": 0.0}}, "optim.decay_ratio"),
+    ({"optim": {"decay_ratio": 1.2}}, "optim.decay_ratio"),
+    ({"optim": {"schedule": "wsd", "warmup_ratio": 0.5, "decay_ratio": 0.6}}, "optim.decay_ratio"),
+    ({"parallel": {"placement": "split"}, "run": {"eval_every": 0}, "objective": {"distill_weight": 0.5}},
+     "objective.distill_weight.*split"),
 ])
 def test_cross_field_checks(tree, key):
     with pytest.raises(ConfigError, match=key):
         config_from_dict(tree)
+
+
+def test_recipe_options_default_to_todays_objective_and_schedule():
+    cfg = config_from_dict({})
+    o, op = cfg.objective, cfg.optim
+    assert (o.slot_weighting, o.distill_weight, o.distill_temperature, op.schedule) == ("gamma", 0.0, 1.0, "cosine")
+    # warmup + decay may exceed 1 under the cosine schedule, where decay_ratio is unused
+    assert config_from_dict({"optim": {"warmup_ratio": 0.5, "decay_ratio": 0.6}}).optim.schedule == "cosine"
+    wsd = config_from_dict({}, ["optim.schedule=wsd", "optim.decay_ratio=0.3", "objective.distill_weight=0.2"])
+    assert (wsd.optim.schedule, wsd.optim.decay_ratio, wsd.objective.distill_weight) == ("wsd", 0.3, 0.2)
 
 
 def test_overrides_are_typed_and_dotted():

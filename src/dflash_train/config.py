@@ -63,6 +63,10 @@ class DrafterConfig:
     num_attention_heads: Optional[int] = None
     num_key_value_heads: Optional[int] = None
     head_dim: Optional[int] = None
+    # Start the drafter's decoder layers as copies of the target's last num_draft_layers decoder
+    # layers (and its final norm as the target's), read from the target's safetensors; fc stays
+    # random. Needs the target's layer shape (the four keys above at null).
+    init_from_target: bool = False
 
 
 @dataclass
@@ -87,6 +91,13 @@ class ObjectiveConfig:
     gamma: float = 7.0
     # Rows of the lm_head + cross-entropy computed at once (full logits never exist).
     loss_chunk_size: int = 2048
+    # gamma: slot k weighs exp(-(k - 1) / gamma). acceptance: slot k weighs the drafter's own (detached)
+    # probability of reaching it, prod_{1 <= j < k} p(label_j), floored at acceptance_floor.
+    slot_weighting: Literal["gamma", "acceptance"] = "gamma"
+    acceptance_floor: float = 0.05
+    # Share alpha of the target's softmax(logits / distill_temperature) mixed into the one-hot label.
+    distill_weight: float = 0.0
+    distill_temperature: float = 1.0
 
 
 @dataclass
@@ -97,6 +108,10 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.0
+    # cosine: warmup then cosine to min_lr_ratio. wsd: warmup, constant peak, then the last decay_ratio
+    # of the steps decay linearly to min_lr_ratio.
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_ratio: float = 0.2
     grad_clip: float = 1.0
     epochs: float = 6.0
     # Stop after this many optimizer steps (0 = run all epochs).
@@ -386,10 +401,17 @@ def validate(cfg: Config) -> None:
     need(o.max_anchors >= 1, "objective.max_anchors", f"must be >= 1 (got {o.max_anchors})")
     need(o.gamma > 0, "objective.gamma", f"must be > 0 (got {o.gamma})")
     need(o.loss_chunk_size >= 1, "objective.loss_chunk_size", "must be >= 1")
+    need(0 < o.acceptance_floor <= 1, "objective.acceptance_floor", f"must be in (0, 1] (got {o.acceptance_floor})")
+    need(0 <= o.distill_weight <= 1, "objective.distill_weight", f"must be in [0, 1] (got {o.distill_weight})")
+    need(o.distill_temperature > 0, "objective.distill_temperature", f"must be > 0 (got {o.distill_temperature})")
     need(op.lr > 0, "optim.lr", f"must be > 0 (got {op.lr})")
     need(op.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     need(0 <= op.warmup_ratio < 1, "optim.warmup_ratio", f"must be in [0, 1) (got {op.warmup_ratio})")
     need(0 <= op.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+    need(0 < op.decay_ratio <= 1, "optim.decay_ratio", f"must be in (0, 1] (got {op.decay_ratio})")
+    if op.schedule == "wsd":
+        need(op.warmup_ratio + op.decay_ratio <= 1, "optim.decay_ratio",
+             f"optim.warmup_ratio + optim.decay_ratio must be <= 1 (got {op.warmup_ratio} + {op.decay_ratio})")
     need(op.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
     need(op.epochs > 0 or op.max_steps > 0, "optim.epochs", "set epochs > 0 or optim.max_steps > 0")
     need(op.max_steps >= 0, "optim.max_steps", "must be >= 0")
@@ -412,6 +434,9 @@ def validate(cfg: Config) -> None:
         need(r.eval_every == 0, "run.eval_every",
              "validation during training needs the target on the drafter's rank; with parallel.placement=split set "
              "run.eval_every=0 and evaluate checkpoints with `dflash-train eval`")
+        need(o.distill_weight == 0, "objective.distill_weight",
+             "distillation needs the target's final hidden states, which the split placement does not send to the "
+             "drafter ranks yet; use parallel.placement=colocated or set objective.distill_weight=0")
 
 
 def validate_world(cfg: Config, world: int) -> None:

@@ -90,7 +90,8 @@ class _CaptureDone(Exception):
 class TargetCapture:
     """A target read up to its last needed layer; `__call__` returns `[B, S, K*H]`. The model stays
     whole (speculative decoding during training uses it), but a capture stops the forward right after
-    the last captured layer: later layers, the final norm and the lm_head never run."""
+    the last captured layer: later layers, the final norm and the lm_head never run. `capture(...,
+    with_final=True)` runs them all but the lm_head (distillation needs what feeds the lm_head)."""
 
     model: PreTrainedModel
     layer_ids: list[int]
@@ -109,28 +110,35 @@ class TargetCapture:
         return cls(model, list(layer_ids), model.get_input_embeddings(), model.get_output_embeddings(),
                    num_layers, tc.hidden_size)
 
-    @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Right-padded `input_ids [B, S]`: causal attention means padding never reaches a real token,
-        so no attention mask is passed (the fast causal kernels stay usable)."""
+        return self.capture(input_ids)[0]
+
+    @torch.no_grad()
+    def capture(self, input_ids: torch.Tensor, with_final: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Right-padded `input_ids [B, S]` -> (`[B, S, K*H]` captured layers, the final normed hidden state
+        `[B, S, H]` when `with_final`, else None). Causal attention means padding never reaches a real
+        token, so no attention mask is passed (the fast causal kernels stay usable)."""
         captured: dict[int, torch.Tensor] = {}
         decoder = decoder_of(self.model)
-        last = max(self.layer_ids)
+        stop_at = None if with_final else max(self.layer_ids)
         hooks = []
         for lid in self.layer_ids:
             def hook(_m, _inp, out, lid=lid):
                 captured[lid] = out[0] if isinstance(out, tuple) else out
-                if lid == last:
+                if lid == stop_at:
                     raise _CaptureDone
             hooks.append(decoder.layers[lid].register_forward_hook(hook))
+        final = None
         try:
-            decoder(input_ids=input_ids, use_cache=False)
+            out = decoder(input_ids=input_ids, use_cache=False)
+            if with_final:  # HF decoders apply their final norm to last_hidden_state
+                final = out[0] if isinstance(out, tuple) else out.last_hidden_state
         except _CaptureDone:
             pass
         finally:
             for h in hooks:
                 h.remove()
-        return torch.cat([captured[lid] for lid in self.layer_ids], dim=-1)
+        return torch.cat([captured[lid] for lid in self.layer_ids], dim=-1), final
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):

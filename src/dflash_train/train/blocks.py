@@ -4,7 +4,8 @@ Anchors: positions p with `loss_mask[p] == 1` and `p <= length - block_size`, up
 per sequence, drawn without replacement, sorted; rows with fewer pad with `keep = False`.
 Labels are same-position: slot k of block n predicts `input_ids[a_n + k]`. Slot 0 (the anchor)
 never counts; slot k counts iff the block is kept, `a_n + k < length` and `loss_mask[a_n + k]`.
-Weights: `exp(-(k - 1) / gamma)` for counted slots.
+Weights: `exp(-(k - 1) / gamma)` for counted slots, or (`acceptance_weights`) the drafter's own detached
+probability of reaching the slot, computed after its forward.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class Blocks:
     block_ids: torch.Tensor  # [B, N*bs] long: anchor token, then mask tokens
     block_positions: torch.Tensor  # [B, N*bs] long: a_n + 0..bs-1
     labels: torch.Tensor  # [B, N, bs] long
-    weights: torch.Tensor  # [B, N, bs] float32, 0 where the slot does not count
+    weights: torch.Tensor  # [B, N, bs] float32 gamma weights, 0 where the slot does not count
+    counted: torch.Tensor  # [B, N, bs] bool: the slot is trained
 
     @property
     def num_blocks(self) -> int:
@@ -100,4 +102,17 @@ def build_blocks(
         block_positions=positions.view(batch, -1),
         labels=labels,
         weights=weights,
+        counted=counted,
     )
+
+
+def acceptance_weights(label_logp: torch.Tensor, counted: torch.Tensor, floor: float) -> torch.Tensor:
+    """Position weights by expected acceptance: counted slot k weighs `max(prod_{j<k} p_j, floor)`, where
+    `p_j = exp(label_logp[..., j])` is the drafter's probability of slot j's label and the product runs over
+    the block's counted slots only (slot 0, the given anchor, and uncounted slots are factor 1). `label_logp`
+    and `counted` are `[B, N, bs]`; the result is detached, 0 where the slot does not count."""
+    logp = label_logp.detach().to(torch.promote_types(label_logp.dtype, torch.float32))
+    logp = torch.where(counted, logp, torch.zeros_like(logp))
+    before = torch.nn.functional.pad(logp[..., :-1], (1, 0))  # slot k sees slots < k
+    reach = torch.exp(torch.cumsum(before, -1))
+    return reach.clamp_min(floor) * counted

@@ -1,68 +1,122 @@
 """Weighted cross-entropy through the frozen lm_head, in chunks: full logits never exist.
 
-Forward computes, chunk by chunk, the logits, the per-row CE, the argmax and the gradient with
-respect to the hidden states (softmax - onehot) @ W; backward only scales that stored gradient.
-The lm_head weight is frozen, so no weight gradient is ever formed. Two matmuls per row: the least
-an lm_head + CE with an input gradient can do.
+Forward computes, chunk by chunk, the logits, the per-row CE, the label's log-probability, the argmax and
+the gradient of each row's CE with respect to its hidden state, (softmax - q) @ W; backward only scales
+those stored rows by the incoming per-row gradient (the caller's weights). The lm_head weight is frozen, so
+no weight gradient is ever formed. Two matmuls per row: the least an lm_head + CE with an input gradient
+can do.
+
+The target q is the one-hot label, or with distillation `(1 - alpha) * onehot + alpha * p_target` with
+`p_target = softmax(lm_head(target_hidden) / T)`, its logits also formed one chunk at a time (one more
+matmul per row). Either way d(CE)/d(logits) = softmax(logits) - q.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 
 
-def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor):
-    """One chunk's weighted CE sum, argmax hits and d(loss)/d(logits), from logits `[c, V]`.
+def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor):
+    """One chunk's per-row CE, label log-probability, argmax hits and d(CE_i)/d(logits), from logits `[c, V]`.
     Written as plain elementwise + reductions so that on GPU it compiles to ~two passes over the logits."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     lse = torch.logsumexp(x, dim=-1)
-    target_logit = x.gather(1, labels.unsqueeze(1)).squeeze(1)
-    loss = ((lse - target_logit) * w).sum()
+    label_logp = x.gather(1, labels.unsqueeze(1)).squeeze(1) - lse
     correct = x.argmax(-1) == labels
     probs = torch.exp(x - lse.unsqueeze(1))
     is_label = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == labels.unsqueeze(1)
-    grad = (torch.where(is_label, probs - 1, probs) * w.unsqueeze(1)).to(logits.dtype)
-    return loss, correct, grad
+    grad = torch.where(is_label, probs - 1, probs).to(logits.dtype)
+    return -label_logp, label_logp, correct, grad
 
 
-def _ce_chunk_fn(device: torch.device):
+def _soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, alpha: float,
+                   inv_temperature: float):
+    """`_ce_chunk` against q = (1 - alpha) * onehot(label) + alpha * softmax(target_logits * inv_temperature).
+    The CE is `lse(x) - sum_v q_v x_v` (q sums to 1); label log-probability and hits stay against the label."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    p_target = torch.softmax(target_logits.to(x.dtype) * inv_temperature, dim=-1)
+    lse = torch.logsumexp(x, dim=-1)
+    label_logp = x.gather(1, labels.unsqueeze(1)).squeeze(1) - lse
+    correct = x.argmax(-1) == labels
+    is_label = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == labels.unsqueeze(1)
+    q = p_target * alpha + is_label.to(x.dtype) * (1.0 - alpha)
+    loss = lse - (q * x).sum(-1)
+    grad = (torch.exp(x - lse.unsqueeze(1)) - q).to(logits.dtype)
+    return loss, label_logp, correct, grad
+
+
+def _chunk_fn(name: str, fn: Callable, device: torch.device) -> Callable:
     """The compiled chunk math on CUDA (one graph, dynamic rows); eager elsewhere."""
     if device.type != "cuda":
-        return _ce_chunk
+        return fn
     from ..model.compile import compiled
 
-    return compiled("ce_chunk", _ce_chunk, dynamic=True)
+    return compiled(name, fn, dynamic=True)
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, chunk_size: int):
-        # hidden [M, H] (compute dtype), weight [V, H], labels [M], row_weights [M] (sum normalised by caller)
+    def forward(ctx, hidden, weight, labels, target_hidden, alpha: float, temperature: float, chunk_size: int):
+        # hidden [M, H] (compute dtype), weight [V, H], labels [M], target_hidden [M, H] or None
         m = hidden.shape[0]
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 in tests
-        total = torch.zeros((), device=hidden.device, dtype=acc_dtype)
-        correct = torch.zeros(m, device=hidden.device, dtype=torch.bool)
+        rows = torch.empty(m, device=hidden.device, dtype=acc_dtype)
+        label_logp = torch.empty(m, device=hidden.device, dtype=acc_dtype)
+        correct = torch.empty(m, device=hidden.device, dtype=torch.bool)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
-        ce_chunk = _ce_chunk_fn(hidden.device)
+        if target_hidden is None:
+            ce_chunk = _chunk_fn("ce_chunk", _ce_chunk, hidden.device)
+        else:
+            soft = _chunk_fn("soft_ce_chunk", _soft_ce_chunk, hidden.device)
         for start in range(0, m, chunk_size):
             end = min(start + chunk_size, m)
-            h = hidden[start:end]
-            logits = h @ weight.t()  # [c, V], compute dtype (bf16 under autocast)
-            loss, hits, grad_logits = ce_chunk(logits, labels[start:end], row_weights[start:end].to(acc_dtype))
-            total = total + loss
-            correct[start:end] = hits
+            logits = hidden[start:end] @ weight.t()  # [c, V], compute dtype (bf16 under autocast)
+            if target_hidden is None:
+                out = ce_chunk(logits, labels[start:end])
+            else:
+                target_logits = target_hidden[start:end] @ weight.t()
+                out = soft(logits, target_logits, labels[start:end], alpha, 1.0 / temperature)
+            rows[start:end], label_logp[start:end], correct[start:end], grad_logits = out
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_logits @ weight.to(grad_logits.dtype)).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden if grad_hidden is not None else torch.empty(0))
-        ctx.mark_non_differentiable(correct)
-        return total, correct
+        ctx.mark_non_differentiable(label_logp, correct)
+        return rows, label_logp, correct
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct):
+    def backward(ctx, grad_rows, _grad_logp, _grad_correct):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None
+        return grad_hidden * grad_rows.unsqueeze(1).to(grad_hidden.dtype), None, None, None, None, None, None
+
+
+@dataclass
+class RowLoss:
+    loss: torch.Tensor  # [M] per-row CE (soft when distilling), differentiable w.r.t. hidden
+    label_logp: torch.Tensor  # [M] log-probability of the hard label (no gradient)
+    correct: torch.Tensor  # [M] bool: argmax == label
+
+
+def chunked_ce_rows(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 2048,
+    target_hidden: Optional[torch.Tensor] = None,
+    distill_weight: float = 0.0,
+    temperature: float = 1.0,
+) -> RowLoss:
+    """Per-row CE of `lm_head(hidden) [M, V]` against `labels [M]`, mixed with the target's distribution
+    `softmax(lm_head(target_hidden) / temperature)` at share `distill_weight` (`target_hidden [M, H]`)."""
+    if distill_weight > 0 and target_hidden is None:
+        raise ValueError("distill_weight > 0 needs target_hidden (the target's final normed hidden state per row)")
+    if distill_weight == 0:
+        target_hidden = None  # alpha = 0 is plain CE: skip the target's logits altogether
+    rows, label_logp, correct = _ChunkedLinearCE.apply(hidden, lm_head_weight, labels, target_hidden,
+                                                       float(distill_weight), float(temperature), chunk_size)
+    return RowLoss(rows, label_logp, correct)
 
 
 @dataclass
@@ -70,19 +124,25 @@ class LossOutput:
     loss: torch.Tensor  # scalar: sum_i w_i CE_i / sum_i w_i
     correct: torch.Tensor  # [M] bool: argmax == label, per counted row
     weight_sum: torch.Tensor
+    weights: torch.Tensor  # [M] the (detached) weights used
 
 
 def chunked_weighted_ce(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor,
-    weights: torch.Tensor,
+    weights: Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
     chunk_size: int = 2048,
+    target_hidden: Optional[torch.Tensor] = None,
+    distill_weight: float = 0.0,
+    temperature: float = 1.0,
 ) -> LossOutput:
-    """`hidden [M, H]`, `labels [M]`, `weights [M]` (only rows that count; all weights > 0)."""
-    weight_sum = weights.sum()
-    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    norm = weights.to(acc_dtype) / weight_sum.to(acc_dtype).clamp_min(1e-12)
-    total, correct = _ChunkedLinearCE.apply(hidden, lm_head_weight, labels, norm, chunk_size)
-    return LossOutput(total, correct, weight_sum)
-
+    """`hidden [M, H]`, `labels [M]` (only rows that count). `weights` is `[M]` (all > 0), or a function of
+    the rows' detached label log-probabilities `[M] -> [M]` (weights that depend on the drafter's own
+    predictions, from this same forward). Weights never carry gradient."""
+    out = chunked_ce_rows(hidden, lm_head_weight, labels, chunk_size, target_hidden, distill_weight, temperature)
+    acc_dtype = out.loss.dtype
+    w = (weights(out.label_logp) if callable(weights) else weights).detach().to(acc_dtype)
+    weight_sum = w.sum()
+    norm = w / weight_sum.clamp_min(1e-12)
+    return LossOutput((out.loss * norm).sum(), out.correct, weight_sum, w)

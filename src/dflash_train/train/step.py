@@ -13,7 +13,7 @@ from ..config import Config
 from ..model.attention import AttentionBackend
 from ..model.drafter import DFlashDrafter
 from ..model.target import TargetCapture, TargetHead
-from .blocks import Blocks, build_blocks, sample_anchors
+from .blocks import Blocks, acceptance_weights, build_blocks, sample_anchors
 from .loss import chunked_weighted_ce
 
 
@@ -72,11 +72,21 @@ def make_optimizer(drafter: DFlashDrafter, cfg: Config, device: torch.device) ->
     )
 
 
-def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
-    """Linear warmup over `warmup_ratio` of the steps, then cosine down to `min_lr_ratio`."""
+def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float, schedule: str = "cosine",
+              decay_ratio: float = 0.2) -> float:
+    """Linear warmup over `warmup_ratio` of the steps, then `cosine` down to `min_lr_ratio`, or `wsd`:
+    constant peak, then the last `decay_ratio` of the steps decay linearly to `min_lr_ratio` (reached as
+    the run ends, like the cosine: the last step is one decay step above it)."""
     warmup = int(math.ceil(warmup_ratio * total_steps))
     if step < warmup:
         return (step + 1) / warmup
+    if schedule == "wsd":
+        decay = max(int(math.ceil(decay_ratio * total_steps)), 1)
+        decay_start = max(total_steps - decay, warmup)
+        if step < decay_start:
+            return 1.0
+        progress = min((step - decay_start) / max(total_steps - decay_start, 1), 1.0)
+        return min_lr_ratio + (1 - min_lr_ratio) * (1 - progress)
     progress = (step - warmup) / max(total_steps - warmup, 1)
     progress = min(max(progress, 0.0), 1.0)
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -85,6 +95,29 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: fl
 def acceptance_estimate(correct: torch.Tensor) -> torch.Tensor:
     """`[..., bs]` correctness of slots 1..bs-1 (slot 0 ignored) -> `1 + leading run of correct slots`."""
     return 1 + correct[..., 1:].long().cumprod(-1).sum(-1)
+
+
+def _distill_rows(final: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> torch.Tensor:
+    """The target's final normed hidden state that predicted each counted slot's label: slot k of the
+    block at a predicts `input_ids[a + k]`, which the target read off position `a + k - 1` (k >= 1)."""
+    b, s, h = final.shape
+    source = (blocks.block_positions - 1).clamp(min=0) + torch.arange(b, device=final.device).view(-1, 1) * s
+    return final.reshape(b * s, h).index_select(0, source.view(-1).index_select(0, idx))
+
+
+def row_weights(cfg: Config, blocks: Blocks, idx: torch.Tensor):
+    """The counted rows' loss weights: the gamma decay, or (acceptance) a function of the rows' label
+    log-probabilities that the loss calls after its forward."""
+    o = cfg.objective
+    if o.slot_weighting == "gamma":
+        return blocks.weights.view(-1).index_select(0, idx)
+
+    def by_acceptance(label_logp: torch.Tensor) -> torch.Tensor:
+        full = label_logp.new_zeros(blocks.counted.numel()).index_put((idx,), label_logp)
+        w = acceptance_weights(full.view(blocks.counted.shape), blocks.counted, o.acceptance_floor)
+        return w.view(-1).index_select(0, idx)
+
+    return by_acceptance
 
 
 def forward_loss(
@@ -103,13 +136,21 @@ def forward_loss(
     target's capture of `batch` when another rank computed it (split placement); else `target` runs."""
     call = call or drafter
     bs = drafter.block_size
+    o = cfg.objective
+    distill = o.distill_weight > 0
+    final = None
     if hidden is None:
-        hidden = target(batch.input_ids)  # [B, S, K*H], no grad
-    anchors, keep = sample_anchors(
-        batch.loss_mask, batch.lengths, bs, cfg.objective.max_anchors, generator, backend.blocks_multiple_of
-    )
+        if distill:
+            hidden, final = target.capture(batch.input_ids, with_final=True)  # + [B, S, H] final normed
+        else:
+            hidden = target(batch.input_ids)  # [B, S, K*H], no grad
+    elif distill:
+        raise ValueError("objective.distill_weight > 0 needs the target's final hidden states, which a capture "
+                         "computed on another rank (parallel.placement=split) does not carry")
+    anchors, keep = sample_anchors(batch.loss_mask, batch.lengths, bs, o.max_anchors, generator,
+                                   backend.blocks_multiple_of)
     blocks: Blocks = build_blocks(
-        batch.input_ids, batch.loss_mask, batch.lengths, anchors, keep, bs, drafter.mask_token_id, cfg.objective.gamma
+        batch.input_ids, batch.loss_mask, batch.lengths, anchors, keep, bs, drafter.mask_token_id, o.gamma
     )
     b, s = batch.input_ids.shape
     with torch.no_grad():
@@ -123,26 +164,27 @@ def forward_loss(
         if compute_dtype in (torch.bfloat16, torch.float16)
         else contextlib.nullcontext()
     )
+    idx = blocks.counted.view(-1).nonzero().squeeze(1)  # the counted rows (one host sync)
     with autocast:
         out = call(hidden, block_embeds, position_ids, backend.attention, mask)  # [B, N*bs, H]
-        counted = (blocks.weights > 0).view(-1)
-        rows = out.reshape(-1, out.shape[-1])[counted]
+        rows = out.reshape(-1, out.shape[-1]).index_select(0, idx)
         result = chunked_weighted_ce(
             rows,
             target.lm_head.weight,
-            blocks.labels.view(-1)[counted],
-            blocks.weights.view(-1)[counted],
-            cfg.objective.loss_chunk_size,
+            blocks.labels.view(-1).index_select(0, idx),
+            row_weights(cfg, blocks, idx),
+            o.loss_chunk_size,
+            target_hidden=_distill_rows(final, blocks, idx) if distill else None,
+            distill_weight=o.distill_weight,
+            temperature=o.distill_temperature,
         )
-    correct = torch.zeros_like(counted)
-    correct[counted] = result.correct
+    correct = torch.zeros_like(blocks.counted).view(-1).index_put((idx,), result.correct)
     correct = correct.view(blocks.labels.shape)  # [B, N, bs]
-    counted = counted.view(blocks.labels.shape)
     accept = acceptance_estimate(correct)
     return StepStats(
         loss=result.loss,
         correct_per_slot=correct.sum((0, 1)),
-        counted_per_slot=counted.sum((0, 1)),
+        counted_per_slot=blocks.counted.sum((0, 1)),
         accepted_sum=(accept * keep).sum(),
         kept_blocks=keep.sum(),
     )
@@ -182,7 +224,8 @@ class TrainStep:
         self.optimizer = make_optimizer(drafter, cfg, device)
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, total_steps, o.warmup_ratio, o.min_lr_ratio)
+            self.optimizer,
+            lambda step: lr_factor(step, total_steps, o.warmup_ratio, o.min_lr_ratio, o.schedule, o.decay_ratio),
         )
         self.generator = torch.Generator()
         self.skipped_steps = 0
