@@ -587,6 +587,7 @@ class Driver:
         self.drafter_dir = self.given_drafter or self.run / "export"
         self.overlap_data: Optional[str] = None  # the training file the eval prompts were filtered against
         self.variants: dict[str, list[str]] = {}
+        self.failed: dict[str, str] = {}  # variants whose training failed this call: left out of the comparison
         for spec in getattr(args, "variant", None) or []:
             name, sep, overrides = spec.partition("=")
             if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == "default" or name in self.variants:
@@ -713,13 +714,18 @@ class Driver:
         for name, _, _, _, _ in procs:  # wall time of each training process (its share of this call)
             key = "train_s" if name == "default" else f"train_s:{name}"
             self.add_time(key, ended.get(name, time.time()) - t0)
-        failed = [(n, p.returncode, lp, run) for n, run, p, _, lp in procs if p.returncode != 0]
-        if failed:
-            n, rc, lp, run = failed[0]
-            raise RuntimeError(f"training {n} failed (exit {rc}); see {lp} and {run / 'train.log'}")
-        for _, run, _, _, _ in procs:
+        for n, run, p, _, lp in procs:
             (run / "STOP").unlink(missing_ok=True)
-        return all((r[0] / "export" / "model.safetensors").is_file() for r in self.runs().values())
+            if p.returncode == 0:
+                continue
+            if n == "default":
+                raise RuntimeError(f"training failed (exit {p.returncode}); see {lp} and {run / 'train.log'}")
+            # a variant that fails is reported and left out; the comparison goes on without it
+            tail = lp.read_text(errors="replace").strip().splitlines()[-1:] if lp.is_file() else []
+            self.log(f"train {n}: FAILED (exit {p.returncode}): {' '.join(tail)}; see {lp}")
+            self.failed[n] = f"exit {p.returncode}: {' '.join(tail)}"
+        return all((r[0] / "export" / "model.safetensors").is_file() for n, r in self.runs().items()
+                   if n not in self.failed)
 
     # ------------------------------------------------------------------ eval
 
@@ -810,7 +816,7 @@ class Driver:
         the default run (exported once to curve/step-N)."""
         if self.given_drafter is not None:
             return {"default": self.given_drafter}
-        out = {name: run / "export" for name, (run, _) in self.runs().items()}
+        out = {name: run / "export" for name, (run, _) in self.runs().items() if name not in self.failed}
         if self.args.curve_every:
             from dflash_train.export import export_checkpoint
             from dflash_train.train.checkpoint import list_checkpoints
@@ -915,6 +921,9 @@ class Driver:
         if self.given_drafter is None:
             variants = {}
             for name, (run, overrides) in self.runs().items():
+                if name in self.failed:
+                    variants[name] = {"overrides": self.variants.get(name, []), "failed": self.failed[name]}
+                    continue
                 rep = reports[name]
                 t = train_summary(run)
                 variants[name] = {
@@ -1286,6 +1295,9 @@ def replay_markdown(s: dict, modes: list[str]) -> list[str]:
                   + " | ".join(f"tau {m} (all)" for m in modes) + " |",
                   "|---|---|---|---|---|" + "---|" * (2 * len(modes))]
         for name, v in variants.items():
+            if "failed" in v:
+                lines.append(f"| {name} | {' '.join(v['overrides'])} | training failed: {v['failed']} |")
+                continue
             lines.append(f"| {name} | {' '.join(v['overrides']) or '-'} | {_fmt(v['steps'])} | {_fmt(v['train_wall_s'], 1)} | "
                          f"{_fmt(v['accuracy_mean_last'])} | "
                          + " | ".join(_fmt(v["tau_mt-bench+sharegpt"].get(m)) for m in modes) + " | "
