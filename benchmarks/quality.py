@@ -858,8 +858,9 @@ class Driver:
         known = json.loads((rdir / "keys.json").read_text()) if (rdir / "keys.json").is_file() else {}
         todo = [n for n in drafters if known.get(n) != keys[n] or not (rdir / f"{n}.jsonl").is_file()]
         if todo:
-            gpus = max(self.gpus(), 1)
-            shards = [todo[g::gpus] for g in range(gpus) if todo[g::gpus]]
+            # one process per drafter (each writes its records when done): the walk is host-bound Python, so
+            # processes overlap well on a GPU; on CPU one process for all (the target pass is shared)
+            shards = [[n] for n in todo] if self.gpus() else [todo]
             self.log(f"replay: {len(todo)} drafter(s) over {len(shards)} process(es): {', '.join(todo)}")
             t1 = time.time()
             cmds = [[sys.executable, str(Path(__file__).resolve()), "replay", "--target", self.cfg.target.path,
