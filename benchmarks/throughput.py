@@ -1,6 +1,7 @@
 """Training throughput on one GPU with a randomly initialised target of a real shape.
 
     PYTHONPATH=src python benchmarks/throughput.py --shape qwen3-8b --batch 4 --seq 2048 --block 16 --anchors 512
+    PYTHONPATH=src python benchmarks/throughput.py --part target --shape qwen3-8b --batch 4 --seq 2048 --compile-target
 
 Reports tokens/s (target tokens), time per part, MFU against a measured bf16 matmul peak, and peak
 memory. FLOP accounting (see BENCHMARKS.md): matmuls + attention over unmasked entries; target
@@ -140,6 +141,10 @@ def measure_one_side(args) -> None:
     from dflash_train.train.blocks import sample_anchors
     from dflash_train.train.step import Batch, TrainStep
 
+    from dflash_train.model import compile as compile_layer
+
+    compile_layer.configure_cache(args.cache_dir, fresh=args.fresh_cache)
+    compile_layer.watch_recompiles()
     peak = matmul_peak_tflops()
     shape = SHAPES[args.shape]
     tcfg = Qwen3Config(**shape, max_position_embeddings=40960)
@@ -156,11 +161,15 @@ def measure_one_side(args) -> None:
     if args.part == "target":
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(tcfg, dtype=torch.bfloat16)
-        target = TargetCapture.from_model(model.eval().requires_grad_(False), ids)
+        target = TargetCapture.from_model(model.eval().requires_grad_(False), ids, compile=args.compile_target)
+        result.update(compile_target=args.compile_target, **target.warm_up(args.seq))
         target(batch.input_ids)
+        before = compile_layer.recompiles(), compile_layer.graphs_compiled()
         t, _ = timed(lambda: target(batch.input_ids), args.repeat)
         result.update(seconds=round(t, 4), tokens_per_s=round(tokens / t),
-                      mfu=round(target_flops(shape, lengths, max(ids)) / t / 1e12 / peak, 3))
+                      mfu=round(target_flops(shape, lengths, max(ids)) / t / 1e12 / peak, 3),
+                      recompiles_measured=compile_layer.recompiles() - before[0],
+                      graphs_compiled_measured=compile_layer.graphs_compiled() - before[1])
     else:
         dshape, dkwargs = drafter_shape(shape, args)
         dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
@@ -197,6 +206,8 @@ def main() -> None:
     ap.add_argument("--fresh-cache", action="store_true", help="empty the inductor cache first: a cold compile")
     ap.add_argument("--part", default="both", choices=["both", "target", "drafter"],
                     help="measure one side alone (the per-GPU rates of a split placement)")
+    ap.add_argument("--compile-target", action="store_true",
+                    help="target.compile: the target's decoder layers compiled (warmed up before timing)")
     args = ap.parse_args()
     if args.part != "both":
         return measure_one_side(args)
@@ -222,7 +233,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(tcfg, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
     ids = default_target_layer_ids(shape["num_hidden_layers"], args.layers)
-    target = TargetCapture.from_model(model, ids)
+    target = TargetCapture.from_model(model, ids, compile=args.compile_target)
     dshape, dkwargs = drafter_shape(shape, args)
     dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids, mask_token_id=5,
                                **dkwargs)
@@ -243,6 +254,7 @@ def main() -> None:
 
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
+    target_warm = target.warm_up(args.seq)  # the trainer's warm-up order: the target first, then the drafter
     step(batch, 0)
     torch.cuda.synchronize()
     first_step_s = time.perf_counter() - t
@@ -282,7 +294,7 @@ def main() -> None:
         "shape": args.shape, "batch": args.batch, "seq": args.seq, "block": args.block, "anchors": args.anchors,
         "peak_tflops": round(peak, 1), "build_s": round(build_s, 1), "first_step_s": round(first_step_s, 1),
         "start_to_first_step_s": round(start_to_first_step_s, 1), "fresh_cache": args.fresh_cache,
-        **compile_layer.cache_stats(),
+        **compile_layer.cache_stats(), "compile_target": args.compile_target, **target_warm,
         "target_s": round(t_target, 4), "drafter_s": round(t_drafter, 4), "step_s": round(t_step, 4),
         "tokens_per_s": round(tokens / t_step), "target_mfu": round(f_target / t_target / 1e12 / peak, 3),
         "drafter_mfu": round(f_drafter / t_drafter / 1e12 / peak, 3),

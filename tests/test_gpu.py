@@ -207,3 +207,71 @@ def test_split_over_nccl_matches_one_gpu_resumes_and_fails_fast(tmp_path, tiny_t
         stop(proc)
     st = status(out)
     assert rc != 0 and took < 30 and st["phase"] == "failed" and st["failed_rank"] == 1, (rc, took, st)
+
+
+def _qwen3_target(layers=32, seed=0):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(hidden_size=256, intermediate_size=768, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, vocab_size=1000)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval().requires_grad_(False)
+
+
+def test_compiled_target_capture_matches_eager_and_new_lengths_never_recompile():
+    """target.compile through inductor, 32 identical Qwen3 layers: the warm-up compiles 2 graphs for all
+    of them (batch >= 2 and batch 1); the capture (early stop) and the full forward (with_final) equal
+    the eager bf16 capture within bf16 rounding (no further from float32 than twice eager bf16 is) on
+    random batch sizes and lengths; after the warm-up those captures compile nothing."""
+    import copy
+
+    from dflash_train.model import compile as compile_layer
+    from dflash_train.model.target import TargetCapture
+
+    compile_layer.watch_recompiles()
+    torch._dynamo.reset()
+    model = _qwen3_target()
+    layer_ids = [1, 9, 17, 25]
+    eager = TargetCapture.from_model(model, layer_ids)
+    comp = TargetCapture.from_model(model, layer_ids, compile=True)
+    ref32 = TargetCapture.from_model(copy.deepcopy(model).float(), layer_ids)
+    info = comp.warm_up(length=300)
+    assert info["target_compiled_graphs"] == 2 and info["target_recompiled_after_warmup"] == 0, info
+    recompiles, graphs = compile_layer.recompiles(), compile_layer.graphs_compiled()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # a true float32 reference
+    try:
+        g = torch.Generator().manual_seed(0)
+        for b, s in ((3, 211), (1, 97), (4, 1500), (2, 640), (1, 333)):
+            s += int(torch.randint(0, 40, (1,), generator=g))  # random lengths around these
+            ids = torch.randint(0, 1000, (b, s), generator=g).cuda()
+            for with_final in (False, True):
+                got, got_final = comp.capture(ids, with_final=with_final)
+                ref, ref_final = eager.capture(ids, with_final=with_final)
+                exact, exact_final = ref32.capture(ids, with_final=with_final)
+                assert got.dtype == ref.dtype == torch.bfloat16 and got.shape == ref.shape
+                pairs = [(got, ref, exact)] + ([(got_final, ref_final, exact_final)] if with_final else [])
+                for c, e, x in pairs:
+                    c, e, x = c.float(), e.float(), x.float()
+                    assert _rel(c, x) <= 2 * _rel(e, x) + 1e-3, (b, s, with_final, _rel(c, x), _rel(e, x))
+                    assert _rel(c, e) < 5e-2, (b, s, with_final, _rel(c, e))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.cuda.synchronize()
+    assert compile_layer.recompiles() == recompiles and compile_layer.graphs_compiled() == graphs
+    assert all("forward" not in vars(layer) for layer in model.model.layers)
+
+
+def test_colocated_one_gpu_run_with_compiled_target(tmp_path, tiny_target_dir, counting_jsonl):
+    """target.compile=true end to end: compiled in the warm-up (status.json says so), then no step compiles."""
+    from dflash_train.cli import main
+
+    cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl)
+    assert main(["train", str(cfg), "target.compile=true", "--run-dir", str(tmp_path / "R"), "--max-steps", "15"]) == 0
+    status = json.loads((tmp_path / "R" / "status.json").read_text())
+    assert status["phase"] == "done" and status["target_compiled_graphs"] == 2, status
+    assert status["target_recompiled_after_warmup"] == 0
+    records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["recompiles"] == records[0]["recompiles"] and all(r["loss"] == r["loss"] for r in records)

@@ -45,6 +45,10 @@ class TargetConfig:
     # Weights dtype of the frozen target: auto = bfloat16 on GPU, float32 on CPU.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     trust_remote_code: bool = False
+    # Compile the target's decoder layers (torch.compile/inductor, one graph per layer class, dynamic
+    # batch and length, compiled in the warm-up): fuses the memory-bound pieces around the matmuls.
+    # CUDA only: a CPU device refuses it.
+    compile: bool = False
 
 
 @dataclass
@@ -429,6 +433,8 @@ def validate(cfg: Config) -> None:
          "eval_every, eval_batches and eval_prompts must be >= 0")
     need(r.eval_max_new_tokens >= 1, "run.eval_max_new_tokens", "must be >= 1")
     need(op.grad_accum >= 1, "optim.grad_accum", f"must be >= 1 (got {op.grad_accum})")
+    if r.device == "cpu":
+        validate_target_device(cfg, "cpu")
     need(cfg.parallel.target_ranks >= 1, "parallel.target_ranks", f"must be >= 1 (got {cfg.parallel.target_ranks})")
     if cfg.parallel.placement == "split":
         need(r.eval_every == 0, "run.eval_every",
@@ -437,6 +443,15 @@ def validate(cfg: Config) -> None:
         need(o.distill_weight == 0, "objective.distill_weight",
              "distillation needs the target's final hidden states, which the split placement does not send to the "
              "drafter ranks yet; use parallel.placement=colocated or set objective.distill_weight=0")
+
+
+def validate_target_device(cfg: Config, device_type: str) -> None:
+    """`target.compile` needs a CUDA device (run at config load for run.device=cpu, and once `auto` resolves)."""
+    if cfg.target.compile and device_type != "cuda":
+        raise ConfigError(
+            f"config key 'target.compile': compiles the target's decoder layers with inductor for CUDA GPUs, but "
+            f"the run's device is {device_type} (run.device={cfg.run.device}); set target.compile=false"
+        )
 
 
 def validate_world(cfg: Config, world: int) -> None:

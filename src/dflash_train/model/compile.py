@@ -75,6 +75,14 @@ def recompiles() -> int:
     return int(_state["recompiles"])
 
 
+def graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process (first compiles and recompiles, every compiled function):
+    a delta of 0 around some calls means they ran existing graphs only."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
     """`torch.compile(fn, fullgraph=True, ...)` once per process, called under the process lock."""
     with _LOCK:

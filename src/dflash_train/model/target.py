@@ -3,10 +3,12 @@ and capture the outputs of `target_layer_ids` without running later layers or th
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -86,12 +88,51 @@ class _CaptureDone(Exception):
     """Raised by the hook on the last needed layer: the rest of the forward never runs."""
 
 
+# `target.compile`: where the decoder layers may be compiled, and how. Inductor on CPU is slow to
+# compile and not what we train on, so a CPU target refuses the option. Tests swap in Dynamo's "eager"
+# backend (tracing, guards and recompiles without inductor) and allow the CPU.
+_COMPILE_DEVICES = ("cuda",)
+_COMPILE_BACKEND = "inductor"
+
+
+def compiled_layer_forward(layer_cls: type) -> Callable:
+    """One compiled callable per decoder-layer class, through the compile layer (one process lock,
+    fullgraph: a recompile-limit hit raises). It is `layer_cls.forward` itself, so the layer is its first
+    argument: every layer of the class shares one graph (parameters are graph inputs, not constants),
+    and hooks stay outside the graph because they run in `Module.__call__`. Dynamic batch and sequence
+    dimensions; Dynamo still specialises a batch of 1, so a warm-up compiles batch 1 and batch >= 2."""
+    from .compile import compiled
+
+    backend = _COMPILE_BACKEND
+    name = f"target_layer[{backend}]:{layer_cls.__module__}.{layer_cls.__qualname__}"
+    return compiled(name, layer_cls.forward, dynamic=True, backend=backend)
+
+
+def _warm_up_lengths(near: int, avoid: set[int]) -> tuple[int, int, int]:
+    """Three sequence lengths from `near` up for the warm-up and its check: primes that equal no input
+    dimension of a layer (batch, hidden size, head dim). Dynamo gives equal sizes one symbol ("duck
+    sizing"): a warm-up length equal to the hidden size would tie the sequence length to it, and every
+    other length would then recompile."""
+    found: list[int] = []
+    n = max(int(near), 5)
+    while len(found) < 3:
+        if n not in avoid and all(n % d for d in range(2, int(n**0.5) + 1)):
+            found.append(n)
+        n += 1
+    return found[0], found[1], found[2]
+
+
 @dataclass
 class TargetCapture:
     """A target read up to its last needed layer; `__call__` returns `[B, S, K*H]`. The model stays
     whole (speculative decoding during training uses it), but a capture stops the forward right after
     the last captured layer: later layers, the final norm and the lm_head never run. `capture(...,
-    with_final=True)` runs them all but the lm_head (distillation needs what feeds the lm_head)."""
+    with_final=True)` runs them all but the lm_head (distillation needs what feeds the lm_head).
+
+    `compile=True` (`target.compile`) runs the decoder layers through one compiled forward per layer
+    class (RMSNorm, rotary, SiLU*mul, residual adds and casts fused around the matmuls). The compiled
+    forwards are put on the layers for the duration of a capture only: speculative decoding (KV cache)
+    keeps the model's own eager forward. Call `warm_up()` before training so that no step compiles."""
 
     model: PreTrainedModel
     layer_ids: list[int]
@@ -99,16 +140,40 @@ class TargetCapture:
     lm_head: nn.Linear
     num_layers: int
     hidden_size: int
+    compile: bool = False
+    _forwards: list = field(default_factory=list, repr=False)  # per layer: its compiled forward, bound
 
     @classmethod
-    def from_model(cls, model: PreTrainedModel, layer_ids: list[int]) -> "TargetCapture":
+    def from_model(cls, model: PreTrainedModel, layer_ids: list[int], compile: bool = False) -> "TargetCapture":
         tc = text_config(model.config)
         decoder = decoder_of(model)
         num_layers = len(decoder.layers)
         if max(layer_ids) >= num_layers:
             raise ValueError(f"target_layer_ids {layer_ids} exceed the target's {num_layers} layers")
+        forwards = []
+        if compile:
+            device = model.get_input_embeddings().weight.device
+            if device.type not in _COMPILE_DEVICES:
+                from ..config import ConfigError
+
+                raise ConfigError(
+                    f"config key 'target.compile': compiles the target's decoder layers with inductor for CUDA "
+                    f"GPUs, but the target is on {device.type} (run.device=cpu, or auto without a GPU); set "
+                    f"target.compile=false"
+                )
+            by_class: dict[type, Callable] = {}
+            for i, layer in enumerate(decoder.layers):
+                if "forward" in vars(layer):
+                    raise ValueError(
+                        f"target.compile: decoder layer {i} ({type(layer).__name__}) already has its own forward "
+                        "(e.g. accelerate hooks from a device_map load); load the target on one device without "
+                        "hooks, or set target.compile=false"
+                    )
+                if type(layer) not in by_class:
+                    by_class[type(layer)] = compiled_layer_forward(type(layer))
+                forwards.append(functools.partial(by_class[type(layer)], layer))
         return cls(model, list(layer_ids), model.get_input_embeddings(), model.get_output_embeddings(),
-                   num_layers, tc.hidden_size)
+                   num_layers, tc.hidden_size, compile, forwards)
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.capture(input_ids)[0]
@@ -130,6 +195,8 @@ class TargetCapture:
             hooks.append(decoder.layers[lid].register_forward_hook(hook))
         final = None
         try:
+            for layer, fwd in zip(decoder.layers, self._forwards):  # compiled: an instance forward, hooks outside
+                layer.forward = fwd
             out = decoder(input_ids=input_ids, use_cache=False)
             if with_final:  # HF decoders apply their final norm to last_hidden_state
                 final = out[0] if isinstance(out, tuple) else out.last_hidden_state
@@ -138,7 +205,49 @@ class TargetCapture:
         finally:
             for h in hooks:
                 h.remove()
+            for layer in decoder.layers[: len(self._forwards)]:
+                vars(layer).pop("forward", None)
         return torch.cat([captured[lid] for lid in self.layer_ids], dim=-1), final
+
+    def warm_up(self, length: int = 257) -> dict:
+        """Compile what captures will run (no-op unless `compile`): no grad, the weights' dtype and device,
+        batch >= 2 and batch 1 (Dynamo specialises size 1), every layer (`with_final`), at lengths from
+        `length` up (pass a production length: inductor picks kernel configs from the first sizes it sees)
+        that tie no symbol to a model dimension. Then a capture of a third length and batch must reuse the
+        graphs (a new compile there is logged as a warning and counted in `target_recompiled_after_warmup`).
+        Under the compile layer's lock. Returns timings and graph counts for the run's status."""
+        if not self.compile:
+            return {}
+        from .compile import graphs_compiled, lock
+
+        tc = text_config(self.model.config)
+        head_dim = getattr(tc, "head_dim", None) or self.hidden_size // tc.num_attention_heads
+        s0, s1, s2 = _warm_up_lengths(length, {self.hidden_size, head_dim, 2, 3})
+        device = self.embed_tokens.weight.device
+        vocab = self.embed_tokens.weight.shape[0]
+        g = torch.Generator(device="cpu").manual_seed(0)
+
+        def ids(b: int, s: int) -> torch.Tensor:
+            return torch.randint(0, vocab, (b, s), generator=g).to(device)
+
+        t0 = time.time()
+        with lock():
+            graphs = graphs_compiled()
+            for b, s in ((2, s0), (1, s1)):
+                self.capture(ids(b, s), with_final=True)
+            compiled_graphs = graphs_compiled() - graphs
+            self.capture(ids(3, s2), with_final=True)
+            again = graphs_compiled() - graphs - compiled_graphs
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+        if again:
+            log.warning("target.compile: a capture of a new batch size and length compiled %d more graph(s) after "
+                        "the warm-up; training steps may compile too (see the recompile reasons in the log)", again)
+        info = {"target_compile_s": round(time.time() - t0, 2), "target_compiled_graphs": int(compiled_graphs),
+                "target_recompiled_after_warmup": int(again)}
+        log.info("target.compile: %d graph(s) for %d decoder layers in %.1f s", compiled_graphs, len(self._forwards),
+                 info["target_compile_s"])
+        return info
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):

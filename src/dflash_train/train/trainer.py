@@ -16,12 +16,13 @@ import numpy as np
 import torch
 
 from .. import assets
-from ..config import Config, dump_config, validate_against_target, validate_world
+from ..config import Config, dump_config, validate_against_target, validate_target_device, validate_world
 from ..data.dataset import batches_from, collate, padding_fraction, plan_batches
 from ..data.source import open_training_data, open_validation_data
 from ..model.attention import resolve_backend
 from ..model.drafter import DFlashDrafter, default_target_layer_ids
 from ..model.drafter_config import make_drafter_config
+from ..model.drafter_init import init_drafter_from_target
 from ..model.io import save_drafter
 from ..model.target import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
                             read_target_config)
@@ -84,6 +85,7 @@ def plan_run(cfg: Config) -> tuple[Plan, object]:
             "that never appears in normal text"
         )
     device = resolve_device(cfg.run.device)
+    validate_target_device(cfg, device.type)  # target.compile: CUDA only (auto may resolve to cpu)
     target_dtype = resolve_dtype(cfg.target.dtype, device)
     compute_dtype = resolve_dtype(cfg.run.dtype, device)
     return Plan(target_path, layer_ids, int(mask), device, target_dtype, compute_dtype), tokenizer
@@ -133,6 +135,9 @@ def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional
     path = compile_layer.configure_cache(cache_dir, fresh=fresh_cache)
     compile_layer.watch_recompiles()
     t0 = time.time()
+    # target.compile: the target's layers first, batch 1 and >= 2, lengths near the first batch's (no-op when off)
+    target_info = train_step.target.warm_up(batch.input_ids.shape[1]) \
+        if isinstance(train_step.target, TargetCapture) else {}
     stats = forward_loss(train_step.drafter, train_step.target, train_step.backend, batch, train_step.cfg,
                          torch.Generator().manual_seed(0), train_step.compute_dtype, hidden=hidden)
     stats.loss.backward()
@@ -144,7 +149,8 @@ def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional
     if batch.input_ids.is_cuda:
         torch.cuda.current_stream().synchronize()  # not the NCCL stream: it may hold posted receives
     compile_layer.seal()
-    info = {"warmup_s": round(time.time() - t0, 2), "compile_cache_dir": str(path), **compile_layer.cache_stats()}
+    info = {"warmup_s": round(time.time() - t0, 2), "compile_cache_dir": str(path), **compile_layer.cache_stats(),
+            **target_info}
     log.info("warm-up done in %.1f s (compile cache %s: %d hits, %d misses)", info["warmup_s"], path,
              info["fxgraph_cache_hit"], info["fxgraph_cache_miss"])
     return info
@@ -306,7 +312,12 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                 _, state = _resume_state(run)
                 step, cursor = state["step"], {"epoch": state["epoch"], "batch_index": state["batch_index"]}
             model = load_target_model(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
-            target = TargetCapture.from_model(model, plan.layer_ids)
+            target = TargetCapture.from_model(model, plan.layer_ids, compile=cfg.target.compile)
+            if target.compile:  # this rank's only compiled code: warm it before serving any step
+                report(phase="warmup")
+                compile_layer.configure_cache(cfg.run.compile_cache_dir, fresh=fresh_compile_cache)
+                compile_layer.watch_recompiles()
+                target.warm_up(cfg.data.max_length)
             groups = (g for _, _, _, g in _micro_batch_groups(batching, per_step, cursor["epoch"], cursor["batch_index"]))
             report(phase="training", step=step)
             stop.training()
@@ -318,14 +329,17 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
 
         if layout is None:
             model = load_target_model(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
-            target = TargetCapture.from_model(model, plan.layer_ids)
+            target = TargetCapture.from_model(model, plan.layer_ids, compile=cfg.target.compile)
         else:  # a split drafter rank: the target's embedding and lm_head, never its decoder
             target = load_target_head(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
         provenance = target_provenance(str(plan.target_path), tokenizer, target_config)
         if ctx.is_main:
             write_provenance(run.root, provenance)
         torch.manual_seed(cfg.run.seed)
-        drafter = DFlashDrafter(dcfg).to(device)
+        drafter = DFlashDrafter(dcfg)
+        if cfg.drafter.init_from_target and not resume:  # a resume loads the checkpoint's weights over it
+            init_drafter_from_target(drafter, plan.target_path)
+        drafter = drafter.to(device)
         n_params = sum(p.numel() for p in drafter.parameters())
         backend = resolve_backend(cfg.drafter.attention_backend, device, bs)
         train_step = TrainStep(drafter, target, backend, cfg, total, plan.compute_dtype, device, drafter_group, d_rank,
