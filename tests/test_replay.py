@@ -127,3 +127,41 @@ def test_replay_refuses_a_continuation_too_short_for_the_block(target):
     drafter = _drafter(target, 8)
     with pytest.raises(ValueError, match="needs 23"):
         replay_turn(target, drafter, ReplayTurn("toy", "x", 0, [5, 6, 7], list(range(10, 30))), 16, (), STOPS)
+
+
+def test_eval_by_replay_reports_what_decoding_reports_multi_turn(target, tiny_target_dir, tmp_path):
+    """`evaluate_by_replay` against `evaluate` (real decoding) on chat prompts, one of them two turns: the same
+    outputs turn by turn (the second turn's prompt holds the first answer) and the same tau and histogram."""
+    import json
+
+    from dflash_train.infer.evaluate import evaluate, evaluate_by_replay
+    from dflash_train.infer.replay import build_corpus
+    from dflash_train.model.target import load_tokenizer
+
+    tok = load_tokenizer(tiny_target_dir)
+    rows = [{"id": "a", "turns": ["Count to three.", "And back down."]}, {"id": "b", "turns": ["Name a river."]}]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bs, max_new = 4, 14
+    corpus = build_corpus(target, tok, [{"dataset": str(data), **r} for r in rows], max_new, bs, STOPS)
+    assert [(t.id, t.turn) for t in corpus] == [("a", 0), ("b", 0), ("a", 1)]
+    drafter = _memorise(_drafter(target, bs), target, [t.prompt + t.continuation for t in corpus])
+    kwargs = dict(max_new_tokens=max_new, tree_budgets=(4,), stop_token_ids=STOPS)
+    decoded = evaluate(target, tok, drafter, [str(data)], measure_speedup=False, **kwargs)
+    replayed = evaluate_by_replay(target, tok, drafter, [str(data)], **kwargs)
+    for d, r in zip(decoded["outputs"], replayed["outputs"]):
+        for mode in ("block", "tree-4"):
+            assert [o["token_ids"] for o in d["modes"][mode]] == [o["token_ids"] for o in r["modes"][mode]]
+            assert [o["accept_lengths"] for o in d["modes"][mode]] == [o["accept_lengths"] for o in r["modes"][mode]]
+    for mode in ("block", "tree-4"):
+        want, got = decoded["datasets"][str(data)]["modes"][mode], replayed["datasets"][str(data)]["modes"][mode]
+        assert (got["tau"], got["histogram"], got["tokens"]) == (want["tau"], want["histogram"], want["tokens"])
+    assert replayed["datasets"][str(data)]["modes"]["block"]["tau"] > 1.2  # multi-token steps were compared
+    assert replayed["config"]["method"] == "replay"
+
+
+def test_cli_eval_replay_refuses_sampling(tmp_path, capsys):
+    from dflash_train.cli import main
+
+    assert main(["eval", "--target", "smollm2", "--drafter", str(tmp_path), "--replay", "--temperature", "0.7"]) != 0
+    assert "--replay measures greedy decoding" in capsys.readouterr().err

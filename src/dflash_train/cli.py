@@ -103,17 +103,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .infer.evaluate import evaluate, load_eval_models, markdown_table, write_report
     from .train.trainer import resolve_device, resolve_dtype
 
+    if args.replay and args.temperature > 0:
+        raise ValueError("--replay measures greedy decoding: drop --temperature (or --replay to sample)")
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     template_kwargs = {"enable_thinking": args.thinking} if args.thinking is not None else None
     target, tokenizer, drafter, stops = load_eval_models(args.target, args.drafter, device, dtype,
                                                          template_kwargs, args.block_size)
     budgets = tuple(int(b) for b in args.tree_budget) if args.tree_budget else ()
+    if args.replay:
+        from .infer.evaluate import evaluate_by_replay
+
+        if args.block_size not in (None, drafter.block_size):
+            raise ValueError(f"--replay verifies the drafter's trained block ({drafter.block_size}); "
+                             f"drop --block-size {args.block_size} or --replay")
+
+        with torch.no_grad():
+            report = evaluate_by_replay(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,
+                                        tree_budgets=budgets, limit=args.limit, stop_token_ids=stops,
+                                        template_kwargs=template_kwargs)
+        return _finish_eval(args, report)
     with torch.no_grad():
         report = evaluate(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, block_size=args.block_size, tree_budgets=budgets,
                           limit=args.limit, stop_token_ids=stops, template_kwargs=template_kwargs,
                           measure_speedup=not args.no_baseline)
+    return _finish_eval(args, report)
+
+
+def _finish_eval(args: argparse.Namespace, report: dict) -> int:
+    from .infer.evaluate import markdown_table, write_report
+
     out = Path(args.out)
     write_report(report, out)
     print(markdown_table(report))
@@ -192,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                    help="float32 makes greedy decoding exactly lossless; bfloat16 is the serving dtype")
     e.add_argument("--no-baseline", action="store_true", help="skip the target-only run (no speedup, no lossless check)")
+    e.add_argument("--replay", action="store_true",
+                   help="greedy tau by replay: the target's greedy continuation of every prompt (batched), then one "
+                        "drafter pass per turn gives every step's acceptance; the same tau as decoding, in minutes "
+                        "for whole datasets; no timing, no speedup")
     e.add_argument("--update-card", action="store_true", help="write the result table into the drafter's README.md")
     e.set_defaults(func=cmd_eval)
 

@@ -176,6 +176,38 @@ def evaluate(
     return report
 
 
+def evaluate_by_replay(
+    target,
+    tokenizer,
+    drafter: DFlashDrafter,
+    datasets: list[str],
+    *,
+    max_new_tokens: int = 256,
+    tree_budgets: tuple[int, ...] = (),
+    limit: int = 0,
+    stop_token_ids: Optional[list[int]] = None,
+    template_kwargs: Optional[dict] = None,
+    batch_size: int = 32,
+) -> dict:
+    """`evaluate`'s report for greedy block and DDTree decoding, by replay (`infer.replay`): the same tokens
+    and accept lengths, from one batched target generation and one drafter pass per turn; nothing is timed."""
+    from .replay import build_corpus, replay_records
+
+    stops = list(stop_token_ids or [])
+    items = [{"dataset": ds, **item} for ds in datasets for item in iter_prompts(ds, limit)]
+    corpus = build_corpus(target, tokenizer, items, max_new_tokens, drafter.block_size, stops, batch_size,
+                          template_kwargs)
+    records = replay_records(target, tokenizer, {"drafter": drafter}, corpus, max_new_tokens, tree_budgets,
+                             stops)["drafter"]
+    modes = [m.name for m in make_modes(tree_budgets, measure_speedup=False)]
+    by_ds = {ds: [r for r in records if r["dataset"] == ds] for ds in datasets}
+    order = {ds: [i["id"] for i in items if i["dataset"] == ds] for ds in datasets}
+    report = report_from_records(report_config(max_new_tokens, 0.0, drafter.block_size, tree_budgets), by_ds,
+                                 {ds: modes for ds in datasets}, order)
+    report["config"]["method"] = "replay"
+    return report
+
+
 def report_config(max_new_tokens: int, temperature: float, block_size: int, tree_budgets) -> dict:
     return {"max_new_tokens": max_new_tokens, "temperature": temperature, "block_size": block_size,
             "tree_budgets": list(tree_budgets)}
