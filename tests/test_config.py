@@ -64,10 +64,12 @@ def test_cross_field_checks(tree, key):
         config_from_dict(tree)
 
 
-def test_recipe_options_default_to_todays_objective_and_schedule():
+def test_recipe_defaults_are_the_measured_winners_only():
+    """Acceptance weighting won at equal steps (QUALITY.md) and is the default; distillation lost and WSD
+    waits for its combination run, so both stay off."""
     cfg = config_from_dict({})
     o, op = cfg.objective, cfg.optim
-    assert (o.slot_weighting, o.distill_weight, o.distill_temperature, op.schedule) == ("gamma", 0.0, 1.0, "cosine")
+    assert (o.slot_weighting, o.distill_weight, o.distill_temperature, op.schedule) == ("acceptance", 0.0, 1.0, "cosine")
     # warmup + decay may exceed 1 under the cosine schedule, where decay_ratio is unused
     assert config_from_dict({"optim": {"warmup_ratio": 0.5, "decay_ratio": 0.6}}).optim.schedule == "cosine"
     wsd = config_from_dict({}, ["optim.schedule=wsd", "optim.decay_ratio=0.3", "objective.distill_weight=0.2"])

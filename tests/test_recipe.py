@@ -116,9 +116,9 @@ def test_acceptance_weights_equal_a_brute_force_product_and_carry_no_gradient(ch
     torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
 
 
-def test_default_weighting_is_the_gamma_decay():
-    cfg = config_from_dict({})
-    assert cfg.objective.slot_weighting == "gamma" and cfg.objective.distill_weight == 0.0
+def test_gamma_weighting_is_the_decay():
+    cfg = config_from_dict({}, ["objective.slot_weighting=gamma"])
+    assert cfg.objective.distill_weight == 0.0
     blocks, _ = _blocks(0)
     idx = blocks.counted.view(-1).nonzero().squeeze(1)
     w = row_weights(cfg, blocks, idx)
