@@ -61,6 +61,7 @@ def test_train_runs_on_a_prepared_dataset(prepared, tiny_target_dir, tmp_path, c
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and all(np.isfinite(r["loss"]) for r in records)
     # The prepared val split feeds validation at the last step; the best checkpoint is kept.
     assert [r["step"] for r in validation] == [5] and validation[0]["val_tau"] >= 1
+    assert validation[0]["val_tau_walk"] >= 1
     assert (run / "checkpoints" / "best" / "trainer_state.json").is_file()
     log = (run / "train.log").read_text()
     assert f"{prepared} (train split: 56 rows" in log and "epoch 0: " in log and "padding" in log

@@ -165,3 +165,28 @@ def test_cli_eval_replay_refuses_sampling(tmp_path, capsys):
 
     assert main(["eval", "--target", "smollm2", "--drafter", str(tmp_path), "--replay", "--temperature", "0.7"]) != 0
     assert "--replay measures greedy decoding" in capsys.readouterr().err
+
+
+def test_teacher_forced_walk_along_greedy_text_is_real_decoding(target):
+    """Validation's walk along a response that is the target's greedy output takes the steps real decoding
+    takes (all but the last, which decoding may extend past the text's end)."""
+    from dflash_train.infer.replay import teacher_forced_walk
+
+    bs, n = 5, 20
+    prompts = _prompts()
+    conts = greedy_continuations(target, prompts, n)
+    drafter = _memorise(_drafter(target, bs), target, [p + c for p, c in zip(prompts, conts)])
+    dec = SpeculativeDecoder(target, drafter, stop_token_ids=[])
+    lengths = []
+    for p, c in zip(prompts, conts):
+        ids = p + c
+        with torch.no_grad():
+            hs = target(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        context = torch.cat([hs[i + 1] for i in drafter.target_layer_ids], -1)
+        walked = teacher_forced_walk(drafter, target.get_input_embeddings(), target.get_output_embeddings(), context,
+                                     ids, len(p))
+        real = dec.generate_block(p, n).accept_lengths
+        assert walked[:-1] == real[:len(walked) - 1]
+        assert walked[-1] <= real[len(walked) - 1]
+        lengths += walked
+    assert max(lengths) > 2

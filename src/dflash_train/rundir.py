@@ -234,7 +234,8 @@ def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: O
             f"lr:         {last.get('lr', 0):.3g}",
         ]
     if status.get("val_tau_estimate") is not None or status.get("val_tau") is not None:
-        parts = [f"{k[4:]} {status[k]:.3f}" for k in ("val_tau", "val_tau_estimate", "val_accuracy") if status.get(k) is not None]
+        parts = [f"{k[4:]} {status[k]:.3f}" for k in ("val_tau_walk", "val_tau", "val_tau_estimate", "val_accuracy")
+                 if status.get(k) is not None]
         best = status.get("best_val_tau")
         lines.append(f"validation: {', '.join(parts)}" + (f" (best tau {best:.3f}, kept in checkpoints/best)" if best else ""))
     if status.get("skipped_steps"):

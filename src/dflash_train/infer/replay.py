@@ -123,10 +123,20 @@ def drafter_proposals(drafter: DFlashDrafter, embed: Callable, lm_head: torch.nn
                       anchors_per_chunk: int = 64) -> Proposals:
     """The drafter's proposals for blocks anchored at `prompt_len .. prompt_len + num_anchors - 1`, each
     seeing the target's features of every position before its anchor (the training layout)."""
+    context = torch.cat([hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)  # [1, L, K*H]
+    return proposals_from_context(drafter, embed, lm_head, context, ids, prompt_len, num_anchors, top_k,
+                                  anchors_per_chunk)
+
+
+@torch.no_grad()
+def proposals_from_context(drafter: DFlashDrafter, embed: Callable, lm_head: torch.nn.Module, context: torch.Tensor,
+                           ids: Sequence[int], prompt_len: int, num_anchors: int, top_k: int = 0,
+                           anchors_per_chunk: int = 64) -> Proposals:
+    """`drafter_proposals` from the captured target features `[1, L, K*H]` (layers already concatenated)."""
     device = next(drafter.parameters()).device
     dtype = next(drafter.parameters()).dtype
     bs = drafter.block_size
-    context = torch.cat([hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1).to(dtype)  # [1, L, K*H]
+    context = context.to(dtype)
     length = context.shape[1]
     ids_t = torch.tensor(ids, device=device)
     drafts, top_lp, top_ids = [], [], []
@@ -150,11 +160,29 @@ def drafter_proposals(drafter: DFlashDrafter, embed: Callable, lm_head: torch.nn
 
 
 def _block_accepts(drafts: torch.Tensor, ids: torch.Tensor, prompt_len: int) -> list[int]:
-    """Accepted drafts (0..B-1) at each anchor: the leading run of drafts equal to the continuation."""
+    """Accepted drafts (0..B-1) at each anchor: the leading run of drafts equal to the continuation
+    (a slot past the end of `ids` never matches)."""
     n, width = drafts.shape
     idx = (prompt_len + torch.arange(n, device=ids.device)).view(-1, 1) + torch.arange(1, width + 1, device=ids.device)
-    hits = drafts == ids[idx]
+    padded = torch.cat([ids, ids.new_full((width,), -1)])
+    hits = drafts == padded[idx]
     return hits.long().cumprod(-1).sum(-1).tolist()
+
+
+def teacher_forced_walk(drafter: DFlashDrafter, embed: Callable, lm_head: torch.nn.Module, context: torch.Tensor,
+                        ids: Sequence[int], start: int) -> list[int]:
+    """Accept lengths of greedy block decoding along the given text from position `start` to its end: each
+    step anchored where the last one ended, accepting the drafts that agree with the text. Equal to real
+    decoding's when the text after `start` is the target's own greedy output (regenerated data); on other
+    text, the acceptance the drafter would get if the target had written it. `context`: `[1, L, K*H]`."""
+    n = len(ids) - start
+    if n < 1:
+        return []
+    props = proposals_from_context(drafter, embed, lm_head, context, ids, start, n)
+    ids_t = torch.as_tensor(list(ids), device=props.drafts.device)
+    accepted = _block_accepts(props.drafts, ids_t, start)
+    _, accepts = walk(lambda j: accepted[j], list(ids[start:]), n, [])
+    return accepts
 
 
 def _tree_accepts(top_lp: list, top_ids: list, budget: int, truth: Sequence[int]) -> int:

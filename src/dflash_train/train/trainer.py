@@ -398,7 +398,8 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             result = validate(train_step, val, tokenizer.pad_token_id, device, batches=cfg.run.eval_batches,
                               prompts=cfg.run.eval_prompts, max_new_tokens=cfg.run.eval_max_new_tokens,
                               stop_token_ids=stop_ids)
-            score = result.get("val_tau", result.get("val_tau_estimate"))
+            # the walk covers every response token of the validation batches; real decoding only a few prompts
+            score = next((result[k] for k in ("val_tau_walk", "val_tau", "val_tau_estimate") if k in result), None)
             record = {"step": at_step, "kind": "validation", **result, "val_seconds": round(time.time() - t0, 2)}
             if score is not None and (best_val is None or score > best_val):
                 best_val = score

@@ -1,5 +1,7 @@
-"""Validation during training: a teacher-forced acceptance estimate on held-out micro-batches, and
-real speculative decoding (block verification, greedy) on a few held-out prompts."""
+"""Validation during training on held-out micro-batches: a teacher-forced acceptance estimate over random
+anchors, the greedy block-decoding walk along each response (`val_tau_walk`: real decoding's tau when the
+responses are the target's own greedy output, as regenerated data is), and real speculative decoding
+(block verification, greedy) on a few held-out prompts."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import numpy as np
 import torch
 
 from ..data.dataset import collate, plan_batches
+from ..infer.replay import teacher_forced_walk
 from ..infer.spec_decode import SpeculativeDecoder
 from .step import TrainStep, acceptance_estimate, forward_loss
 
@@ -24,17 +27,22 @@ def validate(train_step: TrainStep, val, pad_id: int, device: torch.device, *, b
             plan = plan_batches(val.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, 0)[:batches]
             correct = counted = accepted = kept = 0.0
             loss_sum = 0.0
+            walk_accepts: list[int] = []
             for i, rows in enumerate(plan):
                 batch = collate([val.example(r) for r in rows], pad_id).to(device)
                 g = torch.Generator().manual_seed(cfg.run.seed * 7919 + i)  # the same anchors at every validation
-                stats = forward_loss(drafter, train_step.target, train_step.backend, batch, cfg, g, train_step.compute_dtype)
+                hidden = train_step.target(batch.input_ids)
+                walk_accepts += _walks(train_step, batch, hidden)
+                stats = forward_loss(drafter, train_step.target, train_step.backend, batch, cfg, g, train_step.compute_dtype,
+                                     hidden=None if cfg.objective.distill_weight > 0 else hidden)
                 loss_sum += float(stats.loss)
                 correct += float(stats.correct_per_slot.sum())
                 counted += float(stats.counted_per_slot.sum())
                 accepted += float(stats.accepted_sum)
                 kept += float(stats.kept_blocks)
             out.update(val_loss=loss_sum / max(len(plan), 1), val_accuracy=correct / max(counted, 1),
-                       val_tau_estimate=accepted / max(kept, 1))
+                       val_tau_estimate=accepted / max(kept, 1),
+                       val_tau_walk=sum(walk_accepts) / max(len(walk_accepts), 1))
         if prompts:
             decoder = SpeculativeDecoder(train_step.target.model, drafter, stop_token_ids)
             taus, n_tokens = [], 0
@@ -47,6 +55,26 @@ def validate(train_step: TrainStep, val, pad_id: int, device: torch.device, *, b
             out.update(val_tau=sum(taus) / max(len(taus), 1), val_decoded_tokens=n_tokens)
     finally:
         drafter.train(was_training)
+    return out
+
+
+def _walks(train_step: TrainStep, batch, hidden: torch.Tensor) -> list[int]:
+    """Greedy block decoding walked along each row's response (`teacher_forced_walk`): its accept lengths.
+    Each assistant turn (a run of supervised tokens) is walked on its own, from its first token to its last."""
+    drafter, target = train_step.drafter, train_step.target
+    out: list[int] = []
+    for b in range(batch.input_ids.shape[0]):
+        length = int(batch.lengths[b])
+        mask = (batch.loss_mask[b, :length] > 0).tolist()
+        ids = batch.input_ids[b, :length].tolist()
+        start = None
+        for p, on in enumerate(mask + [False]):  # each assistant turn (a run of supervised tokens) on its own
+            if on and start is None:
+                start = p
+            elif not on and start is not None:
+                out += teacher_forced_walk(drafter, target.embed_tokens, target.lm_head, hidden[b:b + 1, :p],
+                                           ids[:p], start)
+                start = None
     return out
 
 
