@@ -112,7 +112,7 @@ def test_acceptance_estimate_counts_the_leading_run_plus_bonus():
 
 def test_lr_schedule_warms_up_then_decays_by_cosine():
     total = 100
-    f = [lr_factor(s, total, 0.04, 0.1) for s in range(total)]
+    f = [lr_factor(s, total, 0.04, 0.1, "cosine", 0.2) for s in range(total)]
     assert f[0] == pytest.approx(0.25) and f[3] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[3:], f[4:]))
     assert f[-1] == pytest.approx(0.1, abs=0.01)

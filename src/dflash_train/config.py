@@ -113,9 +113,9 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_ratio: float = 0.04
     min_lr_ratio: float = 0.0
-    # cosine: warmup then cosine to min_lr_ratio. wsd: warmup, constant peak, then the last decay_ratio
-    # of the steps decay linearly to min_lr_ratio.
-    schedule: Literal["cosine", "wsd"] = "cosine"
+    # wsd: warmup, constant peak, then the last decay_ratio of the steps decay linearly to min_lr_ratio
+    # (the default: it beat cosine at equal steps, QUALITY.md). cosine: warmup then cosine to min_lr_ratio.
+    schedule: Literal["cosine", "wsd"] = "wsd"
     decay_ratio: float = 0.2
     grad_clip: float = 1.0
     epochs: float = 6.0

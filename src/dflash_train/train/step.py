@@ -72,8 +72,8 @@ def make_optimizer(drafter: DFlashDrafter, cfg: Config, device: torch.device) ->
     )
 
 
-def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float, schedule: str = "cosine",
-              decay_ratio: float = 0.2) -> float:
+def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float, schedule: str,
+              decay_ratio: float) -> float:
     """Linear warmup over `warmup_ratio` of the steps, then `cosine` down to `min_lr_ratio`, or `wsd`:
     constant peak, then the last `decay_ratio` of the steps decay linearly to `min_lr_ratio` (reached as
     the run ends, like the cosine: the last step is one decay step above it)."""
