@@ -46,7 +46,11 @@ def _run(drafter, hidden, block, pos, anchors, keep, s, backend_name, dtype):
 
     backend = resolve_backend(backend_name, torch.device("cuda"), 16)
     drafter.zero_grad(set_to_none=True)
-    mask = backend.build_mask(anchors, keep, s, 16)
+    pad = -s % backend.context_multiple_of  # as forward_loss pads it: flex gets whole tiles, sdpa nothing
+    if pad:
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
+        pos = torch.cat([torch.arange(s + pad, device="cuda").expand(pos.shape[0], -1), pos[:, s:]], 1)
+    mask = backend.build_mask(anchors, keep, s + pad, 16)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         out = drafter(hidden.to(dtype), block.to(dtype), pos, backend.attention, mask)
     live = keep.repeat_interleave(16, dim=1)

@@ -1,6 +1,7 @@
 """Recipe options of issue #10: acceptance-weighted slots, distillation from the target's logits, the
 warmup-stable-decay schedule. Each against an independent dense float64 reference."""
 
+import dataclasses
 import json
 import math
 
@@ -154,9 +155,12 @@ def test_capture_with_final_returns_what_feeds_the_lm_head(tiny64):
     {"distill_weight": 0.3, "distill_temperature": 2.0},
     {"distill_weight": 1.0, "slot_weighting": "acceptance"},
 ])
-def test_forward_loss_equals_a_dense_reference(tiny64, objective):
+@pytest.mark.parametrize("context_multiple", [1, 16])
+def test_forward_loss_equals_a_dense_reference(tiny64, objective, context_multiple):
     """forward_loss against full logits of the drafter and the target's own logits (HF forward):
-    slot k of the block at a learns input_ids[a + k] and the target's distribution at a + k - 1."""
+    slot k of the block at a learns input_ids[a + k] and the target's distribution at a + k - 1.
+    With the context padded to a multiple (as the flex backend pads it), nothing changes: the padded
+    keys lie past every anchor."""
     from dflash_train.model.attention import resolve_backend
     from dflash_train.model.drafter import DFlashDrafter
     from dflash_train.model.drafter_config import make_drafter_config
@@ -170,7 +174,7 @@ def test_forward_loss_equals_a_dense_reference(tiny64, objective):
     torch.manual_seed(0)
     drafter = DFlashDrafter(make_drafter_config(model.config, num_draft_layers=1, block_size=bs,
                                                 target_layer_ids=[1, 3], mask_token_id=16)).double()
-    backend = resolve_backend("sdpa", torch.device("cpu"), bs)
+    backend = dataclasses.replace(resolve_backend("sdpa", torch.device("cpu"), bs), context_multiple_of=context_multiple)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, 49152, (2, 30), generator=g)
     loss_mask = (torch.rand(2, 30, generator=g) < 0.8).long()

@@ -39,6 +39,9 @@ class AttentionBackend:
     attention: AttentionFn
     # Number of blocks must be a multiple of this (flex tiles whole query blocks).
     blocks_multiple_of: int
+    # The context (target positions) is padded to a multiple of this: with query and key lengths whole
+    # tiles, flex runs its kernels without bounds checks (under dynamic shapes it cannot prove that itself).
+    context_multiple_of: int = 1
 
     def build_mask(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int) -> object:
         if self.name == "flex":
@@ -59,12 +62,17 @@ def resolve_backend(requested: str, device: torch.device, block_size: int, train
         if FLEX_TILE % block_size:
             raise ValueError(f"flex backend needs block_size to divide {FLEX_TILE} (got {block_size}); use sdpa")
         flex = compiled_flex_attention()
+        divisible = {"IS_DIVISIBLE": True}
 
         def attention(q, k, v, mask):
-            return flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+            if q.shape[2] % FLEX_TILE or k.shape[2] % FLEX_TILE:
+                raise ValueError(f"flex attention: query and key lengths must be multiples of {FLEX_TILE} (got "
+                                 f"{q.shape[2]} and {k.shape[2]}); forward_loss pads the context to "
+                                 f"backend.context_multiple_of and sample_anchors rounds the blocks")
+            return flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=divisible)
 
         multiple = max(FLEX_TILE // block_size, 1)
-        backend = AttentionBackend("flex", attention, multiple)
+        backend = AttentionBackend("flex", attention, multiple, FLEX_TILE)
     else:
         backend = AttentionBackend("sdpa", sdpa_attention, 1)
     log.info("drafter attention backend: %s (requested %s, device %s)", backend.name, requested, device)

@@ -155,6 +155,10 @@ def forward_loss(
     b, s = batch.input_ids.shape
     with torch.no_grad():
         block_embeds = target.embed_tokens(blocks.block_ids)
+    pad = -s % backend.context_multiple_of
+    if pad:  # padded context keys lie past every anchor: no block ever sees them
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
+        s += pad
     context_pos = torch.arange(s, device=anchors.device).expand(b, s)
     position_ids = torch.cat([context_pos, blocks.block_positions], dim=1)
     mask = backend.build_mask(anchors, keep, s, bs)
