@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[assets,test]"
+	$(BIN)/pip install -q -e ".[assets,plots,test]"
 	$(BIN)/pip install -q --no-deps $(ASSETS)
 	touch $@
 

@@ -3,6 +3,14 @@
 regen (SmolLM2 writes the answers to ShareGPT prompts) -> prepare -> train -> eval (held-out
 ShareGPT, MT-Bench, HumanEval; block and DDTree) -> export, plus plots. Every stage is resumable:
 a second run reuses what is done. Sized for a 2-core CPU; larger when a GPU is present.
+
+The CPU recipe (issue 7) spends its minutes where they teach the drafter most: many short
+regenerated answers (short prompts, 64 new tokens, large generation batches) rather than few long
+ones; a 1-layer drafter with block 4 (a drafter this young rarely gets past slot 3, and every slot
+costs a full-vocabulary lm_head row); context from target layers 1 and 15 (as good as 1 and 27 here
+at half the target's cost per step). Tau is measured by replay (`infer.replay`: the same tau as
+greedy decoding, without decoding step by step) on several prompts per dataset, for the trained and
+for the untrained drafter, and real decoding runs on one prompt for the timing and lossless check.
 """
 
 from __future__ import annotations
@@ -10,48 +18,77 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
+DATASETS = ("sharegpt", "mt-bench", "humaneval")
+RECIPE_VERSION = 2  # bump when the demo's recipe changes: an old run directory is then refused, not mixed in
+
 
 @dataclass
 class DemoSize:
-    prompts: int
+    prompts: int  # ShareGPT training rows read; rows whose prompt is longer than max_prompt_tokens are skipped
     max_prompt_tokens: int
     max_new_tokens: int
+    regen_batch: int
     train_steps: int
-    eval_prompts: int
+    eval_prompts: int  # per dataset, tau by replay
+    eval_prompt_tokens: int  # evaluation prompts longer than this (first turn, chat template applied) are skipped
     eval_new_tokens: int
     tree_budget: int
+    decode_prompts: int  # held-out ShareGPT prompts decoded for real (timing, speedup, lossless check)
+    decode_new_tokens: int
 
     @classmethod
     def for_machine(cls) -> "DemoSize":
         if torch.cuda.is_available():
-            return cls(prompts=2000, max_prompt_tokens=512, max_new_tokens=256, train_steps=800, eval_prompts=20,
-                       eval_new_tokens=256, tree_budget=32)
-        return cls(prompts=96, max_prompt_tokens=192, max_new_tokens=128, train_steps=120, eval_prompts=2,
-                   eval_new_tokens=32, tree_budget=16)
+            return cls(prompts=2000, max_prompt_tokens=512, max_new_tokens=256, regen_batch=32, train_steps=800,
+                       eval_prompts=40, eval_prompt_tokens=1024, eval_new_tokens=256, tree_budget=32,
+                       decode_prompts=2, decode_new_tokens=128)
+        return cls(prompts=800, max_prompt_tokens=128, max_new_tokens=64, regen_batch=64, train_steps=320,
+                   eval_prompts=16, eval_prompt_tokens=256, eval_new_tokens=64, tree_budget=16,
+                   decode_prompts=1, decode_new_tokens=32)
 
 
 def demo_config(size: DemoSize, data_dir: Path, overrides: list[str]):
     from .config import config_from_dict
 
     gpu = torch.cuda.is_available()
+    if gpu:
+        drafter = {"num_draft_layers": 5, "block_size": 16}
+    else:  # SmolLM2 has 30 layers: 1 and 15 instead of the reference rule's deeper pick halves the capture
+        drafter = {"num_draft_layers": 1, "block_size": 4, "target_layer_ids": [1, 15]}
     tree = {
         "target": {"path": "smollm2"},
-        "drafter": {"num_draft_layers": 5 if gpu else 2, "block_size": 16 if gpu else 8},
+        "drafter": drafter,
         "data": {"train_files": [str(data_dir)], "max_length": 1024 if gpu else 384,
                  "token_budget": 16384 if gpu else 1536, "max_batch_size": 16 if gpu else 4},
         "objective": {"max_anchors": 512 if gpu else 48, "gamma": 7.0 if gpu else 4.0},
         "optim": {"lr": 6e-4 if gpu else 1e-3, "epochs": 100, "max_steps": size.train_steps, "warmup_ratio": 0.05},
-        "run": {"log_every": 5, "save_every": 50, "eval_every": max(size.train_steps // 4, 1), "eval_prompts": 1,
-                "eval_batches": 2, "eval_max_new_tokens": 32},
+        # Validation without decoding (teacher-forced loss, accuracy and tau estimates): the curve in the plots.
+        "run": {"log_every": 5, "save_every": 50 if gpu else 60, "eval_every": max(size.train_steps // 4, 1),
+                "eval_prompts": 1 if gpu else 0, "eval_batches": 2, "eval_max_new_tokens": 32},
     }
     return config_from_dict(tree, overrides)
+
+
+def check_recipe(root: Path, size: DemoSize, overrides: list[str]) -> None:
+    """A run directory holds one recipe: its stages are reused only by the same recipe and overrides."""
+    stamp = {"recipe_version": RECIPE_VERSION, "size": asdict(size), "overrides": list(overrides)}
+    path = root / "demo.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != stamp:
+            raise ValueError(f"{root} holds a demo made with another recipe or other overrides ({old.get('overrides')}, "
+                             f"recipe version {old.get('recipe_version')}); remove it or pass --run-dir NEW_DIR")
+    elif any(root.iterdir()):
+        raise ValueError(f"{root} holds files from an earlier demo version; remove it or pass --run-dir NEW_DIR")
+    else:
+        path.write_text(json.dumps(stamp, indent=1))
 
 
 def _stage(name: str, times: dict, fn):
@@ -84,11 +121,12 @@ def plot_run(run_dir: Path, eval_report: dict, out_dir: Path) -> list[Path]:
     axes[0].set(title="training loss", xlabel="step")
     last = train[-1]["accuracy_per_position"]
     axes[1].bar(range(1, len(last) + 1), [a or 0 for a in last])
-    axes[1].set(title=f"accuracy per block position (step {train[-1]['step']})", xlabel="position")
+    axes[1].set(title=f"accuracy per block position (step {train[-1]['step']})", xlabel="position",
+                xticks=range(1, len(last) + 1))
     axes[2].plot([r["step"] for r in train], [r["tau_estimate"] for r in train], label="train (teacher-forced)")
-    if val:
-        axes[2].plot([r["step"] for r in val], [r.get("val_tau", r.get("val_tau_estimate")) for r in val], "o-",
-                     label="validation")
+    walk = [r for r in val if r.get("val_tau_walk") is not None]
+    if walk:  # greedy block decoding walked along held-out responses: real decoding's tau on that data
+        axes[2].plot([r["step"] for r in walk], [r["val_tau_walk"] for r in walk], "o-", label="validation (greedy walk)")
     axes[2].set(title="acceptance length", xlabel="step")
     axes[2].legend()
     fig.tight_layout()
@@ -102,6 +140,7 @@ def plot_run(run_dir: Path, eval_report: dict, out_dir: Path) -> list[Path]:
         total = sum(hist.values())
         ax.plot(ks, [hist[str(k)] / total if str(k) in hist else hist[k] / total for k in ks], "o-", label=ds)
     ax.set(title="accepted tokens per step (block verification)", xlabel="tokens", ylabel="share of steps")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend()
     fig.tight_layout()
     paths.append(out_dir / "acceptance_histogram.png")
@@ -110,34 +149,124 @@ def plot_run(run_dir: Path, eval_report: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
-def run_demo(root: Path, overrides: list[str]) -> int:
+def eval_items(tokenizer, size: DemoSize) -> list[dict]:
+    """The first `eval_prompts` prompts of each dataset whose first turn fits `eval_prompt_tokens`."""
+    from .infer.evaluate import iter_prompts
+
+    items = []
+    for ds in DATASETS:
+        taken = 0
+        for item in iter_prompts(ds):
+            if taken >= size.eval_prompts:
+                break
+            text = tokenizer.apply_chat_template([{"role": "user", "content": item["turns"][0]}], tokenize=False,
+                                                 add_generation_prompt=True)
+            if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= size.eval_prompt_tokens:
+                items.append({"dataset": ds, **item})
+                taken += 1
+    return items
+
+
+def run_eval(target: str, drafter_dir: Path, size: DemoSize, seed: int = 0) -> dict:
+    """Tau by replay (block and DDTree) of the trained drafter and of the same drafter untrained (what
+    training started from), then real decoding of `decode_prompts` held-out ShareGPT prompts (timing,
+    speedup against the target alone, lossless check). The report is `evaluate`'s, plus "untrained" (tau
+    per dataset and mode) and "decode" (the real-decoding summary)."""
+    from .infer.evaluate import load_eval_models, make_modes, report_config, report_from_records, run_prompt, \
+        summarize_records
+    from .infer.replay import build_corpus, replay_records
+    from .infer.spec_decode import SpeculativeDecoder
+    from .model.drafter import DFlashDrafter
+    from .train.trainer import resolve_device, resolve_dtype
+
+    device = resolve_device("auto")
+    tgt, tok, drafter, stops = load_eval_models(target, str(drafter_dir), device, resolve_dtype("float32", device))
+    torch.manual_seed(seed)
+    untrained = DFlashDrafter(drafter.config).to(device=device, dtype=next(drafter.parameters()).dtype).eval()
+    items = eval_items(tok, size)
+    budgets = (size.tree_budget,)
+    modes = [m.name for m in make_modes(budgets, measure_speedup=False)]
+    order = {ds: [i["id"] for i in items if i["dataset"] == ds] for ds in DATASETS}
+    with torch.no_grad():
+        corpus = build_corpus(tgt, tok, items, size.eval_new_tokens, drafter.block_size, stops,
+                              batch_size=size.regen_batch)
+        records = replay_records(tgt, tok, {"trained": drafter, "untrained": untrained}, corpus,
+                                 size.eval_new_tokens, budgets, stops)
+        reports = {}
+        for name, recs in records.items():
+            by_ds = {ds: [r for r in recs if r["dataset"] == ds] for ds in DATASETS}
+            reports[name] = report_from_records(report_config(size.eval_new_tokens, 0.0, drafter.block_size, budgets),
+                                                by_ds, {ds: modes for ds in DATASETS}, order)
+        report = reports["trained"]
+        report["config"].update(method="replay", prompts_per_dataset=size.eval_prompts,
+                                max_prompt_tokens=size.eval_prompt_tokens)
+        report["untrained"] = {ds: {m: body["modes"][m]["tau"] for m in modes}
+                               for ds, body in reports["untrained"]["datasets"].items()}
+        decoder = SpeculativeDecoder(tgt, drafter, stops)
+        dmodes = make_modes(budgets, measure_speedup=True)
+        drecs = [run_prompt(decoder, tok, item, dmodes, size.decode_new_tokens, dataset=item["dataset"])
+                 for item in [i for i in items if i["dataset"] == "sharegpt"][: size.decode_prompts]]
+        report["decode"] = {"prompts": len(drecs), "max_new_tokens": size.decode_new_tokens,
+                            **summarize_records(drecs, [m.name for m in dmodes])}
+    return report
+
+
+def summary_table(report: dict) -> str:
+    """tau per dataset and mode (trained and untrained), then the real-decoding line."""
+    c = report["config"]
+    lines = [f"tau by replay (greedy; {c.get('prompts_per_dataset', '?')} prompts per dataset, "
+             f"{c['max_new_tokens']} new tokens, block {c['block_size']}); untrained = the same drafter before training",
+             "", "| dataset | mode | tau | untrained tau | steps | histogram (accepted per step: count) |",
+             "|---|---|---|---|---|---|"]
+    for ds, body in report["datasets"].items():
+        for mode, s in body["modes"].items():
+            base = report.get("untrained", {}).get(ds, {}).get(mode)
+            hist = ", ".join(f"{k}:{v}" for k, v in s["histogram"].items())
+            lines.append(f"| {ds} | {mode} | {s['tau']:.3f} | {'-' if base is None else f'{base:.3f}'} | "
+                         f"{s['steps']} | {hist} |")
+    dec = report.get("decode")
+    if dec and dec.get("prompts"):
+        m = dec["modes"]
+        parts = [f"{name} tau {s['tau']:.2f}, {s['decode_tokens_per_s']:.1f} tok/s"
+                 + (f" ({s['speedup']:.2f}x)" if "speedup" in s else "")
+                 for name, s in m.items() if s.get("decode_tokens_per_s") is not None]
+        lossless = "lossless" if not dec["lossless_mismatches"] else f"MISMATCH {dec['lossless_mismatches']}"
+        lines += ["", f"real decoding ({dec['prompts']} held-out ShareGPT prompt, {dec['max_new_tokens']} tokens, "
+                      f"float32): " + "; ".join(parts) + f"; {lossless}"]
+    return "\n".join(lines)
+
+
+def run_demo(root: Path, overrides: list[str], size: "DemoSize | None" = None) -> int:
+    """The whole path into `root`; `size` defaults to the machine's (tests pass a small one)."""
     from . import assets
     from .data.prepare import PrepareConfig, prepare
     from .data.regen import RegenSettings, regenerate
-    from .infer.evaluate import evaluate, load_eval_models, markdown_table, update_model_card
+    from .infer.evaluate import update_model_card
     from .model.target import load_tokenizer
     from .train.checkpoint import list_checkpoints
-    from .train.trainer import resolve_device, resolve_dtype, train
+    from .train.trainer import train
 
-    size = DemoSize.for_machine()
+    size = size or DemoSize.for_machine()
     root.mkdir(parents=True, exist_ok=True)
+    check_recipe(root, size, overrides)
     times: dict[str, float] = {}
     t_all = time.time()
     target = str(assets.resolve_target("smollm2"))
     regen_out, data_dir, run_dir = root / "regen.jsonl", root / "prepared", root / "run"
+    cfg = demo_config(size, data_dir, overrides)
 
     _stage("regen", times, lambda: regenerate(target, ["sharegpt"], regen_out, RegenSettings(
         max_new_tokens=size.max_new_tokens, limit=size.prompts, max_prompt_tokens=size.max_prompt_tokens,
-        batch_size=16, progress=False)))
+        batch_size=size.regen_batch, progress=False)))
 
     def do_prepare():
         if (data_dir / "manifest.json").is_file():
             return json.loads((data_dir / "manifest.json").read_text())
         return prepare(load_tokenizer(target), target, [str(regen_out)], data_dir,
-                       PrepareConfig(max_length=1024, block_size=8, val_fraction=0.05))
+                       PrepareConfig(max_length=cfg.data.max_length, block_size=cfg.drafter.block_size,
+                                     val_fraction=0.05))
 
     _stage("prepare", times, do_prepare)
-    cfg = demo_config(size, data_dir, overrides)
 
     def do_train():
         if (run_dir / "export" / "model.safetensors").is_file():
@@ -150,27 +279,22 @@ def run_demo(root: Path, overrides: list[str]) -> int:
     def do_eval():
         if eval_json.is_file():
             return json.loads(eval_json.read_text())
-        device = resolve_device("auto")
-        models = load_eval_models(target, str(run_dir / "export"), device, resolve_dtype("float32", device))
-        tgt, tok, drafter, stops = models
-        with torch.no_grad():
-            report = evaluate(tgt, tok, drafter, ["sharegpt", "mt-bench", "humaneval"],
-                              max_new_tokens=size.eval_new_tokens, tree_budgets=(size.tree_budget,),
-                              limit=size.eval_prompts, stop_token_ids=stops)
+        report = run_eval(target, run_dir / "export", size, cfg.run.seed)
         eval_json.write_text(json.dumps(report, indent=1))
         return report
 
     report = _stage("eval", times, do_eval)
     pngs = plot_run(run_dir, report, run_dir / "export")
     update_model_card(run_dir / "export", report)
-    if pngs:
-        card = run_dir / "export" / "README.md"
-        card.write_text(card.read_text() + "\n" + "".join(f"![{p.stem}]({p.name})\n" for p in pngs))
+    card = run_dir / "export" / "README.md"
+    links = [f"![{p.stem}]({p.name})" for p in pngs if f"]({p.name})" not in card.read_text()]
+    if links:
+        card.write_text(card.read_text() + "\n" + "".join(link + "\n" for link in links))
     from .rundir import read_metrics
 
     train_records = [r for r in read_metrics(run_dir) if r.get("kind") != "validation"]
     tok_s = sum(r["tokens_per_s"] for r in train_records) / max(len(train_records), 1)
-    print("\n" + markdown_table(report))
+    print("\n" + summary_table(report))
     print(f"\ntraining: {len(train_records) and train_records[-1]['step']} steps, {tok_s:,.0f} target tokens/s")
     print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()) + f"; total {time.time() - t_all:.0f} s")
     print(f"run directory: {run_dir}\nexported drafter: {run_dir / 'export'} (model card with plots)")

@@ -1,0 +1,58 @@
+"""`dflash-train demo`: one recipe per run directory, and the whole path on the real SmolLM2 at a small size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_train.demo import DemoSize, check_recipe, run_demo
+
+SMALL = DemoSize(prompts=24, max_prompt_tokens=96, max_new_tokens=24, regen_batch=12, train_steps=8,
+                 eval_prompts=2, eval_prompt_tokens=200, eval_new_tokens=16, tree_budget=4,
+                 decode_prompts=1, decode_new_tokens=8)
+
+
+def test_a_run_directory_holds_one_recipe(tmp_path):
+    root = tmp_path / "demo"
+    root.mkdir()
+    check_recipe(root, SMALL, ["optim.lr=1e-3"])
+    check_recipe(root, SMALL, ["optim.lr=1e-3"])  # the same recipe: its stages are reused
+    with pytest.raises(ValueError, match=f"{root}.*other overrides"):
+        check_recipe(root, SMALL, ["optim.lr=2e-3"])
+    bigger = DemoSize(**{**SMALL.__dict__, "train_steps": 9})
+    with pytest.raises(ValueError, match="another recipe"):
+        check_recipe(root, bigger, ["optim.lr=1e-3"])
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "regen.jsonl").write_text("{}\n")  # a directory from before the stamp existed
+    with pytest.raises(ValueError, match="earlier demo version"):
+        check_recipe(old, SMALL, [])
+
+
+@pytest.mark.slow
+def test_demo_runs_the_whole_path_and_a_second_run_reuses_it(tmp_path, smollm2_dir, capsys):
+    root = tmp_path / "demo"
+    assert run_demo(root, [], SMALL) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((root / "eval.json").read_text())
+    assert set(report["datasets"]) == {"sharegpt", "mt-bench", "humaneval"}
+    for ds, body in report["datasets"].items():
+        for mode in ("block", "tree-4"):
+            assert body["modes"][mode]["tau"] >= 1.0 and body["modes"][mode]["steps"] > 0, (ds, mode)
+            assert report["untrained"][ds][mode] >= 1.0
+            assert f"| {ds} | {mode} | {body['modes'][mode]['tau']:.3f} |" in printed
+    assert report["decode"]["prompts"] == 1 and not report["decode"]["lossless_mismatches"]
+    export = root / "run" / "export"
+    assert (export / "model.safetensors").is_file() and (export / "config.json").is_file()
+    card = (export / "README.md").read_text()
+    for png in ("training_curves.png", "acceptance_histogram.png"):
+        assert (export / png).stat().st_size > 1000 and f"]({png})" in card
+    assert "wall time: regen" in printed and str(export) in printed
+
+    before = {p: p.stat().st_mtime_ns for p in (root / "regen.jsonl", root / "eval.json",
+                                                 export / "model.safetensors")}
+    assert run_demo(root, [], SMALL) == 0  # every stage is done: reused, not redone
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+    assert (export / "README.md").read_text().count("](training_curves.png)") == 1
