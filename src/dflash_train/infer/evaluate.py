@@ -339,6 +339,8 @@ def update_model_card(drafter_dir: Path, report: dict) -> None:
     marker = "\n## Evaluation (speculative decoding)\n"
     text = text.split(marker)[0].rstrip() + "\n" + marker
     c = report["config"]
+    how = ("Tau by replay (`dflash-train eval --replay`: the tau of greedy speculative decoding, not timed)"
+           if c.get("method") == "replay" else "Produced by `dflash-train eval`")
     text += (f"\nGreedy={c['temperature'] <= 0}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
-             f"block size {c['block_size']}. Produced by `dflash-train eval`.\n\n" + markdown_table(report) + "\n")
+             f"block size {c['block_size']}. {how}.\n\n" + markdown_table(report) + "\n")
     card.write_text(text)
