@@ -33,6 +33,26 @@ def test_anchors_resample_with_the_generator_and_repeat_with_the_seed():
     assert torch.equal(a1, a2) and not torch.equal(a1, a3)
 
 
+@pytest.mark.parametrize("rows,cap,multiple", [(4, 64, 8), (4, 50, 8), (3, 7, 1), (16, 64, 8), (2, 0, 8)])
+def test_a_batch_cap_bounds_the_blocks_computed(rows, cap, multiple):
+    """rows x blocks <= the cap (or one tile per row when the cap is smaller); each row keeps
+    min(valid, max_anchors, its share) anchors, all valid and distinct."""
+    g = torch.Generator().manual_seed(rows + cap)
+    seq, bs, max_anchors = 120, 4, 40
+    loss_mask = (torch.rand(rows, seq, generator=g) < 0.7).long()
+    lengths = torch.randint(2 * bs, seq + 1, (rows,), generator=g)
+    anchors, keep = sample_anchors(loss_mask, lengths, bs, max_anchors, g, multiple, cap)
+    share = max(cap // rows // multiple * multiple, multiple) if cap else max_anchors
+    if cap:
+        assert anchors.numel() <= max(cap, rows * multiple)
+    assert anchors.shape[1] % multiple == 0
+    for b in range(rows):
+        valid = [p for p in range(seq) if loss_mask[b, p] and p <= lengths[b] - bs]
+        kept = anchors[b][keep[b]].tolist()
+        assert len(kept) == min(len(valid), max_anchors, share)
+        assert kept == sorted(set(kept)) and set(kept) <= set(valid)
+
+
 def test_anchor_count_rounds_up_with_unkept_blocks():
     loss_mask = torch.ones(1, 50, dtype=torch.long)
     anchors, keep = sample_anchors(loss_mask, torch.tensor([50]), 4, 5, torch.Generator().manual_seed(0), multiple_of=8)

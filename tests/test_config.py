@@ -49,6 +49,7 @@ def test_wrong_types_name_the_key(tree, key):
     ({"data": {"max_length": 20}}, "data.max_length"),
     ({"data": {"token_budget": 100, "max_length": 200}}, "data.token_budget"),
     ({"optim": {"warmup_ratio": 1.5}}, "optim.warmup_ratio"),
+    ({"objective": {"max_anchors_per_batch": -1}}, "objective.max_anchors_per_batch"),
     ({"objective": {"distill_weight": 1.5}}, "objective.distill_weight"),
     ({"objective": {"distill_weight": -0.1}}, "objective.distill_weight"),
     ({"objective": {"distill_temperature": 0.0}}, "objective.distill_temperature"),

@@ -238,6 +238,7 @@ def test_wsd_schedule_values():
     {"optim": {"schedule": "cosine"}},
     {"objective": {"distill_weight": 0.5, "distill_temperature": 2.0}},
     {"optim": {"schedule": "wsd", "decay_ratio": 0.5, "min_lr_ratio": 0.1}},
+    {"objective": {"max_anchors_per_batch": 8}},
 ])
 def test_train_run_with_option_finishes_with_finite_loss(tmp_path, tiny_target_dir, counting_jsonl, option):
     from dflash_train.cli import main

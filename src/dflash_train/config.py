@@ -91,6 +91,10 @@ class DataConfig:
 class ObjectiveConfig:
     # Anchors sampled per sequence and step.
     max_anchors: int = 512
+    # Cap on the blocks one micro-batch computes (rows x blocks per row, not-kept padding included), so
+    # the drafter's cost per micro-batch is bounded whatever the batch holds: each row then samples at most
+    # cap // rows anchors (rounded down to whole flex tiles, at least one tile). 0 = no cap.
+    max_anchors_per_batch: int = 0
     # Loss weight of block slot k is exp(-(k - 1) / gamma).
     gamma: float = 7.0
     # Rows of the lm_head + cross-entropy computed at once (full logits never exist).
@@ -404,6 +408,8 @@ def validate(cfg: Config) -> None:
         need(d.num_attention_heads % d.num_key_value_heads == 0, "drafter.num_key_value_heads",
              f"must divide drafter.num_attention_heads={d.num_attention_heads} (got {d.num_key_value_heads})")
     need(o.max_anchors >= 1, "objective.max_anchors", f"must be >= 1 (got {o.max_anchors})")
+    need(o.max_anchors_per_batch >= 0, "objective.max_anchors_per_batch",
+         f"must be >= 0 (0 = no cap; got {o.max_anchors_per_batch})")
     need(o.gamma > 0, "objective.gamma", f"must be > 0 (got {o.gamma})")
     need(o.loss_chunk_size >= 1, "objective.loss_chunk_size", "must be >= 1")
     need(0 < o.acceptance_floor <= 1, "objective.acceptance_floor", f"must be in (0, 1] (got {o.acceptance_floor})")

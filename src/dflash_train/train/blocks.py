@@ -38,11 +38,17 @@ def sample_anchors(
     max_anchors: int,
     generator: torch.Generator,
     multiple_of: int = 1,
+    max_batch_anchors: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns anchors `[B, N]` (sorted per row) and keep `[B, N]`. N is the largest per-row count,
     rounded up to `multiple_of` (extra blocks are not kept). Random keys come from `generator` (CPU)
-    so that a step's anchors depend only on the seed and the data."""
+    so that a step's anchors depend only on the seed and the data. `max_batch_anchors` > 0 bounds
+    B * N: a row takes at most `max_batch_anchors // B` anchors, rounded down to `multiple_of` (at
+    least `multiple_of`, so B * N <= max(max_batch_anchors, B * multiple_of))."""
     batch, seq = loss_mask.shape
+    if max_batch_anchors > 0 and batch:
+        per_row = max(max_batch_anchors // batch // multiple_of * multiple_of, multiple_of)
+        max_anchors = min(max_anchors, per_row)
     pos = torch.arange(seq, device=loss_mask.device)
     valid = (loss_mask > 0) & (pos.view(1, -1) <= (lengths.view(-1, 1) - block_size))
     keys = torch.rand(batch, seq, generator=generator).to(loss_mask.device)

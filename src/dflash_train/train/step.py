@@ -148,7 +148,7 @@ def forward_loss(
         raise ValueError("objective.distill_weight > 0 needs the target's final hidden states, which a capture "
                          "computed on another rank (parallel.placement=split) does not carry")
     anchors, keep = sample_anchors(batch.loss_mask, batch.lengths, bs, o.max_anchors, generator,
-                                   backend.blocks_multiple_of)
+                                   backend.blocks_multiple_of, o.max_anchors_per_batch)
     blocks: Blocks = build_blocks(
         batch.input_ids, batch.loss_mask, batch.lengths, anchors, keep, bs, drafter.mask_token_id, o.gamma
     )
