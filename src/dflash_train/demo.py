@@ -172,9 +172,7 @@ def run_eval(target: str, drafter_dir: Path, size: DemoSize, seed: int = 0) -> d
     training started from), then real decoding of `decode_prompts` held-out ShareGPT prompts (timing,
     speedup against the target alone, lossless check). The report is `evaluate`'s, plus "untrained" (tau
     per dataset and mode) and "decode" (the real-decoding summary)."""
-    from .infer.evaluate import load_eval_models, make_modes, report_config, report_from_records, run_prompt, \
-        summarize_records
-    from .infer.replay import build_corpus, replay_records
+    from .infer.evaluate import load_eval_models, make_modes, replay_reports, run_prompt, summarize_records
     from .infer.spec_decode import SpeculativeDecoder
     from .model.drafter import DFlashDrafter
     from .train.trainer import resolve_device, resolve_dtype
@@ -185,22 +183,13 @@ def run_eval(target: str, drafter_dir: Path, size: DemoSize, seed: int = 0) -> d
     untrained = DFlashDrafter(drafter.config).to(device=device, dtype=next(drafter.parameters()).dtype).eval()
     items = eval_items(tok, size)
     budgets = (size.tree_budget,)
-    modes = [m.name for m in make_modes(budgets, measure_speedup=False)]
-    order = {ds: [i["id"] for i in items if i["dataset"] == ds] for ds in DATASETS}
     with torch.no_grad():
-        corpus = build_corpus(tgt, tok, items, size.eval_new_tokens, drafter.block_size, stops,
-                              batch_size=size.regen_batch)
-        records = replay_records(tgt, tok, {"trained": drafter, "untrained": untrained}, corpus,
-                                 size.eval_new_tokens, budgets, stops)
-        reports = {}
-        for name, recs in records.items():
-            by_ds = {ds: [r for r in recs if r["dataset"] == ds] for ds in DATASETS}
-            reports[name] = report_from_records(report_config(size.eval_new_tokens, 0.0, drafter.block_size, budgets),
-                                                by_ds, {ds: modes for ds in DATASETS}, order)
+        reports = replay_reports(tgt, tok, {"trained": drafter, "untrained": untrained}, items,
+                                 max_new_tokens=size.eval_new_tokens, tree_budgets=budgets, stop_token_ids=stops,
+                                 batch_size=size.regen_batch)
         report = reports["trained"]
-        report["config"].update(method="replay", prompts_per_dataset=size.eval_prompts,
-                                max_prompt_tokens=size.eval_prompt_tokens)
-        report["untrained"] = {ds: {m: body["modes"][m]["tau"] for m in modes}
+        report["config"].update(prompts_per_dataset=size.eval_prompts, max_prompt_tokens=size.eval_prompt_tokens)
+        report["untrained"] = {ds: {m: s["tau"] for m, s in body["modes"].items()}
                                for ds, body in reports["untrained"]["datasets"].items()}
         decoder = SpeculativeDecoder(tgt, drafter, stops)
         dmodes = make_modes(budgets, measure_speedup=True)

@@ -191,21 +191,43 @@ def evaluate_by_replay(
 ) -> dict:
     """`evaluate`'s report for greedy block and DDTree decoding, by replay (`infer.replay`): the same tokens
     and accept lengths, from one batched target generation and one drafter pass per turn; nothing is timed."""
+    items = [{"dataset": ds, **item} for ds in datasets for item in iter_prompts(ds, limit)]
+    return replay_reports(target, tokenizer, {"drafter": drafter}, items, max_new_tokens=max_new_tokens,
+                          tree_budgets=tree_budgets, stop_token_ids=stop_token_ids, template_kwargs=template_kwargs,
+                          batch_size=batch_size)["drafter"]
+
+
+def replay_reports(
+    target,
+    tokenizer,
+    drafters: dict[str, DFlashDrafter],
+    items: list[dict],
+    *,
+    max_new_tokens: int = 256,
+    tree_budgets: tuple[int, ...] = (),
+    stop_token_ids: Optional[list[int]] = None,
+    template_kwargs: Optional[dict] = None,
+    batch_size: int = 32,
+) -> dict[str, dict]:
+    """One replay report per drafter (all of one block size) over the same prompts (`{"dataset", "id",
+    "turns"}`, datasets in order of first appearance): the target's continuations are generated once."""
     from .replay import build_corpus, replay_records
 
     stops = list(stop_token_ids or [])
-    items = [{"dataset": ds, **item} for ds in datasets for item in iter_prompts(ds, limit)]
-    corpus = build_corpus(target, tokenizer, items, max_new_tokens, drafter.block_size, stops, batch_size,
-                          template_kwargs)
-    records = replay_records(target, tokenizer, {"drafter": drafter}, corpus, max_new_tokens, tree_budgets,
-                             stops)["drafter"]
+    block_size = next(iter(drafters.values())).block_size
+    corpus = build_corpus(target, tokenizer, items, max_new_tokens, block_size, stops, batch_size, template_kwargs)
+    records = replay_records(target, tokenizer, drafters, corpus, max_new_tokens, tree_budgets, stops)
     modes = [m.name for m in make_modes(tree_budgets, measure_speedup=False)]
-    by_ds = {ds: [r for r in records if r["dataset"] == ds] for ds in datasets}
+    datasets = list(dict.fromkeys(i["dataset"] for i in items))
     order = {ds: [i["id"] for i in items if i["dataset"] == ds] for ds in datasets}
-    report = report_from_records(report_config(max_new_tokens, 0.0, drafter.block_size, tree_budgets), by_ds,
-                                 {ds: modes for ds in datasets}, order)
-    report["config"]["method"] = "replay"
-    return report
+    reports = {}
+    for name, recs in records.items():
+        by_ds = {ds: [r for r in recs if r["dataset"] == ds] for ds in datasets}
+        report = report_from_records(report_config(max_new_tokens, 0.0, block_size, tree_budgets), by_ds,
+                                     {ds: modes for ds in datasets}, order)
+        report["config"]["method"] = "replay"
+        reports[name] = report
+    return reports
 
 
 def report_config(max_new_tokens: int, temperature: float, block_size: int, tree_budgets) -> dict:

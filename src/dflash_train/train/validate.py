@@ -68,7 +68,7 @@ def _walks(train_step: TrainStep, batch, hidden: torch.Tensor) -> list[int]:
         mask = (batch.loss_mask[b, :length] > 0).tolist()
         ids = batch.input_ids[b, :length].tolist()
         start = None
-        for p, on in enumerate(mask + [False]):  # each assistant turn (a run of supervised tokens) on its own
+        for p, on in enumerate(mask + [False]):
             if on and start is None:
                 start = p
             elif not on and start is not None:
