@@ -175,6 +175,9 @@ def measure_one_side(args) -> None:
         dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
                                    mask_token_id=5, **dkwargs)
         drafter = DFlashDrafter(dcfg).cuda()
+        if args.compile_drafter:
+            drafter.compile_layers()
+        result["compile_drafter"] = args.compile_drafter
         hidden = torch.randn(args.batch, args.seq, len(ids) * shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
         frozen = _Frozen(shape, hidden)
         cfg = config_from_dict({"drafter": {"block_size": args.block, "num_draft_layers": args.layers},
@@ -208,6 +211,8 @@ def main() -> None:
                     help="measure one side alone (the per-GPU rates of a split placement)")
     ap.add_argument("--compile-target", action="store_true",
                     help="target.compile: the target's decoder layers compiled (warmed up before timing)")
+    ap.add_argument("--compile-drafter", action="store_true",
+                    help="drafter.compile: the drafter's layers compiled (in the first, untimed steps)")
     args = ap.parse_args()
     if args.part != "both":
         return measure_one_side(args)
@@ -238,6 +243,8 @@ def main() -> None:
     dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids, mask_token_id=5,
                                **dkwargs)
     drafter = DFlashDrafter(dcfg).cuda()
+    if args.compile_drafter:
+        drafter.compile_layers()
     build_s = time.perf_counter() - t0
 
     cfg = config_from_dict({"drafter": {"block_size": args.block, "num_draft_layers": args.layers},
@@ -294,7 +301,8 @@ def main() -> None:
         "shape": args.shape, "batch": args.batch, "seq": args.seq, "block": args.block, "anchors": args.anchors,
         "peak_tflops": round(peak, 1), "build_s": round(build_s, 1), "first_step_s": round(first_step_s, 1),
         "start_to_first_step_s": round(start_to_first_step_s, 1), "fresh_cache": args.fresh_cache,
-        **compile_layer.cache_stats(), "compile_target": args.compile_target, **target_warm,
+        **compile_layer.cache_stats(), "compile_target": args.compile_target,
+        "compile_drafter": args.compile_drafter, **target_warm,
         "target_s": round(t_target, 4), "drafter_s": round(t_drafter, 4), "step_s": round(t_step, 4),
         "tokens_per_s": round(tokens / t_step), "target_mfu": round(f_target / t_target / 1e12 / peak, 3),
         "drafter_mfu": round(f_drafter / t_drafter / 1e12 / peak, 3),

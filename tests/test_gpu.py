@@ -41,7 +41,7 @@ def _drafter_and_inputs(block_size=16, s=300, batch=2, max_anchors=40, seed=0):
     return drafter, hidden, block, pos, anchors, keep, s
 
 
-def _run(drafter, hidden, block, pos, anchors, keep, s, backend_name, dtype):
+def _run(drafter, hidden, block, pos, anchors, keep, s, backend_name, dtype, compiled_layers=False):
     from dflash_train.model.attention import resolve_backend
 
     backend = resolve_backend(backend_name, torch.device("cuda"), 16)
@@ -52,7 +52,7 @@ def _run(drafter, hidden, block, pos, anchors, keep, s, backend_name, dtype):
         pos = torch.cat([torch.arange(s + pad, device="cuda").expand(pos.shape[0], -1), pos[:, s:]], 1)
     mask = backend.build_mask(anchors, keep, s + pad, 16)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        out = drafter(hidden.to(dtype), block.to(dtype), pos, backend.attention, mask)
+        out = drafter(hidden.to(dtype), block.to(dtype), pos, backend.attention, mask, compiled_layers=compiled_layers)
     live = keep.repeat_interleave(16, dim=1)
     # A random linear probe: mean(out**2) would be ~constant after the final RMSNorm (no gradient signal).
     probe = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda")
@@ -81,6 +81,24 @@ def test_flex_matches_sdpa_outputs_and_gradients(seed):
     assert _rel(f_out, ref_out) < 2 * _rel(s_out, ref_out) + 1e-3
     for k in ref_grads:
         assert _rel(f_grads[k], ref_grads[k]) < 2 * _rel(s_grads[k], ref_grads[k]) + 1e-2, k
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_compiled_drafter_layers_match_eager(seed):
+    """drafter.compile through inductor, flex attention, bf16 autocast: the compiled layers' rounding error
+    against the float32 eager result is no worse than the eager bf16 layers' own (twice it at most)."""
+    import copy
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    drafter, *rest = _drafter_and_inputs(seed=seed)
+    compiled = copy.deepcopy(drafter)
+    compiled.compile_layers()
+    ref_out, ref_grads = _run(drafter, *rest, "sdpa", torch.float32)
+    e_out, e_grads = _run(drafter, *rest, "flex", torch.bfloat16)
+    c_out, c_grads = _run(compiled, *rest, "flex", torch.bfloat16, compiled_layers=True)
+    assert _rel(c_out, ref_out) < 2 * _rel(e_out, ref_out) + 1e-3
+    for k in ref_grads:
+        assert _rel(c_grads[k], ref_grads[k]) < 2 * _rel(e_grads[k], ref_grads[k]) + 1e-2, k
 
 
 def _gpu_config(path, target, data, **run):
@@ -279,3 +297,18 @@ def test_colocated_one_gpu_run_with_compiled_target(tmp_path, tiny_target_dir, c
     assert status["target_recompiled_after_warmup"] == 0
     records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["recompiles"] == records[0]["recompiles"] and all(r["loss"] == r["loss"] for r in records)
+
+
+def test_colocated_one_gpu_run_with_compiled_drafter_and_target(tmp_path, tiny_target_dir, counting_jsonl):
+    """drafter.compile=true (and target.compile=true) end to end with validation: the warm-up compiles the
+    training and validation graphs for batches of one row and of several, then no step compiles."""
+    from dflash_train.cli import main
+
+    cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, eval_every=5)
+    assert main(["train", str(cfg), "drafter.compile=true", "target.compile=true", "data.token_budget=600",
+                 "--run-dir", str(tmp_path / "R"), "--max-steps", "15"]) == 0
+    status = json.loads((tmp_path / "R" / "status.json").read_text())
+    assert status["phase"] == "done" and status["drafter_compiled_graphs"] > 0, status
+    records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["recompiles"] == records[0]["recompiles"] and all(r["loss"] == r["loss"] for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]

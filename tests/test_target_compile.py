@@ -173,8 +173,8 @@ def test_trainer_warm_up_compiles_the_target_first_and_steps_never_compile(tmp_p
     import dflash_train.config as config_mod
     from dflash_train.train import trainer
 
-    monkeypatch.setattr(config_mod, "validate_target_device", lambda *a: None)
-    monkeypatch.setattr(trainer, "validate_target_device", lambda *a: None)
+    monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(trainer, "validate_compile_device", lambda *a: None)
     cfg = config_from_dict({
         "target": {"path": str(tiny_target_dir), "compile": True},
         "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},

@@ -71,6 +71,10 @@ class DrafterConfig:
     # layers (and its final norm as the target's), read from the target's safetensors; fc stays
     # random. Needs the target's layer shape (the four keys above at null).
     init_from_target: bool = False
+    # Compile the drafter's layers for training (torch.compile/inductor, two graphs shared by all layers,
+    # dynamic batch and length, compiled in the warm-up): fuses the norms, RoPE, SiLU x mul and residual
+    # adds around the matmuls. CUDA only: a CPU device refuses it.
+    compile: bool = False
 
 
 @dataclass
@@ -441,7 +445,7 @@ def validate(cfg: Config) -> None:
     need(r.eval_max_new_tokens >= 1, "run.eval_max_new_tokens", "must be >= 1")
     need(op.grad_accum >= 1, "optim.grad_accum", f"must be >= 1 (got {op.grad_accum})")
     if r.device == "cpu":
-        validate_target_device(cfg, "cpu")
+        validate_compile_device(cfg, "cpu")
     need(cfg.parallel.target_ranks >= 1, "parallel.target_ranks", f"must be >= 1 (got {cfg.parallel.target_ranks})")
     if cfg.parallel.placement == "split":
         need(r.eval_every == 0, "run.eval_every",
@@ -452,13 +456,16 @@ def validate(cfg: Config) -> None:
              "drafter ranks yet; use parallel.placement=colocated or set objective.distill_weight=0")
 
 
-def validate_target_device(cfg: Config, device_type: str) -> None:
-    """`target.compile` needs a CUDA device (run at config load for run.device=cpu, and once `auto` resolves)."""
-    if cfg.target.compile and device_type != "cuda":
-        raise ConfigError(
-            f"config key 'target.compile': compiles the target's decoder layers with inductor for CUDA GPUs, but "
-            f"the run's device is {device_type} (run.device={cfg.run.device}); set target.compile=false"
-        )
+def validate_compile_device(cfg: Config, device_type: str) -> None:
+    """`target.compile` and `drafter.compile` need a CUDA device (run at config load for run.device=cpu, and
+    once `auto` resolves)."""
+    for key, on, what in (("target.compile", cfg.target.compile, "the target's decoder layers"),
+                          ("drafter.compile", cfg.drafter.compile, "the drafter's layers")):
+        if on and device_type != "cuda":
+            raise ConfigError(
+                f"config key '{key}': compiles {what} with inductor for CUDA GPUs, but the run's device is "
+                f"{device_type} (run.device={cfg.run.device}); set {key}=false"
+            )
 
 
 def validate_world(cfg: Config, world: int) -> None:

@@ -83,8 +83,19 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _separate_symbols():
+    """Dynamo's "duck sizing" gives input sizes that happen to be equal at compile time one symbol (a
+    warm-up batch of 8 against 8 key/value heads, a block part as long as the context); a later step where
+    they differ then fails the guard and recompiles. Each size gets its own symbol here instead. A context
+    manager per call: on torch >= 2.12 this config is per thread."""
+    import torch.fx.experimental._config as fx_config
+
+    return fx_config.patch(use_duck_shape=False)
+
+
 def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
-    """`torch.compile(fn, fullgraph=True, ...)` once per process, called under the process lock."""
+    """`torch.compile(fn, fullgraph=True, ...)` once per process, called under the process lock, every input
+    size its own symbol (no duck sizing)."""
     with _LOCK:
         inner = _compiled.get(name)
         if inner is None:
@@ -92,7 +103,7 @@ def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
             _compiled[name] = inner
 
     def call(*args, **kwargs):
-        with _LOCK:
+        with _LOCK, _separate_symbols():
             return inner(*args, **kwargs)
 
     call.__name__ = f"compiled_{name}"

@@ -11,7 +11,7 @@ Parameter names equal the export tensor names (`layers.{i}.self_attn.q_proj.weig
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[b, heads, n, d]`, cos/sin `[b, n, d]`."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+class RopeTables(NamedTuple):
+    """cos/sin `[b, n, d]` of the context's positions and of the block's."""
+
+    cos_context: torch.Tensor
+    sin_context: torch.Tensor
+    cos_block: torch.Tensor
+    sin_block: torch.Tensor
+
+
+# `drafter.compile`'s torch.compile backend; CPU tests swap in Dynamo's "eager" (tracing, guards and
+# recompiles without inductor).
+COMPILE_BACKEND = "inductor"
 
 # An attention function: (q [b, nh, Q, d], k [b, nkv, KV, d], v, mask) -> [b, nh, Q, d].
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object], torch.Tensor]
@@ -97,31 +116,28 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attention: AttentionFn,
-        mask: object,
-        cache: Optional["DrafterKVCache"] = None,
-        layer_idx: int = 0,
-    ) -> torch.Tensor:
+    def project(self, x: torch.Tensor, context: torch.Tensor, rope: "RopeTables") -> tuple[torch.Tensor, ...]:
+        """Queries from the (normed) block `x`; keys/values of the context and of the block, projected
+        by the same weights, k normed, RoPE on q and k: q `[b, nh, Q, d]`, then k and v of the context
+        `[b, nkv, S, d]` and of the block `[b, nkv, Q, d]`. The caller concatenates them: no tensor here
+        is S + Q long, so compiled graphs see only the two lengths themselves."""
         b, q_len, _ = x.shape
         ctx_len = context.shape[1]
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        kv_in = torch.cat([context, x], dim=1)
-        k = self.k_norm(self.k_proj(kv_in).view(b, ctx_len + q_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, ctx_len + q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        # cos/sin cover the new keys [context | block]; queries take the block part.
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos[:, :, -q_len:] + _rotate_half(q) * sin[:, :, -q_len:]
-        k = k * cos + _rotate_half(k) * sin
-        if cache is not None:
-            k, v = cache.append(layer_idx, k, v)
-        out = attention(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+
+        def keys_values(h: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            k = self.k_norm(self.k_proj(h).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+            return k, self.v_proj(h).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+        k_ctx, v_ctx = keys_values(context, ctx_len)
+        k_blk, v_blk = keys_values(x, q_len)
+        q, k_blk = _apply_rope(q, rope.cos_block, rope.sin_block), _apply_rope(k_blk, rope.cos_block, rope.sin_block)
+        return q, _apply_rope(k_ctx, rope.cos_context, rope.sin_context), v_ctx, k_blk, v_blk
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """`[b, nh, Q, d]` attention output -> `[b, Q, H]`."""
+        b, _, q_len, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -132,10 +148,23 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, context, cos, sin, attention, mask, cache=None, layer_idx=0) -> torch.Tensor:
+    def attention_inputs(self, x: torch.Tensor, context: torch.Tensor, rope: RopeTables):
         # Pre-norm on the block only: the context enters already normalised by hidden_norm.
-        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention, mask, cache, layer_idx)
+        return self.self_attn.project(self.input_layernorm(x), context, rope)
+
+    def attention_output_and_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.output(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, context, rope, attention, mask, cache=None, layer_idx=0, parts=None) -> torch.Tensor:
+        """`parts`: compiled versions of (attention_inputs, attention_output_and_mlp), called with the layer
+        first (see `DFlashDrafter.compile_layers`); the attention itself runs between them, uncompiled here."""
+        inputs, output = parts or (type(self).attention_inputs, type(self).attention_output_and_mlp)
+        q, k_ctx, v_ctx, k_blk, v_blk = inputs(self, x, context, rope)
+        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)  # keys: [context | block]
+        if cache is not None:
+            k, v = cache.append(layer_idx, k, v)
+        return output(self, x, attention(q, k, v, mask))
 
 
 class DrafterKVCache:
@@ -176,7 +205,28 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary = Rotary(config)
+        self._compiled_parts: Optional[tuple[Callable, Callable]] = None
         self.reset_parameters()
+
+    def compile_layers(self, backend: Optional[str] = None) -> None:
+        """`drafter.compile`: the memory-bound work around each layer's matmuls (RMSNorms, RoPE, SiLU x mul,
+        residual adds, casts) fused by torch.compile, in two graphs shared by every layer (before and after
+        the attention, which its backend compiles on its own). Dynamic batch and lengths, through the compile
+        layer (one process lock, fullgraph). Used by `forward(..., compiled_layers=True)` only: the training
+        step; evaluation and decoding keep the eager layers, whose shapes the warm-up does not cover."""
+        from .compile import compiled
+
+        backend = backend or COMPILE_BACKEND
+        layer = DFlashDecoderLayer
+        self._compiled_parts = (
+            compiled(f"drafter_attention_inputs[{backend}]", layer.attention_inputs, dynamic=True, backend=backend),
+            compiled(f"drafter_output_and_mlp[{backend}]", layer.attention_output_and_mlp, dynamic=True,
+                     backend=backend),
+        )
+
+    @property
+    def layers_compiled(self) -> bool:
+        return self._compiled_parts is not None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -197,12 +247,18 @@ class DFlashDrafter(nn.Module):
         attention: AttentionFn,
         mask: object,
         cache: Optional[DrafterKVCache] = None,
+        compiled_layers: bool = False,
     ) -> torch.Tensor:
         """target_hidden `[b, S, K*H]`, block_embeds `[b, Q, H]`, position_ids `[b, S + Q]` (positions of
-        the new keys: context then block). Returns the normed hidden states of the block `[b, Q, H]`."""
+        the new keys: context then block). Returns the normed hidden states of the block `[b, Q, H]`.
+        `compiled_layers`: run the layers' compiled parts (the training step, after `compile_layers`)."""
+        if compiled_layers and (self._compiled_parts is None or cache is not None):
+            raise ValueError("compiled_layers=True needs compile_layers() first and no KV cache (training only)")
+        parts = self._compiled_parts if compiled_layers else None
         context = self.hidden_norm(self.fc(target_hidden))
         x = block_embeds
-        cos, sin = self.rotary(position_ids, x.dtype)
+        s = context.shape[1]
+        rope = RopeTables(*self.rotary(position_ids[:, :s], x.dtype), *self.rotary(position_ids[:, s:], x.dtype))
         for i, layer in enumerate(self.layers):
-            x = layer(x, context, cos, sin, attention, mask, cache, i)
+            x = layer(x, context, rope, attention, mask, cache, i, parts)
         return self.norm(x)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .. import assets
-from ..config import Config, dump_config, validate_against_target, validate_target_device, validate_world
+from ..config import Config, dump_config, validate_against_target, validate_compile_device, validate_world
 from ..data.dataset import batches_from, collate, padding_fraction, plan_batches
 from ..data.source import open_training_data, open_validation_data
 from ..model.attention import resolve_backend
@@ -31,7 +31,7 @@ from ..model import compile as compile_layer
 from ..model.provenance import PROVENANCE_NAME, target_provenance, write_provenance
 from . import checkpoint as checkpoints
 from . import preflight
-from .step import MicroBatch, StepStats, TrainStep, forward_loss
+from .step import Batch, MicroBatch, StepStats, TrainStep, forward_loss
 from .transport import DrafterInbox, SplitLayout, TargetOutbox
 from .validate import validate
 
@@ -85,7 +85,7 @@ def plan_run(cfg: Config) -> tuple[Plan, object]:
             "that never appears in normal text"
         )
     device = resolve_device(cfg.run.device)
-    validate_target_device(cfg, device.type)  # target.compile: CUDA only (auto may resolve to cpu)
+    validate_compile_device(cfg, device.type)  # target/drafter.compile: CUDA only (auto may resolve to cpu)
     target_dtype = resolve_dtype(cfg.target.dtype, device)
     compute_dtype = resolve_dtype(cfg.run.dtype, device)
     return Plan(target_path, layer_ids, int(mask), device, target_dtype, compute_dtype), tokenizer
@@ -127,30 +127,45 @@ def _record(stats: StepStats, step: int, epoch: float, tokens: int, seconds: flo
     }
 
 
+def _other_batch_size(batch: Batch, hidden: Optional[torch.Tensor]) -> tuple[Batch, Optional[torch.Tensor]]:
+    """A batch of the other kind than `batch` for the warm-up: Dynamo specialises a size of 1, so batches of
+    one row and of several compile separate graphs. One row (trimmed to its length), or the row twice."""
+    if batch.input_ids.shape[0] >= 2:
+        n = int(batch.lengths[0])
+        return (Batch(batch.input_ids[:1, :n], batch.loss_mask[:1, :n], batch.lengths[:1]),
+                None if hidden is None else hidden[:1, :n])
+    return (Batch(batch.input_ids.repeat(2, 1), batch.loss_mask.repeat(2, 1), batch.lengths.repeat(2)),
+            None if hidden is None else hidden.repeat(2, 1, 1))
+
+
 def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional[str], with_validation: bool,
-            hidden: Optional[torch.Tensor] = None) -> dict:
+            hidden: Optional[torch.Tensor] = None, both_batch_kinds: bool = True) -> dict:
     """Compile everything the loop will run, exactly as the loop runs it (grad on, forward + backward,
     production dtype, dynamic shapes; and the no-grad forward of validation), then seal the compile
-    layer. Weights do not change."""
+    layer. Weights do not change. `both_batch_kinds`: the data plan has batches of one row and of several,
+    which Dynamo compiles apart, so both are warmed (one kind costs half the compile time)."""
     path = compile_layer.configure_cache(cache_dir, fresh=fresh_cache)
     compile_layer.watch_recompiles()
     t0 = time.time()
     # target.compile: the target's layers first, batch 1 and >= 2, lengths near the first batch's (no-op when off)
     target_info = train_step.target.warm_up(batch.input_ids.shape[1]) \
         if isinstance(train_step.target, TargetCapture) else {}
-    stats = forward_loss(train_step.drafter, train_step.target, train_step.backend, batch, train_step.cfg,
-                         torch.Generator().manual_seed(0), train_step.compute_dtype, hidden=hidden)
-    stats.loss.backward()
-    train_step.optimizer.zero_grad(set_to_none=True)
-    if with_validation:
-        with torch.no_grad():
-            forward_loss(train_step.drafter, train_step.target, train_step.backend, batch, train_step.cfg,
-                         torch.Generator().manual_seed(0), train_step.compute_dtype)
+    graphs = compile_layer.graphs_compiled()
+    kinds = [(batch, hidden), _other_batch_size(batch, hidden)] if both_batch_kinds else [(batch, hidden)]
+    for b, h in kinds:
+        stats = forward_loss(train_step.drafter, train_step.target, train_step.backend, b, train_step.cfg,
+                             torch.Generator().manual_seed(0), train_step.compute_dtype, hidden=h)
+        stats.loss.backward()
+        train_step.optimizer.zero_grad(set_to_none=True)
+        if with_validation:
+            with torch.no_grad():
+                forward_loss(train_step.drafter, train_step.target, train_step.backend, b, train_step.cfg,
+                             torch.Generator().manual_seed(0), train_step.compute_dtype)
     if batch.input_ids.is_cuda:
         torch.cuda.current_stream().synchronize()  # not the NCCL stream: it may hold posted receives
     compile_layer.seal()
     info = {"warmup_s": round(time.time() - t0, 2), "compile_cache_dir": str(path), **compile_layer.cache_stats(),
-            **target_info}
+            "drafter_compiled_graphs": compile_layer.graphs_compiled() - graphs, **target_info}
     log.info("warm-up done in %.1f s (compile cache %s: %d hits, %d misses)", info["warmup_s"], path,
              info["fxgraph_cache_hit"], info["fxgraph_cache_miss"])
     return info
@@ -340,6 +355,8 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         if cfg.drafter.init_from_target and not resume:  # a resume loads the checkpoint's weights over it
             init_drafter_from_target(drafter, plan.target_path)
         drafter = drafter.to(device)
+        if cfg.drafter.compile:  # compiled by the warm-up below
+            drafter.compile_layers()
         n_params = sum(p.numel() for p in drafter.parameters())
         backend = resolve_backend(cfg.drafter.attention_backend, device, bs)
         train_step = TrainStep(drafter, target, backend, cfg, total, plan.compute_dtype, device, drafter_group, d_rank,
@@ -384,13 +401,15 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             log.info("no validation data (prepared val split or data.val_files): validation is off")
         stop_ids = assets.target_defaults(plan.target_path).get("stop_token_ids") or [tokenizer.eos_token_id]
         report(phase="warmup")
-        first = collate([data.example(i) for i in plan_batches(*batching, 0)[0]], tokenizer.pad_token_id).to(device)
+        epoch0 = plan_batches(*batching, 0)
+        first = collate([data.example(i) for i in epoch0[0]], tokenizer.pad_token_id).to(device)
+        rows = {len(b) for b in epoch0}
         synthetic = None
         if layout is not None:  # the compile needs the shapes and dtype of a capture, not its values
             synthetic = torch.randn(*first.input_ids.shape, len(plan.layer_ids) * provenance["hidden_size"],
                                     dtype=plan.target_dtype, device=device)
         warm = warm_up(train_step, first, fresh_compile_cache, cfg.run.compile_cache_dir,
-                       with_validation=val is not None, hidden=synthetic)
+                       with_validation=val is not None, hidden=synthetic, both_batch_kinds=min(rows) == 1 < max(rows))
 
         def run_validation(at_step: int) -> None:
             nonlocal best_val

@@ -1,0 +1,178 @@
+"""`drafter.compile` on CPU: the config key and its refusal on a CPU device, the compiled layers against the
+eager ones (outputs and gradients, AOTAutograd's joint graph as inductor gets it), two graphs shared by all
+layers that no later batch size or length recompiles (no duck sizing), and the trainer's warm-up covering
+batches of one row and of several. Inductor numerics and speed are checked on a GPU (tests/test_gpu.py,
+benchmarks/throughput.py --compile-drafter)."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from dflash_train.config import ConfigError, config_from_dict, load_config
+from dflash_train.model import compile as compile_layer
+from dflash_train.model import drafter as drafter_mod
+from dflash_train.model.drafter import DFlashDrafter, DrafterKVCache, sdpa_attention
+from dflash_train.model.drafter_config import make_drafter_config
+from dflash_train.model.mask import dense_mask
+
+H, BS = 64, 4
+
+
+def _drafter(layers=3, seed=0) -> DFlashDrafter:
+    from transformers import Qwen3Config
+
+    tcfg = Qwen3Config(hidden_size=H, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=1000)
+    torch.manual_seed(seed)
+    return DFlashDrafter(make_drafter_config(tcfg, num_draft_layers=layers, block_size=BS, target_layer_ids=[1, 5],
+                                             mask_token_id=3))
+
+
+def _inputs(b: int, s: int, n_blocks: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, s, 2 * H, generator=g)
+    embeds = torch.randn(b, n_blocks * BS, H, generator=g)
+    anchors = torch.stack([torch.randperm(s - BS, generator=g)[:n_blocks].sort().values for _ in range(b)])
+    keep = torch.rand(b, n_blocks, generator=g) > 0.2
+    block_pos = (anchors.unsqueeze(-1) + torch.arange(BS)).view(b, -1)
+    position_ids = torch.cat([torch.arange(s).expand(b, s), block_pos], dim=1)
+    return hidden, embeds, position_ids, dense_mask(anchors, keep, s, BS)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    compile_layer.watch_recompiles()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _loss_and_grads(drafter, inputs, compiled: bool, dtype=None):
+    drafter.zero_grad(set_to_none=True)
+    ctx = torch.autocast("cpu", dtype=dtype) if dtype else torch.autocast("cpu", enabled=False)
+    with ctx:
+        out = drafter(*inputs[:3], sdpa_attention, inputs[3], compiled_layers=compiled)
+    loss = out.float().pow(2).mean()
+    loss.backward()
+    return out.detach().float(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+def test_key_is_off_by_default_and_refused_on_cpu():
+    assert config_from_dict({}).drafter.compile is False
+    assert load_config(None, ["drafter.compile=true", "run.device=cuda"]).drafter.compile is True
+    with pytest.raises(ConfigError, match=r"'drafter.compile'.*CUDA.*cpu.*drafter.compile=false"):
+        load_config(None, ["drafter.compile=true", "run.device=cpu"])
+
+
+def test_compiled_layers_need_compile_layers_and_no_cache():
+    drafter = _drafter()
+    inputs = _inputs(2, 24, 3)
+    with pytest.raises(ValueError, match="compile_layers"):
+        drafter(*inputs[:3], sdpa_attention, inputs[3], compiled_layers=True)
+    drafter.compile_layers(backend="eager")
+    with pytest.raises(ValueError, match="KV cache"):
+        drafter(*inputs[:3], sdpa_attention, inputs[3], cache=DrafterKVCache(3), compiled_layers=True)
+
+
+# ------------------------------------------------------------------------------------------ numerics
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_compiled_layers_match_eager_outputs_and_gradients(fresh_dynamo, dtype):
+    """aot_eager: Dynamo's graph through AOTAutograd's joint forward/backward (what inductor compiles), run
+    by eager kernels; float32 and bf16 autocast (the production dtype, with its autocast-off norms)."""
+    eager = _drafter()
+    compiled = copy.deepcopy(eager)
+    compiled.compile_layers(backend="aot_eager")
+    inputs = _inputs(2, 40, 5)
+    out_e, grads_e = _loss_and_grads(eager, inputs, compiled=False, dtype=dtype)
+    out_c, grads_c = _loss_and_grads(compiled, inputs, compiled=True, dtype=dtype)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype is None else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out_c, out_e, **tol)
+    assert grads_c.keys() == grads_e.keys()
+    for name in grads_e:
+        torch.testing.assert_close(grads_c[name], grads_e[name], **tol, msg=lambda m: f"{name}: {m}")
+    assert any(g.abs().sum() > 0 for g in grads_c.values())
+
+
+# ------------------------------------------------------------------------------------------ graphs
+
+
+def test_two_graphs_for_all_layers_and_no_recompile_across_shapes(fresh_dynamo):
+    """Warm with a batch of several rows whose block part is exactly as long as its context (duck sizing
+    would tie the two lengths) and with one row; then other batch sizes and lengths compile nothing."""
+    drafter = _drafter(layers=3)
+    drafter.compile_layers(backend="eager")
+    before = compile_layer.graphs_compiled()
+    for b, s, n in ((2, 24, 6), (1, 36, 4)):  # 6 blocks x 4 = 24 = the context length
+        _loss_and_grads(drafter, _inputs(b, s, n), compiled=True)
+    warmed = compile_layer.graphs_compiled() - before
+    # (inputs, output + MLP) x (several rows, one row) x (the first layer, whose input needs no gradient;
+    # the later layers): for all three layers. forward_loss gives the first layer an input that needs a
+    # gradient, halving this (the trainer test below).
+    assert warmed == 8
+    recompiles = compile_layer.recompiles()
+    for b, s, n in ((3, 52, 5), (5, 20, 3), (1, 64, 9), (2, 33, 7)):
+        _loss_and_grads(drafter, _inputs(b, s, n, seed=b), compiled=True)
+    assert compile_layer.graphs_compiled() - before == warmed
+    assert compile_layer.recompiles() == recompiles
+
+
+def test_compile_layer_gives_equal_sizes_separate_symbols(fresh_dynamo):
+    """Two inputs of equal length at the first call must not share a symbol: unequal ones later reuse the graph."""
+    fn = compile_layer.compiled("test_separate_symbols", lambda x, y: x.sum(-1) + y.sum(-1).mean(), dynamic=True,
+                                backend="eager")
+    fn(torch.ones(3, 8), torch.ones(3, 8))
+    graphs = compile_layer.graphs_compiled()
+    fn(torch.ones(3, 9), torch.ones(3, 11))
+    fn(torch.ones(4, 10), torch.ones(5, 10))
+    assert compile_layer.graphs_compiled() == graphs
+
+
+# ------------------------------------------------------------------------------------------ trainer
+
+
+@pytest.mark.parametrize("budget,kinds", [(400, {"one row", "several"}), (256, {"one row"})])
+def test_trainer_warm_up_covers_the_planned_batch_kinds_and_steps_never_compile(
+        tmp_path, tiny_target_dir, counting_jsonl, monkeypatch, fresh_dynamo, budget, kinds):
+    """The trainer's wiring on CPU with the device check lifted and Dynamo's eager backend: the warm-up
+    compiles the drafter's graphs for the batch kinds the data plan has (one row, several), then steps add
+    none. A budget of 256 tokens fits one of these conversations per batch: one kind, half the graphs."""
+    import dflash_train.config as config_mod
+    from dflash_train.train import step as step_mod
+    from dflash_train.train import trainer
+
+    monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(trainer, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(drafter_mod, "COMPILE_BACKEND", "eager")
+    rows_seen, graphs_at = [], []
+    original_forward_loss = step_mod.forward_loss
+
+    def forward_loss(*args, **kwargs):
+        rows_seen.append(args[3].input_ids.shape[0])
+        graphs_at.append(compile_layer.graphs_compiled())
+        return original_forward_loss(*args, **kwargs)
+
+    monkeypatch.setattr(step_mod, "forward_loss", forward_loss)
+    cfg = config_from_dict({
+        "target": {"path": str(tiny_target_dir)},
+        "drafter": {"num_draft_layers": 2, "block_size": 4, "attention_backend": "sdpa", "compile": True},
+        "data": {"train_files": [str(counting_jsonl)], "max_length": 256, "token_budget": budget, "max_batch_size": 3},
+        "objective": {"max_anchors": 16, "gamma": 4.0},
+        "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.05},
+        "run": {"device": "cpu", "log_every": 1, "save_every": 100, "progress_bar": False, "eval_every": 0},
+    })
+    trainer.train(cfg, tmp_path / "R", max_steps=12)
+    status = json.loads((tmp_path / "R" / "status.json").read_text())
+    assert status["phase"] == "done", status
+    # (inputs, output + MLP) x the kinds (one row, several): one set for all layers (see forward_loss)
+    assert status["drafter_compiled_graphs"] == 2 * len(kinds)
+    assert len(rows_seen) == 12 and {"one row" if r == 1 else "several" for r in rows_seen} == kinds
+    assert graphs_at[-1] == graphs_at[0]  # no step compiled anything
+    records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["recompiles"] == records[0]["recompiles"]
