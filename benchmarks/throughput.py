@@ -162,7 +162,7 @@ def measure_one_side(args) -> None:
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(tcfg, dtype=torch.bfloat16)
         target = TargetCapture.from_model(model.eval().requires_grad_(False), ids, compile=args.compile_target)
-        result.update(compile_target=args.compile_target, **target.warm_up(args.seq))
+        result.update(compile_target=args.compile_target, **target.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1))
         target(batch.input_ids)
         before = compile_layer.recompiles(), compile_layer.graphs_compiled()
         t, _ = timed(lambda: target(batch.input_ids), args.repeat)
@@ -261,7 +261,8 @@ def main() -> None:
 
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    target_warm = target.warm_up(args.seq)  # the trainer's warm-up order: the target first, then the drafter
+    # The trainer's warm-up order: the target first, then the drafter; batches of several rows only.
+    target_warm = target.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1)
     step(batch, 0)
     torch.cuda.synchronize()
     first_step_s = time.perf_counter() - t
@@ -313,6 +314,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")
+    if args.fresh_cache:  # where a cold compile spends its time, per Dynamo/inductor phase
+        print(torch._dynamo.utils.compile_times(repr="str"))
 
 
 if __name__ == "__main__":

@@ -176,3 +176,31 @@ def test_trainer_warm_up_covers_the_planned_batch_kinds_and_steps_never_compile(
     assert graphs_at[-1] == graphs_at[0]  # no step compiled anything
     records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["recompiles"] == records[0]["recompiles"]
+
+
+def test_compiled_calls_trace_once_float_constants_specialised(fresh_dynamo):
+    """A layer's float attributes (RMSNorm eps) under dynamic shapes made Dynamo trace every function twice
+    once AOTAutograd ran (a third of a cold compile on the GPU); the compile layer specialises them, so each
+    traces once."""
+    import logging
+
+    class Messages(logging.Handler):
+        def __init__(self):
+            super().__init__(level=logging.INFO)
+            self.seen: list[str] = []
+
+        def emit(self, record):
+            self.seen.append(record.getMessage())
+
+    drafter = _drafter(layers=1)
+    drafter.compile_layers(backend="aot_eager")
+    handler = Messages()
+    torch._logging.set_logs(dynamo=logging.INFO, recompiles=True)
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    try:
+        _loss_and_grads(drafter, _inputs(2, 24, 3), compiled=True)
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+        torch._logging.set_logs(recompiles=True)
+    assert handler.seen  # Dynamo's INFO records reached the handler
+    assert not [m for m in handler.seen if "Restarting analysis" in m]

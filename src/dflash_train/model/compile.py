@@ -13,6 +13,7 @@ Rules (see compile-safety.md in the design notes):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -57,9 +58,15 @@ def cache_stats() -> dict[str, int]:
 
 
 class _RecompileCounter(logging.Handler):
+    """Counts Dynamo's "Recompiling function ..." records (its other records reach this handler too when
+    TORCH_LOGS turns them on)."""
+
     def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if not message.startswith("Recompiling function"):
+            return
         _state["recompiles"] += 1
-        log.warning("torch.compile recompiled (#%d): %s", _state["recompiles"], record.getMessage())
+        log.warning("torch.compile recompiled (#%d): %s", _state["recompiles"], message)
 
 
 def watch_recompiles() -> None:
@@ -83,19 +90,25 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _separate_symbols():
-    """Dynamo's "duck sizing" gives input sizes that happen to be equal at compile time one symbol (a
-    warm-up batch of 8 against 8 key/value heads, a block part as long as the context); a later step where
-    they differ then fails the guard and recompiles. Each size gets its own symbol here instead. A context
-    manager per call: on torch >= 2.12 this config is per thread."""
+@contextlib.contextmanager
+def _compile_settings():
+    """Two Dynamo settings for every compiled call (context managers per call: on torch >= 2.12 Dynamo's
+    config is per thread):
+    - no "duck sizing": input sizes that happen to be equal at compile time (a warm-up batch of 8 against
+      8 key/value heads, a block part as long as the context) would share one symbol, and a later step where
+      they differ would fail the guard and recompile. Each size gets its own symbol.
+    - float constants specialised: with dynamic shapes Dynamo first traces Python floats (RMSNorm eps,
+      attention scaling, read off the layer passed in) as inputs, fails to turn them into tensors and
+      traces the whole function again, a third of a cold compile. They never change between calls."""
     import torch.fx.experimental._config as fx_config
 
-    return fx_config.patch(use_duck_shape=False)
+    with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True):
+        yield
 
 
 def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
-    """`torch.compile(fn, fullgraph=True, ...)` once per process, called under the process lock, every input
-    size its own symbol (no duck sizing)."""
+    """`torch.compile(fn, fullgraph=True, ...)` once per process, called under the process lock with
+    `_compile_settings`."""
     with _LOCK:
         inner = _compiled.get(name)
         if inner is None:
@@ -103,7 +116,7 @@ def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
             _compiled[name] = inner
 
     def call(*args, **kwargs):
-        with _LOCK, _separate_symbols():
+        with _LOCK, _compile_settings():
             return inner(*args, **kwargs)
 
     call.__name__ = f"compiled_{name}"

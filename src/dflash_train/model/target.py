@@ -209,9 +209,10 @@ class TargetCapture:
                 vars(layer).pop("forward", None)
         return torch.cat([captured[lid] for lid in self.layer_ids], dim=-1), final
 
-    def warm_up(self, length: int = 257) -> dict:
+    def warm_up(self, length: int = 257, one_row: bool = True, several_rows: bool = True) -> dict:
         """Compile what captures will run (no-op unless `compile`): no grad, the weights' dtype and device,
-        batch >= 2 and batch 1 (Dynamo specialises size 1), every layer (`with_final`), at lengths from
+        batch >= 2 and batch 1 (Dynamo specialises size 1; `one_row` / `several_rows`: the kinds the data has),
+        every layer (`with_final`), at lengths from
         `length` up (pass a production length: inductor picks kernel configs from the first sizes it sees)
         that tie no symbol to a model dimension. Then a capture of a third length and batch must reuse the
         graphs (a new compile there is logged as a warning and counted in `target_recompiled_after_warmup`).
@@ -233,10 +234,10 @@ class TargetCapture:
         t0 = time.time()
         with lock():
             graphs = graphs_compiled()
-            for b, s in ((2, s0), (1, s1)):
+            for b, s in ((2, s0),) * several_rows + ((1, s1),) * one_row:
                 self.capture(ids(b, s), with_final=True)
             compiled_graphs = graphs_compiled() - graphs
-            self.capture(ids(3, s2), with_final=True)
+            self.capture(ids(3 if several_rows else 1, s2), with_final=True)
             again = graphs_compiled() - graphs - compiled_graphs
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()

@@ -138,21 +138,27 @@ def _other_batch_size(batch: Batch, hidden: Optional[torch.Tensor]) -> tuple[Bat
             None if hidden is None else hidden.repeat(2, 1, 1))
 
 
+def batch_kinds(batching: tuple) -> tuple[bool, bool]:
+    """(one-row batches, batches of several rows) in the first epoch's plan: Dynamo compiles the two apart,
+    so a warm-up compiles what the data has (one kind costs half the compile time)."""
+    rows = {len(b) for b in plan_batches(*batching, 0)}
+    return min(rows) == 1, max(rows) > 1
+
+
 def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional[str], with_validation: bool,
-            hidden: Optional[torch.Tensor] = None, both_batch_kinds: bool = True) -> dict:
+            hidden: Optional[torch.Tensor] = None, kinds: tuple[bool, bool] = (True, True)) -> dict:
     """Compile everything the loop will run, exactly as the loop runs it (grad on, forward + backward,
-    production dtype, dynamic shapes; and the no-grad forward of validation), then seal the compile
-    layer. Weights do not change. `both_batch_kinds`: the data plan has batches of one row and of several,
-    which Dynamo compiles apart, so both are warmed (one kind costs half the compile time)."""
+    production dtype, dynamic shapes, the batch kinds of `batch_kinds`; and the no-grad forward of
+    validation), then seal the compile layer. Weights do not change."""
     path = compile_layer.configure_cache(cache_dir, fresh=fresh_cache)
     compile_layer.watch_recompiles()
     t0 = time.time()
     # target.compile: the target's layers first, batch 1 and >= 2, lengths near the first batch's (no-op when off)
-    target_info = train_step.target.warm_up(batch.input_ids.shape[1]) \
+    target_info = train_step.target.warm_up(batch.input_ids.shape[1], *kinds) \
         if isinstance(train_step.target, TargetCapture) else {}
     graphs = compile_layer.graphs_compiled()
-    kinds = [(batch, hidden), _other_batch_size(batch, hidden)] if both_batch_kinds else [(batch, hidden)]
-    for b, h in kinds:
+    batches = [(batch, hidden), _other_batch_size(batch, hidden)] if all(kinds) else [(batch, hidden)]
+    for b, h in batches:
         stats = forward_loss(train_step.drafter, train_step.target, train_step.backend, b, train_step.cfg,
                              torch.Generator().manual_seed(0), train_step.compute_dtype, hidden=h)
         stats.loss.backward()
@@ -332,7 +338,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                 report(phase="warmup")
                 compile_layer.configure_cache(cfg.run.compile_cache_dir, fresh=fresh_compile_cache)
                 compile_layer.watch_recompiles()
-                target.warm_up(cfg.data.max_length)
+                target.warm_up(cfg.data.max_length, *batch_kinds(batching))
             groups = (g for _, _, _, g in _micro_batch_groups(batching, per_step, cursor["epoch"], cursor["batch_index"]))
             report(phase="training", step=step)
             stop.training()
@@ -401,15 +407,13 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             log.info("no validation data (prepared val split or data.val_files): validation is off")
         stop_ids = assets.target_defaults(plan.target_path).get("stop_token_ids") or [tokenizer.eos_token_id]
         report(phase="warmup")
-        epoch0 = plan_batches(*batching, 0)
-        first = collate([data.example(i) for i in epoch0[0]], tokenizer.pad_token_id).to(device)
-        rows = {len(b) for b in epoch0}
+        first = collate([data.example(i) for i in plan_batches(*batching, 0)[0]], tokenizer.pad_token_id).to(device)
         synthetic = None
         if layout is not None:  # the compile needs the shapes and dtype of a capture, not its values
             synthetic = torch.randn(*first.input_ids.shape, len(plan.layer_ids) * provenance["hidden_size"],
                                     dtype=plan.target_dtype, device=device)
         warm = warm_up(train_step, first, fresh_compile_cache, cfg.run.compile_cache_dir,
-                       with_validation=val is not None, hidden=synthetic, both_batch_kinds=min(rows) == 1 < max(rows))
+                       with_validation=val is not None, hidden=synthetic, kinds=batch_kinds(batching))
 
         def run_validation(at_step: int) -> None:
             nonlocal best_val
