@@ -293,7 +293,8 @@ def test_colocated_one_gpu_run_with_compiled_target(tmp_path, tiny_target_dir, c
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl)
     assert main(["train", str(cfg), "target.compile=true", "--run-dir", str(tmp_path / "R"), "--max-steps", "15"]) == 0
     status = json.loads((tmp_path / "R" / "status.json").read_text())
-    assert status["phase"] == "done" and status["target_compiled_graphs"] == 2, status
+    # the plan has batches of several rows only (budget 2048, up to 8 rows): one graph for all layers
+    assert status["phase"] == "done" and status["target_compiled_graphs"] == 1, status
     assert status["target_recompiled_after_warmup"] == 0
     records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["recompiles"] == records[0]["recompiles"] and all(r["loss"] == r["loss"] for r in records)
