@@ -104,6 +104,8 @@ def main() -> None:
         dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
                                    mask_token_id=5, **dkwargs)
         drafter = DFlashDrafter(dcfg).to(device)
+        if args.compile_drafter:
+            drafter.compile_layers()
         cfg = config_from_dict({"drafter": {"block_size": args.block, "num_draft_layers": args.layers},
                                 "objective": {"max_anchors": args.anchors},
                                 "data": {"max_length": args.seq, "token_budget": tokens, "max_batch_size": args.batch}})

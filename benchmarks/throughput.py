@@ -84,6 +84,8 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--compile-drafter", action="store_true",
+                    help="drafter.compile: the drafter's layers compiled (in the first, untimed steps)")
     add_drafter_shape_args(ap)
     ap.add_argument("--json", default=None, help="append the result line to this file")
 
@@ -211,8 +213,6 @@ def main() -> None:
                     help="measure one side alone (the per-GPU rates of a split placement)")
     ap.add_argument("--compile-target", action="store_true",
                     help="target.compile: the target's decoder layers compiled (warmed up before timing)")
-    ap.add_argument("--compile-drafter", action="store_true",
-                    help="drafter.compile: the drafter's layers compiled (in the first, untimed steps)")
     args = ap.parse_args()
     if args.part != "both":
         return measure_one_side(args)
