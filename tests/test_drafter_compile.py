@@ -82,17 +82,17 @@ def test_compiled_layers_need_compile_layers_and_no_cache():
 # ------------------------------------------------------------------------------------------ numerics
 
 
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_compiled_layers_match_eager_outputs_and_gradients(fresh_dynamo, dtype):
+def test_compiled_layers_match_eager_outputs_and_gradients(fresh_dynamo):
     """aot_eager: Dynamo's graph through AOTAutograd's joint forward/backward (what inductor compiles), run
-    by eager kernels; float32 and bf16 autocast (the production dtype, with its autocast-off norms)."""
+    by eager kernels, in float32 (tight). bf16 autocast with inductor is checked on the GPU."""
+    dtype = None
     eager = _drafter()
     compiled = copy.deepcopy(eager)
     compiled.compile_layers(backend="aot_eager")
     inputs = _inputs(2, 40, 5)
     out_e, grads_e = _loss_and_grads(eager, inputs, compiled=False, dtype=dtype)
     out_c, grads_c = _loss_and_grads(compiled, inputs, compiled=True, dtype=dtype)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype is None else dict(rtol=2e-2, atol=2e-2)
+    tol = dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out_c, out_e, **tol)
     assert grads_c.keys() == grads_e.keys()
     for name in grads_e:
