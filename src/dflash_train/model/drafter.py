@@ -116,7 +116,7 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def project(self, x: torch.Tensor, context: torch.Tensor, rope: "RopeTables") -> tuple[torch.Tensor, ...]:
+    def project(self, x: torch.Tensor, context: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, ...]:
         """Queries from the (normed) block `x`; keys/values of the context and of the block, projected
         by the same weights, k normed, RoPE on q and k: q `[b, nh, Q, d]`, then k and v of the context
         `[b, nkv, S, d]` and of the block `[b, nkv, Q, d]`. The caller concatenates them: no tensor here
@@ -158,7 +158,7 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, x, context, rope, attention, mask, cache=None, layer_idx=0, parts=None) -> torch.Tensor:
         """`parts`: compiled versions of (attention_inputs, attention_output_and_mlp), called with the layer
-        first (see `DFlashDrafter.compile_layers`); the attention itself runs between them, uncompiled here."""
+        first (see `DFlashDrafter.compile_layers`); the attention runs between them as its backend's own call."""
         inputs, output = parts or (type(self).attention_inputs, type(self).attention_output_and_mlp)
         q, k_ctx, v_ctx, k_blk, v_blk = inputs(self, x, context, rope)
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)  # keys: [context | block]
