@@ -116,8 +116,8 @@ def _check_files(run_dir: Path, steps: int) -> None:
 
 
 def test_soak_mini_open_files_stay_flat(tmp_path, tiny_target_dir, counting_jsonl):
-    steps = 250
-    result = _soak(tmp_path, tiny_target_dir, counting_jsonl, steps, interval=0.5)
+    steps = 150
+    result = _soak(tmp_path, tiny_target_dir, counting_jsonl, steps, interval=0.3)
     info = _report(result, steps)
     assert info["samples"] >= 8, info
     assert info["fds_q4_median"] <= info["fds_q2_median"] + FD_TOLERANCE, info
