@@ -138,10 +138,10 @@ def _other_batch_size(batch: Batch, hidden: Optional[torch.Tensor]) -> tuple[Bat
             None if hidden is None else hidden.repeat(2, 1, 1))
 
 
-def batch_kinds(batching: tuple) -> tuple[bool, bool]:
-    """(one-row batches, batches of several rows) in the first epoch's plan: Dynamo compiles the two apart,
-    so a warm-up compiles what the data has (one kind costs half the compile time)."""
-    rows = {len(b) for b in plan_batches(*batching, 0)}
+def batch_kinds(planned: list[list[int]]) -> tuple[bool, bool]:
+    """(one-row batches, batches of several rows) in an epoch's plan: Dynamo compiles the two apart, so a
+    warm-up compiles what the data has (one kind costs half the compile time)."""
+    rows = {len(b) for b in planned}
     return min(rows) == 1, max(rows) > 1
 
 
@@ -317,7 +317,8 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         lengths = data.lengths
         batching = (lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed)
         per_step = drafters * cfg.optim.grad_accum
-        batches_per_epoch = len(plan_batches(*batching, 0))
+        epoch0 = plan_batches(*batching, 0)  # the batch count, the warm-up's batch and its batch kinds
+        batches_per_epoch = len(epoch0)
         steps_per_epoch = batches_per_epoch // per_step
         if steps_per_epoch == 0:
             raise ValueError(f"{batches_per_epoch} micro-batches per epoch cannot feed {drafters} drafter rank(s) x "
@@ -338,7 +339,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                 report(phase="warmup")
                 compile_layer.configure_cache(cfg.run.compile_cache_dir, fresh=fresh_compile_cache)
                 compile_layer.watch_recompiles()
-                target.warm_up(cfg.data.max_length, *batch_kinds(batching))
+                target.warm_up(cfg.data.max_length, *batch_kinds(epoch0))
             groups = (g for _, _, _, g in _micro_batch_groups(batching, per_step, cursor["epoch"], cursor["batch_index"]))
             report(phase="training", step=step)
             stop.training()
@@ -407,13 +408,13 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             log.info("no validation data (prepared val split or data.val_files): validation is off")
         stop_ids = assets.target_defaults(plan.target_path).get("stop_token_ids") or [tokenizer.eos_token_id]
         report(phase="warmup")
-        first = collate([data.example(i) for i in plan_batches(*batching, 0)[0]], tokenizer.pad_token_id).to(device)
+        first = collate([data.example(i) for i in epoch0[0]], tokenizer.pad_token_id).to(device)
         synthetic = None
         if layout is not None:  # the compile needs the shapes and dtype of a capture, not its values
             synthetic = torch.randn(*first.input_ids.shape, len(plan.layer_ids) * provenance["hidden_size"],
                                     dtype=plan.target_dtype, device=device)
         warm = warm_up(train_step, first, fresh_compile_cache, cfg.run.compile_cache_dir,
-                       with_validation=val is not None, hidden=synthetic, kinds=batch_kinds(batching))
+                       with_validation=val is not None, hidden=synthetic, kinds=batch_kinds(epoch0))
 
         def run_validation(at_step: int) -> None:
             nonlocal best_val
