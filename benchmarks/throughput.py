@@ -209,6 +209,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one drafter step")
     ap.add_argument("--cache-dir", default=None, help="inductor cache directory (see --fresh-cache)")
     ap.add_argument("--fresh-cache", action="store_true", help="empty the inductor cache first: a cold compile")
+    ap.add_argument("--late-compile-workers", action="store_true",
+                    help="leave inductor's compile workers to start at the first compile (as before session 6)")
     ap.add_argument("--part", default="both", choices=["both", "target", "drafter"],
                     help="measure one side alone (the per-GPU rates of a split placement)")
     ap.add_argument("--compile-target", action="store_true",
@@ -229,6 +231,8 @@ def main() -> None:
     from dflash_train.model import compile as compile_layer
 
     compile_layer.configure_cache(args.cache_dir, fresh=args.fresh_cache)
+    if not args.late_compile_workers:  # as the trainer does: the pool starts while the models build
+        compile_layer.start_compile_workers()
     process_start = float(os.environ.get("BENCH_START_TS", time.time()))
     peak = matmul_peak_tflops()
     shape = SHAPES[args.shape]
@@ -302,6 +306,7 @@ def main() -> None:
         "shape": args.shape, "batch": args.batch, "seq": args.seq, "block": args.block, "anchors": args.anchors,
         "peak_tflops": round(peak, 1), "build_s": round(build_s, 1), "first_step_s": round(first_step_s, 1),
         "start_to_first_step_s": round(start_to_first_step_s, 1), "fresh_cache": args.fresh_cache,
+        "early_compile_workers": not args.late_compile_workers,
         **compile_layer.cache_stats(), "compile_target": args.compile_target,
         "compile_drafter": args.compile_drafter, **target_warm,
         "target_s": round(t_target, 4), "drafter_s": round(t_drafter, 4), "step_s": round(t_step, 4),

@@ -5,6 +5,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +102,24 @@ def test_cache_dir_is_configurable_and_can_be_cleared(tmp_path, monkeypatch):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(path)
     compile_layer.configure_cache(tmp_path / "cache", fresh=True)
     assert path.is_dir() and not (path / "stale").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # the renamed old directory is gone
+
+
+def test_clearing_a_cache_another_rank_cleared_is_no_error(tmp_path, monkeypatch):
+    """The ranks of a run share the cache directory and each clears it for --fresh-compile-cache: a rank that
+    finds it gone (renamed by another) goes on."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    path = compile_layer.configure_cache(tmp_path / "cache")
+    (path / "stale").write_text("x")
+    real_rename = Path.rename
+
+    def another_rank_first(self, target):
+        real_rename(self, tmp_path / "taken-by-another-rank")  # the other rank's rename wins the race
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", another_rank_first)
+    assert compile_layer.configure_cache(tmp_path / "cache", fresh=True) == path
+    assert path.is_dir() and list(path.iterdir()) == []
 
 
 def test_doctor_gives_a_verdict(capsys):
@@ -109,3 +128,25 @@ def test_doctor_gives_a_verdict(capsys):
     rc = main(["doctor"])
     out = capsys.readouterr().out
     assert rc == 0 and "READY" in out and "flex_attention compile" in out and "torch" in out
+
+
+def test_inductor_compiles_get_the_layer_options_and_other_backends_none(monkeypatch):
+    """Every inductor compile gets INDUCTOR_OPTIONS (a caller's own options win); a test backend (eager,
+    aot_eager) takes no inductor options."""
+    seen = {}
+    real_compile = torch.compile
+
+    def spy(fn, **kwargs):
+        seen[kwargs.get("backend")] = kwargs.get("options")
+        return real_compile(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    monkeypatch.setattr(compile_layer, "_compiled", {})
+    double = compile_layer.compiled("test_double_eager", lambda x: x * 2, backend="eager")
+    assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
+    compile_layer.compiled("test_double_inductor", lambda x: x * 2, dynamic=True)
+    compile_layer.compiled("test_double_inductor_own", lambda x: x * 2, backend="inductor",
+                           options={"triton.autotune_pointwise": True, "max_autotune": False})
+    assert seen["eager"] is None
+    assert seen[None] == compile_layer.INDUCTOR_OPTIONS == {"triton.autotune_pointwise": False}
+    assert seen["inductor"] == {"triton.autotune_pointwise": True, "max_autotune": False}

@@ -1,6 +1,9 @@
 """GPU tests (`pytest -m gpu`, on the device machine): flex vs sdpa, and a colocated one-GPU run."""
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -231,6 +234,34 @@ def test_split_over_nccl_matches_one_gpu_resumes_and_fails_fast(tmp_path, tiny_t
     assert rc != 0 and took < 30 and st["phase"] == "failed" and st["failed_rank"] == 1, (rc, took, st)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_colocated_ranks_with_compiled_drafter_and_fresh_shared_cache(tmp_path, tiny_target_dir, counting_jsonl):
+    """DDP over two colocated GPU ranks with drafter.compile and target.compile: both ranks clear the shared
+    compile cache at once (--fresh-compile-cache), compile, train without recompiling, and the losses are
+    those of the same run with eager layers (the compiled graphs feed DDP's gradient averaging alike)."""
+    from _harness import losses, run
+
+    cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl,
+                      compile_cache_dir=str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "stale").write_text("x")
+    base = ["train", str(cfg), "target.compile=true", "--max-steps", "10", "--nproc", "2"]
+    compiled, eager = tmp_path / "compiled", tmp_path / "eager"
+    log = tmp_path / "train.log"
+    assert run(base + ["drafter.compile=true", "--fresh-compile-cache", "--run-dir", str(compiled)], log) == 0, \
+        log.read_text()[-3000:]
+    assert not (tmp_path / "cache" / "stale").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("cache")) == ["cache"]
+    status = json.loads((compiled / "status.json").read_text())
+    assert status["phase"] == "done" and status["drafter_compiled_graphs"] > 0, status
+    records = [json.loads(line) for line in (compiled / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["recompiles"] == records[0]["recompiles"]
+    assert run(base + ["drafter.compile=false", "--run-dir", str(eager)], log) == 0, log.read_text()[-3000:]
+    ref, got = losses(eager), losses(compiled)
+    assert sorted(got) == sorted(ref) == list(range(1, 11))
+    assert all(abs(got[s] - ref[s]) <= 5e-2 * abs(ref[s]) for s in ref), (ref, got)
+
+
 def _qwen3_target(layers=32, seed=0):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -284,6 +315,29 @@ def test_compiled_target_capture_matches_eager_and_new_lengths_never_recompile()
     torch.cuda.synchronize()
     assert compile_layer.recompiles() == recompiles and compile_layer.graphs_compiled() == graphs
     assert all("forward" not in vars(layer) for layer in model.model.layers)
+
+
+def test_compile_workers_start_before_any_compile(tmp_path):
+    """start_compile_workers (called as a GPU rank starts, before its weights load): inductor's worker pool
+    is up and ready before anything compiles, so the first compile does not build kernels one at a time."""
+    code = textwrap.dedent("""
+        import sys, time
+        from dflash_train.model import compile as compile_layer
+        from torch._inductor.async_compile import AsyncCompile
+        from torch._dynamo.utils import counters
+        compile_layer.configure_cache(sys.argv[1])
+        compile_layer.start_compile_workers()
+        assert AsyncCompile.process_pool.cache_info().currsize == 1, "no pool"
+        deadline = time.time() + 120
+        while not AsyncCompile.use_process_pool():
+            assert time.time() < deadline, "pool not ready in 120 s"
+            time.sleep(0.2)
+        assert counters["stats"]["unique_graphs"] == 0
+        print("ready")
+    """)
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cache")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ready", out.stderr[-3000:]
 
 
 def test_colocated_one_gpu_run_with_compiled_target(tmp_path, tiny_target_dir, counting_jsonl):

@@ -145,13 +145,12 @@ def batch_kinds(planned: list[list[int]]) -> tuple[bool, bool]:
     return min(rows) == 1, max(rows) > 1
 
 
-def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional[str], with_validation: bool,
-            hidden: Optional[torch.Tensor] = None, kinds: tuple[bool, bool] = (True, True)) -> dict:
+def warm_up(train_step: TrainStep, batch, cache_dir: Path, with_validation: bool, hidden: Optional[torch.Tensor] = None,
+            kinds: tuple[bool, bool] = (True, True)) -> dict:
     """Compile everything the loop will run, exactly as the loop runs it (grad on, forward + backward,
     production dtype, dynamic shapes, the batch kinds of `batch_kinds`; and the no-grad forward of
-    validation), then seal the compile layer. Weights do not change."""
-    path = compile_layer.configure_cache(cache_dir, fresh=fresh_cache)
-    compile_layer.watch_recompiles()
+    validation), then seal the compile layer. Weights do not change. `cache_dir`: where
+    `compile.configure_cache` pointed inductor (reported)."""
     t0 = time.time()
     # target.compile: the target's layers first, batch 1 and >= 2, lengths near the first batch's (no-op when off)
     target_info = train_step.target.warm_up(batch.input_ids.shape[1], *kinds) \
@@ -170,9 +169,9 @@ def warm_up(train_step: TrainStep, batch, fresh_cache: bool, cache_dir: Optional
     if batch.input_ids.is_cuda:
         torch.cuda.current_stream().synchronize()  # not the NCCL stream: it may hold posted receives
     compile_layer.seal()
-    info = {"warmup_s": round(time.time() - t0, 2), "compile_cache_dir": str(path), **compile_layer.cache_stats(),
+    info = {"warmup_s": round(time.time() - t0, 2), "compile_cache_dir": str(cache_dir), **compile_layer.cache_stats(),
             "drafter_compiled_graphs": compile_layer.graphs_compiled() - graphs, **target_info}
-    log.info("warm-up done in %.1f s (compile cache %s: %d hits, %d misses)", info["warmup_s"], path,
+    log.info("warm-up done in %.1f s (compile cache %s: %d hits, %d misses)", info["warmup_s"], cache_dir,
              info["fxgraph_cache_hit"], info["fxgraph_cache_miss"])
     return info
 
@@ -291,6 +290,10 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                 if layout.drafter_ranks > 1 else None
             drafters = layout.drafter_ranks
         role = "target" if layout is not None and layout.is_target(ctx.rank) else "drafter"
+        compile_cache = compile_layer.configure_cache(cfg.run.compile_cache_dir, fresh=fresh_compile_cache)
+        compile_layer.watch_recompiles()
+        if device.type == "cuda" and (role == "drafter" or cfg.target.compile):
+            compile_layer.start_compile_workers()  # a drafter's attention and loss always compile on a GPU
         if layout is not None:
             beat_extra["role"] = role
         log.info("rank %d/%d (%s): target %s, layers %s, mask token %d, device %s", ctx.rank, ctx.world, role,
@@ -337,8 +340,6 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             target = TargetCapture.from_model(model, plan.layer_ids, compile=cfg.target.compile)
             if target.compile:  # this rank's only compiled code: warm it before serving any step
                 report(phase="warmup")
-                compile_layer.configure_cache(cfg.run.compile_cache_dir, fresh=fresh_compile_cache)
-                compile_layer.watch_recompiles()
                 target.warm_up(cfg.data.max_length, *batch_kinds(epoch0))
             groups = (g for _, _, _, g in _micro_batch_groups(batching, per_step, cursor["epoch"], cursor["batch_index"]))
             report(phase="training", step=step)
@@ -413,8 +414,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         if layout is not None:  # the compile needs the shapes and dtype of a capture, not its values
             synthetic = torch.randn(*first.input_ids.shape, len(plan.layer_ids) * provenance["hidden_size"],
                                     dtype=plan.target_dtype, device=device)
-        warm = warm_up(train_step, first, fresh_compile_cache, cfg.run.compile_cache_dir,
-                       with_validation=val is not None, hidden=synthetic, kinds=batch_kinds(epoch0))
+        warm = warm_up(train_step, first, compile_cache, with_validation=val is not None, hidden=synthetic, kinds=batch_kinds(epoch0))
 
         def run_validation(at_step: int) -> None:
             nonlocal best_val
