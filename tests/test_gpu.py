@@ -104,6 +104,50 @@ def test_compiled_drafter_layers_match_eager(seed):
         assert _rel(c_grads[k], ref_grads[k]) < 2 * _rel(e_grads[k], ref_grads[k]) + 1e-2, k
 
 
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_a_colocated_step_never_waits_for_the_gpu(compile_layers):
+    """After its first steps, a colocated training step makes no synchronising CUDA call: the batch goes
+    over from pinned memory, anchors, blocks and counted rows are planned on the host copy, and a non-finite
+    step is skipped on the device (fused AdamW's found_inf). CUDA's sync debug mode turns any wait into an
+    error."""
+    from dflash_train.config import config_from_dict
+    from dflash_train.model.attention import resolve_backend
+    from dflash_train.model.drafter import DFlashDrafter
+    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.model.target import TargetCapture
+    from dflash_train.train.step import Batch, TrainStep
+
+    model = _qwen3_target(layers=4)
+    cfg = config_from_dict({"drafter": {"block_size": 16, "num_draft_layers": 2}, "objective": {"max_anchors": 32},
+                            "data": {"max_length": 512, "token_budget": 2048}})
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(make_drafter_config(model.config, num_draft_layers=2, block_size=16,
+                                                target_layer_ids=[1, 2], mask_token_id=5)).cuda()
+    if compile_layers:
+        drafter.compile_layers()
+    device = torch.device("cuda")
+    step = TrainStep(drafter, TargetCapture.from_model(model, [1, 2]), resolve_backend("flex", device, 16), cfg, 100,
+                     torch.bfloat16, device)
+    g = torch.Generator().manual_seed(0)
+
+    def host_batch(length):
+        ids = torch.randint(10, 1000, (4, length), generator=g)
+        mask = torch.ones_like(ids)
+        mask[:, :20] = 0
+        return Batch(ids, mask, torch.tensor([length, length - 7, length - 30, length - 64]))
+
+    for n, length in enumerate((384, 320)):  # compiles (dynamic lengths)
+        step(host_batch(length).to(device), n)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for n, length in enumerate((384, 352, 320), start=2):
+            stats = step(host_batch(length).to(device), n)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(stats.loss) and step.skipped_steps == 0
+
+
 def _gpu_config(path, target, data, **run):
     path.write_text(json.dumps({
         "target": {"path": str(target)},

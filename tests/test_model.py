@@ -144,6 +144,50 @@ def test_one_step_changes_only_the_drafter(tiny_target_dir):
     assert set(changed) == set(drafter_before), set(drafter_before) - set(changed)
 
 
+def test_a_non_finite_step_changes_nothing_and_a_run_of_them_stops_training(tiny_target_dir):
+    """The skip happens on the device (fused AdamW's found_inf): a step with a non-finite gradient leaves the
+    weights, the AdamW moments and its step count as they were and is counted; good steps in between end a run
+    of bad ones; max_bad_steps bad steps in a row raise."""
+    cfg = config_from_dict({"drafter": {"block_size": 4, "num_draft_layers": 1},
+                            "objective": {"max_anchors": 8}, "data": {"max_length": 64, "token_budget": 256}})
+    model = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
+    d = _drafter(model, layers=1)
+    step = TrainStep(d, TargetCapture.from_model(model, [1, 3]), resolve_backend("sdpa", torch.device("cpu"), 4), cfg,
+                     100, torch.float32, torch.device("cpu"))
+    ids = torch.randint(3, 49152, (2, 40), generator=torch.Generator().manual_seed(0))
+    batch = Batch(ids, torch.ones_like(ids), torch.tensor([40, 33]))
+    step(batch, 0)
+
+    def snapshot():
+        opt = {id(p): {k: v.clone() for k, v in s.items()} for p, s in step.optimizer.state.items()}
+        return {k: v.clone() for k, v in d.state_dict().items()}, opt
+
+    poison = d.layers[0].mlp.down_proj.weight
+    n = 1
+    for run_of_bad in (1, 2, step.max_bad_steps - 1):
+        handle = poison.register_hook(lambda g: g * float("nan"))
+        for _ in range(run_of_bad):
+            weights, moments = snapshot()
+            stats = step(batch, n)
+            n += 1
+            assert not torch.isfinite(stats.grad_norm)
+            assert all(torch.equal(v, weights[k]) for k, v in d.state_dict().items())
+            assert all(torch.equal(v, moments[id(p)][k]) for p, s in step.optimizer.state.items() for k, v in s.items())
+        handle.remove()
+        weights, _ = snapshot()
+        step(batch, n)  # a good step: updates, and ends the run
+        n += 1
+        assert not torch.equal(poison, weights["layers.0.mlp.down_proj.weight"])
+    assert step.skipped_steps == 1 + 2 + step.max_bad_steps - 1
+    assert int(step.optimizer.state[poison]["step"]) == n - step.skipped_steps
+
+    poison.register_hook(lambda g: g * float("nan"))
+    for k in range(step.max_bad_steps - 1):
+        step(batch, n + k)
+    with pytest.raises(FloatingPointError, match=f"{step.max_bad_steps} steps in a row"):
+        step(batch, n + step.max_bad_steps - 1)
+
+
 REFERENCE_TENSORS = (
     [f"layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qkvo"]
     + [f"layers.{i}.self_attn.{p}_norm.weight" for i in range(2) for p in "qk"]

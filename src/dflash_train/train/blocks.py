@@ -11,9 +11,17 @@ probability of reaching the slot, computed after its forward.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy that does not wait for the device: a CPU tensor goes to a GPU from pinned memory (CUDA copies
+    from pageable memory synchronise the stream first)."""
+    if t.device.type == "cpu" and device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 @dataclass
@@ -29,6 +37,9 @@ class Blocks:
     @property
     def num_blocks(self) -> int:
         return self.anchors.shape[1]
+
+    def to(self, device: torch.device) -> "Blocks":
+        return Blocks(**{f.name: to_device(getattr(self, f.name), device) for f in fields(self)})
 
 
 def sample_anchors(

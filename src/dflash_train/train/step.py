@@ -13,7 +13,7 @@ from ..config import Config
 from ..model.attention import AttentionBackend
 from ..model.drafter import DFlashDrafter
 from ..model.target import TargetCapture, TargetHead
-from .blocks import Blocks, acceptance_weights, build_blocks, sample_anchors
+from .blocks import Blocks, acceptance_weights, build_blocks, sample_anchors, to_device
 from .loss import chunked_weighted_ce
 
 
@@ -22,9 +22,13 @@ class Batch:
     input_ids: torch.Tensor  # [B, S] right-padded
     loss_mask: torch.Tensor  # [B, S]
     lengths: torch.Tensor  # [B]
+    # The CPU batch this one was copied from: the step plans anchors and blocks there (data-dependent
+    # sizes read on the host, never from the device).
+    host: "Batch | None" = None
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=True) for t in (self.input_ids, self.loss_mask, self.lengths)))
+        host = self if self.input_ids.device.type == "cpu" and device.type != "cpu" else self.host
+        return Batch(*(to_device(t, device) for t in (self.input_ids, self.loss_mask, self.lengths)), host=host)
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +72,7 @@ def make_optimizer(drafter: DFlashDrafter, cfg: Config, device: torch.device) ->
         betas=o.betas,
         eps=o.eps,
         weight_decay=o.weight_decay,
-        fused=device.type == "cuda",
+        fused=True,  # also what lets a non-finite step be skipped on the device (`found_inf`)
     )
 
 
@@ -147,11 +151,17 @@ def forward_loss(
     elif distill:
         raise ValueError("objective.distill_weight > 0 needs the target's final hidden states, which a capture "
                          "computed on another rank (parallel.placement=split) does not carry")
-    anchors, keep = sample_anchors(batch.loss_mask, batch.lengths, bs, o.max_anchors, generator,
+    # Anchors, blocks and the counted rows have data-dependent sizes: planned on the host copy of the batch
+    # when there is one, so that reading them never waits for the device.
+    plan = batch.host if batch.host is not None else batch
+    anchors, keep = sample_anchors(plan.loss_mask, plan.lengths, bs, o.max_anchors, generator,
                                    backend.blocks_multiple_of, o.max_anchors_per_batch)
     blocks: Blocks = build_blocks(
-        batch.input_ids, batch.loss_mask, batch.lengths, anchors, keep, bs, drafter.mask_token_id, o.gamma
+        plan.input_ids, plan.loss_mask, plan.lengths, anchors, keep, bs, drafter.mask_token_id, o.gamma
     )
+    idx = blocks.counted.view(-1).nonzero().squeeze(1)  # the counted rows
+    device = batch.input_ids.device
+    blocks, idx = blocks.to(device), to_device(idx, device)
     b, s = batch.input_ids.shape
     with torch.no_grad():
         block_embeds = target.embed_tokens(blocks.block_ids)
@@ -163,16 +173,15 @@ def forward_loss(
     if pad:  # padded context keys lie past every anchor: no block ever sees them
         hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
         s += pad
-    context_pos = torch.arange(s, device=anchors.device).expand(b, s)
+    context_pos = torch.arange(s, device=device).expand(b, s)
     position_ids = torch.cat([context_pos, blocks.block_positions], dim=1)
-    mask = backend.build_mask(anchors, keep, s, bs)
-    device_type = batch.input_ids.device.type
+    mask = backend.build_mask(blocks.anchors, blocks.keep, s, bs)
+    device_type = device.type
     autocast = (
         torch.autocast(device_type, dtype=compute_dtype)
         if compute_dtype in (torch.bfloat16, torch.float16)
         else contextlib.nullcontext()
     )
-    idx = blocks.counted.view(-1).nonzero().squeeze(1)  # the counted rows (one host sync)
     with autocast:
         out = call(hidden, block_embeds, position_ids, backend.attention, mask,
                    compiled_layers=drafter.layers_compiled)  # [B, N*bs, H]
@@ -194,14 +203,16 @@ def forward_loss(
         loss=result.loss,
         correct_per_slot=correct.sum((0, 1)),
         counted_per_slot=blocks.counted.sum((0, 1)),
-        accepted_sum=(accept * keep).sum(),
-        kept_blocks=keep.sum(),
+        accepted_sum=(accept * blocks.keep).sum(),
+        kept_blocks=blocks.keep.sum(),
     )
 
 
 class TrainStep:
-    """Holds what a step needs and runs it. `__call__` does one optimizer step on one micro-batch per rank.
-    A step whose gradients are not finite is skipped (and counted); `max_bad_steps` in a row stop the run."""
+    """Holds what a step needs and runs it. `__call__` does one optimizer step on one micro-batch per rank,
+    without waiting for the device. A step whose loss or gradients are not finite is skipped on the device
+    (the fused AdamW's `found_inf`) and counted there; `max_bad_steps` in a row stop the run, seen by the
+    host a step or two later (a copy it reads once it has landed) or at once by `raise_if_diverged`."""
 
     max_bad_steps = 5
 
@@ -237,8 +248,30 @@ class TrainStep:
             lambda step: lr_factor(step, total_steps, o.warmup_ratio, o.min_lr_ratio, o.schedule, o.decay_ratio),
         )
         self.generator = torch.Generator()
-        self.skipped_steps = 0
-        self._bad_in_a_row = 0
+        # On the device: steps skipped, the current run of skipped steps, and the longest run so far.
+        self._skipped, self._bad_run, self._worst_run = (torch.zeros((), dtype=torch.int64, device=device)
+                                                         for _ in range(3))
+        # A host copy of the longest run, refreshed without waiting; read once its copy has landed.
+        on_gpu = device.type == "cuda"
+        self._worst_seen = torch.zeros((), dtype=torch.int64).pin_memory() if on_gpu else None
+        self._worst_landed = torch.cuda.Event() if on_gpu else None
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._skipped)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:  # a resumed run's count
+        self._skipped.fill_(value)
+
+    def raise_if_diverged(self, step: int, worst: int | None = None) -> None:
+        """FloatingPointError after `max_bad_steps` skipped steps in a row (reads the device unless given)."""
+        worst = int(self._worst_run) if worst is None else worst
+        if worst >= self.max_bad_steps:
+            raise FloatingPointError(
+                f"{worst} steps in a row had non-finite loss or gradients (by step {step}); "
+                "stopping with the last good checkpoint kept. Lower optim.lr or check the data"
+            )
 
     def __call__(self, micro: "Batch | list[MicroBatch]", step: int) -> StepStats:
         """One optimizer step over this rank's micro-batches (gradient accumulation when several:
@@ -264,17 +297,21 @@ class TrainStep:
         params = [p for p in self.drafter.parameters() if p.grad is not None]
         stats.grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         # After DDP's all-reduce every rank sees the same norm, so every rank takes the same decision.
-        if torch.isfinite(stats.grad_norm) and torch.isfinite(stats.loss):
-            self.optimizer.step()
-            self._bad_in_a_row = 0
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps += 1
-            self._bad_in_a_row += 1
-            if self._bad_in_a_row >= self.max_bad_steps:
-                raise FloatingPointError(
-                    f"{self._bad_in_a_row} steps in a row had non-finite loss or gradients (step {step}); "
-                    "stopping with the last good checkpoint kept. Lower optim.lr or check the data"
-                )
+        bad = ~(torch.isfinite(stats.grad_norm) & torch.isfinite(stats.loss))
+        self.optimizer.found_inf = bad.float()  # the fused AdamW leaves weights, moments and step count alone
+        self.optimizer.step()
+        self._skipped += bad
+        self._bad_run.mul_(bad).add_(bad)
+        torch.maximum(self._worst_run, self._bad_run, out=self._worst_run)
         self.scheduler.step()
+        self._check_without_waiting(step)
         return stats
+
+    def _check_without_waiting(self, step: int) -> None:
+        if self._worst_landed is None:  # CPU: reading is free
+            return self.raise_if_diverged(step)
+        if not self._worst_landed.query():
+            return  # an earlier step's copy is still on its way
+        self.raise_if_diverged(step, int(self._worst_seen))
+        self._worst_seen.copy_(self._worst_run, non_blocking=True)
+        self._worst_landed.record()

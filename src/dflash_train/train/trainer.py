@@ -507,6 +507,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             inbox.close()
         if progress is not None:
             progress.close()
+        train_step.raise_if_diverged(step)  # a run of skipped steps at the very end, not seen yet
         if ctx.is_main:
             save(step)
             report(phase="exporting")
