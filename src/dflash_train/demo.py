@@ -202,15 +202,17 @@ def run_eval(target: str, drafter_dir: Path, size: DemoSize, seed: int = 0) -> d
 
 def summary_table(report: dict) -> str:
     """tau per dataset and mode (trained and untrained), then the real-decoding line."""
+    from .infer.evaluate import HISTOGRAM_HEADER, format_histogram
+
     c = report["config"]
     lines = [f"tau by replay (greedy; {c.get('prompts_per_dataset', '?')} prompts per dataset, "
              f"{c['max_new_tokens']} new tokens, block {c['block_size']}); untrained = the same drafter before training",
-             "", "| dataset | mode | tau | untrained tau | steps | histogram (accepted per step: count) |",
+             "", f"| dataset | mode | tau | untrained tau | steps | {HISTOGRAM_HEADER} |",
              "|---|---|---|---|---|---|"]
     for ds, body in report["datasets"].items():
         for mode, s in body["modes"].items():
             base = report.get("untrained", {}).get(ds, {}).get(mode)
-            hist = ", ".join(f"{k}:{v}" for k, v in s["histogram"].items())
+            hist = format_histogram(s["histogram"])
             lines.append(f"| {ds} | {mode} | {s['tau']:.3f} | {'-' if base is None else f'{base:.3f}'} | "
                          f"{s['steps']} | {hist} |")
     dec = report.get("decode")

@@ -290,14 +290,22 @@ def _first_diff(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"turn": None, "token": None}
 
 
+HISTOGRAM_HEADER = "histogram (accepted per step: count)"
+
+
+def format_histogram(histogram: dict) -> str:
+    """`{accepted: steps}` as one table cell: "1:40, 2:17, ..."."""
+    return ", ".join(f"{k}:{v}" for k, v in histogram.items())
+
+
 def markdown_table(report: dict) -> str:
-    lines = ["| dataset | mode | tau | decode tok/s | speedup | histogram (accepted per step: count) |",
+    lines = [f"| dataset | mode | tau | decode tok/s | speedup | {HISTOGRAM_HEADER} |",
              "|---|---|---|---|---|---|"]
     for ds, body in report["datasets"].items():
         for mode, s in body["modes"].items():
             if mode == "target":
                 continue
-            hist = ", ".join(f"{k}:{v}" for k, v in s["histogram"].items())
+            hist = format_histogram(s["histogram"])
             speed = f"{s['speedup']:.2f}x" if "speedup" in s else "-"
             rate = "-" if s["decode_tokens_per_s"] is None else f"{s['decode_tokens_per_s']:.1f}"
             lines.append(f"| {ds} | {mode} | {s['tau']:.3f} | {rate} | {speed} | {hist} |")
