@@ -155,3 +155,26 @@ def test_detach_returns_at_once_and_status_follow_streams_to_the_end(setup, tmp_
     assert main(["status", str(run), "--follow", "--interval", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "phase:      done" in out and (run / "launcher.out").is_file()
+
+
+def _vote_rank(rank: int, init_file: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from dflash_train.train.dist import StopVote
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    vote = StopVote(torch.device("cpu"))
+    asks = [False, False, rank == 1, rank == 1, False]  # rank 1 asks at the third call (and keeps asking)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps([vote(ask) for ask in asks]))
+    dist.destroy_process_group()
+
+
+def test_stop_vote_agrees_on_every_rank_one_step_after_the_request(tmp_path):
+    """One rank's request reaches every rank at the same later call (the vote never waits on the device:
+    it returns the previous call's all-reduce)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_vote_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert got[0] == got[1] == [False, False, False, True, True]

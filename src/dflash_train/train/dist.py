@@ -40,14 +40,35 @@ class DistContext:
             torch_dist.init_process_group(backend, rank=self.rank, world_size=self.world,
                                           timeout=timedelta(seconds=timeout_s))
 
-    def any_flag(self, flag: bool, device: torch.device, group=None) -> bool:
-        """True on every rank (of `group`) if it is true on any: they all stop at the same step."""
-        if self.world == 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
-        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX, group=group)
-        return bool(t.item())
-
     def close(self) -> None:
         if torch_dist.is_initialized():
             torch_dist.destroy_process_group()
+
+
+class StopVote:
+    """Whether any rank of `group` asked to stop, agreed without waiting for the device. Each call posts this
+    rank's flag to an all-reduce and returns the previous call's result, whose copy to the host has landed
+    by then (the step in between still queued on the GPU): every rank stops at the same step, one step after
+    the request."""
+
+    def __init__(self, device: torch.device, group=None):
+        on_gpu = device.type == "cuda"
+        self.group = group
+        self.flag = torch.zeros(1, device=device)
+        self.seen = torch.zeros(1, pin_memory=on_gpu)
+        self.landed = torch.cuda.Event() if on_gpu else None
+        self.posted = False
+
+    def __call__(self, flag: bool) -> bool:
+        agreed = False
+        if self.posted:
+            if self.landed is not None:
+                self.landed.synchronize()
+            agreed = bool(self.seen[0])
+        self.flag.fill_(1.0 if flag else 0.0)
+        torch_dist.all_reduce(self.flag, op=torch_dist.ReduceOp.MAX, group=self.group)
+        self.seen.copy_(self.flag, non_blocking=True)
+        if self.landed is not None:
+            self.landed.record()
+        self.posted = True
+        return agreed

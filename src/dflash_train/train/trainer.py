@@ -252,7 +252,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
           resume: bool = False) -> Optional[Path]:
     """One rank of a run (world size 1 = a single process). Rank 0 owns status, metrics, checkpoints.
     In the split placement a target rank serves hidden states (`serve_target`) and returns None."""
-    from .dist import DistContext
+    from .dist import DistContext, StopVote
     from .launch import write_heartbeat
 
     ctx = DistContext.from_env()
@@ -440,6 +440,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             from tqdm import tqdm
 
             progress = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
+        vote = StopVote(device, drafter_group) if drafters > 1 else None  # the drafter ranks stop together
         t_start, start_step = time.time(), step
         window_tokens, window_start, window_wait = 0, time.time(), 0.0
         last_record: dict = {}
@@ -491,7 +492,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                 window_tokens, window_start = 0, now
             if progress is not None:
                 progress.update(1)
-            if stop.requested if drafters == 1 else ctx.any_flag(stop.requested, device, drafter_group):
+            if stop.requested if vote is None else vote(stop.requested):
                 if inbox is not None:
                     inbox.close()
                 if ctx.is_main:
