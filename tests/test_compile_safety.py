@@ -150,3 +150,22 @@ def test_inductor_compiles_get_the_layer_options_and_other_backends_none(monkeyp
     assert seen["eager"] is None
     assert seen[None] == compile_layer.INDUCTOR_OPTIONS == {"triton.autotune_pointwise": False}
     assert seen["inductor"] == {"triton.autotune_pointwise": True, "max_autotune": False}
+
+
+def test_compile_workers_share_the_cores_between_the_ranks_of_a_machine(monkeypatch):
+    """Eight ranks on 64 cores start 8 compile workers each, not inductor's min(32, cores); the user's
+    TORCHINDUCTOR_COMPILE_THREADS wins."""
+    import os
+
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setenv("TORCH_WARM_POOL", "0")  # sizes only: no worker processes in this test
+    assert compile_layer.start_compile_workers(local_ranks=8) == 8
+    assert compile_layer.start_compile_workers(local_ranks=1) == 32
+    assert compile_layer.start_compile_workers(local_ranks=128) == 1
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    inductor_config.compile_threads = None  # decided again, from the environment
+    assert compile_layer.start_compile_workers(local_ranks=8) == 3

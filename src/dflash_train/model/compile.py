@@ -56,14 +56,21 @@ def configure_cache(cache_dir: str | Path | None = None, fresh: bool = False) ->
     return path
 
 
-def start_compile_workers() -> None:
+def start_compile_workers(local_ranks: int = 1) -> int:
     """Start inductor's pool of compile worker processes now (after `configure_cache`: they inherit its
-    directory). Inductor starts it at its first compile and, until the workers are up, compiles every
-    kernel in this process, one at a time; started before the model loads, the pool is ready when the
-    warm-up compiles. A no-op where inductor compiles in-process (one compile thread)."""
-    from torch._inductor.async_compile import maybe_warm_pool
+    directory) and return its size. Inductor starts it at its first compile and, until the workers are up,
+    compiles every kernel in this process, one at a time; started before the model loads, the pool is ready
+    when the warm-up compiles. `local_ranks`, the job's processes on this machine, share its cores: inductor
+    would give each min(32, cores) workers (256 processes for 8 ranks on 128 cores).
+    TORCHINDUCTOR_COMPILE_THREADS overrides; one thread means no pool (in-process compiles)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.async_compile import get_compile_threads, maybe_warm_pool
 
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        inductor_config.compile_threads = max(1, min(32, cores // max(local_ranks, 1)))
     maybe_warm_pool()
+    return get_compile_threads()
 
 
 def cache_stats() -> dict[str, int]:

@@ -292,8 +292,10 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         role = "target" if layout is not None and layout.is_target(ctx.rank) else "drafter"
         compile_cache = compile_layer.configure_cache(cfg.run.compile_cache_dir, fresh=fresh_compile_cache)
         compile_layer.watch_recompiles()
+        # A drafter's attention and loss always compile on a GPU: the workers start while the weights load.
         if device.type == "cuda" and (role == "drafter" or cfg.target.compile):
-            compile_layer.start_compile_workers()  # a drafter's attention and loss always compile on a GPU
+            workers = compile_layer.start_compile_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            log.info("compile workers: %d", workers)
         if layout is not None:
             beat_extra["role"] = role
         log.info("rank %d/%d (%s): target %s, layers %s, mask token %d, device %s", ctx.rank, ctx.world, role,
