@@ -416,7 +416,8 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         if layout is not None:  # the compile needs the shapes and dtype of a capture, not its values
             synthetic = torch.randn(*first.input_ids.shape, len(plan.layer_ids) * provenance["hidden_size"],
                                     dtype=plan.target_dtype, device=device)
-        warm = warm_up(train_step, first, compile_cache, with_validation=val is not None, hidden=synthetic, kinds=batch_kinds(epoch0))
+        warm = warm_up(train_step, first, compile_cache, with_validation=val is not None, hidden=synthetic,
+                       kinds=batch_kinds(epoch0))
 
         def run_validation(at_step: int) -> None:
             nonlocal best_val
