@@ -122,12 +122,25 @@ def test_clearing_a_cache_another_rank_cleared_is_no_error(tmp_path, monkeypatch
     assert path.is_dir() and list(path.iterdir()) == []
 
 
-def test_doctor_gives_a_verdict(capsys):
-    from dflash_train.cli import main
+def test_doctor_gives_a_verdict(capsys, tmp_path, monkeypatch):
+    """The verdict, plus what a cold start depends on: whether the compile cache holds compiled code, and how
+    many compile workers each rank of this machine starts."""
+    import os
 
+    from dflash_train.cli import main
+    from dflash_train.doctor import cache_check
+
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     rc = main(["doctor"])
     out = capsys.readouterr().out
     assert rc == 0 and "READY" in out and "flex_attention compile" in out and "torch" in out
+    assert "8 per GPU rank (64 cores / 8 rank(s) here" in out and "empty: a first run compiles cold" in out
+    (tmp_path / "inductor" / "fxgraph").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "inductor" / "fxgraph" / "entry").write_bytes(b"x" * 3 * 2**20)
+    assert "3 MiB of compiled code" in cache_check().detail
 
 
 def test_inductor_compiles_get_the_layer_options_and_other_backends_none(monkeypatch):

@@ -102,13 +102,26 @@ def cache_check() -> Check:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path):
             pass
-        return Check("compile cache", True, f"{path} writable ({'TORCHINDUCTOR_CACHE_DIR=' + os.environ['TORCHINDUCTOR_CACHE_DIR'] if 'TORCHINDUCTOR_CACHE_DIR' in os.environ else 'default'})")
     except OSError as e:
         return Check("compile cache", False, f"{path} not writable: {e}; set DFLASH_TRAIN_CACHE or run.compile_cache_dir")
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    held = "empty: a first run compiles cold" if size == 0 else f"{size / 2**20:.0f} MiB of compiled code: a run warms from it"
+    return Check("compile cache", True, f"{path} writable, {held}")
+
+
+def compile_workers_check() -> Check:
+    """How many inductor compile workers a rank starts here (as `train` sizes them)."""
+    from .model.compile import compile_workers_per_rank, usable_cores
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    override = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    n = int(override) if override else compile_workers_per_rank(ranks)
+    why = "TORCHINDUCTOR_COMPILE_THREADS" if override else f"{usable_cores()} cores / {ranks} rank(s) here, at most 32"
+    return Check("compile workers", True, f"{n} per GPU rank ({why})", fatal=False)
 
 
 def run_doctor() -> tuple[list[Check], str]:
-    checks = versions() + devices() + [cache_check(), flex_smoke_test()]
+    checks = versions() + devices() + [cache_check(), compile_workers_check(), flex_smoke_test()]
     failed = [c for c in checks if c.fatal and not c.ok]
     if failed:
         verdict = "NOT READY: " + "; ".join(f"{c.name}: {c.detail}" for c in failed)

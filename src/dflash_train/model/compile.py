@@ -67,10 +67,18 @@ def start_compile_workers(local_ranks: int = 1) -> int:
     from torch._inductor.async_compile import get_compile_threads, maybe_warm_pool
 
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        inductor_config.compile_threads = max(1, min(32, cores // max(local_ranks, 1)))
+        inductor_config.compile_threads = compile_workers_per_rank(local_ranks)
     maybe_warm_pool()
     return get_compile_threads()
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def compile_workers_per_rank(local_ranks: int = 1) -> int:
+    """Each of `local_ranks` processes' share of this machine's cores, at most 32 (inductor's own cap)."""
+    return max(1, min(32, usable_cores() // max(local_ranks, 1)))
 
 
 def cache_stats() -> dict[str, int]:
