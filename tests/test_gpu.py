@@ -136,12 +136,12 @@ def test_a_colocated_step_never_waits_for_the_gpu(compile_layers):
         mask[:, :20] = 0
         return Batch(ids, mask, torch.tensor([length, length - 7, length - 30, length - 64]))
 
-    for n, length in enumerate((384, 320)):  # compiles (dynamic lengths)
+    for n, length in enumerate((384, 320, 352)):  # compiles (a second length makes the sizes dynamic)
         step(host_batch(length).to(device), n)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for n, length in enumerate((384, 352, 320), start=2):
+        for n, length in enumerate((352, 384, 320), start=3):
             stats = step(host_batch(length).to(device), n)
     finally:
         torch.cuda.set_sync_debug_mode(0)
