@@ -30,10 +30,6 @@ class Batch:
         host = self if self.input_ids.device.type == "cpu" and device.type != "cpu" else self.host
         return Batch(*(to_device(t, device) for t in (self.input_ids, self.loss_mask, self.lengths)), host=host)
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
-
 
 @dataclass
 class StepStats:
