@@ -114,10 +114,9 @@ def compile_workers_check() -> Check:
     from .model.compile import compile_workers_per_rank, usable_cores
 
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    override = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
-    n = int(override) if override else compile_workers_per_rank(ranks)
-    why = "TORCHINDUCTOR_COMPILE_THREADS" if override else f"{usable_cores()} cores / {ranks} rank(s) here, at most 32"
-    return Check("compile workers", True, f"{n} per GPU rank ({why})", fatal=False)
+    why = "TORCHINDUCTOR_COMPILE_THREADS" if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else \
+        f"{usable_cores()} cores / {ranks} rank(s) here, at most 32"
+    return Check("compile workers", True, f"{compile_workers_per_rank(ranks)} per GPU rank ({why})", fatal=False)
 
 
 def run_doctor() -> tuple[list[Check], str]:

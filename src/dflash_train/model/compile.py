@@ -46,11 +46,10 @@ def configure_cache(cache_dir: str | Path | None = None, fresh: bool = False) ->
         doomed = path.with_name(f"{path.name}.cleared-{os.getpid()}")
         try:
             path.rename(doomed)
-        except FileNotFoundError:
-            pass
-        else:
             shutil.rmtree(doomed)
             log.info("compile cache cleared: %s", path)
+        except FileNotFoundError:
+            log.info("compile cache %s: another rank of this run cleared it", path)
     path.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     return path
@@ -66,8 +65,7 @@ def start_compile_workers(local_ranks: int = 1) -> int:
     import torch._inductor.config as inductor_config
     from torch._inductor.async_compile import get_compile_threads, maybe_warm_pool
 
-    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-        inductor_config.compile_threads = compile_workers_per_rank(local_ranks)
+    inductor_config.compile_threads = compile_workers_per_rank(local_ranks)
     maybe_warm_pool()
     return get_compile_threads()
 
@@ -77,7 +75,11 @@ def usable_cores() -> int:
 
 
 def compile_workers_per_rank(local_ranks: int = 1) -> int:
-    """Each of `local_ranks` processes' share of this machine's cores, at most 32 (inductor's own cap)."""
+    """TORCHINDUCTOR_COMPILE_THREADS if set, else each of `local_ranks` processes' share of this machine's
+    cores, at most 32 (inductor's own cap)."""
+    override = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    if override:
+        return int(override)
     return max(1, min(32, usable_cores() // max(local_ranks, 1)))
 
 

@@ -45,6 +45,33 @@ class DistContext:
             torch_dist.destroy_process_group()
 
 
+class HostCopy:
+    """A small device tensor's value on the host without waiting for the device: `post` queues a copy into
+    pinned memory, `landed` says whether the last one has arrived, `value` reads it (waiting if not)."""
+
+    def __init__(self, like: torch.Tensor):
+        self.on_gpu = like.device.type == "cuda"
+        self.host = torch.zeros_like(like, device="cpu")
+        if self.on_gpu:
+            self.host = self.host.pin_memory()
+        self.event = torch.cuda.Event() if self.on_gpu else None
+        self.posted = False
+
+    def post(self, t: torch.Tensor) -> None:
+        self.host.copy_(t, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+        self.posted = True
+
+    def landed(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def value(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
 class StopVote:
     """Whether any rank of `group` asked to stop, agreed without waiting for the device. Each call posts this
     rank's flag to an all-reduce and returns the previous call's result, whose copy to the host has landed
@@ -52,23 +79,13 @@ class StopVote:
     the request."""
 
     def __init__(self, device: torch.device, group=None):
-        on_gpu = device.type == "cuda"
         self.group = group
         self.flag = torch.zeros(1, device=device)
-        self.seen = torch.zeros(1, pin_memory=on_gpu)
-        self.landed = torch.cuda.Event() if on_gpu else None
-        self.posted = False
+        self.seen = HostCopy(self.flag)
 
     def __call__(self, flag: bool) -> bool:
-        agreed = False
-        if self.posted:
-            if self.landed is not None:
-                self.landed.synchronize()
-            agreed = bool(self.seen[0])
+        agreed = bool(self.seen.value()[0]) if self.seen.posted else False
         self.flag.fill_(1.0 if flag else 0.0)
         torch_dist.all_reduce(self.flag, op=torch_dist.ReduceOp.MAX, group=self.group)
-        self.seen.copy_(self.flag, non_blocking=True)
-        if self.landed is not None:
-            self.landed.record()
-        self.posted = True
+        self.seen.post(self.flag)
         return agreed

@@ -14,6 +14,7 @@ from ..model.attention import AttentionBackend
 from ..model.drafter import DFlashDrafter
 from ..model.target import TargetCapture, TargetHead
 from .blocks import Blocks, acceptance_weights, build_blocks, sample_anchors, to_device
+from .dist import HostCopy
 from .loss import chunked_weighted_ce
 
 
@@ -247,10 +248,8 @@ class TrainStep:
         # On the device: steps skipped, the current run of skipped steps, and the longest run so far.
         self._skipped, self._bad_run, self._worst_run = (torch.zeros((), dtype=torch.int64, device=device)
                                                          for _ in range(3))
-        # A host copy of the longest run, refreshed without waiting; read once its copy has landed.
-        on_gpu = device.type == "cuda"
-        self._worst_seen = torch.zeros((), dtype=torch.int64).pin_memory() if on_gpu else None
-        self._worst_landed = torch.cuda.Event() if on_gpu else None
+        # On a GPU, a host copy of the longest run, refreshed without waiting and read once it has landed.
+        self._worst_seen = HostCopy(self._worst_run) if device.type == "cuda" else None
 
     @property
     def skipped_steps(self) -> int:
@@ -304,10 +303,10 @@ class TrainStep:
         return stats
 
     def _check_without_waiting(self, step: int) -> None:
-        if self._worst_landed is None:  # CPU: reading is free
+        if self._worst_seen is None:  # CPU: reading is free
             return self.raise_if_diverged(step)
-        if not self._worst_landed.query():
+        if not self._worst_seen.landed():
             return  # an earlier step's copy is still on its way
-        self.raise_if_diverged(step, int(self._worst_seen))
-        self._worst_seen.copy_(self._worst_run, non_blocking=True)
-        self._worst_landed.record()
+        if self._worst_seen.posted:
+            self.raise_if_diverged(step, int(self._worst_seen.value()))
+        self._worst_seen.post(self._worst_run)
