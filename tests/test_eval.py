@@ -9,7 +9,6 @@ import torch
 import yaml
 
 from dflash_train.cli import main
-from dflash_train.infer.spec_decode import SpeculativeDecoder
 from dflash_train.model.io import load_drafter
 from dflash_train.model.target import load_target_model, load_tokenizer
 
@@ -19,27 +18,18 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def regen_data(tmp_path_factory, smollm2_slice_dir):
-    """Conversations whose answers the tiny target wrote itself (greedy), as every recipe does."""
-    target = load_target_model(smollm2_slice_dir, torch.float32, torch.device("cpu"))
-    tok = load_tokenizer(smollm2_slice_dir)
-    from dflash_train.model.drafter import DFlashDrafter
-    from dflash_train.model.drafter_config import make_drafter_config
+    """Conversations whose answers the tiny target wrote itself (greedy, `regen`), as every recipe does."""
+    from dflash_train.data.regen import RegenSettings, regenerate
 
-    dummy = DFlashDrafter(make_drafter_config(target.config, num_draft_layers=1, block_size=4,
-                                              target_layer_ids=[1, 4], mask_token_id=16))
-    dec = SpeculativeDecoder(target, dummy, stop_token_ids=[2])
     words = ["apple", "river", "stone", "cloud", "green", "seven", "light", "table"]
-    rows, prompts = [], []
-    for i in range(30):
-        question = f"Tell me about {words[i % 8]} number {i}."
-        text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
-        out = dec.generate_target_only(tok(text, add_special_tokens=False)["input_ids"], 32)
-        answer = tok.decode(out.tokens, skip_special_tokens=True)
-        rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
-        prompts.append({"id": i, "turns": [question]})
+    prompts = [{"id": i, "turns": [f"Tell me about {words[i % 8]} number {i}."]} for i in range(30)]
     root = tmp_path_factory.mktemp("regen")
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:26]))
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": p["turns"][0]}]})
+                                                + "\n" for p in prompts[:26]))
     (root / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts[26:]))
+    summary = regenerate(smollm2_slice_dir, [str(root / "prompts.jsonl")], root / "train.jsonl",
+                         RegenSettings(max_new_tokens=32, batch_size=26, progress=False))
+    assert summary["rows_written"] == 26, summary
     return root
 
 
