@@ -108,6 +108,24 @@ def test_chunked_loss_and_gradient_equal_unchunked_in_float64(chunk):
     assert torch.equal(out.correct, ref_correct)
 
 
+def test_the_eager_chunk_math_equals_the_compiled_one_in_float64():
+    """CPU runs `_ce_chunk_eager` (in place, four passes); CUDA compiles `_ce_chunk`. Same outputs, ties in
+    the argmax included (both take the first maximum)."""
+    from dflash_train.train.loss import _ce_chunk, _ce_chunk_eager
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(23, 40, generator=g, dtype=torch.float64) * 4
+    logits[3, 7] = logits[3, 11] = logits[3].max() + 1  # a tie for the top
+    labels = torch.randint(0, 40, (23,), generator=g)
+    labels[3] = 11
+    for got, want in zip(_ce_chunk_eager(logits.clone(), labels), _ce_chunk(logits, labels)):
+        if want.dtype == torch.bool:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not _ce_chunk_eager(logits, labels)[2][3]  # row 3's first maximum is 7, not its label 11
+
+
 def test_chunked_loss_never_holds_full_logits():
     """Peak memory of the forward+backward stays near one chunk of logits, not M x V."""
     m, h, v, chunk = 4096, 32, 8192, 256

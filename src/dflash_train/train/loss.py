@@ -32,6 +32,21 @@ def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor):
     return -label_logp, label_logp, correct, grad
 
 
+def _ce_chunk_eager(logits: torch.Tensor, labels: torch.Tensor):
+    """`_ce_chunk` for eager devices (the CPU), where each pass over the logits costs: four passes (max with
+    its index, exp, sum, scale in place) and the one-hot subtracted at one entry per row, against eight. Under
+    inductor the in-place form is slower (a float32 copy of the chunk is kept), hence the two versions."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    peak, top = x.max(dim=-1)
+    probs = torch.exp(x - peak.unsqueeze(1))
+    total = probs.sum(-1)
+    lse = peak + total.log()
+    label_logp = x.gather(1, labels.unsqueeze(1)).squeeze(1) - lse
+    probs.div_(total.unsqueeze(1))
+    probs[torch.arange(labels.shape[0], device=x.device), labels] -= 1
+    return -label_logp, label_logp, top == labels, probs.to(logits.dtype)
+
+
 def _soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, alpha: float,
                    inv_temperature: float):
     """`_ce_chunk` against q = (1 - alpha) * onehot(label) + alpha * softmax(target_logits * inv_temperature).
@@ -48,10 +63,10 @@ def _soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, labels: to
     return loss, label_logp, correct, grad
 
 
-def _chunk_fn(name: str, fn: Callable, device: torch.device) -> Callable:
-    """The compiled chunk math on CUDA (one graph, dynamic rows); eager elsewhere."""
+def _chunk_fn(name: str, fn: Callable, device: torch.device, eager: Optional[Callable] = None) -> Callable:
+    """The compiled chunk math on CUDA (one graph, dynamic rows); elsewhere `eager`, or `fn` itself."""
     if device.type != "cuda":
-        return fn
+        return eager or fn
     from ..model.compile import compiled
 
     return compiled(name, fn, dynamic=True)
@@ -68,7 +83,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         correct = torch.empty(m, device=hidden.device, dtype=torch.bool)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
         if target_hidden is None:
-            ce_chunk = _chunk_fn("ce_chunk", _ce_chunk, hidden.device)
+            ce_chunk = _chunk_fn("ce_chunk", _ce_chunk, hidden.device, eager=_ce_chunk_eager)
         else:
             soft = _chunk_fn("soft_ce_chunk", _soft_ce_chunk, hidden.device)
         for start in range(0, m, chunk_size):
