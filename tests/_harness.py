@@ -53,14 +53,15 @@ def assert_same_losses(ref: dict[int, float], got: dict[int, float], steps: int)
     assert not bad, bad
 
 
-def launch(args: list[str], log: Path, preexec_fn: Optional[Callable] = None, **popen) -> subprocess.Popen:
+def launch(args: list[str], log: Path, preexec_fn: Optional[Callable] = None, env: Optional[dict] = None,
+           **popen) -> subprocess.Popen:
     with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen([sys.executable, "-m", "dflash_train", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=ENV, preexec_fn=preexec_fn, **popen)
+                                stderr=subprocess.STDOUT, env={**ENV, **(env or {})}, preexec_fn=preexec_fn, **popen)
 
 
-def run(args: list[str], log: Path, timeout: float = 300) -> int:
-    proc = launch(args, log)
+def run(args: list[str], log: Path, timeout: float = 300, env: Optional[dict] = None) -> int:
+    proc = launch(args, log, env=env)
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -93,6 +94,23 @@ def wait_for_step(run_dir: Path, rank: int, step: int, proc: subprocess.Popen, t
         b = beat(run_dir, rank)
         return b if b and b.get("phase") == "training" and b.get("step", 0) >= step else None
     return wait_until(reached, proc, timeout, f"rank {rank} at step {step}")
+
+
+# Imported at start-up by every Python process of a run when its folder is on PYTHONPATH: the CPU
+# stands in for the GPU in `drafter.compile` (the device check lifted, Dynamo's eager backend: tracing,
+# guards and recompiles without inductor), as the in-process compile tests do with monkeypatch.
+CPU_DRAFTER_COMPILE = """
+import dflash_train.config, dflash_train.model.drafter, dflash_train.train.trainer
+dflash_train.config.validate_compile_device = lambda *a: None
+dflash_train.train.trainer.validate_compile_device = lambda *a: None
+dflash_train.model.drafter.COMPILE_BACKEND = "eager"
+"""
+
+
+def cpu_drafter_compile_env(folder: Path) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(CPU_DRAFTER_COMPILE)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
 
 
 def status(run_dir: Path) -> dict:

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from _harness import (assert_same_losses, beat, launch, losses, run, status, stop, wait_for_step, wait_until,
-                      write_config)
+from _harness import (assert_same_losses, beat, cpu_drafter_compile_env, launch, losses, run, status, stop,
+                      wait_for_step, wait_until, write_config)
 
 from dflash_train.cli import main
 from dflash_train.config import ConfigError, config_from_dict, validate_world
@@ -129,10 +129,10 @@ def setup(tmp_path_factory, tiny_target_dir, counting_jsonl):
     return root, cfg
 
 
-def _train(root, cfg, name, nproc, *extra, steps=STEPS):
+def _train(root, cfg, name, nproc, *extra, steps=STEPS, env=None):
     out = root / name
     rc = run(["train", str(cfg), *extra, "--run-dir", str(out), "--max-steps", str(steps), "--nproc", str(nproc)],
-             root / f"{name}.log", timeout=300)
+             root / f"{name}.log", timeout=300, env=env)
     assert rc == 0, (root / f"{name}.log").read_text()[-3000:]
     return out
 
@@ -159,11 +159,20 @@ def test_two_targets_one_drafter_log_the_losses_of_one_process(setup, single):
 
 
 @pytest.mark.slow
-def test_one_target_two_drafters_log_the_losses_of_colocated_data_parallel(setup):
+def test_one_target_two_compiled_drafters_log_the_losses_of_colocated_data_parallel(setup):
+    """The field's shape of run (split, several drafter ranks under DDP, `drafter.compile`), with the CPU
+    standing in for the GPUs: hidden states from the transport reuse the warm-up's graphs on both drafter
+    ranks, and the losses are those of the eager colocated run."""
     root, cfg = setup
     colocated = _train(root, cfg, "colocated-2", 2, steps=4)
-    split = _train(root, cfg, "split-1+2", 3, "parallel.placement=split", "parallel.target_ranks=1", steps=4)
+    split = _train(root, cfg, "split-1+2", 3, "parallel.placement=split", "parallel.target_ranks=1",
+                   "drafter.compile=true", steps=4, env=cpu_drafter_compile_env(root / "hook"))
     assert_same_losses(losses(colocated), losses(split), 4)
+    assert status(split)["drafter_compiled_graphs"] > 0
+    records = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert {r["recompiles"] for r in records if "recompiles" in r} == {0}
+    for rank in range(3):  # the compile layer logs every recompile with its reason
+        assert "recompiled" not in (split / f"rank-{rank}.out").read_text()
 
 
 @pytest.mark.slow
