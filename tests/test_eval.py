@@ -10,7 +10,6 @@ import yaml
 
 from dflash_train.cli import main
 from dflash_train.model.io import load_drafter
-from dflash_train.model.target import load_target_model, load_tokenizer
 
 
 pytestmark = pytest.mark.slow
