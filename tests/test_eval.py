@@ -21,11 +21,12 @@ def regen_data(tmp_path_factory, smollm2_slice_dir):
     from dflash_train.data.regen import RegenSettings, regenerate
 
     words = ["apple", "river", "stone", "cloud", "green", "seven", "light", "table"]
-    prompts = [{"id": i, "turns": [f"Tell me about {words[i % 8]} number {i}."]} for i in range(30)]
+    questions = [f"Tell me about {words[i % 8]} number {i}." for i in range(30)]
     root = tmp_path_factory.mktemp("regen")
-    (root / "prompts.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": p["turns"][0]}]})
-                                                + "\n" for p in prompts[:26]))
-    (root / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts[26:]))
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
+                                                for q in questions[:26]))
+    (root / "heldout.jsonl").write_text("".join(json.dumps({"id": i, "turns": [q]}) + "\n"
+                                                for i, q in enumerate(questions) if i >= 26))
     summary = regenerate(smollm2_slice_dir, [str(root / "prompts.jsonl")], root / "train.jsonl",
                          RegenSettings(max_new_tokens=32, batch_size=26, progress=False))
     assert summary["rows_written"] == 26, summary
