@@ -486,7 +486,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                 rate = (step - start_step) / max(now - t_start, 1e-9)
                 report(step=step, epoch=last_record["epoch"], eta_s=(total - step) / max(rate, 1e-9),
                        tokens_per_s=last_record["tokens_per_s"], loss=last_record["loss"],
-                       skipped_steps=train_step.skipped_steps)
+                       skipped_steps=last_record["skipped_steps"])
                 if progress is not None:
                     progress.set_postfix(loss=f"{last_record['loss']:.3f}", acc=f"{last_record['accuracy']:.3f}",
                                          tok_s=f"{last_record['tokens_per_s']:.0f}")
