@@ -139,7 +139,8 @@ def _check_checkpoints(run_dir: Path) -> Path | None:
 
 def _resume_and_compare(root: Path, cfg: Path, run_dir: Path, ref: dict, resume: bool, log: Path) -> None:
     args = ["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", str(STEPS), "--nproc", "2"]
-    assert run(args + (["--resume"] if resume else []), log) == 0, log.read_text()[-3000:]
+    # no checkpoint yet: start again, the failed attempt moved aside (a fresh start never reuses a run's folder)
+    assert run(args + (["--resume"] if resume else ["--overwrite"]), log) == 0, log.read_text()[-3000:]
     assert status(run_dir)["phase"] == "done"
     assert_same_losses(ref, losses(run_dir), STEPS)
     torn = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
@@ -176,7 +177,7 @@ def _kill_trial(setup, trial: int, moment: str) -> None:
 
 
 def _term_trial(setup, trial: int, moment: str) -> None:
-    """SIGTERM to the launcher: ranks finish the step, rank 0 checkpoints, every rank exits 0, `stopped`."""
+    """SIGTERM to the launcher: ranks finish the step, rank 0 checkpoints, every rank exits 3 (stopped before done)."""
     root, cfg, ref = setup
     rng = random.Random(SEED * 100_019 + trial)
     run_dir, log = root / f"term-{trial}", root / f"term-{trial}.log"
@@ -207,7 +208,8 @@ def _term_trial(setup, trial: int, moment: str) -> None:
     assert took < STOP_WITHIN_S, took
     assert not [p for p in pids if _alive(p)], "a rank outlived the launcher"
     finished = st["phase"] == "done" and st["step"] == STEPS  # the signal came after the last step
-    assert (st["phase"] == "stopped" or finished) and rc == 0, f"SIGTERM left status.json saying {st['phase']!r} (exit {rc})"
+    assert (st["phase"] == "stopped" and rc == 3) or (finished and rc == 0), \
+        f"SIGTERM left status.json saying {st['phase']!r} (exit {rc}; a stopped run exits 3)"
     if st.get("checkpoint") is not None and not finished:
         assert newest is not None and Path(st["checkpoint"]) == newest, (st, newest)
         assert newest.name == f"step-{st['step']:08d}"

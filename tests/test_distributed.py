@@ -94,7 +94,7 @@ def test_sigterm_leaves_a_valid_checkpoint_and_resume_is_exact(setup, tmp_path):
     proc = _launch(["train", str(single), "--run-dir", str(run), "--max-steps", "12"], tmp_path / "term.log")
     _wait_for_step(run, 0, 5, proc)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
+    assert proc.wait(timeout=60) == 3  # stopped before done
     status = json.loads((run / "status.json").read_text())
     assert status["phase"] == "stopped"
     stopped_at = status["step"]
@@ -111,7 +111,7 @@ def test_stop_command_checkpoints_and_exits(setup, tmp_path, capsys):
     proc = _launch(["train", str(cfg), "--run-dir", str(run), "--max-steps", "400"], tmp_path / "s.log")
     _wait_for_step(run, 0, 3, proc)
     assert main(["stop", str(run)]) == 0
-    assert proc.wait(timeout=60) == 0
+    assert proc.wait(timeout=60) == 3
     assert json.loads((run / "status.json").read_text())["phase"] == "stopped"
 
 
@@ -130,7 +130,14 @@ def test_corrupt_checkpoint_is_skipped_and_incompatible_one_refused(setup, refer
     rc = main(["train", str(cfg), "--run-dir", str(run), "--resume", "--max-steps", "16", "drafter.num_draft_layers=2"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "cannot resume" in err and "drafter_shape: checkpoint [1," in err and "this run [2," in err
+    assert "'drafter.num_draft_layers' is 1" in err and "2 by the override drafter.num_draft_layers=2" in err
+    # config.yaml changed by hand behind the run's back: the checkpoint's record names the field that differs
+    edited = yaml.safe_load((run / "config.yaml").read_text())
+    edited["drafter"]["num_draft_layers"] = 2
+    (run / "config.yaml").write_text(yaml.safe_dump(edited))
+    assert main(["train", "--run-dir", str(run), "--resume", "optim.max_steps=20"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "drafter_shape.num_hidden_layers: checkpoint 1, this run 2" in err, err
 
 
 def test_non_finite_steps_are_skipped_then_the_run_stops(setup, tmp_path, capsys):

@@ -274,7 +274,7 @@ def test_split_over_nccl_matches_one_gpu_resumes_and_fails_fast(tmp_path, tiny_t
     try:
         wait_for_step(out, 0, 5, proc, timeout=300)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert proc.wait(timeout=60) == 3, log.read_text()[-3000:]  # stopped before done
     finally:
         stop(proc)
     st = status(out)

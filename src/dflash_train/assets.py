@@ -112,6 +112,11 @@ def is_converted_target(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / TARGET_META).is_file()
 
 
+def is_builtin_target(spec: str) -> bool:
+    """A target spec that names an embedded default rather than a path."""
+    return str(spec).strip().lower() == SMOLLM2_SPEC
+
+
 def resolve_target(spec: str, cache_dir: Path | None = None) -> Path:
     """Local Hugging Face model folder for a target spec (see `_ACCEPTED`).
 
@@ -119,7 +124,7 @@ def resolve_target(spec: str, cache_dir: Path | None = None) -> Path:
     `default_cache_dir()`.
     """
     spec_str = str(spec)
-    if spec_str.strip().lower() == SMOLLM2_SPEC:
+    if is_builtin_target(spec_str):
         return _cached_conversion(smollm2_gguf_path(), cache_dir)
     path = Path(spec_str).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":

@@ -7,9 +7,11 @@ import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
-from .config import ConfigError, load_config, validate_world
+from .config import validate_world
+from .errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, USER_ERRORS, UserError, debug_enabled
 
 log = logging.getLogger("dflash_train")
 
@@ -26,7 +28,9 @@ def _default_run_dir(name: str) -> Path:
 
 
 def _child_train_args(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    out = ["train", args.config, *args.overrides, "--run-dir", str(run_dir)]
+    """The command a launched rank (or the detached launcher) runs: the same start, already admitted here
+    (so no --overwrite: the old run has been moved aside)."""
+    out = ["train", *([args.config] if args.config else []), *args.overrides, "--run-dir", str(run_dir)]
     if args.max_steps is not None:
         out += ["--max-steps", str(args.max_steps)]
     if args.resume:
@@ -36,40 +40,68 @@ def _child_train_args(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return out
 
 
+def _split_config_argument(args: argparse.Namespace) -> None:
+    """`train --resume --run-dir R optim.max_steps=40`: argparse takes the first override for CONFIG."""
+    if args.config and "=" in args.config and not Path(args.config).is_file():
+        args.overrides = [args.config, *args.overrides]
+        args.config = None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from .train import launch
+    from .train.admission import admit_start
 
-    cfg = load_config(args.config, args.overrides)  # invalid configs fail here, before anything starts
-    validate_world(cfg, args.nproc if "WORLD_SIZE" not in os.environ else int(os.environ["WORLD_SIZE"]))
-    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(Path(args.config).stem)
+    _split_config_argument(args)
+    if args.resume and not args.run_dir:
+        raise UserError("--resume continues the run in --run-dir: give --run-dir RUN")
+    world = args.nproc if "WORLD_SIZE" not in os.environ else int(os.environ["WORLD_SIZE"])
+    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(Path(args.config or "run").stem)
+    # The process the user started owns the checks on the run directory; the ranks and the detached launcher
+    # it starts (they inherit its launch time) only rebuild the same config.
+    top_level = os.environ.get("RANK", "0") == "0" and launch.LAUNCH_TIME_ENV not in os.environ
+    # Invalid configs and a run directory this start may not use fail here, before anything starts or loads.
+    start = admit_start(args.config, args.overrides, run_dir, resume=args.resume, overwrite=args.overwrite,
+                        max_steps=args.max_steps, check_owner=top_level)
+    validate_world(start.cfg, world)
+    if start.already_done:
+        print(start.already_done)
+        return EXIT_DONE
+    if start.moved_aside:
+        print(f"moved the old run aside: {start.moved_aside}")
+    os.environ.setdefault(launch.LAUNCH_TIME_ENV, str(time.time()))  # inherited by every process of this start
     if args.detach:
         child = _child_train_args(args, run_dir) + (["--nproc", str(args.nproc)] if args.nproc > 1 else [])
         pid = launch.detach(child, run_dir)
         print(f"started in the background (pid {pid}): {run_dir}\n"
               f"  watch: dflash-train status {run_dir} --follow\n  stop:  dflash-train stop {run_dir}")
-        return 0
+        return EXIT_DONE
     print(f"run directory: {run_dir}  (watch it with: dflash-train status {run_dir})", flush=True)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         rc = launch.supervise(_child_train_args(args, run_dir), args.nproc, run_dir, args.stall_timeout)
-        if rc != 0:
+        if rc == EXIT_STOPPED:
+            print(f"stopped before done; continue with: dflash-train train --resume --run-dir {run_dir}", file=sys.stderr)
+        elif rc != EXIT_DONE:
             print(f"error: the run failed; see dflash-train status {run_dir}", file=sys.stderr)
         return rc
     from .train.trainer import train
 
-    result = train(cfg, run_dir, max_steps=args.max_steps, fresh_compile_cache=args.fresh_compile_cache,
-                   resume=args.resume)
-    if result is None:
-        print("stopped during start-up; nothing to resume" if "RANK" not in os.environ or os.environ["RANK"] == "0"
-              else "target rank finished")
-    else:
-        print(f"exported drafter: {result}" if result.name == "export" else f"stopped; checkpoints in {result}")
-    return 0
+    result = train(start.cfg, run_dir, fresh_compile_cache=args.fresh_compile_cache, resume=args.resume,
+                   changes=start.changes)
+    is_main = os.environ.get("RANK", "0") == "0"
+    if result is not None and result.name == "export":
+        print(f"exported drafter: {result}")
+        return EXIT_DONE
+    if result is None and not is_main:
+        print("target rank finished")
+        return EXIT_DONE
+    print("stopped during start-up; nothing to resume" if result is None
+          else f"stopped before done; checkpoints in {result}; continue with: dflash-train train --resume "
+               f"--run-dir {run_dir}")
+    return EXIT_STOPPED
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .rundir import format_ranks, format_status, read_status
-    from .train.launch import read_heartbeats
-    from .rundir import RunDir
+    from .rundir import RunDir, format_ranks, format_status, read_heartbeats, read_status, run_verdict
 
     while True:
         status, last = read_status(args.run_dir)
@@ -78,8 +110,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         if beats:
             text += "\n" + format_ranks(beats)
         print(text, flush=True)
-        if not args.follow or status.get("phase") in ("done", "failed", "stopped"):
-            return 1 if status.get("phase") == "failed" else 0
+        shown, _ = run_verdict(status)
+        ended = {"done": EXIT_DONE, "failed": EXIT_FAILED, "dead": EXIT_FAILED, "silent": EXIT_FAILED,
+                 "stopped": EXIT_STOPPED}
+        if not args.follow or shown in ended:
+            return ended.get(shown, EXIT_DONE)
         print("-" * 40, flush=True)
         time.sleep(args.interval)
 
@@ -87,8 +122,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     from .train.launch import request_stop
 
-    print(request_stop(Path(args.run_dir)))
-    return 0
+    code, message = request_stop(Path(args.run_dir))
+    print(message)
+    return code
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -170,30 +206,47 @@ def build_parser() -> argparse.ArgumentParser:
     from .data import regen
 
     p = argparse.ArgumentParser(prog="dflash-train", description="Train DFlash speculative-decoding drafters.")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: off)")
+    p.add_argument("--debug", action="store_true",
+                   help="print the traceback of a user error too (default: off; DFLASH_DEBUG=1 does the same)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train a drafter (one process: CPU, or one GPU with target and drafter colocated)")
-    t.add_argument("config", help="YAML config (see configs/)")
-    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 data.max_length=2048")
-    t.add_argument("--run-dir", help="run directory (default runs/<config>-<time>)")
-    t.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps")
-    t.add_argument("--fresh-compile-cache", action="store_true", help="empty the inductor cache before compiling")
-    t.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in the run directory")
-    t.add_argument("--nproc", type=int, default=1, help="start N local ranks (colocated data parallel)")
-    t.add_argument("--detach", action="store_true", help="run in the background; output goes to the run directory")
+    t = sub.add_parser("train", help="train a drafter; exit code 0 done, 1 failed, 2 user error, 3 stopped before done",
+                       description="Train a drafter. Exit codes: 0 done (exported), 1 failed, 2 user error (the message "
+                                   "says what to change), 3 stopped before done (continue with --resume).")
+    t.add_argument("config", nargs="?", default=None,
+                   help="YAML config (see configs/); with --resume it may be left out: the run's own config.yaml is used")
+    t.add_argument("overrides", nargs="*", default=[],
+                   help="dotted overrides, e.g. optim.lr=3e-4 data.max_length=2048; with --resume only the steps and "
+                        "the log/save/eval cadence may change (default: none)")
+    t.add_argument("--run-dir", default=None, help="run directory (default: runs/<config>-<time>)")
+    t.add_argument("--max-steps", type=int, default=None,
+                   help="train N optimizer steps in all (recorded as optim.max_steps; default: the config's epochs / "
+                        "optim.max_steps)")
+    t.add_argument("--fresh-compile-cache", action="store_true",
+                   help="empty the inductor cache before compiling (default: off, reuse it)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir from its newest valid checkpoint, with its own config "
+                        "(default: off, a fresh run)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start fresh in a --run-dir that holds a run: the old run is moved aside to "
+                        "RUN.old-<time>, never deleted (default: off, refuse)")
+    t.add_argument("--nproc", type=int, default=1, help="start N local ranks (default: 1)")
+    t.add_argument("--detach", action="store_true",
+                   help="run in the background; output goes to RUN/launcher.out (default: off)")
     t.add_argument("--stall-timeout", type=float, default=300.0,
-                   help="seconds without a heartbeat from a rank before the run is stopped as failed")
+                   help="seconds without progress from a rank before the run is stopped as failed (default: 300)")
     t.set_defaults(func=cmd_train)
 
-    s = sub.add_parser("status", help="phase, step, tokens/s, loss, accuracy, ETA, heartbeat and last error of a run")
-    s.add_argument("run_dir")
-    s.add_argument("--follow", action="store_true", help="keep printing until the run ends")
-    s.add_argument("--interval", type=float, default=5.0)
+    s = sub.add_parser("status", help="phase, step, tokens/s, loss, accuracy, ETA, heartbeat and last error of a run; "
+                                      "exit code 0 running or done, 1 failed or dead, 3 stopped")
+    s.add_argument("run_dir", help="the run directory")
+    s.add_argument("--follow", action="store_true", help="keep printing until the run ends (default: off)")
+    s.add_argument("--interval", type=float, default=5.0, help="seconds between reports with --follow (default: 5)")
     s.set_defaults(func=cmd_status)
 
-    st = sub.add_parser("stop", help="ask a run to checkpoint and exit")
-    st.add_argument("run_dir")
+    st = sub.add_parser("stop", help="ask a running run to checkpoint and exit (continue it with train --resume)")
+    st.add_argument("run_dir", help="the run directory")
     st.set_defaults(func=cmd_stop)
 
     e = sub.add_parser("eval", help="speculative decoding with the target: tau, histogram, speedup (block and DDTree)")
@@ -247,15 +300,19 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = list(args.overrides) + extra
     _setup_logging(args.verbose)
+    if args.debug:
+        os.environ["DFLASH_DEBUG"] = "1"  # the ranks and the detached launcher inherit it
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except USER_ERRORS as e:
+        if debug_enabled():
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     except OSError as e:  # a full disk, a read-only or missing folder: one line that names the file
         where = f" ({e.filename})" if e.filename else ""
         print(f"error: {e.strerror or e}{where}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -18,8 +18,11 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
+from .errors import UserError
+from .rundir import write_text_atomic
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A config that cannot run; the message names the key and what to do."""
 
 
@@ -332,14 +335,33 @@ def _apply_override(tree: dict, item: str) -> None:
     node[parts[-1]] = value
 
 
-def config_from_dict(data: dict, overrides: list[str] | None = None) -> Config:
+def config_from_dict(data: dict, overrides: list[str] | None = None, source: str | None = None) -> Config:
+    """The config of `data` (a parsed YAML file, `source` names it in messages) with dotted overrides
+    applied. An error is blamed on what caused it: the file, the override, or (a cross-field check) the
+    override that set the key it names, else the file."""
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config section 'the top level' must be a mapping, got {type(data).__name__}")
+    suffix = f" ({source})" if source else ""
     tree = dict(data or {})  # overrides copy the sections they change; nothing else is ever mutated
+    try:
+        _build(Config, tree, "")
+    except ConfigError as e:
+        raise ConfigError(f"{e}{suffix}") from None
+    given: dict[str, str] = {}
     for item in overrides or []:
-        _apply_override(tree, item)
+        try:
+            _apply_override(tree, item)
+            _build(Config, tree, "")
+        except ConfigError as e:
+            raise ConfigError(f"override '{item}': {e}") from None
+        given[item.split("=", 1)[0].strip()] = item
     cfg = _build(Config, tree, "")
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        named = re.match(r"config key '([^']+)'", str(e))
+        item = given.get(named.group(1)) if named else None
+        raise ConfigError(f"{e} (override '{item}')" if item else f"{e}{suffix}") from None
     return cfg
 
 
@@ -362,11 +384,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {p} cannot be read: {e.strerror or e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
-    try:
-        return config_from_dict(data, overrides)
-    except ConfigError as e:
-        where = f" ({path})" if path else ""
-        raise ConfigError(f"{e}{where}") from None
+    return config_from_dict(data, overrides, str(path) if path else None)
 
 
 def config_to_dict(cfg: Config) -> dict:
@@ -383,7 +401,7 @@ def config_to_dict(cfg: Config) -> dict:
 
 
 def dump_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 # ---------------------------------------------------------------------------- validation

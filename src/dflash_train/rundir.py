@@ -1,25 +1,39 @@
-"""The run directory contract: config.yaml, train.log, metrics.jsonl, status.json, checkpoints/,
-tensorboard/, export/. Writers here; `read_status` / `format_status` answer `dflash-train status`."""
+"""The run directory contract: config.yaml, train.log, metrics.jsonl, status.json, heartbeats/, STOP,
+checkpoints/, tensorboard/, export/. Writers here; `read_status` / `format_status` answer
+`dflash-train status`, and `liveness` says whether the process behind a run is still there."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from . import procs
+
 PHASES = ("starting", "loading", "warmup", "training", "exporting", "done", "failed", "stopped")
+ENDED = ("done", "failed", "stopped")
+# A live rank touches its heartbeat file and status.json every PULSE_S seconds (a thread, whatever the
+# main thread is doing: loading, compiling, training); a run whose files are older than SILENT_S
+# seconds has lost its process.
+PULSE_S = 2.0
+SILENT_S = 15.0
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write through a temp file and a rename: a reader (or a kill) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True))
 
 
 @dataclass
@@ -57,6 +71,45 @@ class RunDir:
     def export(self) -> Path:
         return self.root / "export"
 
+    @property
+    def stop_file(self) -> Path:
+        return self.root / "STOP"
+
+    @property
+    def heartbeats(self) -> Path:
+        return self.root / "heartbeats"
+
+    def contents(self) -> list[str]:
+        """What in this directory belongs to a run, described for a message; empty: nothing to lose."""
+        from .train.checkpoint import list_checkpoints  # checkpoint.py imports this module
+
+        found = []
+        if self.status.is_file():
+            try:
+                st = json.loads(self.status.read_text())
+                found.append(f"a run {st.get('phase')} at step {st.get('step')} (status.json)")
+            except (OSError, json.JSONDecodeError):
+                found.append("status.json")
+        found += [name for name in ("config.yaml", "metrics.jsonl") if (self.root / name).is_file()]
+        ckpts = list_checkpoints(self.checkpoints)
+        if ckpts:
+            found.append(f"{len(ckpts)} checkpoint(s), newest {ckpts[-1].name}")
+        if (self.checkpoints / "best").is_dir():
+            found.append("checkpoints/best")
+        if self.export.is_dir() and any(self.export.iterdir()):
+            found.append("export/ (an exported drafter)")
+        return found
+
+    def move_aside(self) -> Path:
+        """Rename the directory to a free `NAME.old-YYYYmmdd-HHMMSS[-k]` beside it (never deletes)."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for k in range(1000):
+            dest = self.root.with_name(f"{self.root.name}.old-{stamp}" + (f"-{k}" if k else ""))
+            if not dest.exists():
+                self.root.rename(dest)
+                return dest
+        raise FileExistsError(f"no free name to move {self.root} aside")
+
     def create(self) -> "RunDir":
         for d in (self.root, self.checkpoints, self.tensorboard):
             d.mkdir(parents=True, exist_ok=True)
@@ -82,8 +135,7 @@ class StatusWriter:
         self.run = run
         self.state: dict[str, Any] = {
             "phase": "starting",
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
+            **procs.identity(),
             "started_at": time.time(),
             "heartbeat": time.time(),
             "step": 0,
@@ -108,8 +160,116 @@ class StatusWriter:
             },
         )
 
+    @classmethod
+    def resume_from_file(cls, run: RunDir) -> "StatusWriter":
+        """A writer over the status.json another process wrote (the launcher's verdict on its ranks)."""
+        writer = cls.__new__(cls)
+        writer.run = run
+        writer.state = json.loads(run.status.read_text()) if run.status.is_file() else {"step": 0}
+        return writer
+
     def flush(self) -> None:
         write_json_atomic(self.run.status, self.state)
+
+
+# ---------------------------------------------------------------------------- heartbeats and liveness
+
+
+def heartbeat_path(run: RunDir, rank: int) -> Path:
+    return run.heartbeats / f"rank-{rank}.json"
+
+
+def write_heartbeat(run: RunDir, rank: int, phase: str, step: int, **extra) -> None:
+    """heartbeats/rank-K.json: the rank's phase and step, and `time`, when it last made progress."""
+    path = heartbeat_path(run, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({"rank": rank, **procs.identity(), "phase": phase, "step": step,
+                                        "time": time.time(), **extra}))
+
+
+def read_heartbeats(run: RunDir) -> list[dict]:
+    beats = []
+    for path in sorted(run.heartbeats.glob("rank-*.json")) if run.heartbeats.is_dir() else []:
+        try:
+            beat = json.loads(path.read_text())
+            beat["alive_at"] = path.stat().st_mtime
+            beats.append(beat)
+        except (OSError, json.JSONDecodeError):
+            continue
+    return beats
+
+
+class Pulse:
+    """A thread that touches this rank's heartbeat file (and, on rank 0, status.json) every PULSE_S
+    seconds: their modification time says the process is alive, while their `time` / `heartbeat` fields
+    keep saying when it last made progress. It only sets file times: no content, no compiled code."""
+
+    def __init__(self, paths: list[Path], interval: float = PULSE_S):
+        self.paths, self.interval = paths, interval
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dflash-pulse", daemon=True)
+
+    def start(self) -> "Pulse":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._halt.wait(self.interval):
+            for path in self.paths:
+                try:
+                    os.utime(path)
+                except OSError:  # not written yet, or being replaced this instant
+                    pass
+
+    def stop(self) -> None:
+        self._halt.set()
+        self._thread.join(timeout=self.interval + 1)
+
+
+def liveness(record: dict, alive_at: Optional[float], now: Optional[float] = None) -> tuple[str, str]:
+    """("alive" | "dead" | "silent" | "unknown", why) for the process behind a status or heartbeat record
+    of a run that has not ended. Same host: asked of the kernel, exactly (PID and start time). Else: by the
+    age of the file the process touches every PULSE_S seconds."""
+    now = time.time() if now is None else now
+    same = procs.same_process(record)
+    if same is True:
+        return "alive", f"pid {record.get('pid')} is running"
+    if same is False:
+        return "dead", f"pid {record.get('pid')} on {record.get('host')} is gone"
+    if alive_at is None:
+        return "unknown", "no heartbeat file"
+    age = now - alive_at
+    if age > SILENT_S:
+        return "silent", (f"no sign of life for {_duration(age)} from pid {record.get('pid')} on "
+                          f"{record.get('host')} (it touches its files every {PULSE_S:.0f} s)")
+    return "alive", f"alive {age:.0f} s ago"
+
+
+# ---------------------------------------------------------------------------- stop requests
+
+
+def request_stop_file(run: RunDir) -> None:
+    write_text_atomic(run.stop_file, f"{time.time()}\n")
+
+
+def stop_requested_since(run: RunDir, since: float) -> bool:
+    """A STOP file written at or after `since` (the time this start began): an older one is stale, left by
+    a run that died before consuming it, and never stops a later start."""
+    try:
+        text = run.stop_file.read_text().strip()
+        written = float(text) if text else run.stop_file.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        written = run.stop_file.stat().st_mtime if run.stop_file.exists() else 0.0
+    return written >= since
+
+
+def clear_stop_request(run: RunDir) -> None:
+    try:
+        run.stop_file.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def metrics_parts(root: str | Path) -> list[Path]:
@@ -179,17 +339,37 @@ class MetricsWriter:
 
 
 def read_status(root: str | Path) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
-    """(status.json, last metrics record or None). Raises FileNotFoundError with a clear message."""
+    """(status.json, last metrics record or None). Raises FileNotFoundError with a clear message; status.json
+    gains `alive_at`, the time its writer last touched it."""
     run = RunDir(Path(root))
     if not run.status.is_file():
-        raise FileNotFoundError(f"{run.status} not found: {root} is not a dflash-train run directory (or it never started)")
+        hint = ""
+        launcher_out = run.root / "launcher.out"
+        if launcher_out.is_file():
+            tail = [line for line in launcher_out.read_text(errors="replace").splitlines() if line.strip()][-1:]
+            hint = f"; the launcher's last words ({launcher_out}): {tail[0]}" if tail else ""
+        raise FileNotFoundError(f"{run.status} not found: {root} is not a dflash-train run directory "
+                                f"(or its run never started){hint}")
     status = json.loads(run.status.read_text())
+    status["alive_at"] = run.status.stat().st_mtime
     last = None
     for path in reversed(metrics_parts(run.root)):  # right after a rotation metrics.jsonl may be empty
         last = _last_json_line(path)
         if last is not None:
             break
     return status, last
+
+
+def run_verdict(status: dict[str, Any], now: Optional[float] = None) -> tuple[str, str]:
+    """The phase `status` should show and why: an ended run's own phase; a run whose process is gone,
+    "dead"; one whose process cannot be asked and has been silent past SILENT_S, "silent"."""
+    phase = status.get("phase")
+    if phase in ENDED:
+        return phase, ""
+    alive, why = liveness(status, status.get("alive_at"), now)
+    if alive in ("dead", "silent"):
+        return alive, why
+    return phase, ""
 
 
 def _last_json_line(path: Path) -> Optional[dict]:
@@ -218,8 +398,14 @@ def _duration(seconds: Optional[float]) -> str:
 def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: Optional[float] = None) -> str:
     now = time.time() if now is None else now
     step, total = status.get("step", 0), status.get("total_steps")
+    shown, why = run_verdict(status, now)
+    if shown in ("dead", "silent"):
+        head = (f"phase:      {shown} (was {status.get('phase')}: {why}; last heartbeat "
+                f"{_duration(now - status['heartbeat'])} ago at step {step}; continue with --resume)")
+    else:
+        head = f"phase:      {shown}" + (f" (in {status['failed_phase']})" if status.get("failed_phase") else "")
     lines = [
-        f"phase:      {status.get('phase')}" + (f" (in {status['failed_phase']})" if status.get("failed_phase") else ""),
+        head,
         f"step:       {step}" + (f" / {total}" if total else ""),
         f"heartbeat:  {_duration(now - status['heartbeat'])} ago (pid {status.get('pid')} on {status.get('host')})",
         f"elapsed:    {_duration(status.get('heartbeat', now) - status.get('started_at', now))}",
@@ -240,13 +426,16 @@ def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: O
         lines.append(f"validation: {', '.join(parts)}" + (f" (best tau {best:.3f}, kept in checkpoints/best)" if best else ""))
     if status.get("skipped_steps"):
         lines.append(f"skipped:    {status['skipped_steps']} steps with non-finite loss or gradients")
-    lines.append(f"ETA:        {_duration(status.get('eta_s'))}" if status.get("phase") == "training" else "ETA:        -")
+    lines.append(f"ETA:        {_duration(status.get('eta_s'))}" if shown == "training" else "ETA:        -")
     if status.get("export_dir"):
         lines.append(f"export:     {status['export_dir']}")
     err = status.get("error")
     if err:
         lines.append(f"last error: {err['type']}: {err['message']}")
         lines.append(err.get("traceback", "").rstrip())
+    elif shown in ("dead", "silent"):
+        lines.append("last error: none recorded: the process ended without a word (SIGKILL, the OOM killer, "
+                     "a lost node); its last checkpoint is intact")
     else:
         lines.append("last error: none")
     return "\n".join(lines)
@@ -259,7 +448,11 @@ def format_ranks(beats: list[dict[str, Any]], now: Optional[float] = None) -> st
     lines = ["ranks:"]
     for b in beats:
         role = f"{b['role']:<9} " if b.get("role") else ""
-        line = f"  rank {b['rank']}: {role}{b['phase']:<9} step {b['step']:<7} heartbeat {now - b['time']:.1f} s ago"
+        phase = b["phase"]
+        if phase not in ENDED:
+            alive, _ = liveness(b, b.get("alive_at"), now)
+            phase = alive if alive in ("dead", "silent") else phase
+        line = f"  rank {b['rank']}: {role}{phase:<9} step {b['step']:<7} heartbeat {now - b['time']:.1f} s ago"
         if b.get("mem_gib") is not None:
             line += f"  mem {b['mem_gib']:.1f} GiB"
         if b.get("transport_wait_s") is not None:

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..errors import UserError
 from ..model.io import load_drafter, save_drafter
 from ..rundir import write_json_atomic
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 STATE = "trainer_state.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be resumed from; the message names both sides."""
 
 
@@ -156,9 +157,20 @@ def newest_valid(root: Path) -> Optional[Path]:
     return None
 
 
-def check_compatible(ckpt: Path, state: dict, expect: dict[str, Any]) -> None:
-    """Refuse a checkpoint of another target or drafter shape, naming both sides."""
-    diffs = [f"{k}: checkpoint {state.get(k)!r}, this run {v!r}" for k, v in expect.items() if state.get(k) != v]
+def check_compatible(ckpt: Path, state: dict, expect: dict[str, Any],
+                     fields: Optional[dict[str, tuple[str, ...]]] = None) -> None:
+    """Refuse a checkpoint of another target or drafter shape, naming both sides. `fields` names the
+    entries of list-valued keys (e.g. drafter_shape), so a mismatch says which entry differs."""
+    diffs = []
+    for key, want in expect.items():
+        have = state.get(key)
+        if have == want:
+            continue
+        names = (fields or {}).get(key)
+        if names and isinstance(have, list) and len(have) == len(want) == len(names):
+            diffs += [f"{key}.{n}: checkpoint {a!r}, this run {b!r}" for n, a, b in zip(names, have, want) if a != b]
+        else:
+            diffs.append(f"{key}: checkpoint {have!r}, this run {want!r}")
     if diffs:
         raise CheckpointError(f"cannot resume from {ckpt}: it was made for a different setup ({'; '.join(diffs)})")
 

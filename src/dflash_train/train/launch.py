@@ -1,6 +1,7 @@
 """Processes: `train --nproc N` starts N local ranks and supervises them; `--detach` runs in the
-background. Any rank's death stops every rank within seconds, and the run says `failed` with the
-rank; a rank whose heartbeat stops for `--stall-timeout` seconds is treated the same way.
+background; `stop` asks a run to checkpoint and exit. Any rank's death stops every rank within seconds,
+and the run says `failed` with the rank; a rank whose heartbeat stops for `--stall-timeout` seconds is
+treated the same way. Exit codes as in `errors.py` (a stopped run: 3).
 
 Under torchrun (several nodes) torchrun's agent does the supervising; the ranks are the same code.
 """
@@ -17,38 +18,19 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..rundir import RunDir, StatusWriter
+from .. import procs
+from ..errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR
+from ..rundir import ENDED, RunDir, StatusWriter, read_heartbeats, request_stop_file
 
 GRACE_S = 10.0
+# The launcher's start time, inherited by its ranks: a STOP file older than it is stale (trainer.StopRequest).
+LAUNCH_TIME_ENV = "DFLASH_LAUNCH_TIME"
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def heartbeat_path(run: RunDir, rank: int) -> Path:
-    return run.root / "heartbeats" / f"rank-{rank}.json"
-
-
-def write_heartbeat(run: RunDir, rank: int, phase: str, step: int, **extra) -> None:
-    path = heartbeat_path(run, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"rank": rank, "pid": os.getpid(), "phase": phase, "step": step, "time": time.time(), **extra}))
-    os.replace(tmp, path)
-
-
-def read_heartbeats(run: RunDir) -> list[dict]:
-    folder = run.root / "heartbeats"
-    beats = []
-    for path in sorted(folder.glob("rank-*.json")) if folder.is_dir() else []:
-        try:
-            beats.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue
-    return beats
 
 
 def _stop_all(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
@@ -70,10 +52,9 @@ def _stop_all(procs: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
 def _mark_failed(run: RunDir, message: str, rank: Optional[int], phase: Optional[str]) -> None:
     """The launcher's verdict names the rank that failed first; what another rank said when it was
     stopped (often a broken collective) is kept as secondary information."""
-    status = json.loads(run.status.read_text()) if run.status.is_file() else {"step": 0}
+    writer = StatusWriter.resume_from_file(run)
+    status = writer.state
     previous = status.get("error") if status.get("phase") == "failed" else None
-    writer = StatusWriter.__new__(StatusWriter)
-    writer.run, writer.state = run, status
     error = {"type": "RankFailure", "message": message, "traceback": ""}
     if previous:
         error["secondary"] = f"{previous.get('type')}: {previous.get('message')}"
@@ -83,11 +64,9 @@ def _mark_failed(run: RunDir, message: str, rank: Optional[int], phase: Optional
 
 
 def _mark_stopped(run: RunDir, message: str) -> None:
-    status = json.loads(run.status.read_text()) if run.status.is_file() else {"step": 0}
-    if status.get("phase") in ("stopped", "done", "failed"):
+    writer = StatusWriter.resume_from_file(run)
+    if writer.state.get("phase") in ENDED:
         return
-    writer = StatusWriter.__new__(StatusWriter)
-    writer.run, writer.state = run, status
     writer.update(phase="stopped", checkpoint=None, message=message)
 
 
@@ -131,28 +110,31 @@ def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: 
                     _mark_stopped(run, f"stopped by signal {forwarded['sig']} while rank(s) "
                                        f"{[b['rank'] for b in gone]} were starting up; nothing to resume from "
                                        "after the last checkpoint")
-                    return 0
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                    return EXIT_STOPPED
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, EXIT_DONE, EXIT_STOPPED)]
             if failed and forwarded["sig"] is None:
                 rank, code = failed[0]
+                if code == EXIT_USER_ERROR:  # the rank said what to fix (status.json, its output): keep that
+                    _stop_all(procs)
+                    return EXIT_USER_ERROR
                 beats = {b["rank"]: b for b in read_heartbeats(run)}
                 how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 _stop_all(procs)
                 _mark_failed(run, f"rank {rank} {how}; the other ranks were stopped", rank,
                              beats.get(rank, {}).get("phase"))
-                return 1
+                return EXIT_FAILED
             if all(c is not None for c in codes):
                 if forwarded["sig"] is None:
-                    return 0 if all(c == 0 for c in codes) else 1
+                    return EXIT_STOPPED if EXIT_STOPPED in codes else EXIT_DONE
                 # Stopping: a rank still importing when the signal came dies of it, with nothing to lose.
-                bad = [(r, c) for r, c in enumerate(codes) if c not in (0, -signal.SIGTERM)]
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (EXIT_DONE, EXIT_STOPPED, -signal.SIGTERM)]
                 if not bad:
                     _mark_stopped(run, f"stopped by signal {forwarded['sig']} before the run started training")
-                    return 0
+                    return EXIT_STOPPED
                 rank, code = bad[0]
                 _mark_failed(run, f"stopped by signal {forwarded['sig']}, but rank {rank} exited with code {code}",
                              rank, None)
-                return 1
+                return EXIT_FAILED
             now = time.time()
             for beat in read_heartbeats(run):
                 if beat.get("phase") in ("training", "warmup") and now - beat["time"] > stall_timeout:
@@ -160,7 +142,7 @@ def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: 
                     _mark_failed(run, f"rank {beat['rank']} made no progress for {now - beat['time']:.0f} s "
                                       f"(stall timeout {stall_timeout:.0f} s) in phase {beat['phase']} at step {beat['step']}",
                                  beat["rank"], beat["phase"])
-                    return 1
+                    return EXIT_FAILED
             time.sleep(0.2)
     finally:
         for s, h in old.items():
@@ -178,23 +160,42 @@ def detach(argv: list[str], run_root: Path) -> int:
     return proc.pid
 
 
-def request_stop(run_root: Path) -> str:
-    """Ask a run to checkpoint and exit: a STOP file every rank looks for at step boundaries, plus
-    SIGTERM to the launcher (or the single process) when it runs on this host."""
+def request_stop(run_root: Path) -> tuple[int, str]:
+    """Ask a live run to checkpoint and exit: a STOP file every rank looks for at step boundaries, plus
+    SIGTERM to the launcher (or the single process), but only once it is sure that PID still is the run's
+    process (PID and start time, or its command line): a recycled PID is never signalled.
+    Returns (exit code, what was done)."""
     run = RunDir(run_root)
     if not run.status.is_file():
         raise FileNotFoundError(f"{run.status} not found: {run_root} is not a run directory")
-    (run.root / "STOP").write_text(str(time.time()))
     status = json.loads(run.status.read_text())
-    pid = None
-    if (run.root / "launcher.pid").is_file():
-        pid = int((run.root / "launcher.pid").read_text())
-    elif status.get("host") == socket.gethostname():
-        pid = status.get("pid")
-    if pid:
-        try:
-            os.kill(pid, signal.SIGTERM)
-            return f"asked pid {pid} and every rank (STOP file) to checkpoint and exit"
-        except ProcessLookupError:
-            pass
-    return "wrote STOP: every rank checkpoints and exits at its next step boundary"
+    phase = status.get("phase")
+    if phase in ENDED:
+        return EXIT_FAILED, f"the run is not running (phase {phase} at step {status.get('step')}); nothing to stop"
+    launcher = _launcher_pid(run)
+    same = procs.same_process(status)
+    if launcher is not None and procs.runs_in(launcher, run.root):
+        target, how = launcher, f"the launcher (pid {launcher})"
+    elif same:
+        target, how = int(status["pid"]), f"the run's process (pid {status['pid']})"
+    elif same is None:  # another host, or no /proc: the ranks still read the STOP file at step boundaries
+        request_stop_file(run)
+        return EXIT_DONE, (f"wrote {run.stop_file}: the run (pid {status.get('pid')} on {status.get('host')}, which "
+                           "cannot be checked from here) checkpoints and exits at its next step boundary")
+    else:
+        return EXIT_FAILED, (f"the run is not running: its status says {phase} at step {status.get('step')}, but "
+                             f"pid {status.get('pid')} is no longer its process (it died without a word); nothing "
+                             "was signalled. Continue it with --resume")
+    request_stop_file(run)
+    try:
+        os.kill(target, signal.SIGTERM)
+    except ProcessLookupError:
+        return EXIT_DONE, f"wrote {run.stop_file}; {how} ended meanwhile"
+    return EXIT_DONE, f"asked {how} and every rank (STOP file) to checkpoint and exit"
+
+
+def _launcher_pid(run: RunDir) -> Optional[int]:
+    try:
+        return int((run.root / "launcher.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None

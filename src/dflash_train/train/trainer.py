@@ -7,6 +7,8 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +28,16 @@ from ..model.drafter_init import init_drafter_from_target
 from ..model.io import save_drafter
 from ..model.target import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
                             read_target_config)
-from ..rundir import MetricsWriter, RunDir, StatusWriter
+from ..errors import UserError, debug_enabled, is_user_error
+from ..rundir import (MetricsWriter, Pulse, RunDir, StatusWriter, clear_stop_request, heartbeat_path, stop_requested_since,
+                      write_heartbeat)
 from ..model import compile as compile_layer
 from ..model.provenance import PROVENANCE_NAME, target_provenance, write_provenance
 from . import checkpoint as checkpoints
 from . import preflight
+from .admission import with_step_cap
+from .dist import DistContext, StopVote
+from .launch import LAUNCH_TIME_ENV
 from .step import Batch, MicroBatch, StepStats, TrainStep, forward_loss
 from .transport import DrafterInbox, SplitLayout, TargetOutbox
 from .validate import validate
@@ -181,17 +188,15 @@ class StoppedDuringStartUp(Exception):
 
 
 class StopRequest:
-    """SIGTERM / SIGINT / a STOP file. During start-up (loading, warm-up) a signal stops the rank at
-    once; once `training()` is called it means: finish the step, checkpoint, exit cleanly."""
+    """SIGTERM / SIGINT / a STOP file written since this start was launched (an older one is stale). During
+    start-up (loading, warm-up) a signal stops the rank at once; once `training()` is called it means:
+    finish the step, checkpoint, exit cleanly."""
 
-    def __init__(self, run: RunDir):
-        self.run, self.signalled, self.in_loop = run, False, False
+    def __init__(self, run: RunDir, since: float):
+        self.run, self.since, self.signalled, self.in_loop = run, since, False, False
         self._old = {}
 
     def __enter__(self) -> "StopRequest":
-        import signal
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)
@@ -207,14 +212,19 @@ class StopRequest:
         log.warning("signal %d received: finishing this step, then checkpoint and exit", signum)
 
     def __exit__(self, *exc) -> None:
-        import signal
-
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+        self._old = {}
 
     @property
     def requested(self) -> bool:
-        return self.signalled or (self.run.root / "STOP").exists()
+        return self.signalled or stop_requested_since(self.run, self.since)
+
+
+def launch_time() -> float:
+    """When this start was launched: the launcher's time (DFLASH_LAUNCH_TIME, inherited by its ranks), else
+    now. A STOP file older than this is stale."""
+    return float(os.environ.get(LAUNCH_TIME_ENV) or time.time())
 
 
 def _memory_gib(device: torch.device) -> float:
@@ -226,12 +236,73 @@ def _memory_gib(device: torch.device) -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
 
-def _resume_state(run: RunDir) -> tuple[Path, dict]:
-    ckpt = checkpoints.newest_valid(run.checkpoints)
-    if ckpt is None:
-        raise FileNotFoundError(f"--resume: no valid checkpoint in {run.checkpoints}")
-    return ckpt, checkpoints.read_state(ckpt)
+@dataclass
+class Admitted:
+    """What a rank knows before it writes anything: the split layout, the resolved plan and tokenizer, the
+    drafter's config, what it trains against, and (on resume) the checkpoint that matches this setup."""
 
+    layout: Optional[SplitLayout]
+    plan: Plan
+    tokenizer: object
+    target_config: object
+    dcfg: object
+    provenance: dict
+    identity: dict
+    placement: str
+    resume_from: Optional[tuple[Path, dict]]
+
+
+DRAFTER_SHAPE = ("num_hidden_layers", "hidden_size", "intermediate_size", "block_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim")
+
+
+def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> Admitted:
+    """Every check that needs no weights, before the run directory is touched: a refused start (a config
+    that does not fit the target, a checkpoint of another setup) leaves the directory byte-identical."""
+    validate_world(cfg, world)
+    if is_main and not resume and run.root.is_dir() and run.contents():
+        raise UserError(f"{run.root} already holds a run ({'; '.join(run.contents())}); continue it with --resume "
+                        "or use another --run-dir")
+    layout = SplitLayout(world, cfg.parallel.target_ranks, cfg.optim.grad_accum) \
+        if cfg.parallel.placement == "split" else None
+    plan, tokenizer = plan_run(cfg)
+    target_config = read_target_config(plan.target_path, cfg.target.trust_remote_code)
+    d = cfg.drafter
+    dcfg = make_drafter_config(
+        target_config, num_draft_layers=d.num_draft_layers, block_size=d.block_size,
+        target_layer_ids=plan.layer_ids, mask_token_id=plan.mask_token_id, intermediate_size=d.intermediate_size,
+        num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
+    )
+    provenance = target_provenance(str(plan.target_path), tokenizer, target_config)
+    placement = "colocated" if layout is None else f"split {layout.target_ranks}+{layout.drafter_ranks}"
+    identity = {"world_size": world, "placement": placement, "grad_accum": cfg.optim.grad_accum,
+                "tokenizer_sha256": provenance["tokenizer_sha256"],
+                "drafter_shape": [getattr(dcfg, k) for k in DRAFTER_SHAPE],
+                "target_layer_ids": list(plan.layer_ids), "mask_token_id": plan.mask_token_id,
+                "target_layers": provenance["num_hidden_layers"]}
+    resume_from = None
+    if resume:
+        ckpt = checkpoints.newest_valid(run.checkpoints)
+        if ckpt is None:
+            raise UserError(f"--resume: no usable checkpoint in {run.checkpoints}")
+        state = checkpoints.read_state(ckpt)
+        checkpoints.check_compatible(ckpt, state, identity, {"drafter_shape": DRAFTER_SHAPE})
+        resume_from = (ckpt, state)
+    return Admitted(layout, plan, tokenizer, target_config, dcfg, provenance, identity, placement, resume_from)
+
+
+def take_over(run: RunDir, cfg: Config, changes: Optional[dict], since: float) -> None:
+    """Rank 0 of an admitted start makes the run directory its own: the config it runs, the changes a resume
+    made (logged and appended to resumes.jsonl), and no stale stop request."""
+    dump_config(cfg, run.config)
+    if changes:
+        for key, (before, after) in changes.items():
+            log.warning("--resume changes %s: %r -> %r", key, before, after)
+        with open(run.root / "resumes.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+    if run.stop_file.exists() and not stop_requested_since(run, since):
+        log.info("removed a stale stop request (%s), written before this start", run.stop_file)
+        clear_stop_request(run)
 
 
 def _micro_batch_groups(batching: tuple, world: int, epoch: int, index: int):
@@ -249,18 +320,31 @@ def _micro_batch_groups(batching: tuple, world: int, epoch: int, index: int):
 
 
 def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_compile_cache: bool = False,
-          resume: bool = False) -> Optional[Path]:
+          resume: bool = False, changes: Optional[dict] = None) -> Optional[Path]:
     """One rank of a run (world size 1 = a single process). Rank 0 owns status, metrics, checkpoints.
-    In the split placement a target rank serves hidden states (`serve_target`) and returns None."""
-    from .dist import DistContext, StopVote
-    from .launch import write_heartbeat
-
+    In the split placement a target rank serves hidden states (`serve_target`) and returns None.
+    Returns the export folder (done), the checkpoints folder (stopped), or None (stopped during start-up,
+    or a target rank's end). `changes`: what a resume changed against the run's config (admission.py)."""
     ctx = DistContext.from_env()
-    run = RunDir(run_root).create()
+    run = RunDir(run_root)
+    cfg = with_step_cap(cfg, max_steps)
+    since = launch_time()
+    stop = StopRequest(run, since).__enter__()  # first: a signal during start-up must not leave a live-looking run
+    try:
+        admitted = admit(cfg, run, ctx.world, ctx.is_main, resume)  # reads only: a refused start writes nothing
+    except StoppedDuringStartUp as e:
+        stop.__exit__()
+        log.warning("rank %d stopped before it started (%s); nothing was written", ctx.rank, e)
+        return None
+    except BaseException:
+        stop.__exit__()
+        raise
+    run.create()
     handler = run.attach_log() if ctx.is_main else None
     status = StatusWriter(run) if ctx.is_main else None
     if ctx.is_main:
-        dump_config(cfg, run.config)
+        take_over(run, cfg, changes, since)
+    pulse = Pulse([heartbeat_path(run, ctx.rank)] + ([run.status] if ctx.is_main else [])).start()
     phase, step_box = ["starting"], [0]
 
     beat_extra: dict = {}  # fields every heartbeat of this rank repeats (its role, once known)
@@ -274,13 +358,10 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             phase[0] = fields["phase"]
 
     metrics: Optional[MetricsWriter] = None
-    stop = StopRequest(run).__enter__()  # first: a signal during loading must not leave a live-looking run
     try:
         report(phase="loading")
-        validate_world(cfg, ctx.world)
-        layout = SplitLayout(ctx.world, cfg.parallel.target_ranks, cfg.optim.grad_accum) \
-            if cfg.parallel.placement == "split" else None
-        plan, tokenizer = plan_run(cfg)
+        layout, plan, tokenizer, dcfg = admitted.layout, admitted.plan, admitted.tokenizer, admitted.dcfg
+        target_config, provenance, identity = admitted.target_config, admitted.provenance, admitted.identity
         device = ctx.device(plan.device)
         ctx.init(device)
         drafter_group, drafters, d_rank = None, ctx.world, ctx.rank
@@ -301,13 +382,6 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         log.info("rank %d/%d (%s): target %s, layers %s, mask token %d, device %s", ctx.rank, ctx.world, role,
                  plan.target_path, plan.layer_ids, plan.mask_token_id, device)
         bs = cfg.drafter.block_size
-        target_config = read_target_config(plan.target_path, cfg.target.trust_remote_code)
-        dcfg = make_drafter_config(
-            target_config, num_draft_layers=cfg.drafter.num_draft_layers, block_size=bs,
-            target_layer_ids=plan.layer_ids, mask_token_id=plan.mask_token_id,
-            intermediate_size=cfg.drafter.intermediate_size, num_attention_heads=cfg.drafter.num_attention_heads,
-            num_key_value_heads=cfg.drafter.num_key_value_heads, head_dim=cfg.drafter.head_dim,
-        )
         if device.type == "cuda":
             with torch.device("meta"):
                 drafter_params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
@@ -329,15 +403,17 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             raise ValueError(f"{batches_per_epoch} micro-batches per epoch cannot feed {drafters} drafter rank(s) x "
                              f"{cfg.optim.grad_accum} accumulation; add data")
         total = int(math.ceil(cfg.optim.epochs * steps_per_epoch)) if cfg.optim.epochs > 0 else cfg.optim.max_steps
-        for cap in (cfg.optim.max_steps, max_steps or 0):
-            if cap:
-                total = min(total, cap)
+        if cfg.optim.max_steps:
+            total = min(total, cfg.optim.max_steps)
         step, cursor = 0, {"epoch": 0, "batch_index": 0}
+        if admitted.resume_from is not None:
+            state = admitted.resume_from[1]
+            step, cursor = state["step"], {"epoch": state["epoch"], "batch_index": state["batch_index"]}
+            if step > total:
+                raise UserError(f"--resume: the run is at step {step}, past the {total} steps its config now asks "
+                                "for (optim.max_steps / optim.epochs); give a larger optim.max_steps")
 
         if role == "target":
-            if resume:
-                _, state = _resume_state(run)
-                step, cursor = state["step"], {"epoch": state["epoch"], "batch_index": state["batch_index"]}
             model = load_target_model(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
             target = TargetCapture.from_model(model, plan.layer_ids, compile=cfg.target.compile)
             if target.compile:  # this rank's only compiled code: warm it before serving any step
@@ -357,7 +433,6 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             target = TargetCapture.from_model(model, plan.layer_ids, compile=cfg.target.compile)
         else:  # a split drafter rank: the target's embedding and lm_head, never its decoder
             target = load_target_head(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
-        provenance = target_provenance(str(plan.target_path), tokenizer, target_config)
         if ctx.is_main:
             write_provenance(run.root, provenance)
         torch.manual_seed(cfg.run.seed)
@@ -375,18 +450,10 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                  dcfg.num_hidden_layers, n_params / 1e6, total, batches_per_epoch, per_step)
 
         best_val: Optional[float] = None  # best validation tau so far (kept across resumes)
-        placement = "colocated" if layout is None else f"split {layout.target_ranks}+{layout.drafter_ranks}"
-        identity = {"world_size": ctx.world, "placement": placement, "grad_accum": cfg.optim.grad_accum,
-                    "tokenizer_sha256": provenance["tokenizer_sha256"],
-                    "drafter_shape": [dcfg.num_hidden_layers, dcfg.hidden_size, dcfg.intermediate_size, bs,
-                                      dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim],
-                    "target_layer_ids": list(plan.layer_ids), "mask_token_id": plan.mask_token_id,
-                    "target_layers": provenance["num_hidden_layers"]}
-        if resume:
-            ckpt, state = _resume_state(run)
-            checkpoints.check_compatible(ckpt, state, identity)
+        placement = admitted.placement
+        if admitted.resume_from is not None:
+            ckpt = admitted.resume_from[0]
             state = checkpoints.load_into(ckpt, drafter, train_step.optimizer, train_step.scheduler)
-            step, cursor = state["step"], {"epoch": state["epoch"], "batch_index": state["batch_index"]}
             train_step.skipped_steps = state.get("skipped_steps", 0)
             best_val = state.get("best_val_tau")
             log.info("resumed from %s: step %d, epoch %d, batch %d", ckpt, step, cursor["epoch"], cursor["batch_index"])
@@ -516,6 +583,9 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             save(step)
             report(phase="exporting")
             cfg_yaml = run.config.read_text()
+            if run.export.is_dir() and any(run.export.iterdir()):  # a resumed run trained past its export: keep it
+                kept = run.export.rename(run.root / f"export.before-step-{step:08d}-{time.strftime('%Y%m%d-%H%M%S')}")
+                log.info("the previous export moved to %s", kept)
             save_drafter(drafter, run.export, dtype=cfg.run.export_dtype,
                          extra_files={"README.md": _model_card(cfg_yaml, plan, last_record), "training_config.yaml": cfg_yaml,
                                       PROVENANCE_NAME: (run.root / PROVENANCE_NAME).read_text()})
@@ -536,10 +606,14 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             status.fail(e)
         else:
             write_heartbeat(run, ctx.rank, "failed", step_box[0], error=f"{type(e).__name__}: {e}")
-        log.error("rank %d failed: %s", ctx.rank, e, exc_info=True)
+        # A user's mistake is one line (its traceback is in status.json); anything else keeps its traceback.
+        log.error("rank %d failed: %s", ctx.rank, e, exc_info=not is_user_error(e) or debug_enabled())
         raise
     finally:
-        stop.__exit__(None, None, None)
+        stop.__exit__()
+        pulse.stop()
+        if ctx.is_main:
+            clear_stop_request(run)  # consumed: honoured, or too late to matter; never left for a later start
         if metrics is not None:
             metrics.close()
         if handler is not None:
