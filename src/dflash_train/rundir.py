@@ -16,10 +16,15 @@ from typing import Any, Optional
 PHASES = ("starting", "loading", "warmup", "training", "exporting", "done", "failed", "stopped")
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` under a temp name beside `path`, then rename it into place: never a torn file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True))
 
 
 @dataclass
