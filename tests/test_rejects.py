@@ -8,6 +8,9 @@ import logging
 from pathlib import Path
 
 import pytest
+import yaml
+
+from dflash_train.cli import main
 from dflash_train.config import config_from_dict
 from dflash_train.data.dataset import NO_ASSISTANT, TOO_FEW, load_dataset
 from dflash_train.data.rejects import EXAMPLES
@@ -120,3 +123,20 @@ def test_training_data_lists_the_rejects_of_every_raw_entry(tok, tiny_target_dir
     assert len(open_validation_data(cfg, tok, val_rejects)) == n_b
     assert [(r["where"], r["reason"]) for r in map(json.loads, val_rejects.read_text().splitlines())] == bad_b
 
+
+def test_a_train_start_writes_rejects_jsonl_in_the_run_directory(tiny_target_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(BAD[NO_ASSISTANT] + "\n" + BAD["invalid JSON"] + "\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "target": {"path": str(tiny_target_dir)},
+        "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},
+        "data": {"train_files": [str(bad)], "max_length": 256, "token_budget": 1024},
+        "run": {"device": "cpu", "progress_bar": False},
+    }))
+    run = tmp_path / "R"
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 2  # no usable row: stops at loading
+    records = [json.loads(line) for line in (run / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["where"], r["reason"]) for r in records] == [(f"{bad}:1", NO_ASSISTANT), (f"{bad}:2", "invalid JSON")]
+    log = (run / "train.log").read_text()
+    assert f"every one with its reason in {run / 'rejects.jsonl'}" in log and "skipping" not in log
