@@ -28,7 +28,7 @@ SILENT_S = 15.0
 def write_text_atomic(path: Path, text: str) -> None:
     """Write through a temp file and a rename: a reader (or a kill) never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 

@@ -3,8 +3,9 @@
 `tokenize_row` holds the rules every path shares (`prepare` and on-the-fly loading): row shape ->
 messages, trailing user turns dropped, at least one assistant turn, chat template + loss mask,
 reject far over `max_length` (more than 4x), truncate, at least `2 * block_size` supervised tokens.
-`load_dataset` tokenises raw files into memory (small data); prepared directories are read by
-`store.PreparedDataset`, and `source.open_training_data` picks between them.
+`load_dataset` tokenises raw files into memory (small data) and summarises its rejects per reason
+(`rejects.Rejects`); prepared directories are read by `store.PreparedDataset`, and
+`source.open_training_data` picks between them.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
 from .chat import ConversationError, Tokenized, tokenize_conversation
 from .formats import BUILTIN_SOURCES, RowError, iter_source, to_messages
+from .rejects import Rejects
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +64,49 @@ def tokenize_row(tokenizer, row, max_length: int, block_size: int,
 @dataclass
 class Dataset:
     examples: list[Tokenized]
-    rejected: Counter = field(default_factory=Counter)
+    rejects: Rejects = field(default_factory=Rejects)
 
     def __len__(self) -> int:
         return len(self.examples)
+
+    @property
+    def rejected(self) -> Counter:
+        """Rejected rows per reason."""
+        return self.rejects.counts
+
+
+def _load_source(source: str, tokenizer, max_length: int, block_size: int, limit: int,
+                 template_kwargs: dict | None, ds: Dataset) -> tuple[Rejects, int]:
+    """Append the usable rows of one source to `ds` (until it holds `limit`, when set); its rejects and rows read."""
+    rejects, read = Rejects(), 0
+    for where, row in iter_source(source):
+        if limit and len(ds.examples) >= limit:
+            break
+        read += 1
+        try:
+            tok, _, _ = tokenize_row(tokenizer, row, max_length, block_size, template_kwargs)
+        except RowError as e:
+            rejects.add_error(where, e)
+            continue
+        ds.examples.append(tok)
+    return rejects, read
+
+
+def read_sources(sources: list[str], tokenizer, max_length: int, block_size: int, max_samples: int = 0,
+                 template_kwargs: dict | None = None, listed_in: Optional[Path] = None) -> Dataset:
+    """The usable rows of `sources` in memory, and their rejects; logs one line per reason per source
+    (with the first ids) and says that the full list is in `listed_in`, which the caller writes."""
+    ds = Dataset([])
+    for source in sources:
+        rejects, read = _load_source(source, tokenizer, max_length, block_size, max_samples, template_kwargs, ds)
+        rejects.log_summary(log, source, read, listed_in)
+        ds.rejects.extend(rejects)
+    return ds
+
+
+def require_examples(ds: Dataset, sources: list[str]) -> None:
+    if not ds.examples:
+        raise ValueError(f"no usable conversation in {sources} (rejected: {dict(ds.rejected)})")
 
 
 def load_dataset(
@@ -74,25 +116,16 @@ def load_dataset(
     block_size: int,
     max_samples: int = 0,
     template_kwargs: dict | None = None,
+    rejects_path: Optional[Path] = None,
 ) -> Dataset:
-    """Tokenise conversations (any supported file shape, or a built-in source) into memory; drop and
-    count unusable rows (each logged with its `file:line`). For large data use `dflash-train prepare`."""
+    """Tokenise conversations (any supported file shape, or a built-in source) into memory; drop unusable
+    rows, log one line per reason per source (with the first ids) and, when `rejects_path` is given,
+    write every rejected row there (`rejects.jsonl` records). For large data use `dflash-train prepare`."""
     sources = list(sources)
-    ds = Dataset([])
-    for source in sources:
-        for where, row in iter_source(source):
-            if max_samples and len(ds.examples) >= max_samples:
-                break
-            try:
-                tok, _, _ = tokenize_row(tokenizer, row, max_length, block_size, template_kwargs)
-            except RowError as e:
-                ds.rejected[e.reason] += 1
-                if e.reason != TOO_FEW:
-                    log.warning("skipping %s: %s", where, e)
-                continue
-            ds.examples.append(tok)
-    if not ds.examples:
-        raise ValueError(f"no usable conversation in {sources} (rejected: {dict(ds.rejected)})")
+    ds = read_sources(sources, tokenizer, max_length, block_size, max_samples, template_kwargs, rejects_path)
+    if rejects_path is not None:
+        ds.rejects.write(rejects_path)
+    require_examples(ds, sources)
     return ds
 
 

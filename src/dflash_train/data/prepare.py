@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -23,6 +22,7 @@ from typing import Optional
 from . import store
 from .dataset import FAR_FACTOR, tokenize_row
 from .formats import BUILTIN_SOURCES, RowError, builtin_file, expand_source, iter_source
+from .rejects import Rejects
 
 log = logging.getLogger(__name__)
 
@@ -69,23 +69,6 @@ def _source_entries(specs: list[str]) -> list[dict]:
     return entries
 
 
-class _Rejects:
-    def __init__(self, path: Path):
-        self.f = open(path, "w", encoding="utf-8")
-        self.counts: Counter = Counter()
-        self.first: list[str] = []
-
-    def add(self, where: str, reason: str, detail: str = "") -> None:
-        self.counts[reason] += 1
-        rec = {"where": where, "reason": reason, "detail": detail}
-        self.f.write(json.dumps(rec) + "\n")
-        if len(self.first) < 5:
-            self.first.append(f"{where}: {reason}" + (f" ({detail})" if detail else ""))
-
-    def close(self) -> None:
-        self.f.close()
-
-
 def _tmp_dir(out: Path) -> Path:
     """A fresh hidden temp dir beside `out`; temp dirs of dead prepare processes are removed."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -119,7 +102,8 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
 
     tmp = _tmp_dir(out)
     try:
-        rejects = _Rejects(tmp / store.REJECTS)
+        rejects_file = open(tmp / store.REJECTS, "w", encoding="utf-8")
+        rejects = Rejects(sink=rejects_file)
         writers = {s: store.ShardWriter(tmp, s, cfg.shard_rows) for s in store.SPLITS}
         rows_read = kept = truncated = 0
         bar = None
@@ -137,7 +121,7 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
                 try:
                     tok, messages, was_truncated = tokenize_row(tokenizer, row, cfg.max_length, cfg.block_size, kwargs)
                 except RowError as e:
-                    rejects.add(where, e.reason, e.detail)
+                    rejects.add_error(where, e)
                     continue
                 truncated += was_truncated
                 kept += 1
@@ -147,13 +131,13 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
                 break
         if bar is not None:
             bar.close()
-        rejects.close()
+        rejects_file.close()
         splits = {s: w.close() for s, w in writers.items()}
         if kept == 0:
             raise ValueError(
                 f"no usable row in {', '.join(data)} ({rows_read} read; rejected: "
                 + ", ".join(f"{r}: {n}" for r, n in rejects.counts.most_common())
-                + "). First rejects: " + "; ".join(rejects.first)
+                + "). First rejects: " + "; ".join(rejects.first_lines())
                 + ". Give conversations with assistant turns (run `dflash-train regen` on prompt-only data)"
             )
         manifest = {

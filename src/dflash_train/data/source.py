@@ -2,7 +2,8 @@
 
 Each `data.train_files` entry is a prepared dataset directory (read from its memory-mapped shards,
 one example at a time; its tokenizer and chat-template fingerprints must match the target's) or a
-raw file / built-in source (tokenised on the fly into memory). All entries become one index space.
+raw file / built-in source (tokenised on the fly into memory; its rejected rows are summarised in the
+log and, when asked, listed in a `rejects.jsonl`). All entries become one index space.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from .chat import Tokenized
-from .dataset import TOO_FEW, load_dataset
+from .dataset import TOO_FEW, read_sources, require_examples
+from .rejects import Rejects
 from .store import PreparedDataset, check_fingerprints, is_prepared
 
 log = logging.getLogger(__name__)
@@ -55,10 +58,14 @@ class _Prepared:
 
 
 class _InMemory:
-    def __init__(self, source: str, tokenizer, max_length: int, block_size: int, limit: int):
-        ds = load_dataset([source], tokenizer, max_length, block_size, limit)
+    def __init__(self, source: str, tokenizer, max_length: int, block_size: int, limit: int,
+                 listed_in: Optional[Path]):
+        ds = read_sources([source], tokenizer, max_length, block_size, limit, listed_in=listed_in)
+        self.dataset = ds
         self.examples = ds.examples
         self.rejected = ds.rejected
+        self.rejects = ds.rejects
+        self.source = source
         self.lengths = np.array([len(e.input_ids) for e in ds.examples], dtype=np.int64)
         self.description = f"{source} (tokenised on the fly: {len(ds)} rows, {int(self.lengths.sum())} tokens)"
 
@@ -95,8 +102,22 @@ class TrainingData:
         return f"{self.num_rows} rows, {int(self.lengths.sum())} tokens from {parts}; rejected {rejected}"
 
 
-def open_training_data(cfg, tokenizer) -> TrainingData:
-    """`cfg.data.train_files` as one TrainingData (at most `cfg.data.max_samples` rows when set)."""
+def _list_rejects_then_check(parts: list, rejects_path: Optional[Path]) -> None:
+    """Every rejected row of the raw entries to `rejects_path` (when given and there is a raw entry), then
+    stop on a raw entry with no usable row."""
+    raw = [p for p in parts if isinstance(p, _InMemory)]
+    if rejects_path is not None and raw:
+        rejects = Rejects()
+        for part in raw:
+            rejects.extend(part.rejects)
+        rejects.write(rejects_path)
+    for part in raw:
+        require_examples(part.dataset, [part.source])
+
+
+def open_training_data(cfg, tokenizer, rejects_path: Optional[Path] = None) -> TrainingData:
+    """`cfg.data.train_files` as one TrainingData (at most `cfg.data.max_samples` rows when set). Rows of
+    raw entries that are rejected are summarised in the log and, with `rejects_path`, all listed there."""
     files = list(cfg.data.train_files)
     if not files:
         raise ValueError("data.train_files is empty: give conversation files, prepared dataset directories "
@@ -111,18 +132,20 @@ def open_training_data(cfg, tokenizer) -> TrainingData:
         if is_prepared(entry):
             part = _Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, cfg.drafter.block_size, remaining)
         else:
-            part = _InMemory(entry, tokenizer, cfg.data.max_length, cfg.drafter.block_size, remaining)
+            part = _InMemory(entry, tokenizer, cfg.data.max_length, cfg.drafter.block_size, remaining, rejects_path)
         parts.append(part)
         rejected.update(part.rejected)
         taken += len(part.lengths)
+    _list_rejects_then_check(parts, rejects_path)
     lengths = np.concatenate([p.lengths for p in parts]).astype(np.int64)
     if not len(lengths):
         raise ValueError(f"no training rows in {files} (rejected: {dict(rejected)})")
     return TrainingData(parts, lengths, rejected)
 
 
-def open_validation_data(cfg, tokenizer) -> Optional[TrainingData]:
-    """The val splits of prepared `data.train_files` plus `data.val_files`; None when there is none."""
+def open_validation_data(cfg, tokenizer, rejects_path: Optional[Path] = None) -> Optional[TrainingData]:
+    """The val splits of prepared `data.train_files` plus `data.val_files`; None when there is none.
+    Rejected rows of raw `data.val_files` are summarised in the log and, with `rejects_path`, listed there."""
     parts = []
     for entry in cfg.data.train_files:
         if is_prepared(entry):
@@ -131,7 +154,8 @@ def open_validation_data(cfg, tokenizer) -> Optional[TrainingData]:
         if is_prepared(entry):
             parts.append(_Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, cfg.drafter.block_size, 0, "val"))
         else:
-            parts.append(_InMemory(entry, tokenizer, cfg.data.max_length, cfg.drafter.block_size, 0))
+            parts.append(_InMemory(entry, tokenizer, cfg.data.max_length, cfg.drafter.block_size, 0, rejects_path))
+    _list_rejects_then_check(parts, rejects_path)
     parts = [p for p in parts if len(p.lengths)]
     if not parts:
         return None

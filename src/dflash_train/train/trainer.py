@@ -391,7 +391,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             preflight.check_gpu(device, preflight.needed_bytes(preflight.checkpoint_parameters(plan.target_path),
                                                                plan.target_dtype, drafter_params, need_role),
                                 ctx.rank, f"the {need_role} rank's weights and optimizer state")
-        data = open_training_data(cfg, tokenizer)
+        data = open_training_data(cfg, tokenizer, run.root / "rejects.jsonl" if ctx.is_main else None)
         log.info("data: %s", data.describe())
         lengths = data.lengths
         batching = (lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed)
@@ -473,7 +473,8 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                 inbox.ask(step)  # the target ranks compute the first step while this rank compiles
 
         metrics = MetricsWriter(run) if ctx.is_main else None
-        val = open_validation_data(cfg, tokenizer) if ctx.is_main and cfg.run.eval_every else None
+        val = open_validation_data(cfg, tokenizer, run.root / "rejects-val.jsonl") \
+            if ctx.is_main and cfg.run.eval_every else None
         if ctx.is_main and cfg.run.eval_every and val is None:
             log.info("no validation data (prepared val split or data.val_files): validation is off")
         stop_ids = assets.target_defaults(plan.target_path).get("stop_token_ids") or [tokenizer.eos_token_id]
