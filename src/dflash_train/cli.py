@@ -68,16 +68,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_DONE
     if start.moved_aside:
         print(f"moved the old run aside: {start.moved_aside}")
-    os.environ.setdefault(launch.LAUNCH_TIME_ENV, str(time.time()))  # inherited by every process of this start
+    launched_at = os.environ.get(launch.LAUNCH_TIME_ENV) or str(time.time())
+    inherit = {launch.LAUNCH_TIME_ENV: launched_at}  # every process of this start: a STOP older than this is stale
     if args.detach:
         child = _child_train_args(args, run_dir) + (["--nproc", str(args.nproc)] if args.nproc > 1 else [])
-        pid = launch.detach(child, run_dir)
+        pid = launch.detach(child, run_dir, inherit)
         print(f"started in the background (pid {pid}): {run_dir}\n"
               f"  watch: dflash-train status {run_dir} --follow\n  stop:  dflash-train stop {run_dir}")
         return EXIT_DONE
     print(f"run directory: {run_dir}  (watch it with: dflash-train status {run_dir})", flush=True)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        rc = launch.supervise(_child_train_args(args, run_dir), args.nproc, run_dir, args.stall_timeout)
+        rc = launch.supervise(_child_train_args(args, run_dir), args.nproc, run_dir, args.stall_timeout, inherit)
         if rc == EXIT_STOPPED:
             print(f"stopped before done; continue with: dflash-train train --resume --run-dir {run_dir}", file=sys.stderr)
         elif rc != EXIT_DONE:
@@ -86,7 +87,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train.trainer import train
 
     result = train(start.cfg, run_dir, fresh_compile_cache=args.fresh_compile_cache, resume=args.resume,
-                   changes=start.changes)
+                   changes=start.changes, launched_at=float(launched_at))
     is_main = os.environ.get("RANK", "0") == "0"
     if result is not None and result.name == "export":
         print(f"exported drafter: {result}")

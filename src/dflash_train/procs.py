@@ -21,6 +21,8 @@ def start_ticks(pid: int) -> Optional[int]:
         return None
     # The command name (field 2) is in parentheses and may hold spaces or ')': split after the last one.
     fields = stat[stat.rindex(")") + 2:].split()
+    if fields and fields[0] in ("Z", "X"):  # a zombie (dead, not yet reaped) or dying: not running
+        return None
     try:
         return int(fields[19])
     except (IndexError, ValueError):

@@ -74,6 +74,11 @@ def live_owner(run: RunDir) -> Optional[str]:
             f"{status.get('phase')}, step {status.get('step')}); stop it first: dflash-train stop {run.root}")
 
 
+def holds_run_message(run: RunDir) -> str:
+    return (f"{run.root} already holds a run ({'; '.join(run.contents())}). Continue it with --resume, start a new "
+            "one with another --run-dir, or add --overwrite to move this one aside (it is renamed, not deleted)")
+
+
 def admit_start(config_path: Optional[str], overrides: list[str], run_dir: Path, *, resume: bool,
                 overwrite: bool = False, max_steps: Optional[int] = None, check_owner: bool = True) -> Start:
     """Check the start against the run directory; raises UserError (ConfigError) with what to do. The
@@ -97,9 +102,7 @@ def admit_start(config_path: Optional[str], overrides: list[str], run_dir: Path,
         if owner:
             raise UserError(owner)
         if not overwrite:
-            raise UserError(
-                f"{run.root} already holds a run ({'; '.join(found)}). Continue it with --resume, start a new "
-                f"one with another --run-dir, or add --overwrite to move this one aside (it is renamed, not deleted)")
+            raise UserError(holds_run_message(run))
         moved = run.move_aside()
         log.warning("moved the run that was in %s aside to %s (--overwrite)", run.root, moved)
     return Start(cfg, run.root, False, moved_aside=moved)

@@ -149,13 +149,13 @@ def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: 
             signal.signal(s, h)
 
 
-def detach(argv: list[str], run_root: Path) -> int:
+def detach(argv: list[str], run_root: Path, env_extra: Optional[dict] = None) -> int:
     """Re-run this command in the background, in its own session, all output in the run directory."""
     run = RunDir(run_root).create()
     out = open(run.root / "launcher.out", "ab")
     args = [a for a in argv if a != "--detach"]
     proc = subprocess.Popen([sys.executable, "-m", "dflash_train", *args], stdout=out, stderr=out,
-                            stdin=subprocess.DEVNULL, start_new_session=True, env=os.environ.copy())
+                            stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, **(env_extra or {})})
     (run.root / "launcher.pid").write_text(str(proc.pid))
     return proc.pid
 
@@ -174,6 +174,8 @@ def request_stop(run_root: Path) -> tuple[int, str]:
         return EXIT_FAILED, f"the run is not running (phase {phase} at step {status.get('step')}); nothing to stop"
     launcher = _launcher_pid(run)
     same = procs.same_process(status)
+    if same is None and status.get("host") == socket.gethostname() and status.get("pid"):
+        same = procs.runs_in(int(status["pid"]), run.root)  # a record without its start time: the command line
     if launcher is not None and procs.runs_in(launcher, run.root):
         target, how = launcher, f"the launcher (pid {launcher})"
     elif same:

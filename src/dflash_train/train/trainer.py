@@ -35,7 +35,7 @@ from ..model import compile as compile_layer
 from ..model.provenance import PROVENANCE_NAME, target_provenance, write_provenance
 from . import checkpoint as checkpoints
 from . import preflight
-from .admission import with_step_cap
+from .admission import holds_run_message, with_step_cap
 from .dist import DistContext, StopVote
 from .launch import LAUNCH_TIME_ENV
 from .step import Batch, MicroBatch, StepStats, TrainStep, forward_loss
@@ -261,8 +261,7 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
     that does not fit the target, a checkpoint of another setup) leaves the directory byte-identical."""
     validate_world(cfg, world)
     if is_main and not resume and run.root.is_dir() and run.contents():
-        raise UserError(f"{run.root} already holds a run ({'; '.join(run.contents())}); continue it with --resume "
-                        "or use another --run-dir")
+        raise UserError(holds_run_message(run))
     layout = SplitLayout(world, cfg.parallel.target_ranks, cfg.optim.grad_accum) \
         if cfg.parallel.placement == "split" else None
     plan, tokenizer = plan_run(cfg)
@@ -320,15 +319,16 @@ def _micro_batch_groups(batching: tuple, world: int, epoch: int, index: int):
 
 
 def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_compile_cache: bool = False,
-          resume: bool = False, changes: Optional[dict] = None) -> Optional[Path]:
+          resume: bool = False, changes: Optional[dict] = None, launched_at: Optional[float] = None) -> Optional[Path]:
     """One rank of a run (world size 1 = a single process). Rank 0 owns status, metrics, checkpoints.
     In the split placement a target rank serves hidden states (`serve_target`) and returns None.
     Returns the export folder (done), the checkpoints folder (stopped), or None (stopped during start-up,
-    or a target rank's end). `changes`: what a resume changed against the run's config (admission.py)."""
+    or a target rank's end). `changes`: what a resume changed against the run's config (admission.py);
+    `launched_at`: when the command that started it was launched (a STOP file older than that is stale)."""
     ctx = DistContext.from_env()
     run = RunDir(run_root)
     cfg = with_step_cap(cfg, max_steps)
-    since = launch_time()
+    since = launched_at or launch_time()
     stop = StopRequest(run, since).__enter__()  # first: a signal during start-up must not leave a live-looking run
     try:
         admitted = admit(cfg, run, ctx.world, ctx.is_main, resume)  # reads only: a refused start writes nothing

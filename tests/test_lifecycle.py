@@ -1,0 +1,219 @@
+"""The life of a run as a user lives it (issue #19): run, repeat the same command, stop, resume, kill -9,
+status, a refused resume, a recycled PID. Real subprocesses and signals on the tiny CPU target."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from _harness import ENV, assert_same_losses, launch, losses, run, status, wait_for_step, wait_until, write_config
+
+from dflash_train.cli import main
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    """Every file of a run directory and its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True, text=True,
+                          env=ENV, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_target_dir, counting_jsonl):
+    root = tmp_path_factory.mktemp("life")
+    cfg = write_config(root / "c.yaml", tiny_target_dir, counting_jsonl)
+    return root, cfg
+
+
+@pytest.fixture(scope="module")
+def finished(setup):
+    """An uninterrupted run of STEPS steps: the reference losses and a finished run directory to copy."""
+    root, cfg = setup
+    ref = root / "ref"
+    assert main(["train", str(cfg), "--run-dir", str(ref), "--max-steps", str(STEPS)]) == 0
+    return ref
+
+
+def test_the_same_command_again_refuses_and_leaves_a_finished_run_byte_identical(setup, finished, tmp_path, capsys):
+    _, cfg = setup
+    run_dir = tmp_path / "R"
+    shutil.copytree(finished, run_dir)
+    before = _snapshot(run_dir)
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", str(STEPS)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "export/" in err and "--resume" in err and "--overwrite" in err, err
+    assert _snapshot(run_dir) == before
+    # --resume of a finished run with nothing to add: says so, touches nothing, exit 0
+    assert main(["train", "--run-dir", str(run_dir), "--resume"]) == 0
+    assert "already done" in capsys.readouterr().out
+    assert _snapshot(run_dir) == before
+
+
+def test_overwrite_moves_the_old_run_aside_and_never_deletes_it(setup, finished, tmp_path, capsys):
+    _, cfg = setup
+    run_dir = tmp_path / "R"
+    shutil.copytree(finished, run_dir)
+    before = _snapshot(run_dir)
+    assert main(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", "4", "--overwrite"]) == 0
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("R.old-")]
+    assert len(aside) == 1 and _snapshot(aside[0]) == before  # the finished run, whole, under its new name
+    assert status(run_dir)["phase"] == "done" and status(run_dir)["step"] == 4
+
+
+def test_a_refused_resume_writes_nothing(setup, finished, tmp_path, capsys):
+    run_dir = tmp_path / "R"
+    shutil.copytree(finished, run_dir)
+    before = _snapshot(run_dir)
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(run_dir), "--resume", "drafter.num_draft_layers=2"]) == 2
+    err = capsys.readouterr().err
+    assert "'drafter.num_draft_layers' is 1" in err and "drafter.num_draft_layers=2" in err, err
+    assert _snapshot(run_dir) == before  # config, status, metrics, checkpoints and export
+    # the identity check behind it (config.yaml edited by hand) refuses before writing, too
+    edited = yaml.safe_load((run_dir / "config.yaml").read_text())
+    edited["drafter"]["block_size"] = 8
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(edited))
+    before = _snapshot(run_dir)
+    assert main(["train", "--run-dir", str(run_dir), "--resume", "optim.max_steps=20"]) == 2
+    err = capsys.readouterr().err
+    assert "drafter_shape.block_size: checkpoint 4, this run 8" in err, err
+    assert _snapshot(run_dir) == before
+
+
+def test_stop_then_resume_continues_exactly_and_the_stop_request_is_consumed(setup, finished, tmp_path, capsys):
+    _, cfg = setup
+    run_dir, log = tmp_path / "R", tmp_path / "r.log"
+    proc = launch(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", str(STEPS)], log)
+    try:
+        wait_for_step(run_dir, 0, 3, proc)
+        assert main(["stop", str(run_dir)]) == 0
+        assert proc.wait(timeout=60) == 3, log.read_text()[-2000:]  # 3: stopped before done
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    st = status(run_dir)
+    assert st["phase"] == "stopped" and st["step"] < STEPS
+    assert not (run_dir / "STOP").exists()
+    # the run's own config, one cadence change accepted, logged and recorded
+    assert run(["train", "--run-dir", str(run_dir), "--resume", "run.log_every=2"], log) == 0, log.read_text()[-3000:]
+    assert status(run_dir)["phase"] == "done"
+    got = losses(run_dir)
+    ref = losses(finished)
+    assert all(got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7) for s in got), {s: (ref[s], got[s]) for s in got}
+    assert max(got) == STEPS
+    record = json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[-1])
+    assert record["changes"] == {"run.log_every": [1, 2]}
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["log_every"] == 2
+    assert "--resume changes run.log_every: 1 -> 2" in (run_dir / "train.log").read_text()
+
+
+def test_a_stale_stop_request_is_never_honoured_by_a_later_start(setup, tmp_path):
+    _, cfg = setup
+    run_dir = tmp_path / "R"
+    run_dir.mkdir()
+    (run_dir / "STOP").write_text(f"{time.time() - 60}\n")  # left by a run that died before consuming it
+    assert main(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", "4"]) == 0
+    assert status(run_dir)["phase"] == "done" and status(run_dir)["step"] == 4
+    assert not (run_dir / "STOP").exists()
+
+
+def test_kill_9_of_a_plain_train_shows_dead_within_seconds_and_resume_is_exact(setup, finished, tmp_path, capsys):
+    _, cfg = setup
+    run_dir, log = tmp_path / "R", tmp_path / "r.log"
+    proc = launch(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", str(STEPS)], log)
+    try:
+        wait_for_step(run_dir, 0, 6, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        killed_at = time.time()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert status(run_dir)["phase"] == "training"  # what the dead process left behind
+    capsys.readouterr()
+    assert main(["status", str(run_dir)]) == 1
+    out = capsys.readouterr().out
+    assert time.time() - killed_at < 5
+    assert "phase:      dead (was training" in out and "is gone" in out and "last heartbeat" in out, out
+    assert "ETA:        -" in out and "rank 0: colocated dead" in out, out
+    assert run(["train", "--run-dir", str(run_dir), "--resume"], log) == 0, log.read_text()[-3000:]
+    assert_same_losses(losses(finished), losses(run_dir), STEPS)
+
+
+def test_stop_never_signals_a_recycled_pid(tmp_path, capsys):
+    """A live process of ours that is not the run sits at the run's PID: in status.json (with another start time,
+    as after PID reuse) and in launcher.pid."""
+    from dflash_train import procs
+
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        run_dir = tmp_path / "R"
+        run_dir.mkdir()
+        ident = procs.identity()
+        (run_dir / "status.json").write_text(json.dumps({
+            "phase": "training", "step": 7, "heartbeat": time.time(), "pid": bystander.pid,
+            "pid_start": procs.start_ticks(bystander.pid) - 1, "host": ident["host"]}))
+        capsys.readouterr()
+        assert main(["stop", str(run_dir)]) == 1
+        assert "not running" in capsys.readouterr().out
+        (run_dir / "launcher.pid").write_text(str(bystander.pid))
+        del_start = json.loads((run_dir / "status.json").read_text())
+        del del_start["pid_start"]  # an older record: only the command line can tell
+        (run_dir / "status.json").write_text(json.dumps(del_start))
+        assert main(["stop", str(run_dir)]) == 1
+        assert "not running" in capsys.readouterr().out
+        time.sleep(0.2)
+        assert bystander.poll() is None  # never signalled
+        assert not (run_dir / "STOP").exists()
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["drafter.target_layer_ids=[1,60]"], "drafter.target_layer_ids"),
+    (["drafter.mask_token_id=2"], "mask_token_id=2"),
+    (["target.path=/nonexistent/model"], "target.path"),
+    (["data.train_files=[/nonexistent/data.jsonl]"], "data.train_files"),
+    (["optim.lrr=1"], "override 'optim.lrr=1': unknown config key 'optim.lrr'"),
+], ids=["layer-id", "eos-mask", "missing-target", "missing-data", "override-typo"])
+def test_user_errors_are_one_clear_line_without_a_traceback(setup, tmp_path, args, expect):
+    _, cfg = setup
+    out = _cli(["train", str(cfg), "--run-dir", str(tmp_path / "R"), *args])
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert expect in out.stderr and "Traceback" not in out.stderr, out.stderr
+    if "override" in expect:
+        assert str(cfg) not in out.stderr  # an override's mistake is not blamed on the YAML file
+    assert not (tmp_path / "R").exists()
+    debug = _cli(["--debug", "train", str(cfg), "--run-dir", str(tmp_path / "R"), *args])
+    assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+def test_resume_without_a_run_or_a_checkpoint_says_so_at_once(setup, tmp_path, capsys):
+    _, cfg = setup
+    assert main(["train", "--run-dir", str(tmp_path / "nowhere"), "--resume"]) == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "nowhere").exists()
+    started = tmp_path / "R"
+    started.mkdir()
+    (started / "config.yaml").write_text((Path(cfg)).read_text())
+    (started / "status.json").write_text(json.dumps({"phase": "failed", "failed_phase": "warmup", "step": 0}))
+    assert main(["train", "--run-dir", str(started), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint yet" in err and "failed in warmup" in err and "--overwrite" in err, err
