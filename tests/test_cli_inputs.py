@@ -60,3 +60,114 @@ def test_the_help_check_catches_a_flag_without_its_default():
     assert _help_problems("x", p) == ["x --n: help does not state the default 7: 'how many'",
                                       "x --t: help does not state the default 0.0: 'zero: greedy'",
                                       "x --quiet: no help", "x where: no help"]
+
+
+# ------------------------------------------------------------------------------ paths of the wrong kind
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _drafter(seed: int):
+    import torch
+    from transformers import LlamaConfig
+
+    from dflash_train.model.drafter import DFlashDrafter
+    from dflash_train.model.drafter_config import make_drafter_config
+
+    target = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(seed)
+    return DFlashDrafter(make_drafter_config(target, num_draft_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                             mask_token_id=5))
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run as training leaves it: config.yaml, checkpoints step-10/20/30 and best (each its own weights), export/."""
+    import torch
+
+    from dflash_train.model.io import save_drafter
+    from dflash_train.rundir import RunDir
+    from dflash_train.train.checkpoint import save_checkpoint
+
+    run = RunDir(tmp_path / "run").create()
+    run.config.write_text("target:\n  path: smollm2\n")
+    for step, name in ((10, None), (20, None), (30, None), (20, "best")):
+        drafter = _drafter(seed=step)
+        opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        save_checkpoint(run.checkpoints, step, drafter, opt, sched, {"epoch": 0, "batch_index": step}, keep_last=5,
+                        name=name)
+    save_drafter(_drafter(seed=30), run.export, dtype="float32")
+    return run.root
+
+
+def _same_weights(a, b) -> bool:
+    import torch
+
+    from dflash_train.model.io import load_drafter
+
+    sa, sb = load_drafter(a).state_dict(), load_drafter(b).state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("given", ["checkpoints/step-20", "step-20", "checkpoints/step-00000020",
+                                   "checkpoints/step-00000020/drafter"])
+def test_export_accepts_the_step_shorthand_and_the_drafter_folder(run_dir, tmp_path, given):
+    from dflash_train.cli import main
+
+    out = tmp_path / "exported"
+    assert main(["export", str(run_dir / given), "--out", str(out), "--dtype", "float32"]) == 0
+    assert _same_weights(out, run_dir / "checkpoints" / "step-00000020" / "drafter")
+    assert not _same_weights(out, run_dir / "checkpoints" / "step-00000010" / "drafter")
+    assert (out / "training_config.yaml").read_text() == (run_dir / "config.yaml").read_text()
+
+
+def test_export_accepts_best(run_dir, tmp_path):
+    from dflash_train.cli import main
+
+    assert main(["export", str(run_dir / "best"), "--out", str(tmp_path / "b"), "--dtype", "float32"]) == 0
+    assert _same_weights(tmp_path / "b", run_dir / "checkpoints" / "best" / "drafter")
+
+
+def test_export_of_a_run_lists_its_checkpoints_and_its_export(run_dir, tmp_path, capsys):
+    from dflash_train.cli import main
+
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "x")]) == 2
+    line = _one_error_line(capsys)
+    assert f"{run_dir} is a training run, not a checkpoint" in line
+    assert f"e.g. dflash-train export {run_dir / 'checkpoints' / 'step-00000030'} --out DIR" in line
+    assert "step-00000030, step-00000020, step-00000010, best" in line
+    assert line.index("step-00000030") < line.index("step-00000010")  # newest first
+    assert f"already in {run_dir / 'export'}" in line
+    assert not (tmp_path / "x").exists()
+
+
+def test_export_of_an_exported_folder_says_so(run_dir, tmp_path, capsys):
+    from dflash_train.cli import main
+
+    assert main(["export", str(run_dir / "export"), "--out", str(tmp_path / "x")]) == 2
+    line = _one_error_line(capsys)
+    assert f"{run_dir / 'export'} is already an exported drafter" in line and "eval --drafter" in line
+
+
+def test_export_of_something_else_names_what_is_missing(run_dir, tmp_path, capsys):
+    from dflash_train.cli import main
+
+    (tmp_path / "stuff").mkdir()
+    (tmp_path / "stuff" / "drafter").mkdir()
+    (tmp_path / "stuff" / "drafter" / "config.json").write_text("{}")
+    assert main(["export", str(tmp_path / "stuff"), "--out", str(tmp_path / "x")]) == 2
+    line = _one_error_line(capsys)
+    assert "is not a training checkpoint: it lacks trainer_state.json, drafter/model.safetensors;" in line
+    assert main(["export", str(run_dir / "checkpoints" / "step-40"), "--out", str(tmp_path / "x")]) == 2
+    line = _one_error_line(capsys)
+    assert "step-40 does not exist; checkpoints in" in line and "step-00000030" in line
+    assert main(["export", str(run_dir / "checkpoints"), "--out", str(tmp_path / "x")]) == 2
+    line = _one_error_line(capsys)
+    assert "is a folder of checkpoints, not a checkpoint: export one of its checkpoints" in line

@@ -151,8 +151,9 @@ def _finish_eval(args: argparse.Namespace, report: dict) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_checkpoint
+    from .paths import resolve_checkpoint
 
-    out = export_checkpoint(Path(args.checkpoint), Path(args.out), dtype=args.dtype)
+    out = export_checkpoint(resolve_checkpoint(Path(args.checkpoint)), Path(args.out), dtype=args.dtype)
     print(f"exported drafter: {out}")
     return 0
 
@@ -228,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     x = sub.add_parser("export", help="export a checkpoint in the reference DFlash format, with a parity check")
-    x.add_argument("checkpoint", help="RUN/checkpoints/step-N (or its drafter/ folder)")
+    x.add_argument("checkpoint", help="RUN/checkpoints/step-N (step-20 for step-00000020; best for the best by "
+                   "validation tau; or its drafter/ folder)")
     x.add_argument("--out", required=True, help="folder to write the exported drafter to (replaced if it exists)")
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the exported weights (default: %(default)s)")

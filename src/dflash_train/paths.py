@@ -1,0 +1,105 @@
+"""What a folder given on the command line is (a run, a training checkpoint, an exported drafter), and
+the one-line errors that say which command takes it instead."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .errors import UserError
+from .model.io import CONFIG_NAME, WEIGHTS_NAME
+from .rundir import RunDir
+from .train.checkpoint import STATE, list_checkpoints
+
+DRAFTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)  # an exported drafter
+_STEP = re.compile(r"step-0*(\d+)")
+
+
+class InputPathError(UserError):
+    """A path that is not the kind of folder the command takes; the message says what it is and what fits."""
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / STATE).is_file()
+
+
+def has_drafter_files(path: Path) -> bool:
+    return all((path / f).is_file() for f in DRAFTER_FILES)
+
+
+def is_exported_drafter(path: Path) -> bool:
+    """config.json + model.safetensors and no trainer_state.json (a checkpoint's drafter/ folder counts)."""
+    return has_drafter_files(path) and not is_checkpoint(path)
+
+
+def is_run(path: Path) -> bool:
+    run = RunDir(path)
+    return run.status.is_file() or run.config.is_file() or run.checkpoints.is_dir()
+
+
+def checkpoints_of(folder: Path) -> list[Path]:
+    """The complete checkpoints in `folder` (a run's checkpoints/): step-N newest first, then `best`."""
+    return list(reversed(list_checkpoints(folder))) + [folder / "best"] * is_checkpoint(folder / "best")
+
+
+def _newest(folder: Path, few: int = 3) -> str:
+    """`checkpoints in FOLDER: step-00000030, step-00000020, step-00000010 (+2 older), best`."""
+    found = checkpoints_of(folder)
+    steps = [p.name for p in found if p.name != "best"]
+    if not found:
+        return f"{folder} holds no complete checkpoint yet"
+    names = steps[:few] + [f"(+{len(steps) - few} older)"] * (len(steps) > few) + ["best"] * (len(steps) < len(found))
+    return f"checkpoints in {folder}: {', '.join(names)}"
+
+
+def _step_shorthand(path: Path) -> Path | None:
+    """`step-20` -> the existing `step-00000020` beside it (or in RUN/checkpoints/ for RUN/step-20);
+    `RUN/best` -> RUN/checkpoints/best."""
+    folders = [path.parent] + ([RunDir(path.parent).checkpoints] if is_run(path.parent) else [])
+    m = _STEP.fullmatch(path.name)
+    for folder in folders:
+        if m:
+            hits = [p for p in list_checkpoints(folder)
+                    if (n := _STEP.fullmatch(p.name)) and int(n.group(1)) == int(m.group(1))]
+            if hits:
+                return hits[0]
+        elif path.name == "best" and is_checkpoint(folder / "best"):
+            return folder / "best"
+    return None
+
+
+def _missing(path: Path, names: tuple[str, ...]) -> str:
+    return ", ".join(n for n in names if not (path / n).exists())
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """The training checkpoint folder `export` reads: RUN/checkpoints/step-N (zero-padded or not), `best`,
+    or a checkpoint's drafter/ folder. Anything else raises InputPathError saying what it is and what fits."""
+    path = Path(path)
+    if is_checkpoint(path):
+        return path
+    if path.name == "drafter" and is_checkpoint(path.parent) and has_drafter_files(path):
+        return path.parent
+    if not path.exists():
+        found = _step_shorthand(path)
+        if found is not None:
+            return found
+        folder = RunDir(path.parent).checkpoints if is_run(path.parent) else path.parent
+        near = f"; {_newest(folder)}" if folder.is_dir() and (is_run(path.parent) or checkpoints_of(folder)) else ""
+        raise InputPathError(f"{path} does not exist{near}")
+    usage = "export takes a training checkpoint: dflash-train export RUN/checkpoints/step-N --out DIR"
+    if is_run(path) or checkpoints_of(path):
+        folder, what = (RunDir(path).checkpoints, "a training run") if is_run(path) else (path, "a folder of checkpoints")
+        found = checkpoints_of(folder)
+        todo = (f"export one of its checkpoints, e.g. dflash-train export {found[0]} --out DIR ({_newest(folder)})"
+                if found else _newest(folder))
+        export = RunDir(folder.parent).export
+        done = f"; its exported drafter is already in {export}" if is_exported_drafter(export) else ""
+        raise InputPathError(f"{path} is {what}, not a checkpoint: {todo}{done}")
+    if is_exported_drafter(path):
+        raise InputPathError(f"{path} is already an exported drafter (config.json + model.safetensors): use it as "
+                             f"it is (e.g. dflash-train eval --drafter {path}); {usage}")
+    if not path.is_dir():
+        raise InputPathError(f"{path} is a file: {usage}")
+    raise InputPathError(f"{path} is not a training checkpoint: it lacks "
+                         f"{_missing(path, (STATE, 'drafter/config.json', 'drafter/model.safetensors'))}; {usage}")
