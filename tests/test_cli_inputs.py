@@ -171,3 +171,40 @@ def test_export_of_something_else_names_what_is_missing(run_dir, tmp_path, capsy
     assert main(["export", str(run_dir / "checkpoints"), "--out", str(tmp_path / "x")]) == 2
     line = _one_error_line(capsys)
     assert "is a folder of checkpoints, not a checkpoint: export one of its checkpoints" in line
+
+
+def _eval_error(capsys, drafter, tmp_path) -> str:
+    """`eval` with a target that does not exist: an error about the drafter shows it was checked first."""
+    from dflash_train.cli import main
+
+    rc = main(["eval", "--target", str(tmp_path / "no-target"), "--drafter", str(drafter), "--data", "x.jsonl",
+               "--out", str(tmp_path / "e.json")])
+    assert rc == 2
+    return _one_error_line(capsys)
+
+
+def test_eval_of_a_checkpoint_says_export_it_first(run_dir, tmp_path, capsys):
+    ckpt = run_dir / "checkpoints" / "step-00000020"
+    line = _eval_error(capsys, ckpt, tmp_path)
+    assert f"{ckpt} is a training checkpoint, not an exported drafter" in line
+    assert f"dflash-train export {ckpt} --out DIR and pass --drafter DIR" in line
+    assert f"or use {run_dir / 'export'}" in line
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_eval_of_a_run_points_at_its_export_or_its_newest_checkpoint(run_dir, tmp_path, capsys):
+    import shutil
+
+    line = _eval_error(capsys, run_dir, tmp_path)
+    assert f"{run_dir} is a training run: its exported drafter is {run_dir / 'export'}" in line
+    shutil.rmtree(run_dir / "export")
+    line = _eval_error(capsys, run_dir, tmp_path)
+    assert "is a training run without an export yet" in line
+    assert f"dflash-train export {run_dir / 'checkpoints' / 'step-00000030'} --out DIR" in line
+
+
+def test_eval_of_a_folder_without_a_drafter_names_the_missing_files(tmp_path, capsys):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")
+    line = _eval_error(capsys, tmp_path / "half", tmp_path)
+    assert f"{tmp_path / 'half'} is not an exported drafter: it lacks model.safetensors" in line

@@ -101,8 +101,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from .infer.evaluate import evaluate, load_eval_models, markdown_table, write_report
+    from .paths import require_exported_drafter
     from .train.trainer import resolve_device, resolve_dtype
 
+    require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
     if args.replay and args.temperature > 0:
         raise ValueError("--replay measures greedy decoding: drop --temperature (or --replay to sample)")
     device = resolve_device(args.device)
@@ -199,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="speculative decoding with the target: tau, histogram, speedup (block and DDTree)")
     e.add_argument("--target", required=True, help="target: smollm2, an HF folder or a .gguf file")
-    e.add_argument("--drafter", required=True, help="an exported drafter folder (config.json + model.safetensors)")
+    e.add_argument("--drafter", required=True,
+                   help="an exported drafter folder (config.json + model.safetensors): RUN/export or the --out of export")
     e.add_argument("--data", nargs="+", default=["mt-bench"],
                    help="mt-bench, humaneval, sharegpt (held-out) or a JSONL file; several allowed (default: mt-bench)")
     e.add_argument("--out", default="eval.json",

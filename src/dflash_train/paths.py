@@ -103,3 +103,30 @@ def resolve_checkpoint(path: Path) -> Path:
         raise InputPathError(f"{path} is a file: {usage}")
     raise InputPathError(f"{path} is not a training checkpoint: it lacks "
                          f"{_missing(path, (STATE, 'drafter/config.json', 'drafter/model.safetensors'))}; {usage}")
+
+
+def require_exported_drafter(path: Path) -> Path:
+    """`path` for `eval --drafter`: an exported drafter (or a checkpoint's drafter/ folder). A training
+    checkpoint or a run raises InputPathError that names the export command or RUN/export."""
+    path = Path(path)
+    if is_exported_drafter(path):
+        return path
+    if is_checkpoint(path):
+        run = RunDir(path.parent.parent)
+        done = f", or use {run.export} (the run's own export)" if is_exported_drafter(run.export) else ""
+        raise InputPathError(f"{path} is a training checkpoint, not an exported drafter: export it first with "
+                             f"dflash-train export {path} --out DIR and pass --drafter DIR{done}")
+    if path.is_dir() and is_run(path):
+        run = RunDir(path)
+        if is_exported_drafter(run.export):
+            raise InputPathError(f"{path} is a training run: its exported drafter is {run.export} "
+                                 f"(pass --drafter {run.export})")
+        found = checkpoints_of(run.checkpoints)
+        newest = found[0] if found else f"{run.checkpoints}/step-N"
+        raise InputPathError(f"{path} is a training run without an export yet: export a checkpoint with "
+                             f"dflash-train export {newest} --out DIR and pass --drafter DIR ({_newest(run.checkpoints)})")
+    if not path.exists():
+        raise InputPathError(f"--drafter {path} does not exist: pass an exported drafter folder "
+                             "(config.json + model.safetensors, e.g. RUN/export)")
+    raise InputPathError(f"{path} is not an exported drafter: it lacks {_missing(path, DRAFTER_FILES)} "
+                         "(pass an exported drafter folder, e.g. RUN/export)")
