@@ -208,3 +208,71 @@ def test_eval_of_a_folder_without_a_drafter_names_the_missing_files(tmp_path, ca
     (tmp_path / "half" / "config.json").write_text("{}")
     line = _eval_error(capsys, tmp_path / "half", tmp_path)
     assert f"{tmp_path / 'half'} is not an exported drafter: it lacks model.safetensors" in line
+
+
+# ------------------------------------------------------------------------------ eval's lossless line
+
+@pytest.fixture(scope="module")
+def tiny_eval(tmp_path_factory, tiny_target_dir):
+    """An untrained drafter for the tiny target and three prompts: eval runs in seconds on CPU."""
+    import json
+
+    from transformers import AutoConfig
+
+    from dflash_train.model.drafter import DFlashDrafter
+    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.model.io import save_drafter
+
+    root = tmp_path_factory.mktemp("tiny-eval")
+    cfg = make_drafter_config(AutoConfig.from_pretrained(tiny_target_dir), num_draft_layers=1, block_size=4,
+                              target_layer_ids=[1, 4], mask_token_id=16)
+    save_drafter(DFlashDrafter(cfg), root / "drafter", dtype="float32")
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Say something about {w}."}) + "\n"
+                            for i, w in enumerate(["rivers", "stones", "clouds"])))
+    return root / "drafter", data
+
+
+def _eval_lines(tiny_target_dir, tiny_eval, tmp_path, capsys, *extra) -> tuple[list[str], dict]:
+    import json
+
+    from dflash_train.cli import main
+
+    drafter, data = tiny_eval
+    out = tmp_path / "e.json"
+    assert main(["eval", "--target", str(tiny_target_dir), "--drafter", str(drafter), "--data", str(data),
+                 "--out", str(out), "--max-new-tokens", "6", "--device", "cpu", *extra]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("lossless:")]
+    return lines, json.loads(out.read_text())
+
+
+def test_eval_prints_how_many_outputs_equal_the_targets_greedy_output(tiny_target_dir, tiny_eval, tmp_path, capsys):
+    lines, report = _eval_lines(tiny_target_dir, tiny_eval, tmp_path, capsys, "--tree-budget", "4", "--limit", "2")
+    data = str(tiny_eval[1])
+    assert len(report["outputs"]) == 2 and report["datasets"][data]["lossless_mismatches"] == []
+    assert lines == [f"lossless: {data}: 4 of 4 outputs (block, tree-4) equal the target's own greedy output"]
+
+
+def test_the_lossless_line_names_the_first_mismatch(tiny_target_dir, tiny_eval, tmp_path, capsys):
+    """A real report with one decoded output changed: the line counts it and says where it diverges."""
+    from dflash_train.infer.evaluate import lossless_line, summarize_records
+
+    _, report = _eval_lines(tiny_target_dir, tiny_eval, tmp_path, capsys)
+    data = str(tiny_eval[1])
+    record = report["outputs"][1]
+    tokens = record["modes"]["block"][0]["token_ids"]
+    tokens[2] = tokens[2] + 1
+    report["datasets"][data] = summarize_records(report["outputs"], ["target", "block"])
+    assert lossless_line(report, data) == (
+        f"lossless: {data}: 2 of 3 outputs (block) equal the target's own greedy output; 1 differs, the first: "
+        f"prompt {record['id']} (block) at turn 0, token 2 (expected only below float32)")
+
+
+@pytest.mark.parametrize("extra,why", [
+    (("--no-baseline",), "not checked (--no-baseline"),
+    (("--temperature", "0.8"), "not applicable (sampling at --temperature 0.8"),
+    (("--replay",), "not checked (--replay"),
+])
+def test_eval_says_when_losslessness_is_not_checked(tiny_target_dir, tiny_eval, tmp_path, capsys, extra, why):
+    lines, _ = _eval_lines(tiny_target_dir, tiny_eval, tmp_path, capsys, "--limit", "1", *extra)
+    assert len(lines) == 1 and lines[0].startswith(f"lossless: {tiny_eval[1]}: {why}"), lines
