@@ -276,3 +276,90 @@ def test_the_lossless_line_names_the_first_mismatch(tiny_target_dir, tiny_eval, 
 def test_eval_says_when_losslessness_is_not_checked(tiny_target_dir, tiny_eval, tmp_path, capsys, extra, why):
     lines, _ = _eval_lines(tiny_target_dir, tiny_eval, tmp_path, capsys, "--limit", "1", *extra)
     assert len(lines) == 1 and lines[0].startswith(f"lossless: {tiny_eval[1]}: {why}"), lines
+
+
+# ------------------------------------------------------------------------------ target folders that cannot load
+
+def _partial_copy(src, dst, names):
+    import shutil
+
+    dst.mkdir()
+    for name in names:
+        shutil.copy(src / name, dst / name)
+    return dst
+
+
+@pytest.fixture
+def config_only(tiny_target_dir, tmp_path):
+    return _partial_copy(tiny_target_dir, tmp_path / "config-only", ["config.json"])
+
+
+@pytest.fixture
+def no_tokenizer(tiny_target_dir, tmp_path):
+    return _partial_copy(tiny_target_dir, tmp_path / "no-tokenizer", ["config.json", "model.safetensors"])
+
+
+def test_resolve_target_names_what_a_folder_lacks(config_only, no_tokenizer, tiny_target_dir, tmp_path):
+    import json
+
+    from dflash_train.assets import resolve_target
+    from dflash_train.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        resolve_target(str(config_only))
+    assert str(e.value).startswith(f"{config_only} is not a complete model folder: missing a tokenizer "
+                                   "(tokenizer.json, or tokenizer.model / vocab files); weights (")
+    with pytest.raises(UserError) as e:
+        resolve_target(str(no_tokenizer))
+    assert "missing a tokenizer" in str(e.value) and "weights" not in str(e.value).split("Copy")[0]
+    sharded = _partial_copy(tiny_target_dir, tmp_path / "sharded", ["config.json", "tokenizer.json"])
+    (sharded / "model-00001-of-00002.safetensors").write_bytes((tiny_target_dir / "model.safetensors").read_bytes())
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(UserError, match="missing weight shards listed in its index: model-00002-of-00002.safetensors"):
+        resolve_target(str(sharded))
+    assert resolve_target(str(tiny_target_dir)) == tiny_target_dir.resolve()
+    tokenizer_only = _partial_copy(tiny_target_dir, tmp_path / "tokenizer-only", ["config.json", "tokenizer.json"])
+    assert resolve_target(str(tokenizer_only), weights=False) == tokenizer_only.resolve()
+
+
+def _target_error(capsys, argv) -> str:
+    from dflash_train.cli import main
+
+    assert main(argv) == 2
+    return _one_error_line(capsys)
+
+
+def test_every_command_that_loads_a_target_names_the_missing_files(config_only, no_tokenizer, tiny_eval, tmp_path,
+                                                                   capsys):
+    import yaml
+
+    drafter, data = tiny_eval
+    commands = {
+        "eval": lambda t: ["eval", "--target", str(t), "--drafter", str(drafter), "--data", str(data),
+                           "--out", str(tmp_path / "e.json"), "--device", "cpu"],
+        "regen": lambda t: ["regen", "--target", str(t), "--data", str(data), "--out", str(tmp_path / "r.jsonl"),
+                            "--device", "cpu"],
+        "prepare": lambda t: ["prepare", "--target", str(t), "--data", str(data), "--out", str(tmp_path / "p")],
+    }
+    for name, argv in commands.items():
+        line = _target_error(capsys, argv(no_tokenizer))
+        assert line.startswith(f"error: {no_tokenizer} is not a complete model folder: missing a tokenizer"), (name, line)
+        line = _target_error(capsys, argv(config_only))
+        assert f"{config_only} is not a complete model folder: missing a tokenizer" in line, (name, line)
+        assert ("weights (*.safetensors" in line) == (name != "prepare"), (name, line)  # prepare reads the tokenizer only
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"target": {"path": str(no_tokenizer)}, "data": {"train_files": [str(data)]},
+                                   "run": {"device": "cpu", "progress_bar": False}}))
+    line = _target_error(capsys, ["train", str(cfg), "--run-dir", str(tmp_path / "run"), "--max-steps", "1"])
+    assert f"{no_tokenizer} is not a complete model folder: missing a tokenizer" in line
+
+
+def test_prepare_needs_only_the_tokenizer(tiny_target_dir, counting_jsonl, tmp_path):
+    from dflash_train.cli import main
+
+    folder = _partial_copy(tiny_target_dir, tmp_path / "tokenizer-only",
+                           ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+    assert main(["prepare", "--target", str(folder), "--data", str(counting_jsonl), "--out", str(tmp_path / "p"),
+                 "--max-length", "128", "--block-size", "4"]) == 0
+    assert (tmp_path / "p" / "manifest.json").is_file()

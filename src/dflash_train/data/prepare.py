@@ -217,7 +217,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from .. import assets
     from ..model.target import load_tokenizer
 
-    target_path = assets.resolve_target(args.target)
+    target_path = assets.resolve_target(args.target, weights=False)  # the tokenizer is all prepare reads
     tokenizer = load_tokenizer(target_path, args.trust_remote_code)
     cfg = PrepareConfig(max_length=args.max_length, block_size=args.block_size, val_fraction=args.val_fraction,
                         thinking=args.thinking, shard_rows=args.shard_rows, max_samples=args.max_samples,
