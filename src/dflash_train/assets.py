@@ -117,11 +117,12 @@ def is_builtin_target(spec: str) -> bool:
     return str(spec).strip().lower() == SMOLLM2_SPEC
 
 
-def resolve_target(spec: str, cache_dir: Path | None = None) -> Path:
+def resolve_target(spec: str, cache_dir: Path | None = None, weights: bool = True) -> Path:
     """Local Hugging Face model folder for a target spec (see `_ACCEPTED`).
 
     GGUF inputs are converted once into `<cache_dir>/targets/`; `cache_dir` defaults to
-    `default_cache_dir()`.
+    `default_cache_dir()`. A folder must hold config.json, a tokenizer and (with `weights`; `prepare`
+    reads only the tokenizer) its weights: what is missing is named before anything loads.
     """
     spec_str = str(spec)
     if is_builtin_target(spec_str):
@@ -129,7 +130,10 @@ def resolve_target(spec: str, cache_dir: Path | None = None) -> Path:
     path = Path(spec_str).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _cached_conversion(path.resolve(), cache_dir)
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir():
+        from .paths import check_model_folder
+
+        check_model_folder(path, weights=weights)
         return path.resolve()
     if path.exists():
         raise ValueError(f"Target spec {spec_str!r} is not usable; accepted: {_ACCEPTED}.")

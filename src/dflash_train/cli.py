@@ -138,8 +138,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from .infer.evaluate import evaluate, load_eval_models, markdown_table, write_report
+    from .paths import require_exported_drafter
     from .train.trainer import resolve_device, resolve_dtype
 
+    require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
     if args.replay and args.temperature > 0:
         raise ValueError("--replay measures greedy decoding: drop --temperature (or --replay to sample)")
     device = resolve_device(args.device)
@@ -169,15 +171,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _finish_eval(args: argparse.Namespace, report: dict) -> int:
-    from .infer.evaluate import markdown_table, write_report
+    from .infer.evaluate import lossless_line, markdown_table, write_report
 
     out = Path(args.out)
     write_report(report, out)
     print(markdown_table(report))
-    for ds, body in report["datasets"].items():
-        if body["lossless_mismatches"]:
-            print(f"warning: {ds}: {len(body['lossless_mismatches'])} outputs differ from the target's own greedy "
-                  f"output (first at {body['lossless_mismatches'][0]}); expected only in low precision")
+    for ds in report["datasets"]:
+        print(lossless_line(report, ds))
     if args.update_card:
         from .infer.evaluate import update_model_card
 
@@ -188,8 +188,9 @@ def _finish_eval(args: argparse.Namespace, report: dict) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_checkpoint
+    from .paths import resolve_checkpoint
 
-    out = export_checkpoint(Path(args.checkpoint), Path(args.out), dtype=args.dtype)
+    out = export_checkpoint(resolve_checkpoint(Path(args.checkpoint)), Path(args.out), dtype=args.dtype)
     print(f"exported drafter: {out}")
     return 0
 
@@ -252,19 +253,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="speculative decoding with the target: tau, histogram, speedup (block and DDTree)")
     e.add_argument("--target", required=True, help="target: smollm2, an HF folder or a .gguf file")
-    e.add_argument("--drafter", required=True, help="an exported drafter folder (config.json + model.safetensors)")
-    e.add_argument("--data", nargs="+", default=["mt-bench"], help="mt-bench, humaneval, sharegpt (held-out) or a JSONL file")
-    e.add_argument("--out", default="eval.json", help="JSON report (a Markdown table is written beside it)")
-    e.add_argument("--max-new-tokens", type=int, default=256)
-    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--drafter", required=True,
+                   help="an exported drafter folder (config.json + model.safetensors): RUN/export or the --out of export")
+    e.add_argument("--data", nargs="+", default=["mt-bench"],
+                   help="mt-bench, humaneval, sharegpt (held-out) or a JSONL file; several allowed (default: mt-bench)")
+    e.add_argument("--out", default="eval.json",
+                   help="JSON report; a Markdown table is written beside it (default: %(default)s)")
+    e.add_argument("--max-new-tokens", type=int, default=256,
+                   help="tokens generated per turn of each prompt (default: %(default)s)")
+    e.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy, checked lossless against the target; above 0 = speculative sampling "
+                        "(default: %(default)s)")
     e.add_argument("--block-size", type=int, default=None, help="verify this many tokens per step (default: trained)")
-    e.add_argument("--tree-budget", nargs="*", default=[], help="DDTree node budgets to evaluate, e.g. 16 64")
-    e.add_argument("--limit", type=int, default=0, help="prompts per dataset (0 = all)")
-    e.add_argument("--thinking", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
-                   help="pass enable_thinking to the chat template")
-    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    e.add_argument("--tree-budget", nargs="*", default=None,
+                   help="DDTree node budgets to evaluate as well, e.g. 16 64 (default: none, block verification only)")
+    e.add_argument("--limit", type=int, default=0, help="prompts per dataset, 0 = all (default: %(default)s)")
+    e.add_argument("--thinking", type=lambda v: v.lower() in ("1", "true", "yes"), default=None, metavar="true|false",
+                   help="pass enable_thinking to the chat template (default: not passed)")
+    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto = cuda when a GPU is visible, else cpu (default: %(default)s)")
     e.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
-                   help="float32 makes greedy decoding exactly lossless; bfloat16 is the serving dtype")
+                   help="float32 makes greedy decoding exactly lossless; bfloat16 is the serving dtype; auto = "
+                        "bfloat16 on GPU, float32 on CPU (default: %(default)s)")
     e.add_argument("--no-baseline", action="store_true", help="skip the target-only run (no speedup, no lossless check)")
     e.add_argument("--replay", action="store_true",
                    help="greedy tau by replay: the target's greedy continuation of every prompt (batched), then one "
@@ -274,9 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval)
 
     x = sub.add_parser("export", help="export a checkpoint in the reference DFlash format, with a parity check")
-    x.add_argument("checkpoint", help="RUN/checkpoints/step-N (or its drafter/ folder)")
-    x.add_argument("--out", required=True)
-    x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    x.add_argument("checkpoint", help="RUN/checkpoints/step-N (step-20 for step-00000020; best for the best by "
+                   "validation tau; or its drafter/ folder)")
+    x.add_argument("--out", required=True, help="folder to write the exported drafter to (replaced if it exists)")
+    x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the exported weights (default: %(default)s)")
     x.set_defaults(func=cmd_export)
 
     doc = sub.add_parser("doctor", help="versions, GPUs, a flex_attention compile smoke test, cache dir, verdict")
@@ -286,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_parser(sub)
     d = sub.add_parser("demo", help="train a drafter for the embedded default target (SmolLM2-135M) on CPU or GPU")
     d.add_argument("overrides", nargs="*", help="dotted overrides of the demo config")
-    d.add_argument("--run-dir", default="runs/demo", help="where every stage writes (a second run reuses it)")
+    d.add_argument("--run-dir", default="runs/demo",
+                   help="where every stage writes; a second run reuses it (default: %(default)s)")
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -201,7 +201,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from .. import assets
     from ..model.target import load_tokenizer
 
-    target_path = assets.resolve_target(args.target)
+    target_path = assets.resolve_target(args.target, weights=False)  # the tokenizer is all prepare reads
     tokenizer = load_tokenizer(target_path, args.trust_remote_code)
     cfg = PrepareConfig(max_length=args.max_length, block_size=args.block_size, val_fraction=args.val_fraction,
                         thinking=args.thinking, shard_rows=args.shard_rows, max_samples=args.max_samples,
@@ -227,15 +227,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--data", action="append", required=True, metavar="FILE|DIR|NAME",
                    help="input file, folder of files, or built-in source; repeat for several")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
-    p.add_argument("--max-length", type=int, default=3072, help="tokens per conversation; longer ones are truncated "
-                   f"(more than {FAR_FACTOR}x this: rejected)")
+    p.add_argument("--max-length", type=int, default=3072, help="tokens per conversation; longer ones are truncated, "
+                   f"more than {FAR_FACTOR}x longer ones rejected (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="drafter block size: rows with fewer than 2 * block_size "
-                   "supervised tokens are dropped")
-    p.add_argument("--val-fraction", type=float, default=0.02, help="share held out for validation (by a hash of the content)")
+                   "supervised tokens are dropped (default: %(default)s)")
+    p.add_argument("--val-fraction", type=float, default=0.02,
+                   help="share held out for validation, by a hash of the content (default: %(default)s)")
     p.add_argument("--thinking", type=_bool, default=None, metavar="true|false",
                    help="enable_thinking for templates that read it (default: the template's own default)")
-    p.add_argument("--shard-rows", type=int, default=50_000, help="rows per shard file")
-    p.add_argument("--max-samples", type=int, default=0, help="keep at most this many rows (0 = all)")
+    p.add_argument("--shard-rows", type=int, default=50_000, help="rows per shard file (default: %(default)s)")
+    p.add_argument("--max-samples", type=int, default=0,
+                   help="keep at most this many rows, 0 = all (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--trust-remote-code", action="store_true", help="only if you trust the target folder's code")
     p.set_defaults(func=cmd_prepare)

@@ -815,23 +815,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"JSONL/JSON/Parquet files (ShareGPT, OpenAI messages, prompt[/response]) or built-in sets: "
                         f"{', '.join(BUILTIN_SOURCES)}")
     r.add_argument("--out", help="output JSONL of {id, messages} (OUT.regen.json and OUT.rejects.jsonl beside it)")
-    r.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn (default 512)")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn (default: %(default)s)")
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    r.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling when --temperature > 0; 1.0 = off (default: %(default)s)")
     r.add_argument("--stop-token-ids", type=int, nargs="+", default=None,
                    help="default: the target's stop tokens (dflash_target.json), else its eos token(s)")
-    r.add_argument("--batch-size", type=int, default=16, help="conversations per generate call (default 16)")
-    r.add_argument("--limit", type=int, default=0, help="only the first N input rows (0 = all)")
+    r.add_argument("--batch-size", type=int, default=16, help="conversations per generate call (default: %(default)s)")
+    r.add_argument("--limit", type=int, default=0, help="only the first N input rows, 0 = all (default: %(default)s)")
     r.add_argument("--thinking", type=_bool, default=None, metavar="true|false",
                    help="pass enable_thinking to the chat template (default: not passed)")
-    r.add_argument("--seed", type=int, default=0, help="sampling seed (each batch and turn reseeds from it)")
+    r.add_argument("--seed", type=int, default=0,
+                   help="sampling seed; each batch and turn reseeds from it (default: %(default)s)")
     r.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longer first prompts are rejected, longer later turns end the conversation "
                         "(default: the target's context minus --max-new-tokens)")
-    r.add_argument("--sort-window", type=int, default=4096, help="rows sorted by prompt length together (default 4096)")
-    r.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    r.add_argument("--sort-window", type=int, default=4096, help="rows sorted by prompt length together (default: %(default)s)")
+    r.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto = cuda when a GPU is visible, else cpu (default: %(default)s)")
     r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on GPU, float32 on CPU")
+                   help="auto = bfloat16 on GPU, float32 on CPU (default: %(default)s)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--export-batch", metavar="FILE",
                    help="write OpenAI batch requests (vllm run-batch / SGLang) instead of generating")

@@ -312,6 +312,29 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def lossless_line(report: dict, dataset: str) -> str:
+    """One console line: how many of the dataset's outputs (prompt x mode) equal the target's own greedy
+    output, the first mismatch, or why nothing was compared (replay, sampling, no baseline)."""
+    body, config = report["datasets"][dataset], report["config"]
+    modes = [m for m in body["modes"] if m != "target"]
+    if config.get("method") == "replay":
+        why = "not checked (--replay reads the target's own greedy continuation; nothing else is decoded)"
+    elif config["temperature"] > 0:
+        why = (f"not applicable (sampling at --temperature {config['temperature']}: outputs follow the target's "
+               "distribution, not its greedy tokens)")
+    elif "target" not in body["modes"]:
+        why = "not checked (--no-baseline: the target-only run is the reference)"
+    else:
+        compared = sum(r["dataset"] == dataset for r in report["outputs"]) * len(modes)
+        bad = body["lossless_mismatches"]
+        why = f"{compared - len(bad)} of {compared} outputs ({', '.join(modes)}) equal the target's own greedy output"
+        if bad:
+            first = bad[0]
+            why += (f"; {len(bad)} differ{'s' * (len(bad) == 1)}, the first: prompt {first['id']} ({first['mode']}) at turn {first['at']['turn']}, "
+                    f"token {first['at']['token']} (expected only below float32)")
+    return f"lossless: {dataset}: {why}"
+
+
 def write_report(report: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
