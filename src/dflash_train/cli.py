@@ -237,14 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--detach", action="store_true",
                    help="run in the background; output goes to RUN/launcher.out (default: off)")
     t.add_argument("--stall-timeout", type=float, default=300.0,
-                   help="seconds without progress from a rank before the run is stopped as failed (default: 300)")
+                   help="seconds without progress from a rank before the run is stopped as failed (default: %(default)s)")
     t.set_defaults(func=cmd_train)
 
     s = sub.add_parser("status", help="phase, step, tokens/s, loss, accuracy, ETA, heartbeat and last error of a run; "
                                       "exit code 0 running or done, 1 failed or dead, 3 stopped")
     s.add_argument("run_dir", help="the run directory")
     s.add_argument("--follow", action="store_true", help="keep printing until the run ends (default: off)")
-    s.add_argument("--interval", type=float, default=5.0, help="seconds between reports with --follow (default: 5)")
+    s.add_argument("--interval", type=float, default=5.0, help="seconds between reports with --follow (default: %(default)s)")
     s.set_defaults(func=cmd_status)
 
     st = sub.add_parser("stop", help="ask a running run to checkpoint and exit (continue it with train --resume)")
