@@ -685,6 +685,8 @@ class Driver:
                    f"data.train_files=[{self.prepared}]", "--run-dir", str(run)]
             if run.joinpath("checkpoints").is_dir() and list_checkpoints(run / "checkpoints"):
                 cmd.append("--resume")
+            elif run.is_dir():
+                cmd.append("--overwrite")  # an earlier call's attempt that never checkpointed: moved aside
             self.log(f"train {name}: " + " ".join(cmd))
             log_path = self.out / ("train.stdout.log" if name == "default" else f"train-{name}.stdout.log")
             env = dict(self.env(), CUDA_VISIBLE_DEVICES=str(self.train_gpu(name, k, gpus))) if gpus > 1 else self.env()
@@ -716,7 +718,7 @@ class Driver:
             self.add_time(key, ended.get(name, time.time()) - t0)
         for n, run, p, _, lp in procs:
             (run / "STOP").unlink(missing_ok=True)
-            if p.returncode == 0:
+            if p.returncode in (0, 3):  # done, or stopped at the deadline (resumes next call)
                 continue
             if n == "default":
                 raise RuntimeError(f"training failed (exit {p.returncode}); see {lp} and {run / 'train.log'}")

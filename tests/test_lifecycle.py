@@ -217,3 +217,29 @@ def test_resume_without_a_run_or_a_checkpoint_says_so_at_once(setup, tmp_path, c
     assert main(["train", "--run-dir", str(started), "--resume"]) == 2
     err = capsys.readouterr().err
     assert "no checkpoint yet" in err and "failed in warmup" in err and "--overwrite" in err, err
+
+
+def test_a_run_on_another_host_is_judged_by_its_pulse(tmp_path):
+    """Where the kernel cannot be asked (another node), a run is alive while its files keep being touched and
+    `silent` once they stop for longer than SILENT_S."""
+    from dflash_train.rundir import SILENT_S, Pulse, format_status
+
+    now = time.time()
+    elsewhere = {"phase": "training", "step": 40, "total_steps": 100, "heartbeat": now - 30, "eta_s": 60,
+                 "pid": 4242, "pid_start": 1, "host": "another-node"}
+    assert format_status({**elsewhere, "alive_at": now - 1}, None, now).startswith("phase:      training\n")
+    silent = format_status({**elsewhere, "alive_at": now - SILENT_S - 5}, None, now)
+    assert silent.startswith("phase:      silent (was training: no sign of life for") and "ETA:        -" in silent
+
+    beat = tmp_path / "rank-0.json"
+    beat.write_text("{}")
+    os.utime(beat, (now - 100, now - 100))
+    pulse = Pulse([beat], interval=0.05).start()
+    try:
+        deadline = time.time() + 5
+        while beat.stat().st_mtime < now - 1 and time.time() < deadline:
+            time.sleep(0.02)
+    finally:
+        pulse.stop()
+    assert beat.stat().st_mtime >= now - 1, "the pulse never touched the file"
+    assert beat.read_text() == "{}"  # the pulse sets the time only

@@ -33,6 +33,11 @@ _INT_LIMIT = 2**63  # ints are counts, ids and seeds: beyond int64 nothing downs
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
+def _quoted(text: str, limit: int = 120) -> str:
+    """A user's own text (an override) in quotes, as typed, cut to `limit` characters."""
+    return f"'{text}'" if len(text) <= limit else f"'{text[: limit - 20]}...{text[-10:]}' ({len(text)} characters)"
+
+
 def _show(value: Any) -> str:
     """A short repr for messages: bounded for huge, deep or self-referencing values."""
     try:
@@ -315,14 +320,14 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 def _apply_override(tree: dict, item: str) -> None:
     if "=" not in item:
-        raise ConfigError(f"override '{item}' must look like section.key=value (e.g. optim.lr=3e-4)")
+        raise ConfigError(f"override {_quoted(item)} must look like section.key=value (e.g. optim.lr=3e-4)")
     dotted, raw = item.split("=", 1)
     parts = dotted.strip().split(".")
     node = tree
     for part in parts[:-1]:
         child = node.get(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override '{item}': '{part}' is not a section")
+            raise ConfigError(f"override {_quoted(item)}: {_quoted(part)} is not a section")
         node[part] = child = dict(child)  # copy on the way down: the caller's dict is never changed
         node = child
     value = _parse_scalar(raw)
@@ -353,7 +358,8 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, source: str
             _apply_override(tree, item)
             _build(Config, tree, "")
         except ConfigError as e:
-            raise ConfigError(f"override '{item}': {e}") from None
+            named = str(e) if str(e).startswith("override ") else f"override {_quoted(item)}: {e}"
+            raise ConfigError(named) from None
         given[item.split("=", 1)[0].strip()] = item
     cfg = _build(Config, tree, "")
     try:
@@ -361,7 +367,7 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, source: str
     except ConfigError as e:
         named = re.match(r"config key '([^']+)'", str(e))
         item = given.get(named.group(1)) if named else None
-        raise ConfigError(f"{e} (override '{item}')" if item else f"{e}{suffix}") from None
+        raise ConfigError(f"{e} (override {_quoted(item)})" if item else f"{e}{suffix}") from None
     return cfg
 
 

@@ -234,6 +234,7 @@ def run_demo(root: Path, overrides: list[str], size: "DemoSize | None" = None) -
     from .data.regen import RegenSettings, regenerate
     from .infer.evaluate import update_model_card
     from .model.target import load_tokenizer
+    from .rundir import RunDir
     from .train.checkpoint import list_checkpoints
     from .train.trainer import train
 
@@ -262,7 +263,10 @@ def run_demo(root: Path, overrides: list[str], size: "DemoSize | None" = None) -
     def do_train():
         if (run_dir / "export" / "model.safetensors").is_file():
             return run_dir / "export"
-        return train(cfg, run_dir, resume=bool(list_checkpoints(run_dir / "checkpoints")))
+        resume = bool(list_checkpoints(run_dir / "checkpoints"))
+        if not resume and run_dir.is_dir() and RunDir(run_dir).contents():
+            print(f"an earlier training attempt never checkpointed; moved aside: {RunDir(run_dir).move_aside()}")
+        return train(cfg, run_dir, resume=resume)
 
     _stage("train", times, do_train)
     eval_json = root / "eval.json"
