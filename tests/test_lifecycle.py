@@ -202,8 +202,9 @@ def test_user_errors_are_one_clear_line_without_a_traceback(setup, tmp_path, arg
     if "override" in expect:
         assert str(cfg) not in out.stderr  # an override's mistake is not blamed on the YAML file
     assert not (tmp_path / "R").exists()
-    debug = _cli(["--debug", "train", str(cfg), "--run-dir", str(tmp_path / "R"), *args])
-    assert debug.returncode == 2 and "Traceback" in debug.stderr
+    if "target.path" in expect:  # the traceback is there for whoever asks (one case: each costs a process)
+        debug = _cli(["--debug", "train", str(cfg), "--run-dir", str(tmp_path / "R"), *args])
+        assert debug.returncode == 2 and "Traceback" in debug.stderr
 
 
 def test_resume_without_a_run_or_a_checkpoint_says_so_at_once(setup, tmp_path, capsys):

@@ -263,6 +263,11 @@ def test_resuming_with_another_target_is_refused_naming_both(tmp_path, tokenizer
     b = write_config(tmp_path / "b.yaml", other, counting_jsonl, run__save_every=1)
     capsys.readouterr()
     assert main(["train", str(b), "--run-dir", str(run), "--max-steps", "2", "--resume"]) == 2
+    err = capsys.readouterr().err  # the other config's target is a change a resume may not make
+    assert f"'target.path' is '{tiny_target_dir}'" in err and f"'{other}' by the config file {b}" in err, err
+    # the run's config.yaml pointed at the other target by hand: the checkpoint's record refuses it
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace(str(tiny_target_dir), str(other)))
+    assert main(["train", "--run-dir", str(run), "--resume", "optim.max_steps=2"]) == 2
     err = capsys.readouterr().err
     assert "cannot resume from" in err and "target_layers: checkpoint 6, this run 4" in err, err
-    assert json.loads((run / "status.json").read_text())["phase"] == "failed"
+    assert json.loads((run / "status.json").read_text())["phase"] == "done"  # a refused resume writes nothing

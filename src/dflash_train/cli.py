@@ -141,9 +141,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .paths import require_exported_drafter
     from .train.trainer import resolve_device, resolve_dtype
 
-    require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
     if args.replay and args.temperature > 0:
         raise ValueError("--replay measures greedy decoding: drop --temperature (or --replay to sample)")
+    require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     template_kwargs = {"enable_thinking": args.thinking} if args.thinking is not None else None
