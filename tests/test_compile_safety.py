@@ -255,8 +255,10 @@ def test_inductor_compiles_get_the_layer_options_and_other_backends_none(monkeyp
     compile_layer.compiled("test_double_inductor_own", lambda x: x * 2, backend="inductor",
                            options={"triton.autotune_pointwise": True, "max_autotune": False})
     assert seen["eager"] is None
-    assert seen[None] == compile_layer.INDUCTOR_OPTIONS == {"triton.autotune_pointwise": False}
-    assert seen["inductor"] == {"triton.autotune_pointwise": True, "max_autotune": False}
+    assert seen[None] == compile_layer.INDUCTOR_OPTIONS == {"triton.autotune_pointwise": False,
+                                                            "triton.mix_order_reduction_non_strict_mode": True}
+    assert seen["inductor"] == {"triton.autotune_pointwise": True, "max_autotune": False,
+                                "triton.mix_order_reduction_non_strict_mode": True}
 
 
 def test_compile_workers_share_the_cores_between_the_ranks_of_a_machine(monkeypatch):

@@ -267,7 +267,24 @@ def _compile_settings():
 # - one launch config per pointwise kernel instead of several, each built and then timed at the first
 #   call: a cold first step of the 8B benchmark took 5 s less (33.1 -> 27.7 s) and its steps ran as fast
 #   (0.706 s; pointwise kernels are memory-bound and few: the matmuls and attention take the time).
-INDUCTOR_OPTIONS = {"triton.autotune_pointwise": False}
+# - no size thresholds from the mix-order reduction heuristic (the RMSNorms' backward: the input gradient
+#   reduces over rows, the weight gradient over columns, and inductor fuses the two). In its strict mode it
+#   fuses only when `rows x columns >= 5 * 2**20`, `rows >= 2 x columns` and `rows >= 4096`, each decided
+#   on the compile's sizes and kept as a guard on the dynamic sizes (`512*x.size()[0]*context.size()[1] <
+#   5242880`): a batch on the other side recompiled mid-run (issue 20). Non-strict, it fuses whatever the
+#   sizes, with no guard. Where a torch has the heuristic but not that switch, the fusion is off instead.
+def _threshold_free_options() -> dict:
+    import torch._inductor.config as inductor_config
+
+    triton_config = inductor_config.triton
+    if hasattr(triton_config, "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    if hasattr(triton_config, "mix_order_reduction"):
+        return {"triton.mix_order_reduction": False}
+    return {}
+
+
+INDUCTOR_OPTIONS = {"triton.autotune_pointwise": False, **_threshold_free_options()}
 
 
 def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
