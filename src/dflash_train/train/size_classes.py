@@ -5,7 +5,7 @@ still hold guards on those sizes (a batch of one row against several; a threshol
 from the sizes it first saw). A batch on the other side of such a guard compiles again, mid-run. The
 warm-up therefore runs, besides the first batch, the planned micro-batches at the edges of every size the
 graphs are built from: most and fewest rows, longest and shortest context, most and fewest tokens, most
-blocks and most block rows, over every epoch the run will reach (each epoch's plan depends only on the
+blocks a row and most and fewest a micro-batch, over every epoch the run will reach (each epoch's plan depends only on the
 seed and the epoch). The compile layer's inductor options remove the thresholds found so far
 (`compile.INDUCTOR_OPTIONS`); these batches compile anything left up front, and the loop's recompile check
 stops a run that still meets a new size class before it can reach the recompile limit.
@@ -36,7 +36,7 @@ class SizeClass:
         return len(self.rows) * self.context
 
     @property
-    def block_rows(self) -> int:
+    def batch_blocks(self) -> int:
         return len(self.rows) * self.blocks
 
 
@@ -60,9 +60,9 @@ EDGES = {
     "shortest context": lambda b, s, n: -s,
     "most tokens": lambda b, s, n: b * s,
     "fewest tokens": lambda b, s, n: -(b * s),
-    "most blocks": lambda b, s, n: n,
-    "most block rows": lambda b, s, n: b * n,
-    "fewest block rows": lambda b, s, n: -(b * n),
+    "most blocks a row": lambda b, s, n: n,
+    "most blocks a micro-batch": lambda b, s, n: b * n,
+    "fewest blocks a micro-batch": lambda b, s, n: -(b * n),
 }
 
 
@@ -102,5 +102,5 @@ def describe(extremes: dict[str, SizeClass]) -> str:
     e = extremes
     return (f"rows {len(e['fewest rows'].rows)}-{len(e['most rows'].rows)}, context {e['shortest context'].context}-"
             f"{e['longest context'].context} tokens, micro-batch tokens {e['fewest tokens'].tokens}-"
-            f"{e['most tokens'].tokens}, up to {e['most blocks'].blocks} blocks per row and "
-            f"{e['most block rows'].block_rows} block rows per micro-batch")
+            f"{e['most tokens'].tokens}, up to {e['most blocks a row'].blocks} blocks a row and "
+            f"{e['most blocks a micro-batch'].batch_blocks} a micro-batch")
