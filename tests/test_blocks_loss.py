@@ -126,6 +126,46 @@ def test_the_eager_chunk_math_equals_the_compiled_one_in_float64():
     assert not _ce_chunk_eager(logits, labels)[2][3]  # row 3's first maximum is 7, not its label 11
 
 
+@pytest.mark.parametrize("chunk", [3, 4, 7, 2048])
+def test_chunks_cover_the_rows_in_order_and_none_holds_one_row(chunk):
+    from dflash_train.train.loss import chunk_bounds
+
+    for m in range(1, 3 * chunk + 3):
+        bounds = chunk_bounds(m, chunk)
+        assert bounds[0][0] == 0 and bounds[-1][1] == m
+        assert all(a < b and b == c for (a, b), (c, _) in zip(bounds, bounds[1:] + [(m, None)]))
+        assert all(b - a <= chunk for a, b in bounds)
+        assert m == 1 or all(b - a >= 2 for a, b in bounds), (m, bounds)
+
+
+def test_no_micro_batch_size_gives_the_compiled_chunk_math_a_variant_of_its_own(monkeypatch):
+    """The chunk math compiles with dynamic rows, but Dynamo specialises a chunk of one row: a micro-batch of
+    k * chunk + 1 counted rows (seen on the GPU in a real-data warm-up) would compile a second variant, mid-run
+    when the warm-up's batches had none. The chunks never hold one row, so one variant serves every count.
+    (Dynamo's eager backend on the CPU: the same tracing and guards as the GPU's inductor.)"""
+    from dflash_train.model import compile as compile_layer
+    from dflash_train.train import loss as loss_mod
+
+    monkeypatch.setattr(compile_layer, "_compiled", {})
+    monkeypatch.setattr(loss_mod, "_chunk_fn", lambda name, fn, device, eager=None: compile_layer.compiled(
+        f"test_{name}", fn, dynamic=True, backend="eager"))
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 8, generator=g)
+
+    def run(m):
+        h = torch.randn(m, 8, generator=g, requires_grad=True)
+        out = chunked_weighted_ce(h, weight, torch.randint(0, 50, (m,), generator=g), torch.ones(m), chunk_size=4)
+        out.loss.backward()
+
+    run(10)  # chunks of 4, 4 and 2: the compile
+    before = compile_layer.graphs_compiled()
+    for m in (9, 13, 5, 2, 7, 17):  # 9, 13, 5, 17 would leave a last chunk of one row
+        run(m)
+    assert compile_layer.graphs_compiled() == before
+    torch._dynamo.reset()
+
+
 def test_chunked_loss_never_holds_full_logits():
     """Peak memory of the forward+backward stays near one chunk of logits, not M x V."""
     m, h, v, chunk = 4096, 32, 8192, 256

@@ -1,6 +1,7 @@
 """The compile layer (compile-safety.md): the field's thread race replayed through our layer on CPU,
 no silent dense fallback after warm-up, recompiles counted with reasons, the FX flag check."""
 
+import json
 import logging
 import subprocess
 import sys
@@ -49,24 +50,77 @@ def test_thread_race_replay_through_our_layer_exits_cleanly():
 
 
 SEALED = textwrap.dedent("""
-    import torch
+    import json, warnings, torch
+    import torch.nn.attention.flex_attention as fa
     from torch.nn.attention.flex_attention import flex_attention
     from dflash_train.model import compile as compile_layer
+    from dflash_train.model.attention import compiled_flex_attention
     q = torch.randn(1, 2, 128, 16)
+    flex_attention(q, q, q)  # before the seal: runs (and torch's once-per-process warning is now spent)
     compile_layer.seal()
-    try:
-        flex_attention(q, q, q)
-    except UserWarning as e:
-        print("raised:", str(e).splitlines()[0])
-    else:
-        print("ran eagerly")
+    seen = {}
+    def attempt(name, fn):
+        try:
+            fn()
+            seen[name] = "ran"
+        except compile_layer.UncompiledFlexAttention:
+            seen[name] = "raised"
+    attempt("eager", lambda: flex_attention(q, q, q))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        attempt("eager, warnings ignored", lambda: flex_attention(q, q, q))
+    fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    attempt("eager, debug flag", lambda: flex_attention(q, q, q))
+    fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = False
+    attempt("eager backend", lambda: torch.compile(flex_attention, backend="eager")(q, q, q))
+    attempt("compiled", lambda: compiled_flex_attention(dynamic=False)(q, q, q))
+    with compile_layer.allow_eager_flex():
+        attempt("eager, allowed", lambda: flex_attention(q, q, q))
+    attempt("eager, after the allowance", lambda: flex_attention(q, q, q))
+    print(json.dumps(seen))
 """)
 
 
-def test_an_eager_flex_call_after_warmup_raises_instead_of_running_dense():
+def test_after_the_seal_every_eager_flex_call_raises_whatever_ran_before():
+    """One eager flex_attention call before the seal, others after: every later eager route raises, although
+    torch warns only once per process and that warning was spent before the seal (the old seal, a warnings
+    filter, let them all run); the compiled call runs, and so does an explicitly allowed reference call. CPU
+    flex has no backward: tests/test_gpu.py checks the eager backward too."""
     proc = subprocess.run([sys.executable, "-c", SEALED], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "raised: flex_attention called without torch.compile" in proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"eager": "raised", "eager, warnings ignored": "raised", "eager, debug flag": "raised",
+                    "eager backend": "raised", "compiled": "ran",
+                    "eager, allowed": "ran", "eager, after the allowance": "raised"}
+
+
+def test_an_eager_flex_call_in_a_warm_up_is_an_error(tiny_target_dir):
+    """The trainer's warm-up must compile what training runs: a drafter whose attention runs flex_attention
+    eagerly (the dense fallback itself) fails the warm-up at its first call, before any seal."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash_train.config import config_from_dict
+    from dflash_train.model.attention import AttentionBackend
+    from dflash_train.model.drafter import DFlashDrafter
+    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.model.target import TargetCapture, load_target_model
+    from dflash_train.train.step import Batch, TrainStep
+    from dflash_train.train.trainer import warm_up
+
+    model = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
+    cfg = config_from_dict({"drafter": {"block_size": 16, "num_draft_layers": 1}, "objective": {"max_anchors": 8},
+                            "data": {"max_length": 256, "token_budget": 512}})
+    drafter = DFlashDrafter(make_drafter_config(model.config, num_draft_layers=1, block_size=16,
+                                                target_layer_ids=[1, 3], mask_token_id=5))
+    # detached: CPU flex refuses inputs that need a gradient before it gets to the kernel (the GPU test needs not)
+    eager_flex = AttentionBackend(
+        "flex", lambda q, k, v, mask: flex_attention(q.detach(), k.detach(), v.detach(), enable_gqa=True), 8, 128)
+    step = TrainStep(drafter, TargetCapture.from_model(model, [1, 3]), eager_flex, cfg, 10, torch.float32,
+                     torch.device("cpu"))
+    ids = torch.randint(10, 1000, (2, 200), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(compile_layer.UncompiledFlexAttention, match="ran uncompiled after the warm-up began"):
+        warm_up(step, Batch(ids, torch.ones_like(ids), torch.tensor([200, 180])), Path("unused"), False,
+                kinds=(False, True))
 
 
 def test_recompiles_are_counted_and_logged_with_the_reason(caplog):
@@ -78,6 +132,46 @@ def test_recompiles_are_counted_and_logged_with_the_reason(caplog):
         double(torch.ones(4))
     assert compile_layer.recompiles() == before + 1
     assert "recompiled" in caplog.text and "size mismatch" in caplog.text
+
+
+def test_a_recompile_after_the_seal_is_logged_on_one_line_with_its_failed_guard_and_counted(caplog):
+    """A size threshold in compiled code (here Python's own `if`, as inductor's are in its decisions): a batch on
+    the other side after the seal recompiles; the log line names the function and the guard that failed, the
+    after-warm-up counter and `last_recompile` (status.json) carry it."""
+    compile_layer.watch_recompiles()
+    torch._dynamo.reset()
+    fn = compile_layer.compiled("test_threshold", lambda x: x * 2 if x.shape[0] < 5 else x * 3, dynamic=True,
+                                backend="eager")
+    fn(torch.ones(3))
+    fn(torch.ones(4))  # the same variant
+    compile_layer.seal()
+    assert compile_layer.recompiles_after_warmup() == 0
+    with caplog.at_level(logging.WARNING, logger="dflash_train"):
+        assert torch.equal(fn(torch.ones(7)), torch.full((7,), 3.0))
+    lines = [r.getMessage() for r in caplog.records if "recompiled after the warm-up" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "(#1 after it" in lines[0] and "<lambda>" in lines[0]
+    assert "failed guard: 0/0: 2 <= x.size()[0] <= 4" in lines[0], lines[0]
+    assert compile_layer.recompiles_after_warmup() == 1
+    assert "2 <= x.size()[0] <= 4" in compile_layer.last_recompile()
+
+
+def test_the_headroom_check_fires_before_dynamo_would_refuse_a_compile(monkeypatch):
+    """`recompile_headroom_error(k)` speaks up once a function's variants plus the k a next step could add reach the
+    compile layer's recompile limit; past the limit Dynamo refuses to compile (an error mid-step, never a silent
+    eager run): the check is what keeps a run from getting there."""
+    monkeypatch.setattr(compile_layer, "RECOMPILE_LIMIT", 5)
+    torch._dynamo.reset()
+    fn = compile_layer.compiled("test_headroom", lambda x: x + 1, dynamic=False, backend="eager")
+    answers = []
+    for n in range(1, 6):
+        fn(torch.ones(n))  # static shapes: every size is a variant
+        assert compile_layer.compiled_variants()["test_headroom"] == n
+        answers.append(compile_layer.recompile_headroom_error(2))
+    assert answers[:2] == [None, None] and all(answers[2:]), answers
+    assert "test_headroom holds 3 compiled variants" in answers[2] and "recompile limit (5)" in answers[2]
+    with pytest.raises(Exception, match="recompile_limit|FailOnRecompileLimitHit|fail_on_recompile_limit_hit"):
+        fn(torch.ones(6))
 
 
 def test_fx_tracing_flag_is_checked_at_step_boundaries():
@@ -161,8 +255,10 @@ def test_inductor_compiles_get_the_layer_options_and_other_backends_none(monkeyp
     compile_layer.compiled("test_double_inductor_own", lambda x: x * 2, backend="inductor",
                            options={"triton.autotune_pointwise": True, "max_autotune": False})
     assert seen["eager"] is None
-    assert seen[None] == compile_layer.INDUCTOR_OPTIONS == {"triton.autotune_pointwise": False}
-    assert seen["inductor"] == {"triton.autotune_pointwise": True, "max_autotune": False}
+    assert seen[None] == compile_layer.INDUCTOR_OPTIONS == {"triton.autotune_pointwise": False,
+                                                            "triton.mix_order_reduction_non_strict_mode": True}
+    assert seen["inductor"] == {"triton.autotune_pointwise": True, "max_autotune": False,
+                                "triton.mix_order_reduction_non_strict_mode": True}
 
 
 def test_compile_workers_share_the_cores_between_the_ranks_of_a_machine(monkeypatch):

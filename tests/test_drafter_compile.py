@@ -6,6 +6,7 @@ benchmarks/throughput.py --compile-drafter)."""
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,3 +205,69 @@ def test_compiled_calls_trace_once_float_constants_specialised(fresh_dynamo):
         torch._logging.set_logs(recompiles=True)
     assert handler.seen  # Dynamo's INFO records reached the handler
     assert not [m for m in handler.seen if "Restarting analysis" in m]
+
+
+def test_a_run_that_keeps_recompiling_stops_before_the_limit_with_a_checkpoint_and_resumes(
+        tmp_path, tiny_target_dir, counting_jsonl, monkeypatch, fresh_dynamo):
+    """Recompiles after the warm-up forced (the drafter's graphs compiled with static shapes: every new batch
+    shape is a variant): each is logged with its failed guard and counted in metrics.jsonl; the run stops at a step
+    boundary, before any function reaches the recompile limit, with a clear error in status.json and a checkpoint
+    of that step; --resume (dynamic shapes again, a fresh Dynamo as in a new process) finishes the run."""
+    import dflash_train.config as config_mod
+    from dflash_train.train import trainer
+
+    monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(trainer, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(drafter_mod, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(compile_layer, "RECOMPILE_LIMIT", 16)
+    monkeypatch.setattr(compile_layer, "_compiled", {})  # this test's static variants stay out of other tests
+    monkeypatch.setattr(compile_layer, "_codes", {})
+    real_compiled = compile_layer.compiled
+
+    def static_drafter(name, fn, **kwargs):
+        return real_compiled(name, fn, **{**kwargs, "dynamic": False} if name.startswith("drafter_") else kwargs)
+
+    monkeypatch.setattr(compile_layer, "compiled", static_drafter)
+    variants_seen = []
+    real_check = compile_layer.recompile_headroom_error
+
+    def check(ahead):
+        variants_seen.append(max(compile_layer.compiled_variants().values()))
+        return real_check(ahead)
+
+    monkeypatch.setattr(compile_layer, "recompile_headroom_error", check)
+    cfg = config_from_dict({
+        "target": {"path": str(tiny_target_dir)},
+        "drafter": {"num_draft_layers": 2, "block_size": 4, "attention_backend": "sdpa", "compile": True},
+        "data": {"train_files": [str(counting_jsonl)], "max_length": 256, "token_budget": 400, "max_batch_size": 3},
+        "objective": {"max_anchors": 16, "gamma": 4.0},
+        "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.05},
+        "run": {"device": "cpu", "log_every": 1, "save_every": 100, "progress_bar": False, "eval_every": 0},
+    })
+    run = tmp_path / "R"
+    with pytest.raises(compile_layer.RecompileLimitNear, match=r"recompile limit \(16\)"):
+        trainer.train(cfg, run, max_steps=60)
+    status = json.loads((run / "status.json").read_text())
+    assert status["phase"] == "failed" and "recompile limit (16)" in status["error"]["message"], status
+    assert "--resume continues" in status["error"]["message"]
+    stopped_at = status["step"]
+    assert 0 < stopped_at < 60 and Path(status["checkpoint"]).name == f"step-{stopped_at:08d}"
+    assert Path(status["checkpoint"]).is_dir() and f"with checkpoint {status['checkpoint']}" in status["error"]["message"]
+    assert max(variants_seen) < 16  # never at the limit, where a compiled call fails mid-step
+    lines = [line for line in (run / "train.log").read_text().splitlines()
+             if "torch.compile recompiled after the warm-up (#" in line]
+    assert lines and all("failed guard: " in line and "size mismatch" in line for line in lines), lines[:3]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == stopped_at and records[-1]["recompiles_after_warmup"] == len(lines)
+    assert status["recompiles_after_warmup"] == len(lines) and status["last_recompile"]
+
+    monkeypatch.setattr(compile_layer, "compiled", real_compiled)
+    monkeypatch.setattr(compile_layer, "_compiled", {})
+    monkeypatch.setattr(compile_layer, "_codes", {})
+    torch._dynamo.reset()  # a new process: no compiled variants
+    trainer.train(cfg, run, max_steps=60, resume=True)
+    status = json.loads((run / "status.json").read_text())
+    assert status["phase"] == "done" and status["step"] == 60, status
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 61))
+    assert records[-1]["recompiles_after_warmup"] == 0

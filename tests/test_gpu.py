@@ -234,16 +234,143 @@ def test_field_race_replayed_through_our_layer_has_zero_errors():
     assert errors == []
 
 
-def test_no_dense_fallback_after_warmup_on_gpu():
-    """After seal(), an eager flex_attention call (which would materialise the dense scores) raises."""
+EAGER_FLEX_AROUND_THE_SEAL = textwrap.dedent("""
+    import json, torch
+    from torch.nn.attention.flex_attention import flex_attention
+    from dflash_train.model import compile as compile_layer
+    from dflash_train.model.attention import compiled_flex_attention
+    def qkv():
+        return [torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    flex_attention(*qkv()).float().sum().backward()  # before the seal: runs (torch's one warning is spent)
+    pending = flex_attention(*qkv()).float().sum()  # its backward comes after the seal
+    compile_layer.seal()
+    seen = {}
+    def attempt(name, fn):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            seen[name] = "ran"
+        except compile_layer.UncompiledFlexAttention:
+            seen[name] = "raised"
+    attempt("eager forward", lambda: flex_attention(*qkv()))
+    attempt("eager backward", lambda: pending.backward())
+    attempt("compiled forward and backward", lambda: compiled_flex_attention()(*qkv()).float().sum().backward())
+    print(json.dumps(seen))
+""")
+
+
+def test_one_eager_flex_call_before_the_seal_and_another_after_raises_on_the_second():
+    """torch warns about an eager flex_attention call once per process: the seal must not rely on that warning.
+    After one eager call (forward and backward) before the seal, an eager forward and an eager backward after it
+    raise; the compiled call runs."""
+    proc = subprocess.run([sys.executable, "-c", EAGER_FLEX_AROUND_THE_SEAL], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "eager forward": "raised", "eager backward": "raised", "compiled forward and backward": "ran"}
+
+
+def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
+    """A drafter whose attention calls flex_attention eagerly (forward and backward with grad, bf16) fails the
+    trainer's warm-up at its first attention call: the dense fallback never runs."""
+    from pathlib import Path
+
     from torch.nn.attention.flex_attention import flex_attention
 
+    from dflash_train.config import config_from_dict
     from dflash_train.model import compile as compile_layer
+    from dflash_train.model.attention import AttentionBackend
+    from dflash_train.model.drafter import DFlashDrafter
+    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.model.target import TargetCapture, load_target_model
+    from dflash_train.train.step import Batch, TrainStep
+    from dflash_train.train.trainer import warm_up
 
-    compile_layer.seal()
-    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(UserWarning, match="without torch.compile"):
-        flex_attention(q, q, q)
+    device = torch.device("cuda")
+    model = load_target_model(tiny_target_dir, torch.bfloat16, device)
+    cfg = config_from_dict({"drafter": {"block_size": 16, "num_draft_layers": 1}, "objective": {"max_anchors": 8},
+                            "data": {"max_length": 256, "token_budget": 512}})
+    drafter = DFlashDrafter(make_drafter_config(model.config, num_draft_layers=1, block_size=16,
+                                                target_layer_ids=[1, 3], mask_token_id=5)).to(device)
+    eager = AttentionBackend("flex", lambda q, k, v, mask: flex_attention(q, k, v, block_mask=mask, enable_gqa=True),
+                             8, 128)
+    from dflash_train.model.mask import flex_block_mask
+
+    eager.build_mask = lambda anchors, keep, s, bs: flex_block_mask(anchors, keep, s, bs)
+    step = TrainStep(drafter, TargetCapture.from_model(model, [1, 3]), eager, cfg, 10, torch.bfloat16, device)
+    ids = torch.randint(10, 1000, (2, 200), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(compile_layer.UncompiledFlexAttention, match="ran uncompiled after the warm-up began"):
+        warm_up(step, Batch(ids, torch.ones_like(ids), torch.tensor([200, 180])).to(device), Path("unused"), False,
+                kinds=(False, True))
+
+
+@pytest.fixture(scope="module")
+def real_data():
+    """The project's regenerated ShareGPT sample (7,337 conversations, 66-1,022 tokens at max_length 1024 with the
+    SmolLM2 tokenizer): DFLASH_TEST_REAL_DATA, else ../shared/data beside the checkout."""
+    from pathlib import Path
+
+    path = Path(os.environ.get("DFLASH_TEST_REAL_DATA") or
+                Path(__file__).resolve().parents[2] / "shared" / "data" / "smollm2-sharegpt-regen.jsonl.gz")
+    if not path.is_file():
+        pytest.skip(f"no real training data at {path}: set DFLASH_TEST_REAL_DATA")
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen3_target_dir(tmp_path_factory, tokenizer_dir):
+    """A random 8-layer Qwen3 (hidden 1024, 16 heads, 8 key/value heads of 128) with the SmolLM2 tokenizer."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from conftest import TOKENIZER_FILES
+
+    out = tmp_path_factory.mktemp("qwen3-random")
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, vocab_size=49152, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def test_real_variable_length_data_compiles_nothing_after_the_warm_up_nor_after_resume(tmp_path, qwen3_target_dir,
+                                                                                        real_data):
+    """Issue 20: a slice of real variable-length conversations (contexts 66-1,022 tokens, 1-16 rows, up to 512
+    blocks a row) with both compiles on, across an epoch boundary: the plan's extreme batches compile nothing
+    the first batch's graphs do not cover (no size threshold left in the compiled code), no step recompiles,
+    and a --resume (a new process: a warm cache, Dynamo cold) compiles nothing after its warm-up either."""
+    from _harness import run
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({
+        "target": {"path": str(qwen3_target_dir), "compile": True},
+        "drafter": {"num_draft_layers": 2, "block_size": 16, "attention_backend": "flex", "compile": True,
+                    "mask_token_id": 16},
+        "data": {"train_files": [str(real_data)], "max_length": 1024, "token_budget": 16384, "max_batch_size": 16,
+                 "max_samples": 1000},
+        "objective": {"max_anchors": 512, "gamma": 7.0},
+        "optim": {"lr": 6e-4, "max_steps": 110, "warmup_ratio": 0.04},
+        "run": {"device": "cuda", "log_every": 5, "save_every": 1000, "progress_bar": False, "eval_every": 0,
+                "compile_cache_dir": str(tmp_path / "cache")},
+    }))
+    out, log = tmp_path / "R", tmp_path / "train.out"
+    for args in (["--max-steps", "55", "--fresh-compile-cache"], ["--resume"]):
+        assert run(["train", str(cfg), "--run-dir", str(out), *args], log, timeout=600) == 0, log.read_text()[-3000:]
+        status = json.loads((out / "status.json").read_text())
+        assert status["phase"] == "done", status
+        assert status["warmup_extreme_batches"] >= 2 and status["extreme_batches_compiled_graphs"] == 0, status
+        assert status["target_recompiled_after_warmup"] == 0 and status["recompiles_after_warmup"] == 0, status
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(5, 111, 5))
+    assert all(r["recompiles_after_warmup"] == 0 for r in records), [r["recompiles_after_warmup"] for r in records]
+    assert max(r["epoch"] for r in records) > 1.0  # past an epoch boundary: the next epoch's plan too
+    text = (out / "train.log").read_text()
+    assert "recompiled after the warm-up" not in text and text.count("warm-up done") == 2
 
 
 def test_preflight_refuses_a_plan_that_cannot_fit():

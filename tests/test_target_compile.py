@@ -168,13 +168,14 @@ def test_warm_up_compiles_only_the_batch_kinds_the_data_has(eager_backend, one_r
     assert compile_layer.graphs_compiled() == graphs
 
 
-def test_a_recompile_limit_hit_raises_instead_of_running_eager(eager_backend):
+def test_a_recompile_limit_hit_raises_instead_of_running_eager(eager_backend, monkeypatch):
+    """The compile layer's limit (`compile.RECOMPILE_LIMIT`, set on every compiled call) is Dynamo's."""
     model = _qwen3(layers=4)
     cap = TargetCapture.from_model(model, [1, 2], compile=True)
-    with torch._dynamo.config.patch(recompile_limit=1):
-        cap(_ids(2, 30))
-        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
-            cap(_ids(1, 30))  # batch 1 needs a second graph: past the limit, an error (fullgraph)
+    monkeypatch.setattr(compile_layer, "RECOMPILE_LIMIT", 1)
+    cap(_ids(2, 30))
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        cap(_ids(1, 30))  # batch 1 needs a second graph: past the limit, an error (fullgraph)
     assert _no_instance_forward(model)
 
 

@@ -5,10 +5,13 @@ Rules (see compile-safety.md in the design notes):
    FX-tracing check while another thread traces (the field's "FX to symbolically trace a
    dynamo-optimized function" crash, and its silent dense fallback).
 2. Compilation happens in an explicit warm-up that reproduces training (grad on, forward and
-   backward, production dtype, dynamic sequence dimensions); then the layer is sealed: an
-   uncompiled flex_attention call raises instead of materialising the dense score matrix.
-3. Recompiles are logged with their reason and counted; the global FX tracing flag is checked at
-   step boundaries; the inductor cache lives in a persistent, configurable directory.
+   backward, production dtype, dynamic sequence dimensions); from its start an uncompiled
+   flex_attention call raises instead of materialising the dense score matrix, and the seal at its
+   end keeps it so for the rest of the process.
+3. Recompiles are logged with the guard that failed and counted (those after the seal apart); a
+   run stops at a step boundary before a compiled function could reach the recompile limit; the
+   global FX tracing flag is checked at step boundaries; the inductor cache lives in a persistent,
+   configurable directory.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import logging
 import os
 import shutil
 import threading
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -28,9 +30,74 @@ log = logging.getLogger(__name__)
 
 _LOCK = threading.RLock()
 _compiled: dict[str, Callable] = {}
-_state = {"sealed": False, "recompiles": 0, "watching": False}
+_codes: dict[str, object] = {}  # name -> the code object Dynamo compiles (its cache entries are the variants)
 
-FLEX_EAGER_WARNING = "flex_attention called without torch.compile"
+# Dynamo's recompile limit (variants per function; its default is 8) for every compiled call. The warm-up
+# compiles up to ~8 variants of a function (batch kinds x grad and no-grad); the loop stops a run, at a step
+# boundary with a checkpoint, before any function could pass this limit (`recompile_headroom_error`).
+RECOMPILE_LIMIT = 64
+_state = {"sealed": False, "warming": False, "recompiles": 0, "watching": False, "flex_guard": False,
+          "eager_flex_allowed": 0, "recompiles_at_seal": 0, "last_recompile": None}
+
+
+class UncompiledFlexAttention(RuntimeError):
+    """flex_attention ran eagerly (the dense reference: the whole score matrix in memory) after the warm-up began."""
+
+
+def _guard_dense_flex() -> None:
+    """Put a check in front of flex_attention's eager kernels, forward and backward (the higher-order ops'
+    CompositeExplicitAutograd implementations, which compute the dense score matrix). A compiled call never
+    reaches them: inductor generates its own kernels, and tracing runs on fake tensors. Every eager route does
+    (`flex_attention` outside torch.compile, a compile with the eager backends, the debug flag), whatever
+    torch's once-per-process warning already showed. Idempotent."""
+    import importlib
+
+    from torch._C import DispatchKey
+
+    hops = importlib.import_module("torch._higher_order_ops.flex_attention")  # the package exports the op itself
+
+    for hop in (hops.flex_attention, hops.flex_attention_backward):
+        kernel = hop.py_kernels.get(DispatchKey.CompositeExplicitAutograd)
+        if kernel is None:
+            raise RuntimeError(f"torch {torch.__version__}: {hop.name()} has no eager (CompositeExplicitAutograd) "
+                               "kernel to guard; the compile layer cannot block a dense flex_attention fallback on "
+                               "this version")
+        if getattr(kernel, "dflash_guard", False):
+            continue
+
+        def guarded(*args, _kernel=kernel, _name=hop.name(), **kwargs):
+            if _state["flex_guard"] and not _state["eager_flex_allowed"]:
+                raise UncompiledFlexAttention(
+                    f"{_name} ran uncompiled after the warm-up began: eager flex attention materialises the whole "
+                    "score matrix (the field's 276 GB allocation). Call it through "
+                    "dflash_train.model.attention.compiled_flex_attention(); for a deliberate reference computation "
+                    "wrap it in compile.allow_eager_flex()")
+            return _kernel(*args, **kwargs)
+
+        guarded.dflash_guard = True
+        hop.py_kernels[DispatchKey.CompositeExplicitAutograd] = guarded
+        hop._dispatch_cache.clear()
+
+
+def begin_warm_up() -> None:
+    """Start of a warm-up: from now on an eager flex_attention call is an error (the warm-up must compile what
+    training runs; an eager call there would be the dense fallback itself)."""
+    _guard_dense_flex()
+    _state["flex_guard"] = True
+    _state["warming"] = True  # another warm-up in this process (a test's second run): its compiles are expected
+
+
+@contextlib.contextmanager
+def allow_eager_flex():
+    """A deliberate eager flex_attention call (a dense reference in a test or a debugging session), also after
+    the seal."""
+    with _LOCK:
+        _state["eager_flex_allowed"] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _state["eager_flex_allowed"] -= 1
 
 
 def default_cache_dir() -> Path:
@@ -91,16 +158,35 @@ def cache_stats() -> dict[str, int]:
             "fxgraph_cache_miss": int(inductor.get("fxgraph_cache_miss", 0))}
 
 
+class RecompileLimitNear(RuntimeError):
+    """A compiled function holds so many variants that the next step could reach Dynamo's recompile limit."""
+
+
+def _guard_failures(message: str) -> str:
+    """The guard failure(s) of a "Recompiling function ..." message, on one line."""
+    _, _, rest = message.partition("\n")
+    lines = [line.strip() for line in rest.splitlines() if line.strip()]
+    lines = [line.removeprefix("- ") for line in lines if not line.startswith("triggered by the following guard")]
+    return " | ".join(lines) or f"(torch {torch.__version__} logged no failed guard)"
+
+
 class _RecompileCounter(logging.Handler):
     """Counts Dynamo's "Recompiling function ..." records (its other records reach this handler too when
-    TORCH_LOGS turns them on)."""
+    TORCH_LOGS turns them on) and logs each on one line, with the guard that failed."""
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if not message.startswith("Recompiling function"):
             return
         _state["recompiles"] += 1
-        log.warning("torch.compile recompiled (#%d): %s", _state["recompiles"], message)
+        where = message.partition("\n")[0][len("Recompiling function "):]
+        failed = _guard_failures(message)
+        if _state["sealed"] and not _state["warming"]:
+            _state["last_recompile"] = f"{where}: {failed}"
+            log.warning("torch.compile recompiled after the warm-up (#%d after it, #%d in all): %s; failed guard: %s",
+                        recompiles_after_warmup(), _state["recompiles"], where, failed)
+        else:
+            log.warning("torch.compile recompiled (#%d): %s; failed guard: %s", _state["recompiles"], where, failed)
 
 
 def watch_recompiles() -> None:
@@ -116,6 +202,40 @@ def recompiles() -> int:
     return int(_state["recompiles"])
 
 
+def recompiles_after_warmup() -> int:
+    """Recompiles since the last seal (0 before it and during a warm-up)."""
+    return int(_state["recompiles"] - _state["recompiles_at_seal"]) if _state["sealed"] and not _state["warming"] \
+        else 0
+
+
+def last_recompile() -> str | None:
+    """The function and failed guard of the last recompile after the seal."""
+    return _state["last_recompile"]
+
+
+def compiled_variants() -> dict[str, int]:
+    """Per compiled function: the variants (Dynamo cache entries) it holds, which count against
+    `RECOMPILE_LIMIT`. Names that compile one function (the static and dynamic flex_attention) share them."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    by_code: dict = {}
+    for name, code in _codes.items():
+        by_code.setdefault(code, []).append(name)
+    return {" + ".join(names): len(_debug_get_cache_entry_list(code)) for code, names in by_code.items()}
+
+
+def recompile_headroom_error(new_variants_ahead: int) -> str | None:
+    """None while every compiled function can take `new_variants_ahead` more variants (what the steps until
+    the next check can compile at most) without reaching `RECOMPILE_LIMIT`; else what is wrong and why."""
+    for name, n in compiled_variants().items():
+        if n + new_variants_ahead >= RECOMPILE_LIMIT:
+            return (f"torch.compile: {name} holds {n} compiled variants and the steps before the next check could "
+                    f"compile up to {new_variants_ahead} more, reaching the recompile limit ({RECOMPILE_LIMIT}), where "
+                    f"a compiled call fails in the middle of a step. {recompiles_after_warmup()} recompile(s) after "
+                    f"the warm-up, the last: {last_recompile()}")
+    return None
+
+
 def graphs_compiled() -> int:
     """Graphs Dynamo has compiled in this process (first compiles and recompiles, every compiled function):
     a delta of 0 around some calls means they ran existing graphs only."""
@@ -126,17 +246,19 @@ def graphs_compiled() -> int:
 
 @contextlib.contextmanager
 def _compile_settings():
-    """Two Dynamo settings for every compiled call (context managers per call: on torch >= 2.12 Dynamo's
+    """Dynamo settings for every compiled call (context managers per call: on torch >= 2.12 Dynamo's
     config is per thread):
     - no "duck sizing": input sizes that happen to be equal at compile time (a warm-up batch of 8 against
       8 key/value heads, a block part as long as the context) would share one symbol, and a later step where
       they differ would fail the guard and recompile. Each size gets its own symbol.
     - float constants specialised: with dynamic shapes Dynamo first traces Python floats (RMSNorm eps,
       attention scaling, read off the layer passed in) as inputs, fails to turn them into tensors and
-      traces the whole function again, a third of a cold compile. They never change between calls."""
+      traces the whole function again, a third of a cold compile. They never change between calls.
+    - `RECOMPILE_LIMIT` variants per function, and reaching it is an error, never a silent eager run."""
     import torch.fx.experimental._config as fx_config
 
-    with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_float=True):
+    with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(
+            specialize_float=True, recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
         yield
 
 
@@ -145,7 +267,24 @@ def _compile_settings():
 # - one launch config per pointwise kernel instead of several, each built and then timed at the first
 #   call: a cold first step of the 8B benchmark took 5 s less (33.1 -> 27.7 s) and its steps ran as fast
 #   (0.706 s; pointwise kernels are memory-bound and few: the matmuls and attention take the time).
-INDUCTOR_OPTIONS = {"triton.autotune_pointwise": False}
+# - no size thresholds from the mix-order reduction heuristic (the RMSNorms' backward: the input gradient
+#   reduces over rows, the weight gradient over columns, and inductor fuses the two). In its strict mode it
+#   fuses only when `rows x columns >= 5 * 2**20`, `rows >= 2 x columns` and `rows >= 4096`, each decided
+#   on the compile's sizes and kept as a guard on the dynamic sizes (`512*x.size()[0]*context.size()[1] <
+#   5242880`): a batch on the other side recompiled mid-run (issue 20). Non-strict, it fuses whatever the
+#   sizes, with no guard. Where a torch has the heuristic but not that switch, the fusion is off instead.
+def _threshold_free_options() -> dict:
+    import torch._inductor.config as inductor_config
+
+    triton_config = inductor_config.triton
+    if hasattr(triton_config, "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    if hasattr(triton_config, "mix_order_reduction"):
+        return {"triton.mix_order_reduction": False}
+    return {}
+
+
+INDUCTOR_OPTIONS = {"triton.autotune_pointwise": False, **_threshold_free_options()}
 
 
 def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
@@ -158,6 +297,9 @@ def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
         if inner is None:
             inner = torch.compile(fn, fullgraph=True, **compile_kwargs)
             _compiled[name] = inner
+            code = getattr(fn, "__code__", None)
+            if code is not None:
+                _codes[name] = code
 
     def call(*args, **kwargs):
         with _LOCK, _compile_settings():
@@ -168,9 +310,11 @@ def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
 
 
 def seal() -> None:
-    """End of warm-up: from now on an eager (dense) flex_attention call is an error."""
-    warnings.filterwarnings("error", FLEX_EAGER_WARNING)
-    _state["sealed"] = True
+    """End of warm-up: from now on, for the rest of the process, an eager (dense) flex_attention call raises
+    `UncompiledFlexAttention`, and recompiles count as recompiles after the warm-up."""
+    begin_warm_up()
+    _state["sealed"], _state["warming"] = True, False
+    _state["recompiles_at_seal"], _state["last_recompile"] = _state["recompiles"], None
 
 
 def is_sealed() -> bool:

@@ -72,6 +72,18 @@ def _chunk_fn(name: str, fn: Callable, device: torch.device, eager: Optional[Cal
     return compiled(name, fn, dynamic=True)
 
 
+def chunk_bounds(m: int, chunk_size: int) -> list[tuple[int, int]]:
+    """`[start, end)` of each chunk of `m` rows: `chunk_size` rows each, the last what is left, except that no
+    chunk holds a single row when that can be avoided (a remainder of 1 moves one row over from the chunk
+    before). The compiled chunk function specialises a size of 1 (Dynamo's 0/1 rule), so a one-row chunk
+    would be a compiled variant of its own, met mid-run by any micro-batch of `k * chunk_size + 1` counted rows."""
+    bounds = [(start, min(start + chunk_size, m)) for start in range(0, m, chunk_size)]
+    if len(bounds) >= 2 and chunk_size >= 3 and m % chunk_size == 1:
+        (a, _), (_, e) = bounds[-2], bounds[-1]
+        bounds[-2:] = [(a, e - 2), (e - 2, e)]
+    return bounds
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, target_hidden, alpha: float, temperature: float, chunk_size: int):
@@ -86,8 +98,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             ce_chunk = _chunk_fn("ce_chunk", _ce_chunk, hidden.device, eager=_ce_chunk_eager)
         else:
             soft = _chunk_fn("soft_ce_chunk", _soft_ce_chunk, hidden.device)
-        for start in range(0, m, chunk_size):
-            end = min(start + chunk_size, m)
+        for start, end in chunk_bounds(m, chunk_size):
             logits = hidden[start:end] @ weight.t()  # [c, V], compute dtype (bf16 under autocast)
             if target_hidden is None:
                 out = ce_chunk(logits, labels[start:end])

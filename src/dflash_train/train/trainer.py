@@ -34,7 +34,7 @@ from ..rundir import (MetricsWriter, Pulse, RunDir, StatusWriter, clear_stop_req
 from ..model import compile as compile_layer
 from ..model.provenance import PROVENANCE_NAME, target_provenance, write_provenance
 from . import checkpoint as checkpoints
-from . import preflight
+from . import preflight, size_classes
 from .admission import holds_run_message, with_step_cap
 from .dist import DistContext, StopVote
 from .launch import LAUNCH_TIME_ENV
@@ -130,6 +130,7 @@ def _record(stats: StepStats, step: int, epoch: float, tokens: int, seconds: flo
         "tokens": tokens,
         "tokens_per_s": tokens / max(seconds, 1e-9),
         "recompiles": compile_layer.recompiles(),
+        "recompiles_after_warmup": compile_layer.recompiles_after_warmup(),
         "time": time.time(),
     }
 
@@ -153,18 +154,30 @@ def batch_kinds(planned: list[list[int]]) -> tuple[bool, bool]:
 
 
 def warm_up(train_step: TrainStep, batch, cache_dir: Path, with_validation: bool, hidden: Optional[torch.Tensor] = None,
-            kinds: tuple[bool, bool] = (True, True)) -> dict:
+            kinds: tuple[bool, bool] = (True, True), extremes: tuple = ()) -> dict:
     """Compile everything the loop will run, exactly as the loop runs it (grad on, forward + backward,
     production dtype, dynamic shapes, the batch kinds of `batch_kinds`; and the no-grad forward of
-    validation), then seal the compile layer. Weights do not change. `cache_dir`: where
-    `compile.configure_cache` pointed inductor (reported)."""
+    validation), then seal the compile layer. `extremes`: the plan's batches at the edges of its sizes
+    (`size_classes.warm_up_batches`), run after the first so that any variant they need compiles here (the
+    number that did is reported: 0 means the first batch's graphs serve the whole plan). From the start an
+    eager flex_attention call raises. Weights do not change. `cache_dir`: where `compile.configure_cache`
+    pointed inductor (reported)."""
     t0 = time.time()
+    compile_layer.begin_warm_up()
     # target.compile: the target's layers first, batch 1 and >= 2, lengths near the first batch's (no-op when off)
     target_info = train_step.target.warm_up(batch.input_ids.shape[1], *kinds) \
         if isinstance(train_step.target, TargetCapture) else {}
     graphs = compile_layer.graphs_compiled()
     batches = [(batch, hidden), _other_batch_size(batch, hidden)] if all(kinds) else [(batch, hidden)]
-    for b, h in batches:
+    if hidden is not None:  # a split drafter rank: stand-in captures of the shapes a target rank sends
+        extremes = [(e, torch.randn(*e.input_ids.shape, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device))
+                    for e in extremes]
+    else:
+        extremes = [(e, None) for e in extremes]
+    first_graphs = None
+    for n, (b, h) in enumerate(batches + extremes):
+        if n == len(batches):
+            first_graphs = compile_layer.graphs_compiled()
         stats = forward_loss(train_step.drafter, train_step.target, train_step.backend, b, train_step.cfg,
                              torch.Generator().manual_seed(0), train_step.compute_dtype, hidden=h)
         stats.loss.backward()
@@ -178,6 +191,13 @@ def warm_up(train_step: TrainStep, batch, cache_dir: Path, with_validation: bool
     compile_layer.seal()
     info = {"warmup_s": round(time.time() - t0, 2), "compile_cache_dir": str(cache_dir), **compile_layer.cache_stats(),
             "drafter_compiled_graphs": compile_layer.graphs_compiled() - graphs, **target_info}
+    if extremes:
+        info["warmup_extreme_batches"] = len(extremes)
+        info["extreme_batches_compiled_graphs"] = compile_layer.graphs_compiled() - first_graphs
+        if info["extreme_batches_compiled_graphs"]:
+            log.warning("warm-up: the plan's extreme batches compiled %d graph(s) the first batch's did not (a size "
+                        "threshold in the compiled code; the recompile lines above name the guard); compiled now, "
+                        "not mid-run", info["extreme_batches_compiled_graphs"])
     log.info("warm-up done in %.1f s (compile cache %s: %d hits, %d misses)", info["warmup_s"], cache_dir,
              info["fxgraph_cache_hit"], info["fxgraph_cache_miss"])
     return info
@@ -484,8 +504,18 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         if layout is not None:  # the compile needs the shapes and dtype of a capture, not its values
             synthetic = torch.randn(*first.input_ids.shape, len(plan.layer_ids) * provenance["hidden_size"],
                                     dtype=plan.target_dtype, device=device)
+        edges_of_plan = size_classes.extreme_classes(
+            lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed,
+            range(cursor["epoch"], cursor["epoch"] + math.ceil((total - step) / steps_per_epoch) + 1), bs,
+            cfg.objective.max_anchors, cfg.objective.max_anchors_per_batch, backend.blocks_multiple_of)
+        log.info("size classes of the plan: %s", size_classes.describe(edges_of_plan))
+        extremes = []
+        for rows, edges in size_classes.warm_up_batches(edges_of_plan, skip=tuple(epoch0[0])):
+            extremes.append(collate([data.example(i) for i in rows], tokenizer.pad_token_id).to(device))
+            log.info("warm-up batch: %d rows x %d tokens (%s)", len(rows), extremes[-1].input_ids.shape[1],
+                     ", ".join(edges))
         warm = warm_up(train_step, first, compile_cache, with_validation=val is not None, hidden=synthetic,
-                       kinds=batch_kinds(epoch0))
+                       kinds=batch_kinds(epoch0), extremes=tuple(extremes))
 
         def run_validation(at_step: int) -> None:
             nonlocal best_val
@@ -512,6 +542,11 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
 
             progress = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
         vote = StopVote(device, drafter_group) if drafters > 1 else None  # the drafter ranks stop together
+        # The compiled variants the steps between two recompile checks can add per function at most: per micro-batch
+        # two (the loss's chunk function sees a full and a last chunk), per validation batch two; several drafter
+        # ranks agree one step late, so they look two periods ahead.
+        recompile_vote = StopVote(device, drafter_group) if drafters > 1 else None
+        variants_ahead = (2 if recompile_vote else 1) * 2 * (cfg.optim.grad_accum + (cfg.run.eval_batches if val else 0))
         t_start, start_step = time.time(), step
         window_tokens, window_start, window_wait = 0, time.time(), 0.0
         last_record: dict = {}
@@ -554,7 +589,9 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                 rate = (step - start_step) / max(now - t_start, 1e-9)
                 report(step=step, epoch=last_record["epoch"], eta_s=(total - step) / max(rate, 1e-9),
                        tokens_per_s=last_record["tokens_per_s"], loss=last_record["loss"],
-                       skipped_steps=last_record["skipped_steps"])
+                       skipped_steps=last_record["skipped_steps"],
+                       recompiles_after_warmup=last_record["recompiles_after_warmup"],
+                       last_recompile=compile_layer.last_recompile())
                 if progress is not None:
                     progress.set_postfix(loss=f"{last_record['loss']:.3f}", acc=f"{last_record['accuracy']:.3f}",
                                          tok_s=f"{last_record['tokens_per_s']:.0f}")
@@ -563,6 +600,18 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
                 window_tokens, window_start = 0, now
             if progress is not None:
                 progress.update(1)
+            near = compile_layer.recompile_headroom_error(variants_ahead)
+            if near is not None if recompile_vote is None else recompile_vote(near is not None):
+                if inbox is not None:
+                    inbox.close()
+                ckpt = save(step) if ctx.is_main else None
+                if ckpt is not None:
+                    report(checkpoint=str(ckpt))
+                raise compile_layer.RecompileLimitNear(
+                    f"{near or 'another drafter rank is near its recompile limit (its train.log lines say which)'}. "
+                    f"Stopped at step {step}" + (f" with checkpoint {ckpt}" if ckpt else "") + "; --resume continues "
+                    "from it (a new process starts with no compiled variants). The 'torch.compile recompiled after the "
+                    "warm-up' lines of train.log name each failed guard: a size class the warm-up did not compile")
             if stop.requested if vote is None else vote(stop.requested):
                 if inbox is not None:
                     inbox.close()
