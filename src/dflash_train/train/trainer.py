@@ -1,5 +1,7 @@
-"""`dflash-train train` on one process: load -> train -> checkpoint -> export, with a run directory
-that tells at any moment what is happening (status.json, metrics.jsonl, train.log, TensorBoard)."""
+"""One rank's whole run: admit the start (every check that needs no weights, before anything is written),
+set the rank up (process group, data plan, preflight), build the target and the drafter, continue from a
+checkpoint on resume, warm up, then the training loop (`loop.py`) or, on a split target rank, serve hidden
+states. The run directory tells at any moment what is happening (`rundir.Reporter`)."""
 
 from __future__ import annotations
 
@@ -14,33 +16,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
 from .. import assets
 from ..config import Config, dump_config, validate_against_target, validate_compile_device, validate_world
-from ..data.dataset import batches_from, collate, padding_fraction, plan_batches
+from ..data.dataset import collate, plan_batches
 from ..data.source import open_training_data, open_validation_data
+from ..errors import UserError, debug_enabled, is_user_error
+from ..model import compile as compile_layer
 from ..model.attention import resolve_backend
 from ..model.drafter import DFlashDrafter, default_target_layer_ids
 from ..model.drafter_config import make_drafter_config
 from ..model.drafter_init import init_drafter_from_target
-from ..model.io import save_drafter
+from ..model.provenance import target_provenance, write_provenance
 from ..model.target import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
                             read_target_config)
-from ..errors import UserError, debug_enabled, is_user_error
-from ..rundir import (MetricsWriter, Pulse, RunDir, StatusWriter, clear_stop_request, heartbeat_path, stop_requested_since,
-                      write_heartbeat)
-from ..model import compile as compile_layer
-from ..model.provenance import PROVENANCE_NAME, target_provenance, write_provenance
+from ..rundir import Reporter, RunDir, clear_stop_request, stop_requested_since
 from . import checkpoint as checkpoints
 from . import preflight, size_classes
 from .admission import holds_run_message, with_step_cap
-from .dist import DistContext, StopVote
+from .dist import DistContext
 from .launch import LAUNCH_TIME_ENV
-from .step import Batch, MicroBatch, StepStats, TrainStep, forward_loss
-from .transport import DrafterInbox, SplitLayout, TargetOutbox
-from .validate import validate
+from .loop import RunState, Session, memory_gib, micro_batch_groups, train_loop
+from .step import Batch, TrainStep, forward_loss
+from .transport import SplitLayout, TargetOutbox, DrafterInbox
 
 log = logging.getLogger(__name__)
 
@@ -111,28 +110,6 @@ def _model_card(cfg_yaml: str, plan: Plan, summary: dict) -> str:
         "(config.json + model.safetensors, no embedding or lm_head: those are the target's).\n\n"
         "## Training config\n\n```yaml\n" + cfg_yaml + "```\n"
     )
-
-
-def _record(stats: StepStats, step: int, epoch: float, tokens: int, seconds: float, lr: float) -> dict:
-    counted = stats.counted_per_slot.double().cpu()
-    correct = stats.correct_per_slot.double().cpu()
-    per_pos = [(c / n).item() if n > 0 else None for c, n in zip(correct[1:], counted[1:])]
-    kept = max(int(stats.kept_blocks), 1)
-    return {
-        "step": step,
-        "epoch": round(epoch, 4),
-        "loss": float(stats.loss.detach()),
-        "accuracy": float(correct.sum() / counted.sum().clamp_min(1)),
-        "accuracy_per_position": per_pos,
-        "tau_estimate": float(stats.accepted_sum) / kept,
-        "lr": lr,
-        "grad_norm": float(stats.grad_norm) if stats.grad_norm is not None else None,
-        "tokens": tokens,
-        "tokens_per_s": tokens / max(seconds, 1e-9),
-        "recompiles": compile_layer.recompiles(),
-        "recompiles_after_warmup": compile_layer.recompiles_after_warmup(),
-        "time": time.time(),
-    }
 
 
 def _other_batch_size(batch: Batch, hidden: Optional[torch.Tensor]) -> tuple[Batch, Optional[torch.Tensor]]:
@@ -247,15 +224,6 @@ def launch_time() -> float:
     return float(os.environ.get(LAUNCH_TIME_ENV) or time.time())
 
 
-def _memory_gib(device: torch.device) -> float:
-    """Peak accelerator memory of this process, or its peak resident memory on CPU."""
-    if device.type == "cuda":
-        return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    import resource
-
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
-
-
 @dataclass
 class Admitted:
     """What a rank knows before it writes anything: the split layout, the resolved plan and tokenizer, the
@@ -324,27 +292,14 @@ def take_over(run: RunDir, cfg: Config, changes: Optional[dict], since: float) -
         clear_stop_request(run)
 
 
-def _micro_batch_groups(batching: tuple, world: int, epoch: int, index: int):
-    """Every optimizer step takes `world` consecutive micro-batches (drafter ranks x gradient
-    accumulation); an epoch's incomplete last group is dropped on every rank alike. Yields
-    (epoch, next index, n, groups)."""
-    group, group_epoch = [], epoch
-    for ep, idx, n_batches, rows in batches_from(*batching, epoch, index):
-        if ep != group_epoch:
-            group, group_epoch = [], ep
-        group.append(rows)
-        if len(group) == world:
-            yield ep, idx + 1, n_batches, group
-            group = []
-
-
 def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_compile_cache: bool = False,
           resume: bool = False, changes: Optional[dict] = None, launched_at: Optional[float] = None) -> Optional[Path]:
-    """One rank of a run (world size 1 = a single process). Rank 0 owns status, metrics, checkpoints.
-    In the split placement a target rank serves hidden states (`serve_target`) and returns None.
-    Returns the export folder (done), the checkpoints folder (stopped), or None (stopped during start-up,
-    or a target rank's end). `changes`: what a resume changed against the run's config (admission.py);
-    `launched_at`: when the command that started it was launched (a STOP file older than that is stale)."""
+    """One rank of a run (world size 1 = a single process): admit the start, set the rank up, train
+    (`loop.train_loop`) or, in the split placement, serve hidden states as a target rank. Rank 0 owns status,
+    metrics, checkpoints. Returns the export folder (done), the checkpoints folder (stopped), or None
+    (stopped during start-up, or a target rank's end). `changes`: what a resume changed against the run's
+    config (admission.py); `launched_at`: when the command that started it was launched (a STOP file older
+    than that is stale)."""
     ctx = DistContext.from_env()
     run = RunDir(run_root)
     cfg = with_step_cap(cfg, max_steps)
@@ -360,316 +315,196 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         stop.__exit__()
         raise
     run.create()
-    handler = run.attach_log() if ctx.is_main else None
-    status = StatusWriter(run) if ctx.is_main else None
+    rep = Reporter(run, ctx.rank, ctx.is_main)
     if ctx.is_main:
         take_over(run, cfg, changes, since)
-    pulse = Pulse([heartbeat_path(run, ctx.rank)] + ([run.status] if ctx.is_main else [])).start()
-    phase, step_box = ["starting"], [0]
-
-    beat_extra: dict = {}  # fields every heartbeat of this rank repeats (its role, once known)
-
-    def report(**fields) -> None:
-        if status is not None:
-            status.update(**fields)
-        if "phase" in fields or "step" in fields:
-            write_heartbeat(run, ctx.rank, fields.get("phase", phase[0]), fields.get("step", step_box[0]), **beat_extra)
-        if "phase" in fields:
-            phase[0] = fields["phase"]
-
-    metrics: Optional[MetricsWriter] = None
     try:
-        report(phase="loading")
-        layout, plan, tokenizer, dcfg = admitted.layout, admitted.plan, admitted.tokenizer, admitted.dcfg
-        target_config, provenance, identity = admitted.target_config, admitted.provenance, admitted.identity
-        device = ctx.device(plan.device)
-        ctx.init(device)
-        drafter_group, drafters, d_rank = None, ctx.world, ctx.rank
-        if layout is not None:
-            # Every rank takes part in creating the group; only drafter ranks use it.
-            drafter_group = torch.distributed.new_group(list(range(layout.drafter_ranks))) \
-                if layout.drafter_ranks > 1 else None
-            drafters = layout.drafter_ranks
-        role = "target" if layout is not None and layout.is_target(ctx.rank) else "drafter"
-        compile_cache = compile_layer.configure_cache(cfg.run.compile_cache_dir, fresh=fresh_compile_cache)
-        compile_layer.watch_recompiles()
-        # A drafter's attention and loss always compile on a GPU: the workers start while the weights load.
-        if device.type == "cuda" and (role == "drafter" or cfg.target.compile):
-            workers = compile_layer.start_compile_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            log.info("compile workers: %d", workers)
-        if layout is not None:
-            beat_extra["role"] = role
-        log.info("rank %d/%d (%s): target %s, layers %s, mask token %d, device %s", ctx.rank, ctx.world, role,
-                 plan.target_path, plan.layer_ids, plan.mask_token_id, device)
-        bs = cfg.drafter.block_size
-        if device.type == "cuda":
-            with torch.device("meta"):
-                drafter_params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
-            if role == "drafter" and layout is not None:  # plus the target's embedding and lm_head
-                drafter_params += target_config.vocab_size * target_config.hidden_size // 4
-            need_role = "colocated" if layout is None else role
-            preflight.check_gpu(device, preflight.needed_bytes(preflight.checkpoint_parameters(plan.target_path),
-                                                               plan.target_dtype, drafter_params, need_role),
-                                ctx.rank, f"the {need_role} rank's weights and optimizer state")
-        data = open_training_data(cfg, tokenizer, run.root / "rejects.jsonl" if ctx.is_main else None)
-        log.info("data: %s", data.describe())
-        lengths = data.lengths
-        batching = (lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed)
-        per_step = drafters * cfg.optim.grad_accum
-        epoch0 = plan_batches(*batching, 0)  # the batch count, the warm-up's batch and its batch kinds
-        batches_per_epoch = len(epoch0)
-        steps_per_epoch = batches_per_epoch // per_step
-        if steps_per_epoch == 0:
-            raise ValueError(f"{batches_per_epoch} micro-batches per epoch cannot feed {drafters} drafter rank(s) x "
-                             f"{cfg.optim.grad_accum} accumulation; add data")
-        total = int(math.ceil(cfg.optim.epochs * steps_per_epoch)) if cfg.optim.epochs > 0 else cfg.optim.max_steps
-        if cfg.optim.max_steps:
-            total = min(total, cfg.optim.max_steps)
-        step, cursor = 0, {"epoch": 0, "batch_index": 0}
-        if admitted.resume_from is not None:
-            state = admitted.resume_from[1]
-            step, cursor = state["step"], {"epoch": state["epoch"], "batch_index": state["batch_index"]}
-            if step > total:
-                raise UserError(f"--resume: the run is at step {step}, past the {total} steps its config now asks "
-                                "for (optim.max_steps / optim.epochs); give a larger optim.max_steps")
-
-        if role == "target":
-            model = load_target_model(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
-            target = TargetCapture.from_model(model, plan.layer_ids, compile=cfg.target.compile)
-            if target.compile:  # this rank's only compiled code: warm it before serving any step
-                report(phase="warmup")
-                target.warm_up(cfg.data.max_length, *batch_kinds(epoch0))
-            groups = (g for _, _, _, g in _micro_batch_groups(batching, per_step, cursor["epoch"], cursor["batch_index"]))
-            report(phase="training", step=step)
-            stop.training()
-            step = serve_target(target, layout, groups, step, data, tokenizer.pad_token_id, cfg, device,
-                         lambda at, **extra: write_heartbeat(run, ctx.rank, "training", at, mem_gib=_memory_gib(device),
-                                                             role="target", **extra))
-            write_heartbeat(run, ctx.rank, "done", step, mem_gib=_memory_gib(device), **beat_extra)
+        rep.report(phase="loading")
+        rank = set_up_rank(cfg, run, admitted, ctx, rep, fresh_compile_cache)
+        if rank.role == "target":
+            run_target_rank(cfg, admitted, rank, rep, stop)
             return None
-
-        if layout is None:
-            model = load_target_model(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
-            target = TargetCapture.from_model(model, plan.layer_ids, compile=cfg.target.compile)
-        else:  # a split drafter rank: the target's embedding and lm_head, never its decoder
-            target = load_target_head(plan.target_path, plan.target_dtype, device, cfg.target.trust_remote_code)
-        if ctx.is_main:
-            write_provenance(run.root, provenance)
-        torch.manual_seed(cfg.run.seed)
-        drafter = DFlashDrafter(dcfg)
-        if cfg.drafter.init_from_target and not resume:  # a resume loads the checkpoint's weights over it
-            init_drafter_from_target(drafter, plan.target_path)
-        drafter = drafter.to(device)
-        if cfg.drafter.compile:  # compiled by the warm-up below
-            drafter.compile_layers()
-        n_params = sum(p.numel() for p in drafter.parameters())
-        backend = resolve_backend(cfg.drafter.attention_backend, device, bs)
-        train_step = TrainStep(drafter, target, backend, cfg, total, plan.compute_dtype, device, drafter_group, d_rank,
-                               drafters)
-        log.info("drafter: %d layers, %.1fM parameters; %d steps (%d micro-batches per epoch, %d per step)",
-                 dcfg.num_hidden_layers, n_params / 1e6, total, batches_per_epoch, per_step)
-
-        best_val: Optional[float] = None  # best validation tau so far (kept across resumes)
-        placement = admitted.placement
-        if admitted.resume_from is not None:
-            ckpt = admitted.resume_from[0]
-            state = checkpoints.load_into(ckpt, drafter, train_step.optimizer, train_step.scheduler)
-            train_step.skipped_steps = state.get("skipped_steps", 0)
-            best_val = state.get("best_val_tau")
-            log.info("resumed from %s: step %d, epoch %d, batch %d", ckpt, step, cursor["epoch"], cursor["batch_index"])
-            if ctx.is_main:
-                _truncate_metrics(run.metrics, step)
-
-        def save(at_step: int, name: Optional[str] = None) -> Path:
-            state = {**cursor, **identity, "skipped_steps": train_step.skipped_steps, "best_val_tau": best_val}
-            return checkpoints.save_checkpoint(run.checkpoints, at_step, drafter, train_step.optimizer,
-                                               train_step.scheduler, state, cfg.run.keep_last, name)
-
-        inbox = None
-        if layout is not None:
-            inbox = DrafterInbox(layout, ctx.rank, cfg.data.token_budget, cfg.data.max_batch_size,
-                                 len(plan.layer_ids) * provenance["hidden_size"], plan.target_dtype, device, step)
-            if step < total:
-                inbox.ask(step)  # the target ranks compute the first step while this rank compiles
-
-        metrics = MetricsWriter(run) if ctx.is_main else None
-        val = open_validation_data(cfg, tokenizer, run.root / "rejects-val.jsonl") \
-            if ctx.is_main and cfg.run.eval_every else None
-        if ctx.is_main and cfg.run.eval_every and val is None:
-            log.info("no validation data (prepared val split or data.val_files): validation is off")
-        stop_ids = assets.target_defaults(plan.target_path).get("stop_token_ids") or [tokenizer.eos_token_id]
-        report(phase="warmup")
-        first = collate([data.example(i) for i in epoch0[0]], tokenizer.pad_token_id).to(device)
-        synthetic = None
-        if layout is not None:  # the compile needs the shapes and dtype of a capture, not its values
-            synthetic = torch.randn(*first.input_ids.shape, len(plan.layer_ids) * provenance["hidden_size"],
-                                    dtype=plan.target_dtype, device=device)
-        edges_of_plan = size_classes.extreme_classes(
-            lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed,
-            range(cursor["epoch"], cursor["epoch"] + math.ceil((total - step) / steps_per_epoch) + 1), bs,
-            cfg.objective.max_anchors, cfg.objective.max_anchors_per_batch, backend.blocks_multiple_of)
-        log.info("size classes of the plan: %s", size_classes.describe(edges_of_plan))
-        extremes = []
-        for rows, edges in size_classes.warm_up_batches(edges_of_plan, skip=tuple(epoch0[0])):
-            extremes.append(collate([data.example(i) for i in rows], tokenizer.pad_token_id).to(device))
-            log.info("warm-up batch: %d rows x %d tokens (%s)", len(rows), extremes[-1].input_ids.shape[1],
-                     ", ".join(edges))
-        warm = warm_up(train_step, first, compile_cache, with_validation=val is not None, hidden=synthetic,
-                       kinds=batch_kinds(epoch0), extremes=tuple(extremes))
-
-        def run_validation(at_step: int) -> None:
-            nonlocal best_val
-            t0 = time.time()
-            result = validate(train_step, val, tokenizer.pad_token_id, device, batches=cfg.run.eval_batches,
-                              prompts=cfg.run.eval_prompts, max_new_tokens=cfg.run.eval_max_new_tokens,
-                              stop_token_ids=stop_ids)
-            # the walk covers every response token of the validation batches; real decoding only a few prompts
-            score = next((result[k] for k in ("val_tau_walk", "val_tau", "val_tau_estimate") if k in result), None)
-            record = {"step": at_step, "kind": "validation", **result, "val_seconds": round(time.time() - t0, 2)}
-            if score is not None and (best_val is None or score > best_val):
-                best_val = score
-                save(at_step, name="best")
-                record["best"] = True
-            metrics.write(record)
-            report(**{k: v for k, v in record.items() if k not in ("step", "kind")}, best_val_tau=best_val)
-            log.info("validation at step %d: %s", at_step, ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
-        report(phase="training", step=step, total_steps=total, drafter_params=n_params, backend=backend.name,
-               world_size=ctx.world, placement=placement, **warm)
+        session = build_drafter_rank(cfg, run, admitted, rank, rep, ctx, resume)
+        warm = warm_up_drafter_rank(session, admitted, rank, rep)
+        rep.report(phase="training", step=rank.state.step, total_steps=rank.total,
+                   drafter_params=sum(p.numel() for p in session.train_step.drafter.parameters()),
+                   backend=session.train_step.backend.name, world_size=ctx.world, placement=admitted.placement, **warm)
         stop.training()
-        progress = None
-        if cfg.run.progress_bar and ctx.is_main:
-            from tqdm import tqdm
-
-            progress = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
-        vote = StopVote(device, drafter_group) if drafters > 1 else None  # the drafter ranks stop together
-        # The compiled variants the steps between two recompile checks can add per function at most: per micro-batch
-        # two (the loss's chunk function sees a full and a last chunk), per validation batch two; several drafter
-        # ranks agree one step late, so they look two periods ahead.
-        recompile_vote = StopVote(device, drafter_group) if drafters > 1 else None
-        variants_ahead = (2 if recompile_vote else 1) * 2 * (cfg.optim.grad_accum + (cfg.run.eval_batches if val else 0))
-        t_start, start_step = time.time(), step
-        window_tokens, window_start, window_wait = 0, time.time(), 0.0
-        last_record: dict = {}
-        for epoch, next_index, n_batches, group in _micro_batch_groups(batching, per_step, cursor["epoch"],
-                                                                      cursor["batch_index"]):
-            if step >= total:
-                break
-            if ctx.is_main and (next_index <= per_step or step == start_step):
-                pad = padding_fraction(lengths, plan_batches(*batching, epoch))
-                log.info("epoch %d: %d micro-batches, padding %.1f%% of batch tokens", epoch, n_batches, 100 * pad)
-                report(padding_fraction=round(pad, 4))
-            if inbox is not None:
-                if step + 1 < total:
-                    inbox.ask(step + 1)
-                micro = inbox.take(step)
-            else:
-                micro = [MicroBatch(collate([data.example(i) for i in rows], tokenizer.pad_token_id).to(device))
-                         for rows in group[ctx.rank::drafters]]
-            stats = train_step(micro, step)
-            compile_layer.check_step_boundary()
-            step += 1
-            step_box[0] = step
-            cursor = {"epoch": epoch, "batch_index": next_index}
-            beat_extra.update(mem_gib=_memory_gib(device), train_s=round(time.time() - t_start, 1),
-                              role="colocated" if inbox is None else "drafter",
-                              **({"transport_wait_s": round(inbox.wait_s, 2)} if inbox is not None else {}))
-            write_heartbeat(run, ctx.rank, "training", step, **beat_extra)
-            window_tokens += int(sum(lengths[i] for rows in group for i in rows))
-            if step % cfg.run.log_every == 0 or step == total:
-                now = time.time()
-                lr = train_step.scheduler.get_last_lr()[0]
-                last_record = _record(stats, step, epoch + next_index / n_batches, window_tokens, now - window_start, lr)
-                last_record["skipped_steps"] = train_step.skipped_steps
-                last_record["peak_mem_gib"] = _memory_gib(device)
-                if inbox is not None:
-                    last_record["transport_wait_s"] = round(inbox.wait_s - window_wait, 3)
-                    window_wait = inbox.wait_s
-                if metrics is not None:
-                    metrics.write(last_record)
-                rate = (step - start_step) / max(now - t_start, 1e-9)
-                report(step=step, epoch=last_record["epoch"], eta_s=(total - step) / max(rate, 1e-9),
-                       tokens_per_s=last_record["tokens_per_s"], loss=last_record["loss"],
-                       skipped_steps=last_record["skipped_steps"],
-                       recompiles_after_warmup=last_record["recompiles_after_warmup"],
-                       last_recompile=compile_layer.last_recompile())
-                if progress is not None:
-                    progress.set_postfix(loss=f"{last_record['loss']:.3f}", acc=f"{last_record['accuracy']:.3f}",
-                                         tok_s=f"{last_record['tokens_per_s']:.0f}")
-                log.info("step %d loss %.4f acc %.3f tau~%.2f lr %.2e tok/s %.0f", step, last_record["loss"],
-                         last_record["accuracy"], last_record["tau_estimate"], lr, last_record["tokens_per_s"])
-                window_tokens, window_start = 0, now
-            if progress is not None:
-                progress.update(1)
-            near = compile_layer.recompile_headroom_error(variants_ahead)
-            if near is not None if recompile_vote is None else recompile_vote(near is not None):
-                if inbox is not None:
-                    inbox.close()
-                ckpt = save(step) if ctx.is_main else None
-                if ckpt is not None:
-                    report(checkpoint=str(ckpt))
-                raise compile_layer.RecompileLimitNear(
-                    f"{near or 'another drafter rank is near its recompile limit (its train.log lines say which)'}. "
-                    f"Stopped at step {step}" + (f" with checkpoint {ckpt}" if ckpt else "") + "; --resume continues "
-                    "from it (a new process starts with no compiled variants). The 'torch.compile recompiled after the "
-                    "warm-up' lines of train.log name each failed guard: a size class the warm-up did not compile")
-            if stop.requested if vote is None else vote(stop.requested):
-                if inbox is not None:
-                    inbox.close()
-                if ctx.is_main:
-                    ckpt = save(step)
-                    report(phase="stopped", step=step, checkpoint=str(ckpt))
-                    log.info("stopped at step %d; checkpoint %s (continue with --resume)", step, ckpt)
-                return run.checkpoints
-            if val is not None and (step % cfg.run.eval_every == 0 or step == total):
-                run_validation(step)
-            if step < total and step % cfg.run.save_every == 0 and ctx.is_main:
-                save(step)
-        if inbox is not None:
-            inbox.close()
-        if progress is not None:
-            progress.close()
-        train_step.raise_if_diverged(step)  # a run of skipped steps at the very end, not seen yet
-        if ctx.is_main:
-            save(step)
-            report(phase="exporting")
-            cfg_yaml = run.config.read_text()
-            if run.export.is_dir() and any(run.export.iterdir()):  # a resumed run trained past its export: keep it
-                kept = run.export.rename(run.root / f"export.before-step-{step:08d}-{time.strftime('%Y%m%d-%H%M%S')}")
-                log.info("the previous export moved to %s", kept)
-            save_drafter(drafter, run.export, dtype=cfg.run.export_dtype,
-                         extra_files={"README.md": _model_card(cfg_yaml, plan, last_record), "training_config.yaml": cfg_yaml,
-                                      PROVENANCE_NAME: (run.root / PROVENANCE_NAME).read_text()})
-            report(phase="done", step=step, export_dir=str(run.export), eta_s=0)
-            log.info("done: %d steps in %.0f s; drafter exported to %s", step, time.time() - t_start, run.export)
-        else:
-            report(phase="done", step=step)
-        return run.export
+        return train_loop(session, rank.state, rep, stop)
     except StoppedDuringStartUp as e:
-        if status is not None:
-            status.update(phase="stopped", checkpoint=None, stopped_in=phase[0],
-                          message=f"{e}: nothing was trained, nothing to checkpoint")
-        write_heartbeat(run, ctx.rank, "stopped", step_box[0])
-        log.warning("rank %d stopped during %s (%s)", ctx.rank, phase[0], e)
+        rep.stopped_during_start_up(e)
+        log.warning("rank %d stopped during %s (%s)", ctx.rank, rep.phase, e)
         return None
     except BaseException as e:
-        if status is not None:
-            status.fail(e)
-        else:
-            write_heartbeat(run, ctx.rank, "failed", step_box[0], error=f"{type(e).__name__}: {e}")
+        rep.failed(e)
         # A user's mistake is one line (its traceback is in status.json); anything else keeps its traceback.
         log.error("rank %d failed: %s", ctx.rank, e, exc_info=not is_user_error(e) or debug_enabled())
         raise
     finally:
         stop.__exit__()
-        pulse.stop()
         if ctx.is_main:
             clear_stop_request(run)  # consumed: honoured, or too late to matter; never left for a later start
-        if metrics is not None:
-            metrics.close()
-        if handler is not None:
-            logging.getLogger("dflash_train").removeHandler(handler)
-            handler.close()
+        rep.close()
         ctx.close()
+
+
+@dataclass
+class RankSetup:
+    """A rank after the process group is up and the data is planned, before any weights load."""
+
+    device: torch.device
+    role: str  # "drafter" (colocated or split) or "target" (split)
+    drafter_group: object  # the drafter ranks' process group in the split placement (None: the default one)
+    drafters: int
+    compile_cache: Path
+    data: object  # data.source.TrainingData
+    batching: tuple  # (lengths, token_budget, max_batch_size, seed)
+    per_step: int
+    epoch0: list  # the first epoch's plan: the warm-up's batch and its batch kinds
+    steps_per_epoch: int
+    total: int
+    state: RunState
+
+
+def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh_compile_cache: bool) -> RankSetup:
+    plan = a.plan
+    device = ctx.device(plan.device)
+    ctx.init(device)
+    drafter_group, drafters = None, ctx.world
+    if a.layout is not None:
+        # Every rank takes part in creating the group; only drafter ranks use it.
+        drafter_group = torch.distributed.new_group(list(range(a.layout.drafter_ranks))) \
+            if a.layout.drafter_ranks > 1 else None
+        drafters = a.layout.drafter_ranks
+    role = "target" if a.layout is not None and a.layout.is_target(ctx.rank) else "drafter"
+    compile_cache = compile_layer.configure_cache(cfg.run.compile_cache_dir, fresh=fresh_compile_cache)
+    compile_layer.watch_recompiles()
+    # A drafter's attention and loss always compile on a GPU: the workers start while the weights load.
+    if device.type == "cuda" and (role == "drafter" or cfg.target.compile):
+        workers = compile_layer.start_compile_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        log.info("compile workers: %d", workers)
+    if a.layout is not None:
+        rep.beat_fields["role"] = role
+    log.info("rank %d/%d (%s): target %s, layers %s, mask token %d, device %s", ctx.rank, ctx.world, role,
+             plan.target_path, plan.layer_ids, plan.mask_token_id, device)
+    if device.type == "cuda":
+        with torch.device("meta"):
+            drafter_params = sum(p.numel() for p in DFlashDrafter(a.dcfg).parameters())
+        if role == "drafter" and a.layout is not None:  # plus the target's embedding and lm_head
+            drafter_params += a.target_config.vocab_size * a.target_config.hidden_size // 4
+        need_role = "colocated" if a.layout is None else role
+        preflight.check_gpu(device, preflight.needed_bytes(preflight.checkpoint_parameters(plan.target_path),
+                                                           plan.target_dtype, drafter_params, need_role),
+                            ctx.rank, f"the {need_role} rank's weights and optimizer state")
+    data = open_training_data(cfg, a.tokenizer, run.root / "rejects.jsonl" if ctx.is_main else None)
+    log.info("data: %s", data.describe())
+    batching = (data.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed)
+    per_step = drafters * cfg.optim.grad_accum
+    epoch0 = plan_batches(*batching, 0)
+    steps_per_epoch = len(epoch0) // per_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(epoch0)} micro-batches per epoch cannot feed {drafters} drafter rank(s) x "
+                         f"{cfg.optim.grad_accum} accumulation; add data")
+    total = int(math.ceil(cfg.optim.epochs * steps_per_epoch)) if cfg.optim.epochs > 0 else cfg.optim.max_steps
+    if cfg.optim.max_steps:
+        total = min(total, cfg.optim.max_steps)
+    state = RunState()
+    if a.resume_from is not None:
+        saved = a.resume_from[1]
+        state = RunState(saved["step"], saved["epoch"], saved["batch_index"], saved.get("best_val_tau"))
+        if state.step > total:
+            raise UserError(f"--resume: the run is at step {state.step}, past the {total} steps its config now asks "
+                            "for (optim.max_steps / optim.epochs); give a larger optim.max_steps")
+    return RankSetup(device, role, drafter_group, drafters, compile_cache, data, batching, per_step, epoch0,
+                     steps_per_epoch, total, state)
+
+
+def run_target_rank(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter, stop: StopRequest) -> None:
+    """A split placement's target rank: load and (optionally) compile the target, then serve every step."""
+    model = load_target_model(a.plan.target_path, a.plan.target_dtype, r.device, cfg.target.trust_remote_code)
+    target = TargetCapture.from_model(model, a.plan.layer_ids, compile=cfg.target.compile)
+    if target.compile:  # this rank's only compiled code: warm it before serving any step
+        rep.report(phase="warmup")
+        target.warm_up(cfg.data.max_length, *batch_kinds(r.epoch0))
+    groups = (g for _, _, _, g in micro_batch_groups(r.batching, r.per_step, r.state.epoch, r.state.batch_index))
+    rep.report(phase="training", step=r.state.step)
+    stop.training()
+    step = serve_target(target, a.layout, groups, r.state.step, r.data, a.tokenizer.pad_token_id, cfg, r.device,
+                        lambda at, **extra: rep.beat(at, mem_gib=memory_gib(r.device), role="target", **extra))
+    rep.beat(step, phase="done", mem_gib=memory_gib(r.device))
+
+
+def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep: Reporter, ctx, resume: bool) -> Session:
+    """Load the target (colocated) or its embedding and lm_head (split), build the drafter and its optimizer,
+    continue from the checkpoint on resume, open validation data: the loop's Session."""
+    plan = a.plan
+    if a.layout is None:
+        model = load_target_model(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
+        target = TargetCapture.from_model(model, plan.layer_ids, compile=cfg.target.compile)
+    else:  # a split drafter rank: the target's embedding and lm_head, never its decoder
+        target = load_target_head(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
+    if ctx.is_main:
+        write_provenance(run.root, a.provenance)
+    torch.manual_seed(cfg.run.seed)
+    drafter = DFlashDrafter(a.dcfg)
+    if cfg.drafter.init_from_target and not resume:  # a resume loads the checkpoint's weights over it
+        init_drafter_from_target(drafter, plan.target_path)
+    drafter = drafter.to(r.device)
+    if cfg.drafter.compile:  # compiled by the warm-up
+        drafter.compile_layers()
+    backend = resolve_backend(cfg.drafter.attention_backend, r.device, cfg.drafter.block_size)
+    train_step = TrainStep(drafter, target, backend, cfg, r.total, plan.compute_dtype, r.device, r.drafter_group,
+                           ctx.rank, r.drafters)
+    log.info("drafter: %d layers, %.1fM parameters; %d steps (%d micro-batches per epoch, %d per step)",
+             a.dcfg.num_hidden_layers, sum(p.numel() for p in drafter.parameters()) / 1e6, r.total, len(r.epoch0),
+             r.per_step)
+    state = r.state
+    if a.resume_from is not None:
+        ckpt = a.resume_from[0]
+        saved = checkpoints.load_into(ckpt, drafter, train_step.optimizer, train_step.scheduler)
+        train_step.skipped_steps = saved.get("skipped_steps", 0)
+        log.info("resumed from %s: step %d, epoch %d, batch %d", ckpt, state.step, state.epoch, state.batch_index)
+        if ctx.is_main:
+            _truncate_metrics(run.metrics, state.step)
+    inbox = None
+    if a.layout is not None:
+        inbox = DrafterInbox(a.layout, ctx.rank, cfg.data.token_budget, cfg.data.max_batch_size,
+                             len(plan.layer_ids) * a.provenance["hidden_size"], plan.target_dtype, r.device, state.step)
+        if state.step < r.total:
+            inbox.ask(state.step)  # the target ranks compute the first step while this rank compiles
+    rep.open_metrics()
+    val = open_validation_data(cfg, a.tokenizer, run.root / "rejects-val.jsonl") \
+        if ctx.is_main and cfg.run.eval_every else None
+    if ctx.is_main and cfg.run.eval_every and val is None:
+        log.info("no validation data (prepared val split or data.val_files): validation is off")
+    stop_ids = assets.target_defaults(plan.target_path).get("stop_token_ids") or [a.tokenizer.eos_token_id]
+    return Session(cfg, run, ctx.rank, ctx.is_main, r.device, train_step, r.data, a.tokenizer.pad_token_id,
+                   r.batching, r.per_step, r.drafters, r.drafter_group, r.total, a.identity,
+                   lambda cfg_yaml, record: _model_card(cfg_yaml, plan, record), inbox, val, stop_ids)
+
+
+def warm_up_drafter_rank(s: Session, a: Admitted, r: RankSetup, rep: Reporter) -> dict:
+    """The warm-up on the plan's own batches: its first, and the extremes of its sizes over every epoch the
+    run reaches (split drafter ranks compile on stand-in captures of the right shape)."""
+    rep.report(phase="warmup")
+    first = collate([s.data.example(i) for i in r.epoch0[0]], s.pad_id).to(s.device)
+    synthetic = None
+    if a.layout is not None:  # the compile needs the shapes and dtype of a capture, not its values
+        synthetic = torch.randn(*first.input_ids.shape, len(a.plan.layer_ids) * a.provenance["hidden_size"],
+                                dtype=a.plan.target_dtype, device=s.device)
+    cfg, state = s.cfg, r.state
+    epochs = range(state.epoch, state.epoch + math.ceil((r.total - state.step) / r.steps_per_epoch) + 1)
+    edges_of_plan = size_classes.extreme_classes(
+        s.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, epochs, cfg.drafter.block_size,
+        cfg.objective.max_anchors, cfg.objective.max_anchors_per_batch, s.train_step.backend.blocks_multiple_of)
+    log.info("size classes of the plan: %s", size_classes.describe(edges_of_plan))
+    extremes = []
+    for rows, edges in size_classes.warm_up_batches(edges_of_plan, skip=tuple(r.epoch0[0])):
+        extremes.append(collate([s.data.example(i) for i in rows], s.pad_id).to(s.device))
+        log.info("warm-up batch: %d rows x %d tokens (%s)", len(rows), extremes[-1].input_ids.shape[1],
+                 ", ".join(edges))
+    return warm_up(s.train_step, first, r.compile_cache, with_validation=s.val is not None, hidden=synthetic,
+                   kinds=batch_kinds(r.epoch0), extremes=tuple(extremes))
 
 
 def serve_target(target: TargetCapture, layout: SplitLayout, groups, start_step: int, data, pad_id: int, cfg: Config,

@@ -1,0 +1,287 @@
+"""The training loop of a drafter rank: one sitting, from the first planned step to the export.
+
+`trainer.train` admits the start, sets the rank up (target, drafter, data, resume, warm-up) into a
+`Session`, and hands it here with the `RunState` to continue from. Each step: take the micro-batches
+(collated here, or received from the target ranks in the split placement), one optimizer step, then the
+step boundary: compile check, heartbeat, metrics every `log_every`, the recompile-limit and stop votes,
+validation, checkpoints. The end: a last checkpoint and the export in the reference format.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..config import Config
+from ..data.dataset import batches_from, collate, padding_fraction, plan_batches
+from ..model import compile as compile_layer
+from ..model.io import save_drafter
+from ..model.provenance import PROVENANCE_NAME
+from ..rundir import Reporter, RunDir
+from . import checkpoint as checkpoints
+from .dist import StopVote
+from .step import MicroBatch, StepStats, TrainStep
+from .transport import DrafterInbox
+from .validate import validate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunState:
+    """Where the run is: the optimizer steps done, the next micro-batch of the data plan, the best validation tau."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_index: int = 0
+    best_val: Optional[float] = None
+
+    def cursor(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch_index": self.batch_index}
+
+
+@dataclass
+class Session:
+    """Everything a drafter rank's loop uses, built by `trainer.train` before the first step."""
+
+    cfg: Config
+    run: RunDir
+    rank: int
+    is_main: bool
+    device: torch.device
+    train_step: TrainStep
+    data: Any  # data.source.TrainingData
+    pad_id: int
+    batching: tuple  # (lengths, token_budget, max_batch_size, seed): the deterministic plan
+    per_step: int  # micro-batches per optimizer step over all drafter ranks
+    drafters: int  # drafter ranks
+    drafter_group: Any  # their process group (None: the default one)
+    total: int  # optimizer steps of the run
+    identity: dict  # what a checkpoint records it was made for
+    model_card: Any  # (config yaml, last log record) -> the export's README.md
+    inbox: Optional[DrafterInbox] = None  # split placement: captures arrive from the target ranks
+    val: Any = None  # validation data, rank 0 only
+    stop_ids: list[int] = field(default_factory=list)
+    t_start: float = field(default_factory=time.time)
+
+    @property
+    def lengths(self):
+        return self.batching[0]
+
+
+def micro_batch_groups(batching: tuple, world: int, epoch: int, index: int):
+    """Every optimizer step takes `world` consecutive micro-batches (drafter ranks x gradient
+    accumulation); an epoch's incomplete last group is dropped on every rank alike. Yields
+    (epoch, next index, n, groups)."""
+    group, group_epoch = [], epoch
+    for ep, idx, n_batches, rows in batches_from(*batching, epoch, index):
+        if ep != group_epoch:
+            group, group_epoch = [], ep
+        group.append(rows)
+        if len(group) == world:
+            yield ep, idx + 1, n_batches, group
+            group = []
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak accelerator memory of this process, or its peak resident memory on CPU."""
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    import resource  # POSIX only: imported where it is used
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+
+
+def save(s: Session, state: RunState, name: Optional[str] = None) -> Path:
+    ts = s.train_step
+    record = {**state.cursor(), **s.identity, "skipped_steps": ts.skipped_steps, "best_val_tau": state.best_val}
+    return checkpoints.save_checkpoint(s.run.checkpoints, state.step, ts.drafter, ts.optimizer, ts.scheduler, record,
+                                       s.cfg.run.keep_last, name)
+
+
+def train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
+    """Train from `state` to `s.total` steps. Returns the export folder (done) or the checkpoints folder
+    (stopped by `stop`: a signal or a STOP file, agreed on by every drafter rank)."""
+    cfg, ts = s.cfg, s.train_step
+    s.t_start = time.time()
+    progress = None
+    if cfg.run.progress_bar and s.is_main:
+        from tqdm import tqdm  # the bar's module loads only where a bar is drawn
+
+        progress = tqdm(total=s.total, initial=state.step, desc="train", unit="step", dynamic_ncols=True)
+    vote = StopVote(s.device, s.drafter_group) if s.drafters > 1 else None  # the drafter ranks stop together
+    # The compiled variants the steps between two recompile checks can add per function at most: per micro-batch
+    # two (the loss's chunk function sees a full and a last chunk), per validation batch two; several drafter
+    # ranks agree one step late, so they look two periods ahead.
+    recompile_vote = StopVote(s.device, s.drafter_group) if s.drafters > 1 else None
+    variants_ahead = (2 if recompile_vote else 1) * 2 * (cfg.optim.grad_accum + (cfg.run.eval_batches if s.val else 0))
+    window = _Window(state.step)
+    last_record: dict = {}
+    for epoch, next_index, n_batches, group in micro_batch_groups(s.batching, s.per_step, state.epoch,
+                                                                 state.batch_index):
+        if state.step >= s.total:
+            break
+        if s.is_main and (next_index <= s.per_step or state.step == window.start_step):
+            pad = padding_fraction(s.lengths, plan_batches(*s.batching, epoch))
+            log.info("epoch %d: %d micro-batches, padding %.1f%% of batch tokens", epoch, n_batches, 100 * pad)
+            rep.report(padding_fraction=round(pad, 4))
+        stats = ts(_take_micro_batches(s, state.step, group), state.step)
+        compile_layer.check_step_boundary()
+        state.step, state.epoch, state.batch_index = state.step + 1, epoch, next_index
+        rep.beat_fields.update(mem_gib=memory_gib(s.device), train_s=round(time.time() - s.t_start, 1),
+                               role="colocated" if s.inbox is None else "drafter",
+                               **({"transport_wait_s": round(s.inbox.wait_s, 2)} if s.inbox is not None else {}))
+        rep.beat(state.step)
+        window.tokens += int(sum(s.lengths[i] for rows in group for i in rows))
+        if state.step % cfg.run.log_every == 0 or state.step == s.total:
+            last_record = _log_window(s, state, rep, window, stats, epoch + next_index / n_batches)
+            if progress is not None:
+                progress.set_postfix(loss=f"{last_record['loss']:.3f}", acc=f"{last_record['accuracy']:.3f}",
+                                     tok_s=f"{last_record['tokens_per_s']:.0f}")
+        if progress is not None:
+            progress.update(1)
+        near = compile_layer.recompile_headroom_error(variants_ahead)
+        if near is not None if recompile_vote is None else recompile_vote(near is not None):
+            _stop_before_the_recompile_limit(s, state, rep, near)
+        if stop.requested if vote is None else vote(stop.requested):
+            if s.inbox is not None:
+                s.inbox.close()
+            if s.is_main:
+                ckpt = save(s, state)
+                rep.report(phase="stopped", step=state.step, checkpoint=str(ckpt))
+                log.info("stopped at step %d; checkpoint %s (continue with --resume)", state.step, ckpt)
+            return s.run.checkpoints
+        if s.val is not None and (state.step % cfg.run.eval_every == 0 or state.step == s.total):
+            run_validation(s, state, rep)
+        if state.step < s.total and state.step % cfg.run.save_every == 0 and s.is_main:
+            save(s, state)
+    if s.inbox is not None:
+        s.inbox.close()
+    if progress is not None:
+        progress.close()
+    ts.raise_if_diverged(state.step)  # a run of skipped steps at the very end, not seen yet
+    return finish(s, state, rep, last_record)
+
+
+def _take_micro_batches(s: Session, step: int, group: list[list[int]]) -> list[MicroBatch]:
+    """This rank's share of the step's micro-batches: received (split placement; the next step is asked for
+    first, so the target ranks compute it while this one trains) or collated from the data."""
+    if s.inbox is not None:
+        if step + 1 < s.total:
+            s.inbox.ask(step + 1)
+        return s.inbox.take(step)
+    return [MicroBatch(collate([s.data.example(i) for i in rows], s.pad_id).to(s.device))
+            for rows in group[s.rank::s.drafters]]
+
+
+@dataclass
+class _Window:
+    """Tokens and time since the last log line (tokens/s is measured over it)."""
+
+    start_step: int
+    tokens: int = 0
+    started: float = field(default_factory=time.time)
+    wait: float = 0.0  # the inbox's wait time at the window's start
+    t0: float = field(default_factory=time.time)  # the loop's start: the ETA's rate
+
+
+def step_record(stats: StepStats, step: int, epoch: float, tokens: int, seconds: float, lr: float) -> dict:
+    """One metrics.jsonl record of the training loop (per log step)."""
+    counted = stats.counted_per_slot.double().cpu()
+    correct = stats.correct_per_slot.double().cpu()
+    per_pos = [(c / n).item() if n > 0 else None for c, n in zip(correct[1:], counted[1:])]
+    kept = max(int(stats.kept_blocks), 1)
+    return {
+        "step": step,
+        "epoch": round(epoch, 4),
+        "loss": float(stats.loss.detach()),
+        "accuracy": float(correct.sum() / counted.sum().clamp_min(1)),
+        "accuracy_per_position": per_pos,
+        "tau_estimate": float(stats.accepted_sum) / kept,
+        "lr": lr,
+        "grad_norm": float(stats.grad_norm) if stats.grad_norm is not None else None,
+        "tokens": tokens,
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "recompiles": compile_layer.recompiles(),
+        "recompiles_after_warmup": compile_layer.recompiles_after_warmup(),
+        "time": time.time(),
+    }
+
+
+def _log_window(s: Session, state: RunState, rep: Reporter, window: _Window, stats: StepStats, epoch: float) -> dict:
+    now = time.time()
+    lr = s.train_step.scheduler.get_last_lr()[0]
+    record = step_record(stats, state.step, epoch, window.tokens, now - window.started, lr)
+    record["skipped_steps"] = s.train_step.skipped_steps
+    record["peak_mem_gib"] = memory_gib(s.device)
+    if s.inbox is not None:
+        record["transport_wait_s"] = round(s.inbox.wait_s - window.wait, 3)
+        window.wait = s.inbox.wait_s
+    rep.write_metrics(record)
+    rate = (state.step - window.start_step) / max(now - window.t0, 1e-9)
+    rep.report(step=state.step, epoch=record["epoch"], eta_s=(s.total - state.step) / max(rate, 1e-9),
+               tokens_per_s=record["tokens_per_s"], loss=record["loss"], skipped_steps=record["skipped_steps"],
+               recompiles_after_warmup=record["recompiles_after_warmup"], last_recompile=compile_layer.last_recompile())
+    log.info("step %d loss %.4f acc %.3f tau~%.2f lr %.2e tok/s %.0f", state.step, record["loss"], record["accuracy"],
+             record["tau_estimate"], lr, record["tokens_per_s"])
+    window.tokens, window.started = 0, now
+    return record
+
+
+def _stop_before_the_recompile_limit(s: Session, state: RunState, rep: Reporter, near: Optional[str]) -> None:
+    if s.inbox is not None:
+        s.inbox.close()
+    ckpt = save(s, state) if s.is_main else None
+    if ckpt is not None:
+        rep.report(checkpoint=str(ckpt))
+    raise compile_layer.RecompileLimitNear(
+        f"{near or 'another drafter rank is near its recompile limit (its train.log lines say which)'}. "
+        f"Stopped at step {state.step}" + (f" with checkpoint {ckpt}" if ckpt else "") + "; --resume continues "
+        "from it (a new process starts with no compiled variants). The 'torch.compile recompiled after the "
+        "warm-up' lines of train.log name each failed guard: a size class the warm-up did not compile")
+
+
+def run_validation(s: Session, state: RunState, rep: Reporter) -> None:
+    """Validation at this step (rank 0): the record goes to the metrics and status; a best tau keeps
+    checkpoints/best."""
+    t0 = time.time()
+    cfg = s.cfg
+    result = validate(s.train_step, s.val, s.pad_id, s.device, batches=cfg.run.eval_batches,
+                      prompts=cfg.run.eval_prompts, max_new_tokens=cfg.run.eval_max_new_tokens,
+                      stop_token_ids=s.stop_ids)
+    # the walk covers every response token of the validation batches; real decoding only a few prompts
+    score = next((result[k] for k in ("val_tau_walk", "val_tau", "val_tau_estimate") if k in result), None)
+    record = {"step": state.step, "kind": "validation", **result, "val_seconds": round(time.time() - t0, 2)}
+    if score is not None and (state.best_val is None or score > state.best_val):
+        state.best_val = score
+        save(s, state, name="best")
+        record["best"] = True
+    rep.write_metrics(record)
+    rep.report(**{k: v for k, v in record.items() if k not in ("step", "kind")}, best_val_tau=state.best_val)
+    log.info("validation at step %d: %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
+
+
+def finish(s: Session, state: RunState, rep: Reporter, last_record: dict) -> Path:
+    """The last checkpoint and, on rank 0, the export (a previous export, from before a resume that trained
+    further, is moved aside, never overwritten)."""
+    run = s.run
+    if not s.is_main:
+        rep.report(phase="done", step=state.step)
+        return run.export
+    save(s, state)
+    rep.report(phase="exporting")
+    cfg_yaml = run.config.read_text()
+    if run.export.is_dir() and any(run.export.iterdir()):
+        kept = run.export.rename(run.root / f"export.before-step-{state.step:08d}-{time.strftime('%Y%m%d-%H%M%S')}")
+        log.info("the previous export moved to %s", kept)
+    save_drafter(s.train_step.drafter, run.export, dtype=s.cfg.run.export_dtype,
+                 extra_files={"README.md": s.model_card(cfg_yaml, last_record), "training_config.yaml": cfg_yaml,
+                              PROVENANCE_NAME: (run.root / PROVENANCE_NAME).read_text()})
+    rep.report(phase="done", step=state.step, export_dir=str(run.export), eta_s=0)
+    log.info("done: %d steps in %.0f s; drafter exported to %s", state.step, time.time() - s.t_start, run.export)
+    return run.export
