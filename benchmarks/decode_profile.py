@@ -109,6 +109,7 @@ def main(argv=None) -> int:
     from dflash_train.model.drafter_config import make_drafter_config
     from dflash_train.model.io import load_drafter
     from dflash_train.model.target import load_target_model, load_tokenizer
+    from dflash_train.runtime import stop_token_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
         drafter = DFlashDrafter(make_drafter_config(target.config, num_draft_layers=args.layers, block_size=args.block_size,
                                                     target_layer_ids=default_target_layer_ids(n, 5),
                                                     mask_token_id=16)).to(device, dtype)
-    stops = assets.target_defaults(tpath).get("stop_token_ids") or [tok.eos_token_id]
+    stops = stop_token_ids(tpath, tok)
     dec = SpeculativeDecoder(target, drafter, stops)
     prompts = []
     for item in iter_prompts("mt-bench", args.prompts):

@@ -416,7 +416,7 @@ def worker_main(argv: list[str]) -> int:
     p.add_argument("--deadline", type=float, default=None)
     args = p.parse_args(argv)
     from dflash_train.infer.evaluate import load_eval_models
-    from dflash_train.train.trainer import resolve_device, resolve_dtype
+    from dflash_train.runtime import resolve_device, resolve_dtype
 
     settings = EvalSettings(**json.loads(args.settings))
     device = resolve_device(settings.device)
@@ -435,12 +435,12 @@ def _load_target(path: str, settings: EvalSettings):
     """(target, tokenizer, stop ids, device) for replay, without a drafter."""
     from dflash_train import assets
     from dflash_train.model.target import load_target_model, load_tokenizer
-    from dflash_train.train.trainer import resolve_device, resolve_dtype
+    from dflash_train.runtime import resolve_device, resolve_dtype, stop_token_ids
 
     device = resolve_device(settings.device)
     tpath = assets.resolve_target(path)
     tokenizer = load_tokenizer(tpath)
-    stops = assets.target_defaults(tpath).get("stop_token_ids") or [tokenizer.eos_token_id]
+    stops = stop_token_ids(tpath, tokenizer)
     return load_target_model(tpath, resolve_dtype(settings.dtype, device), device), tokenizer, stops, device
 
 

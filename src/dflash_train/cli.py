@@ -139,7 +139,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from .infer.evaluate import evaluate, load_eval_models, markdown_table, write_report
     from .paths import require_exported_drafter
-    from .train.trainer import resolve_device, resolve_dtype
+    from .runtime import resolve_device, resolve_dtype
 
     require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
     if args.replay and args.temperature > 0:

@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 import yaml
 
 from .errors import UserError
-from .rundir import write_text_atomic
+from .runtime import write_text_atomic
 
 
 class ConfigError(UserError):

@@ -175,7 +175,7 @@ def run_eval(target: str, drafter_dir: Path, size: DemoSize, seed: int = 0) -> d
     from .infer.evaluate import load_eval_models, make_modes, replay_reports, run_prompt, summarize_records
     from .infer.spec_decode import SpeculativeDecoder
     from .model.drafter import DFlashDrafter
-    from .train.trainer import resolve_device, resolve_dtype
+    from .runtime import resolve_device, resolve_dtype
 
     device = resolve_device("auto")
     tgt, tok, drafter, stops = load_eval_models(target, str(drafter_dir), device, resolve_dtype("float32", device))

@@ -9,8 +9,7 @@ import torch
 from .model.drafter import sdpa_attention
 from .model.io import load_drafter, save_drafter
 from .model.provenance import PROVENANCE_NAME
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from .runtime import dtype_named
 
 
 def parity_check(source, exported, dtype: torch.dtype, seed: int = 0) -> None:
@@ -42,5 +41,5 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> P
         f"`{checkpoint}`.\n\nLoad with the reference DFlash code or a serving engine's DFlash support.\n"
     )
     save_drafter(drafter, out, dtype=dtype, extra_files=extra)
-    parity_check(drafter, load_drafter(out), _DTYPES[dtype])
+    parity_check(drafter, load_drafter(out), dtype_named(dtype))
     return out

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import procs
+from .runtime import publish, write_json_atomic, write_text_atomic
 
 PHASES = ("starting", "loading", "warmup", "training", "exporting", "done", "failed", "stopped")
 ENDED = ("done", "failed", "stopped")
@@ -23,17 +24,6 @@ ENDED = ("done", "failed", "stopped")
 # seconds has lost its process.
 PULSE_S = 2.0
 SILENT_S = 15.0
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write through a temp file and a rename: a reader (or a kill) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True))
 
 
 @dataclass
@@ -312,7 +302,7 @@ class MetricsWriter:
     def _rotate(self) -> None:
         if self.path.is_file() and self.path.stat().st_size >= self.max_bytes:
             taken = [int(p.stem.split("-")[1]) for p in self.run.root.glob("metrics-*.jsonl")]
-            os.replace(self.path, self.run.root / f"metrics-{max(taken, default=0) + 1:05d}.jsonl")
+            publish(self.path, self.run.root / f"metrics-{max(taken, default=0) + 1:05d}.jsonl")
         if self.tb is not None:
             events = sorted(self.run.tensorboard.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
             if events and events[-1].stat().st_size >= self.max_bytes:

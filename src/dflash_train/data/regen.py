@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Union
 
 from .. import assets
+from ..runtime import publish, resolve_device, resolve_dtype, stop_token_ids, write_text_atomic
 from . import batch_api
 from .formats import RowError, iter_rows, to_messages
 
@@ -276,12 +277,6 @@ class Appender:
         self.f.close()
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def check_settings(out: Path, mode: str, settings: dict[str, Any]) -> None:
     """Refuse to extend an output produced with other settings; record the settings otherwise."""
     sidecar, rejects = side_paths(out)
@@ -309,7 +304,7 @@ def check_settings(out: Path, mode: str, settings: dict[str, Any]) -> None:
     record = {"format": SIDECAR_FORMAT, "mode": mode, "settings": settings,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "dflash_train": version}
     out.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(sidecar, json.dumps(record, indent=1) + "\n")
+    write_text_atomic(sidecar, json.dumps(record, indent=1) + "\n")
 
 
 def _reject(where: str, reason: str, detail: str = "") -> dict:
@@ -379,29 +374,6 @@ class Summary:
 
 
 # --------------------------------------------------------------------------- local generation
-
-
-def _resolve_stops(target_path: Path, tokenizer, model_config, override: Optional[list[int]]) -> list[int]:
-    if override:
-        return [int(t) for t in override]
-    stops = assets.target_defaults(target_path).get("stop_token_ids")
-    if stops:
-        return [int(t) for t in stops]
-    found: list[int] = []
-    gen_eos = None
-    try:
-        from transformers import GenerationConfig
-
-        gen_eos = GenerationConfig.from_pretrained(target_path).eos_token_id
-    except (OSError, ValueError):
-        pass
-    for e in (gen_eos, getattr(model_config, "eos_token_id", None), tokenizer.eos_token_id):
-        for t in (e if isinstance(e, list) else [e]):
-            if t is not None and int(t) not in found:
-                found.append(int(t))
-    if not found:
-        raise ValueError("the target defines no end-of-sequence token; pass --stop-token-ids")
-    return found
 
 
 def _batch_seed(seed: int, key: str) -> int:
@@ -498,17 +470,6 @@ class LocalGenerator:
         return [(msgs[i], answered[i], ended[i], ntok[i]) for i in range(len(batch))]
 
 
-def _resolve_device_dtype(device: str, dtype: str):
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dtype == "auto":
-        return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    return dev, {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
 def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str, Path],
                settings: Optional[RegenSettings] = None, *, model=None, tokenizer=None) -> dict:
     """Generate the assistant turns of `sources` with `target` into `out` (resumable; see the module
@@ -526,8 +487,9 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
     config = read_target_config(target_path)
     if tokenizer is None:
         tokenizer = load_tokenizer(target_path)
-    stops = _resolve_stops(target_path, tokenizer, config, s.stop_token_ids)
-    device, dtype = _resolve_device_dtype(s.device, s.dtype)
+    stops = stop_token_ids(target_path, tokenizer, config, s.stop_token_ids)
+    device = resolve_device(s.device)
+    dtype = resolve_dtype(s.dtype, device)
     max_prompt = s.max_prompt_tokens
     if max_prompt is None:
         context = getattr(config, "max_position_embeddings", None)
@@ -769,7 +731,7 @@ def batch_roundtrip(sources: Iterable[str], *, imports: Iterable[Union[str, Path
         if export_f is not None:
             export_f.close()
     if out is not None or rejects:
-        _atomic_write(rejects_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects))
+        write_text_atomic(rejects_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects))
     unmatched = len(set(responses) - used)
     if imports:
         summary.extra["responses read"] = len(responses)
@@ -779,7 +741,7 @@ def batch_roundtrip(sources: Iterable[str], *, imports: Iterable[Union[str, Path
             summary.extra["hint"] = ("warning: no response matches a row: pass the same --data, spelled the same way "
                                      "(row ids are `file:line`), as for --export-batch")
     if export_f is not None:
-        os.replace(export_tmp, export_path)
+        publish(export_tmp, export_path)
         per_turn = f" (per turn: {dict(sorted(turns_exported.items()))})" if n_requests else ""
         retries = f", {retried} of them retry a failed response" if retried else ""
         summary.extra["requests exported"] = f"{n_requests} to {export_path}{per_turn}{retries}"

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
 
+from ..runtime import replace_dir
 from .chat import Tokenized
 
 FORMAT = "dflash-train/prepared"
@@ -161,15 +160,9 @@ def write_json(path: Path, obj: Any) -> None:
 def publish_dir(tmp: Path, final: Path, overwrite: bool) -> None:
     """Move a finished temp directory into place (same filesystem: a rename). An existing output is
     replaced only with `overwrite`; it is moved aside first, so a crash never leaves a half directory."""
-    old = None
-    if final.exists():
-        if not overwrite:
-            raise FileExistsError(f"{final} already exists; pass --overwrite or choose another --out")
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final} already exists; pass --overwrite or choose another --out")
+    replace_dir(tmp, final)
 
 
 # ------------------------------------------------------------------------------------------- read

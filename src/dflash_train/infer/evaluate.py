@@ -17,6 +17,7 @@ import torch
 
 from .. import assets
 from ..model.drafter import DFlashDrafter
+from ..runtime import stop_token_ids
 from .spec_decode import DecodeResult, SpeculativeDecoder
 
 log = logging.getLogger(__name__)
@@ -381,7 +382,7 @@ def load_eval_models(target_path: str, drafter_path: str, device: torch.device, 
     if problems:
         raise ValueError("the drafter does not match how it would be used here: " + "; ".join(problems))
     target = load_target_model(tpath, dtype, device)
-    stops = assets.target_defaults(tpath).get("stop_token_ids") or [tokenizer.eos_token_id]
+    stops = stop_token_ids(tpath, tokenizer, tconfig)
     return target, tokenizer, drafter, stops
 
 

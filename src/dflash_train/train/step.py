@@ -13,7 +13,8 @@ from ..config import Config
 from ..model.attention import AttentionBackend
 from ..model.drafter import DFlashDrafter
 from ..model.target import TargetCapture, TargetHead
-from .blocks import Blocks, acceptance_weights, build_blocks, sample_anchors, to_device
+from ..runtime import to_device
+from .blocks import Blocks, acceptance_weights, build_blocks, sample_anchors
 from .dist import HostCopy
 from .loss import chunked_weighted_ce
 

@@ -33,6 +33,7 @@ from ..rundir import (MetricsWriter, Pulse, RunDir, StatusWriter, clear_stop_req
                       write_heartbeat)
 from ..model import compile as compile_layer
 from ..model.provenance import PROVENANCE_NAME, target_provenance, write_provenance
+from ..runtime import resolve_device, resolve_dtype, stop_token_ids, write_text_atomic
 from . import checkpoint as checkpoints
 from . import preflight
 from .admission import holds_run_message, with_step_cap
@@ -43,23 +44,6 @@ from .transport import DrafterInbox, SplitLayout, TargetOutbox
 from .validate import validate
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
 
 @dataclass
 class Plan:
@@ -477,7 +461,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             if ctx.is_main and cfg.run.eval_every else None
         if ctx.is_main and cfg.run.eval_every and val is None:
             log.info("no validation data (prepared val split or data.val_files): validation is off")
-        stop_ids = assets.target_defaults(plan.target_path).get("stop_token_ids") or [tokenizer.eos_token_id]
+        stop_ids = stop_token_ids(plan.target_path, tokenizer)
         report(phase="warmup")
         first = collate([data.example(i) for i in epoch0[0]], tokenizer.pad_token_id).to(device)
         synthetic = None
@@ -662,8 +646,6 @@ def _truncate_metrics(path: Path, step: int) -> None:
         if not keep and part != path:
             part.unlink()
             continue
-        tmp = part.with_name(f".{part.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, part)  # a kill here leaves the old file, never a half-written one
+        write_text_atomic(part, "".join(line + "\n" for line in keep))  # a kill leaves the old file
         if keep:
             break
