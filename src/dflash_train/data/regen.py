@@ -414,13 +414,11 @@ class LocalGenerator:
         """New tokens per prompt, up to and including the first stop token."""
         import torch
 
+        from .batch import left_pad
+
         device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
+        ids, mask = left_pad(prompts, self.pad_id)
+        width = ids.shape[1]
         if self.sampling:
             torch.manual_seed(_batch_seed(self.seed, seed_key))
         with torch.no_grad():

@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from ..data.batch import left_pad
 from ..model.drafter import DFlashDrafter, sdpa_attention
 from ..model.mask import dense_mask
 from .spec_decode import SpeculativeDecoder
@@ -71,13 +72,7 @@ def greedy_continuations(target, prompts: list[list[int]], num_new: int, batch_s
     out: list[Optional[list[int]]] = [None] * len(prompts)
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            p = prompts[i]
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+        ids, mask = left_pad([prompts[i] for i in rows], pad_id)
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache()

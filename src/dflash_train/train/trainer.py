@@ -19,7 +19,8 @@ import torch
 
 from .. import assets
 from ..config import Config, dump_config, validate_against_target, validate_compile_device, validate_world
-from ..data.dataset import batches_from, collate, padding_fraction, plan_batches
+from ..data.batch import Batch, collate
+from ..data.dataset import batches_from, padding_fraction, plan_batches
 from ..data.source import open_training_data, open_validation_data
 from ..model.attention import resolve_backend
 from ..model.drafter import DFlashDrafter, default_target_layer_ids
@@ -39,7 +40,7 @@ from . import preflight
 from .admission import holds_run_message, with_step_cap
 from .dist import DistContext, StopVote
 from .launch import LAUNCH_TIME_ENV
-from .step import Batch, MicroBatch, StepStats, TrainStep, forward_loss
+from .step import MicroBatch, StepStats, TrainStep, forward_loss
 from .transport import DrafterInbox, SplitLayout, TargetOutbox
 from .validate import validate
 
