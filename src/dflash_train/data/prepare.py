@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..model.fingerprints import chat_template_fingerprint, chat_template_text, tokenizer_fingerprint
 from . import store
 from .dataset import FAR_FACTOR, tokenize_row
 from .formats import BUILTIN_SOURCES, RowError, builtin_file, expand_source, iter_source
@@ -48,7 +49,7 @@ def holdout_key(messages: list[dict]) -> float:
 
 def template_kwargs_for(tokenizer, thinking: Optional[bool]) -> dict:
     """`enable_thinking` goes to the template only when it is given and the template reads it."""
-    if thinking is None or "enable_thinking" not in store.chat_template_text(tokenizer):
+    if thinking is None or "enable_thinking" not in chat_template_text(tokenizer):
         return {}
     return {"enable_thinking": thinking}
 
@@ -144,8 +145,8 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
             "format": store.FORMAT,
             "format_version": store.FORMAT_VERSION,
             "target": str(target),
-            "tokenizer_fingerprint": store.tokenizer_fingerprint(tokenizer),
-            "chat_template_fingerprint": store.chat_template_fingerprint(tokenizer),
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "chat_template_fingerprint": chat_template_fingerprint(tokenizer),
             "thinking": cfg.thinking,
             "template_kwargs": kwargs,
             "max_length": cfg.max_length,
