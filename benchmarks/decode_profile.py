@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from dflash_train import assets
+    from dflash_train.data.chat import prompt_ids
     from dflash_train.infer.evaluate import iter_prompts
     from dflash_train.infer.spec_decode import SpeculativeDecoder
     from dflash_train.model.drafter import DFlashDrafter
@@ -134,8 +135,7 @@ def main(argv=None) -> int:
     for item in iter_prompts("mt-bench", args.prompts):
         user = item["turns"][0]
         while True:
-            text = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
+            ids = prompt_ids(tok, [{"role": "user", "content": user}])
             if len(ids) >= args.min_prompt_tokens:
                 break
             user += "\n\n" + item["turns"][0]

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .data.chat import prompt_ids
+
 log = logging.getLogger(__name__)
 
 DATASETS = ("sharegpt", "mt-bench", "humaneval")
@@ -159,9 +161,7 @@ def eval_items(tokenizer, size: DemoSize) -> list[dict]:
         for item in iter_prompts(ds):
             if taken >= size.eval_prompts:
                 break
-            text = tokenizer.apply_chat_template([{"role": "user", "content": item["turns"][0]}], tokenize=False,
-                                                 add_generation_prompt=True)
-            if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= size.eval_prompt_tokens:
+            if len(prompt_ids(tokenizer, [{"role": "user", "content": item["turns"][0]}])) <= size.eval_prompt_tokens:
                 items.append({"dataset": ds, **item})
                 taken += 1
     return items

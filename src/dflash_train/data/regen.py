@@ -47,6 +47,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 from .. import assets
 from ..runtime import publish, resolve_device, resolve_dtype, stop_token_ids, write_text_atomic
 from . import batch_api
+from .chat import prompt_ids
 from .formats import RowError, iter_rows, to_messages
 
 log = logging.getLogger(__name__)
@@ -406,9 +407,7 @@ class LocalGenerator:
         return self._model
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  **self.template_kwargs)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return prompt_ids(self.tokenizer, messages, self.template_kwargs)
 
     def generate(self, prompts: list[list[int]], seed_key: str = "") -> list[list[int]]:
         """New tokens per prompt, up to and including the first stop token."""

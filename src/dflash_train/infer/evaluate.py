@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 import torch
 
 from .. import assets
+from ..data.chat import prompt_ids
 from ..model.drafter import DFlashDrafter
 from ..runtime import stop_token_ids
 from .spec_decode import DecodeResult, SpeculativeDecoder
@@ -93,9 +94,7 @@ def run_prompt(dec: SpeculativeDecoder, tokenizer, item: dict, modes: list[Mode]
         outs = []
         for turn in item["turns"]:
             history.append({"role": "user", "content": turn})
-            text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True,
-                                                 **(template_kwargs or {}))
-            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompt = prompt_ids(tokenizer, history, template_kwargs)
             res = mode.run(dec, prompt, max_new_tokens)
             answer = tokenizer.decode(res.tokens, skip_special_tokens=True)
             history.append({"role": "assistant", "content": answer})

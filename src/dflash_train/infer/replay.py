@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from ..data.batch import left_pad
+from ..data.chat import prompt_ids
 from ..model.drafter import DFlashDrafter, sdpa_attention
 from ..model.mask import dense_mask
 from .spec_decode import SpeculativeDecoder
@@ -265,9 +266,7 @@ def build_corpus(target, tokenizer, items: list[dict], max_new: int, block_size:
         prompts = []
         for k in rows:
             histories[k].append({"role": "user", "content": items[k]["turns"][t]})
-            text = tokenizer.apply_chat_template(histories[k], tokenize=False, add_generation_prompt=True,
-                                                 **(template_kwargs or {}))
-            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            prompts.append(prompt_ids(tokenizer, histories[k], template_kwargs))
         conts = greedy_continuations(target, prompts, max_new + block_size - 1, batch_size, pad)
         for k, prompt, cont in zip(rows, prompts, conts):
             answer = tokenizer.decode(finish(cont, max_new, stops), skip_special_tokens=True)
