@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--drafter", required=True,
                    help="an exported drafter folder (config.json + model.safetensors): RUN/export or the --out of export")
     e.add_argument("--data", nargs="+", default=["mt-bench"],
-                   help="mt-bench, humaneval, sharegpt (held-out) or a JSONL file; several allowed (default: mt-bench)")
+                   help="mt-bench, humaneval, sharegpt (held-out), or a file or folder of prompts / conversations in any "
+                        "shape prepare reads; several allowed (default: mt-bench)")
     e.add_argument("--out", default="eval.json",
                    help="JSON report; a Markdown table is written beside it (default: %(default)s)")
     e.add_argument("--max-new-tokens", type=int, default=256,

@@ -19,12 +19,12 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from .chat import ConversationError, Tokenized, tokenize_conversation
-from .formats import BUILTIN_SOURCES, RowError, iter_source, to_messages
+from .formats import RowError, iter_source, to_messages
 from .rejects import Rejects
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BUILTIN_SOURCES", "Dataset", "tokenize_row", "load_dataset", "plan_batches", "batches_from",
+__all__ = ["Dataset", "tokenize_row", "load_dataset", "plan_batches", "batches_from",
            "padding_fraction"]
 
 NO_ASSISTANT = "no assistant turn (run regen first)"

@@ -48,11 +48,10 @@ from .. import assets
 from ..runtime import publish, resolve_device, resolve_dtype, stop_token_ids, write_text_atomic
 from . import batch_api
 from .chat import prompt_ids
-from .formats import RowError, iter_rows, to_messages
+from .formats import BUILTIN_SOURCES, RowError, builtin_file, count_rows, iter_source, prompt_turns
 
 log = logging.getLogger(__name__)
 
-BUILTIN_SOURCES = ("sharegpt", "mt-bench", "humaneval")
 SIDECAR_FORMAT = 1
 SHOW_REJECTS = 10  # rejects listed in the summary (all of them are in the rejects file)
 
@@ -94,26 +93,14 @@ class Convo:
 Entry = tuple[str, Union[Convo, RowError]]
 
 
-def _from_messages(where: str, msgs: list[dict[str, str]]) -> Convo:
-    system = [dict(msgs[0])] if msgs[0]["role"] == "system" else []
-    return Convo(where, system, [m["content"] for m in msgs if m["role"] == "user"])
-
-
-def _from_row(where: str, row: Any) -> Union[Convo, RowError]:
+def _convo(where: str, row: Any) -> Union[Convo, RowError]:
+    if isinstance(row, RowError):
+        return row
     try:
-        return _from_messages(where, to_messages(row))
+        prompts = prompt_turns(row)
     except RowError as e:
         return e
-
-
-def _from_turns(where: str, turns: Any) -> Union[Convo, RowError]:
-    """Built-in benchmarks: a list of consecutive user turns (answered one after the other)."""
-    if not isinstance(turns, list) or not turns:
-        return RowError("empty turn", "no turns")
-    for i, t in enumerate(turns):
-        if not isinstance(t, str) or not t.strip():
-            return RowError("empty turn", f"turn {i} is empty or not a string")
-    return Convo(where, [], list(turns))
+    return Convo(where, prompts.system, prompts.users)
 
 
 def check_sources(sources: Iterable[str]) -> list[str]:
@@ -126,12 +113,7 @@ def check_sources(sources: Iterable[str]) -> list[str]:
         raise ValueError(f"--data lists {dup[0]!r} twice")
     for spec in sources:
         if spec in BUILTIN_SOURCES:
-            getter = {"sharegpt": assets.sharegpt_path, "mt-bench": assets.mtbench_path,
-                      "humaneval": assets.humaneval_path}[spec]
-            try:
-                getter()
-            except assets.AssetPackageMissing as e:
-                raise FileNotFoundError(str(e)) from None
+            builtin_file(spec)
         elif not Path(spec).is_file():
             raise FileNotFoundError(
                 f"--data {spec!r}: no such file (built-in sets: {', '.join(BUILTIN_SOURCES)}; "
@@ -139,60 +121,15 @@ def check_sources(sources: Iterable[str]) -> list[str]:
     return sources
 
 
-def iter_source(spec: str) -> Iterator[Entry]:
-    """(id, Convo or RowError) per row; id = `file:line` (JSONL), `file:#i` (JSON, Parquet),
-    `sharegpt:#i`, `mt-bench:<question_id>`, `humaneval:<task_id>`."""
-    if spec == "sharegpt":
-        for i, conv in enumerate(assets.iter_sharegpt_split("train")):
-            where = f"sharegpt:#{i}"
-            yield where, _from_row(where, {"messages": conv["messages"]})
-    elif spec in ("mt-bench", "humaneval"):
-        items = assets.iter_mtbench() if spec == "mt-bench" else assets.iter_humaneval()
-        for rec in items:
-            where = f"{spec}:{rec['id']}"
-            yield where, _from_turns(where, rec["turns"])
-    else:
-        for where, row in iter_rows(Path(spec)):
-            yield where, (row if isinstance(row, RowError) else _from_row(where, row))
-
-
 def iter_entries(sources: list[str], limit: int = 0) -> Iterator[Entry]:
+    """(id, Convo or RowError) per row of the sources (ids as `formats` gives them), the first `limit`."""
     n = 0
     for spec in sources:
-        for entry in iter_source(spec):
+        for where, row in iter_source(spec):
             if limit and n >= limit:
                 return
             n += 1
-            yield entry
-
-
-def count_entries(sources: list[str], limit: int = 0) -> int:
-    """Rows the sources hold (for the progress bar); JSONL files are counted by lines, fast."""
-    total = 0
-    for spec in sources:
-        name = spec.lower()
-        if spec not in BUILTIN_SOURCES and not name.endswith((".json", ".json.gz", ".parquet")):
-            import gzip
-
-            opener = gzip.open if name.endswith(".gz") else open
-            with opener(spec, "rb") as f:
-                for raw in f:
-                    if raw.strip():
-                        total += 1
-                        if limit and total >= limit:
-                            return limit
-        elif name.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
-            total += pq.ParquetFile(spec).metadata.num_rows
-        else:
-            for _ in iter_source(spec):
-                total += 1
-                if limit and total >= limit:
-                    return limit
-        if limit and total >= limit:
-            return limit
-    return total
+            yield where, _convo(where, row)
 
 
 def _windows(entries: Iterator[Entry], size: int) -> Iterator[list[Entry]]:
@@ -514,7 +451,7 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
                          temperature=s.temperature, top_p=s.top_p, seed=s.seed, template_kwargs=template_kwargs)
 
     summary = Summary(out=str(out), rejects_file=str(rejects_path))
-    total = count_entries(sources, s.limit)
+    total = count_rows(sources, s.limit)
     bar = tqdm(total=total, initial=min(len(done), total), unit="row", dynamic_ncols=True, disable=not s.progress,
                desc="regen", file=sys.stderr)
     out_f, rej_f = Appender(out), Appender(rejects_path)

@@ -17,51 +17,29 @@ import torch
 
 from .. import assets
 from ..data.chat import prompt_ids
+from ..data.formats import RowError, iter_source, prompt_turns
 from ..model.drafter import DFlashDrafter
 from ..runtime import stop_token_ids
 from .spec_decode import DecodeResult, SpeculativeDecoder
 
 log = logging.getLogger(__name__)
 
-DATASETS = ("mt-bench", "humaneval", "sharegpt")
-
-
 def iter_prompts(name: str, limit: int = 0) -> Iterator[dict]:
-    """`{"id", "turns": [user message, ...]}` from a built-in benchmark or a conversations file
-    (JSONL with `messages`, `turns` or `prompt`)."""
-    if name == "mt-bench":
-        source: Iterator[dict] = assets.iter_mtbench()
-    elif name == "humaneval":
-        source = assets.iter_humaneval()
-    elif name == "sharegpt":
-        source = ({"id": c["id"], "turns": [m["content"] for m in c["messages"] if m["role"] == "user"][:1]}
-                  for c in assets.iter_sharegpt_split("heldout"))
-    else:
-        path = Path(name)
-        if not path.is_file():
-            raise FileNotFoundError(f"eval data {name!r}: not a built-in set ({', '.join(DATASETS)}) nor a file")
-        source = _iter_file(path)
-    for i, item in enumerate(source):
+    """`{"id", "turns": [user message, ...]}` per row of a built-in set (`sharegpt`: its held-out split) or
+    of any source `formats` reads. `id` is the row's own `id` field when it has one (regen writes its
+    source row's id there), else the reader's. A conversation gives its first user turn only: its later
+    ones reply to answers the decoding under test did not write. A bad row stops here, naming it."""
+    for i, (where, row) in enumerate(iter_source(name, sharegpt_split="heldout")):
         if limit and i >= limit:
             return
-        yield item
-
-
-def _iter_file(path: Path) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "turns" in row:
-                turns = row["turns"]
-            elif "messages" in row:
-                turns = [m["content"] for m in row["messages"] if m.get("role") == "user"][:1]
-            elif "prompt" in row:
-                turns = [row["prompt"]]
-            else:
-                raise ValueError(f"{path}:{lineno}: expected 'turns', 'messages' or 'prompt'")
-            yield {"id": row.get("id", f"{path.name}:{lineno}"), "turns": turns}
+        if isinstance(row, RowError):
+            raise ValueError(f"eval data {where}: {row}")
+        try:
+            prompts = prompt_turns(row)
+        except RowError as e:
+            raise ValueError(f"eval data {where}: {e}") from None
+        own = row.get("id")
+        yield {"id": where if own is None else own, "turns": prompts.users[:1] if prompts.answered else prompts.users}
 
 
 @dataclass
