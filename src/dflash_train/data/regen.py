@@ -32,7 +32,6 @@ turns in its history, so the target's own answers are fed back exactly as in loc
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -688,74 +687,6 @@ def batch_roundtrip(sources: Iterable[str], *, imports: Iterable[Union[str, Path
         summary.extra["hint"] = ("multi-turn rows need one round per turn: add --export-batch NEXT.jsonl to export "
                                  "their next turn")
     return summary.as_dict() | {"requests": n_requests, "waiting": waiting}
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def _bool(v: str) -> bool:
-    if v.lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    r = subparsers.add_parser(
-        "regen", help="the target writes the assistant turns of your prompts (resumable; or vLLM/SGLang batch files)",
-        description="Regenerate the assistant turns of conversations / prompts with the target, turn by turn. "
-                    "Kill it at any moment and run the same command again: it continues where it stopped.")
-    r.add_argument("--target", help="target: smollm2, an HF folder or a .gguf file")
-    r.add_argument("--data", nargs="+", action="extend", required=True,
-                   help=f"JSONL/JSON/Parquet files (ShareGPT, OpenAI messages, prompt[/response]) or built-in sets: "
-                        f"{', '.join(BUILTIN_SOURCES)}")
-    r.add_argument("--out", help="output JSONL of {id, messages} (OUT.regen.json and OUT.rejects.jsonl beside it)")
-    r.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn (default: %(default)s)")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    r.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling when --temperature > 0; 1.0 = off (default: %(default)s)")
-    r.add_argument("--stop-token-ids", type=int, nargs="+", default=None,
-                   help="default: the target's stop tokens (dflash_target.json), else its eos token(s)")
-    r.add_argument("--batch-size", type=int, default=16, help="conversations per generate call (default: %(default)s)")
-    r.add_argument("--limit", type=int, default=0, help="only the first N input rows, 0 = all (default: %(default)s)")
-    r.add_argument("--thinking", type=_bool, default=None, metavar="true|false",
-                   help="pass enable_thinking to the chat template (default: not passed)")
-    r.add_argument("--seed", type=int, default=0,
-                   help="sampling seed; each batch and turn reseeds from it (default: %(default)s)")
-    r.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="longer first prompts are rejected, longer later turns end the conversation "
-                        "(default: the target's context minus --max-new-tokens)")
-    r.add_argument("--sort-window", type=int, default=4096, help="rows sorted by prompt length together (default: %(default)s)")
-    r.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto = cuda when a GPU is visible, else cpu (default: %(default)s)")
-    r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto = bfloat16 on GPU, float32 on CPU (default: %(default)s)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    r.add_argument("--export-batch", metavar="FILE",
-                   help="write OpenAI batch requests (vllm run-batch / SGLang) instead of generating")
-    r.add_argument("--import-batch", metavar="FILE", nargs="+", action="extend", default=None,
-                   help="read batch responses (all rounds so far) and write the conversations to --out")
-    r.add_argument("--model", help="body.model of exported requests (default: --target as given)")
-    r.set_defaults(func=cmd_regen)
-    return r
-
-
-def cmd_regen(args: argparse.Namespace) -> int:
-    settings = RegenSettings(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        stop_token_ids=args.stop_token_ids, thinking=args.thinking, seed=args.seed, batch_size=args.batch_size,
-        limit=args.limit, sort_window=args.sort_window, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
-        device=args.device, progress=not args.no_progress)
-    if args.export_batch or args.import_batch:
-        summary = batch_roundtrip(args.data, imports=args.import_batch or (), export_path=args.export_batch,
-                                  out=args.out, settings=settings, model_name=args.model or args.target)
-    else:
-        if not args.target or not args.out:
-            raise ValueError("regen needs --target and --out (or --export-batch / --import-batch)")
-        summary = regenerate(args.target, args.data, args.out, settings)
-    print(format_summary(summary))
-    return 0
 
 
 def format_summary(d: dict) -> str:
