@@ -232,7 +232,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_regen(args: argparse.Namespace) -> int:
-    from .data.regen import RegenSettings, batch_roundtrip, format_summary, regenerate
+    from .data.regen.inputs import RegenSettings
+    from .data.regen.journal import format_summary
 
     settings = RegenSettings(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -240,11 +241,15 @@ def cmd_regen(args: argparse.Namespace) -> int:
         limit=args.limit, sort_window=args.sort_window, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
         device=args.device, progress=not args.no_progress)
     if args.export_batch or args.import_batch:
+        from .data.regen.roundtrip import batch_roundtrip
+
         summary = batch_roundtrip(args.data, imports=args.import_batch or (), export_path=args.export_batch,
                                   out=args.out, settings=settings, model_name=args.model or args.target)
     else:
         if not args.target or not args.out:
             raise ValueError("regen needs --target and --out (or --export-batch / --import-batch)")
+        from .data.regen.local import regenerate
+
         summary = regenerate(args.target, args.data, args.out, settings)
     print(format_summary(summary))
     return 0

@@ -231,7 +231,8 @@ def run_demo(root: Path, overrides: list[str], size: "DemoSize | None" = None) -
     """The whole path into `root`; `size` defaults to the machine's (tests pass a small one)."""
     from . import assets
     from .data.prepare import PrepareConfig, prepare
-    from .data.regen import RegenSettings, regenerate
+    from .data.regen.inputs import RegenSettings
+    from .data.regen.local import regenerate
     from .infer.evaluate import update_model_card
     from .model.target import load_tokenizer
     from .rundir import RunDir
