@@ -196,9 +196,9 @@ def _finish_eval(args: argparse.Namespace, report: dict) -> int:
     for ds in report["datasets"]:
         print(lossless_line(report, ds))
     if args.update_card:
-        from .infer.evaluate import update_model_card
+        from .model_card import put_eval_table
 
-        update_model_card(Path(args.drafter), report)
+        put_eval_table(Path(args.drafter), report)
     print(f"report: {out} and {out.with_suffix('.md')}")
     return 0
 

@@ -233,7 +233,7 @@ def run_demo(root: Path, overrides: list[str], size: "DemoSize | None" = None) -
     from .data.prepare import PrepareConfig, prepare
     from .data.regen.inputs import RegenSettings
     from .data.regen.local import regenerate
-    from .infer.evaluate import update_model_card
+    from .model_card import link_images, put_eval_table
     from .model.target import load_tokenizer
     from .rundir import RunDir
     from .train.checkpoint import list_checkpoints
@@ -281,11 +281,8 @@ def run_demo(root: Path, overrides: list[str], size: "DemoSize | None" = None) -
 
     report = _stage("eval", times, do_eval)
     pngs = plot_run(run_dir, report, run_dir / "export")
-    update_model_card(run_dir / "export", report)
-    card = run_dir / "export" / "README.md"
-    links = [f"![{p.stem}]({p.name})" for p in pngs if f"]({p.name})" not in card.read_text()]
-    if links:
-        card.write_text(card.read_text() + "\n" + "".join(link + "\n" for link in links))
+    put_eval_table(run_dir / "export", report)
+    link_images(run_dir / "export", pngs)
     from .rundir import read_metrics
 
     train_records = [r for r in read_metrics(run_dir) if r.get("kind") != "validation"]

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from .model.drafter import sdpa_attention
+from .model_card import CARD_NAME, export_card
 from .model.io import load_drafter, save_drafter
 from .model.provenance import PROVENANCE_NAME
 from .runtime import dtype_named
@@ -36,10 +37,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> P
         extra["training_config.yaml"] = (run_dir / "config.yaml").read_text()
     if (run_dir / PROVENANCE_NAME).is_file():
         extra[PROVENANCE_NAME] = (run_dir / PROVENANCE_NAME).read_text()
-    extra["README.md"] = (
-        "# DFlash drafter\n\nExported by `dflash-train export` from "
-        f"`{checkpoint}`.\n\nLoad with the reference DFlash code or a serving engine's DFlash support.\n"
-    )
+    extra[CARD_NAME] = export_card(checkpoint)
     save_drafter(drafter, out, dtype=dtype, extra_files=extra)
     parity_check(drafter, load_drafter(out), dtype_named(dtype))
     return out

@@ -361,17 +361,3 @@ def load_eval_models(target_path: str, drafter_path: str, device: torch.device, 
     target = load_target_model(tpath, dtype, device)
     stops = stop_token_ids(tpath, tokenizer, tconfig)
     return target, tokenizer, drafter, stops
-
-
-def update_model_card(drafter_dir: Path, report: dict) -> None:
-    """Put the eval table into the drafter's README.md (replacing an earlier one)."""
-    card = drafter_dir / "README.md"
-    text = card.read_text() if card.is_file() else "# DFlash drafter\n"
-    marker = "\n## Evaluation (speculative decoding)\n"
-    text = text.split(marker)[0].rstrip() + "\n" + marker
-    c = report["config"]
-    how = ("Tau by replay (`dflash-train eval --replay`: the tau of greedy speculative decoding, not timed)"
-           if c.get("method") == "replay" else "Produced by `dflash-train eval`")
-    text += (f"\nGreedy={c['temperature'] <= 0}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
-             f"block size {c['block_size']}. {how}.\n\n" + markdown_table(report) + "\n")
-    card.write_text(text)

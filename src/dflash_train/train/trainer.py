@@ -34,6 +34,7 @@ from ..rundir import (MetricsWriter, Pulse, RunDir, StatusWriter, clear_stop_req
                       write_heartbeat)
 from ..model import compile as compile_layer
 from ..model.provenance import PROVENANCE_NAME, target_provenance, write_provenance
+from ..model_card import CARD_NAME, training_card
 from ..runtime import resolve_device, resolve_dtype, stop_token_ids, write_text_atomic
 from . import checkpoint as checkpoints
 from . import preflight
@@ -81,21 +82,6 @@ def plan_run(cfg: Config) -> tuple[Plan, object]:
     target_dtype = resolve_dtype(cfg.target.dtype, device)
     compute_dtype = resolve_dtype(cfg.run.dtype, device)
     return Plan(target_path, layer_ids, int(mask), device, target_dtype, compute_dtype), tokenizer
-
-
-def _model_card(cfg_yaml: str, plan: Plan, summary: dict) -> str:
-    return (
-        "# DFlash drafter\n\n"
-        "A block-diffusion speculative-decoding drafter trained with dflash-train.\n\n"
-        f"- target: `{plan.target_path}`\n"
-        f"- target layer ids: {plan.layer_ids}\n"
-        f"- mask token id: {plan.mask_token_id}\n"
-        f"- steps: {summary.get('step')}, final loss {summary.get('loss', float('nan')):.4f}, "
-        f"accuracy {summary.get('accuracy', float('nan')):.3f}, tau estimate {summary.get('tau_estimate', float('nan')):.3f}\n\n"
-        "Load it with the reference DFlash code or a serving engine's DFlash support "
-        "(config.json + model.safetensors, no embedding or lm_head: those are the target's).\n\n"
-        "## Training config\n\n```yaml\n" + cfg_yaml + "```\n"
-    )
 
 
 def _record(stats: StepStats, step: int, epoch: float, tokens: int, seconds: float, lr: float) -> dict:
@@ -572,8 +558,9 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
             if run.export.is_dir() and any(run.export.iterdir()):  # a resumed run trained past its export: keep it
                 kept = run.export.rename(run.root / f"export.before-step-{step:08d}-{time.strftime('%Y%m%d-%H%M%S')}")
                 log.info("the previous export moved to %s", kept)
+            card = training_card(cfg_yaml, plan.target_path, plan.layer_ids, plan.mask_token_id, last_record)
             save_drafter(drafter, run.export, dtype=cfg.run.export_dtype,
-                         extra_files={"README.md": _model_card(cfg_yaml, plan, last_record), "training_config.yaml": cfg_yaml,
+                         extra_files={CARD_NAME: card, "training_config.yaml": cfg_yaml,
                                       PROVENANCE_NAME: (run.root / PROVENANCE_NAME).read_text()})
             report(phase="done", step=step, export_dir=str(run.export), eta_s=0)
             log.info("done: %d steps in %.0f s; drafter exported to %s", step, time.time() - t_start, run.export)
