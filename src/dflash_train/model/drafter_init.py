@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from ..errors import ConfigError
 from .drafter_config import text_config
 
 log = logging.getLogger(__name__)
@@ -154,8 +155,6 @@ class TargetCapture:
         if compile:
             device = model.get_input_embeddings().weight.device
             if device.type not in _COMPILE_DEVICES:
-                from ..config import ConfigError
-
                 raise ConfigError(
                     f"config key 'target.compile': compiles the target's decoder layers with inductor for CUDA "
                     f"GPUs, but the target is on {device.type} (run.device=cpu, or auto without a GPU); set "
