@@ -11,6 +11,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from typing import Any, Optional
 
@@ -71,7 +72,7 @@ class RunDir:
 
     def contents(self) -> list[str]:
         """What in this directory belongs to a run, described for a message; empty: nothing to lose."""
-        from .train.checkpoint import list_checkpoints  # checkpoint.py imports this module
+        from .train.checkpoint import list_checkpoints  # here: it imports torch, which `status` need not
 
         found = []
         if self.status.is_file():
@@ -110,8 +111,6 @@ class RunDir:
     log_backups = 3
 
     def attach_log(self) -> logging.Handler:
-        from logging.handlers import RotatingFileHandler
-
         handler = RotatingFileHandler(self.log, maxBytes=self.log_max_bytes, backupCount=self.log_backups)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger("dflash_train").addHandler(handler)
@@ -295,7 +294,7 @@ class MetricsWriter:
             self._open_tensorboard()
 
     def _open_tensorboard(self) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # here: `status` imports this module, torch takes 1.7 s
 
         self.tb = SummaryWriter(str(self.run.tensorboard))
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from tqdm import tqdm
+
 from ..model.fingerprints import chat_template_fingerprint, chat_template_text, tokenizer_fingerprint
 from . import store
 from .dataset import tokenize_row
@@ -107,8 +109,6 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
         rows_read = kept = truncated = 0
         bar = None
         if progress:
-            from tqdm import tqdm
-
             bar = tqdm(desc="prepare", unit="row", dynamic_ncols=True, mininterval=1.0)
         for spec in data:
             for where, row in iter_source(spec):

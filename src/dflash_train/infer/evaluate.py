@@ -19,7 +19,12 @@ from .. import assets
 from ..data.chat import prompt_ids
 from ..data.formats import RowError, iter_source, prompt_turns
 from ..model.drafter import DFlashDrafter
+from ..model.drafter_config import text_config
+from ..model.io import load_drafter
+from ..model.provenance import compare, read_provenance, target_provenance
+from ..model.target import load_target_model, load_tokenizer, read_target_config
 from ..runtime import stop_token_ids
+from .replay import build_corpus, replay_records
 from .spec_decode import DecodeResult, SpeculativeDecoder
 
 log = logging.getLogger(__name__)
@@ -189,8 +194,6 @@ def replay_reports(
 ) -> dict[str, dict]:
     """One replay report per drafter (all of one block size) over the same prompts (`{"dataset", "id",
     "turns"}`, datasets in order of first appearance): the target's continuations are generated once."""
-    from .replay import build_corpus, replay_records
-
     stops = list(stop_token_ids or [])
     block_size = next(iter(drafters.values())).block_size
     corpus = build_corpus(target, tokenizer, items, max_new_tokens, block_size, stops, batch_size, template_kwargs)
@@ -321,8 +324,6 @@ def write_report(report: dict, out: Path) -> None:
 
 def check_pair(target_config, drafter: DFlashDrafter) -> None:
     """The drafter must have been trained for this target: shapes and layer count, both sides named."""
-    from ..model.drafter_config import text_config
-
     t, d = text_config(target_config), drafter.config
     problems = []
     for name, tv, dv in (("hidden_size", t.hidden_size, d.hidden_size), ("vocab_size", t.vocab_size, d.vocab_size),
@@ -341,10 +342,6 @@ def load_eval_models(target_path: str, drafter_path: str, device: torch.device, 
                      template_kwargs: Optional[dict] = None, block_size: Optional[int] = None):
     """Load target and drafter after checking, from config files alone, that they belong together and
     that tokenizer, chat template and RoPE are the ones the drafter was trained with."""
-    from ..model.io import load_drafter
-    from ..model.provenance import compare, read_provenance, target_provenance
-    from ..model.target import load_target_model, load_tokenizer, read_target_config
-
     tpath = assets.resolve_target(target_path)
     drafter = load_drafter(drafter_path, device=device, dtype=dtype)
     tconfig = read_target_config(tpath)

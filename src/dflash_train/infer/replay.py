@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
+from transformers import DynamicCache
 
 from ..data.batch import left_pad
 from ..data.chat import prompt_ids
@@ -65,8 +66,6 @@ def greedy_continuations(target, prompts: list[list[int]], num_new: int, batch_s
                          pad_id: int = 0) -> list[list[int]]:
     """The target's greedy continuation of every prompt, `num_new` tokens each (no stopping), in batches
     of prompts of similar length (left padding)."""
-    from transformers import DynamicCache
-
     device = next(target.parameters()).device
     kwarg = _cache_kwarg(target)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
