@@ -27,7 +27,7 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 # ---------------------------------------------------------------------------------- device, dtype
 
 
-def resolve_device(name: str) -> "torch.device":
+def resolve_device(name: str) -> torch.device:
     """`auto`: cuda when a GPU is visible, else cpu; `cuda` without a visible GPU is refused."""
     import torch
 
@@ -38,7 +38,7 @@ def resolve_device(name: str) -> "torch.device":
     return torch.device(name)
 
 
-def dtype_named(name: str) -> "torch.dtype":
+def dtype_named(name: str) -> torch.dtype:
     import torch
 
     if name not in DTYPE_NAMES:
@@ -46,7 +46,7 @@ def dtype_named(name: str) -> "torch.dtype":
     return getattr(torch, name)
 
 
-def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto`: bfloat16 on a GPU, float32 on the CPU; else the dtype of that name."""
     import torch
 
@@ -55,7 +55,7 @@ def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
     return dtype_named(name)
 
 
-def to_device(t: "torch.Tensor", device: "torch.device") -> "torch.Tensor":
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy that does not wait for the device: a CPU tensor goes to a GPU from pinned memory (CUDA copies
     from pageable memory synchronise the stream first)."""
     if t.device.type == "cpu" and device.type == "cuda":
