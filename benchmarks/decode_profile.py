@@ -103,12 +103,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from dflash_train import assets
+    from dflash_train.data.chat import prompt_ids
     from dflash_train.infer.evaluate import iter_prompts
     from dflash_train.infer.spec_decode import SpeculativeDecoder
     from dflash_train.model.drafter import DFlashDrafter
     from dflash_train.model.drafter_config import make_drafter_config
     from dflash_train.model.io import load_drafter
     from dflash_train.model.target import load_target_model, load_tokenizer
+    from dflash_train.runtime import stop_token_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,14 +129,13 @@ def main(argv=None) -> int:
         drafter = DFlashDrafter(make_drafter_config(target.config, num_draft_layers=args.layers, block_size=args.block_size,
                                                     target_layer_ids=default_target_layer_ids(n, 5),
                                                     mask_token_id=16)).to(device, dtype)
-    stops = assets.target_defaults(tpath).get("stop_token_ids") or [tok.eos_token_id]
+    stops = stop_token_ids(tpath, tok)
     dec = SpeculativeDecoder(target, drafter, stops)
     prompts = []
     for item in iter_prompts("mt-bench", args.prompts):
         user = item["turns"][0]
         while True:
-            text = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
+            ids = prompt_ids(tok, [{"role": "user", "content": user}])
             if len(ids) >= args.min_prompt_tokens:
                 break
             user += "\n\n" + item["turns"][0]

@@ -416,7 +416,7 @@ def worker_main(argv: list[str]) -> int:
     p.add_argument("--deadline", type=float, default=None)
     args = p.parse_args(argv)
     from dflash_train.infer.evaluate import load_eval_models
-    from dflash_train.train.trainer import resolve_device, resolve_dtype
+    from dflash_train.runtime import resolve_device, resolve_dtype
 
     settings = EvalSettings(**json.loads(args.settings))
     device = resolve_device(settings.device)
@@ -435,12 +435,12 @@ def _load_target(path: str, settings: EvalSettings):
     """(target, tokenizer, stop ids, device) for replay, without a drafter."""
     from dflash_train import assets
     from dflash_train.model.target import load_target_model, load_tokenizer
-    from dflash_train.train.trainer import resolve_device, resolve_dtype
+    from dflash_train.runtime import resolve_device, resolve_dtype, stop_token_ids
 
     device = resolve_device(settings.device)
     tpath = assets.resolve_target(path)
     tokenizer = load_tokenizer(tpath)
-    stops = assets.target_defaults(tpath).get("stop_token_ids") or [tokenizer.eos_token_id]
+    stops = stop_token_ids(tpath, tokenizer)
     return load_target_model(tpath, resolve_dtype(settings.dtype, device), device), tokenizer, stops, device
 
 
@@ -457,15 +457,14 @@ def corpus_main(argv: list[str]) -> int:
     from dataclasses import asdict
 
     from dflash_train.infer.replay import build_corpus
+    from dflash_train.runtime import write_text_atomic
 
     settings = EvalSettings(**json.loads(args.settings))
     target, tokenizer, stops, _ = _load_target(args.target, settings)
     items = [json.loads(line) for line in Path(args.items).read_text(encoding="utf-8").splitlines() if line.strip()]
     t0 = time.time()
     corpus = build_corpus(target, tokenizer, items, settings.max_new_tokens, args.block_size, stops, args.batch_size)
-    tmp = Path(args.out + ".tmp")
-    tmp.write_text("".join(json.dumps(asdict(t)) + "\n" for t in corpus), encoding="utf-8")
-    tmp.replace(args.out)
+    write_text_atomic(Path(args.out), "".join(json.dumps(asdict(t)) + "\n" for t in corpus))
     print(f"corpus: {len(corpus)} turns of {len(items)} prompts in {time.time() - t0:.1f} s", flush=True)
     return 0
 
@@ -482,6 +481,7 @@ def replay_main(argv: list[str]) -> int:
     from dflash_train.infer.evaluate import check_pair
     from dflash_train.infer.replay import ReplayTurn, replay_records
     from dflash_train.model.io import load_drafter
+    from dflash_train.runtime import write_text_atomic
 
     settings = EvalSettings(**json.loads(args.settings))
     target, tokenizer, stops, device = _load_target(args.target, settings)
@@ -494,10 +494,7 @@ def replay_main(argv: list[str]) -> int:
     t0 = time.time()
     records = replay_records(target, tokenizer, drafters, corpus, settings.max_new_tokens, settings.tree_budgets, stops)
     for name, recs in records.items():
-        out = Path(args.out_dir) / f"{name}.jsonl"
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
-        tmp.replace(out)
+        write_text_atomic(Path(args.out_dir) / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in recs))
     print(f"replay: {len(drafters)} drafter(s) x {len(corpus)} turns in {time.time() - t0:.1f} s", flush=True)
     return 0
 

@@ -41,7 +41,8 @@ def main() -> None:
     from dflash_train.model.drafter_config import make_drafter_config
     from dflash_train.model.target import TargetCapture, TargetHead
     from dflash_train.train.blocks import sample_anchors
-    from dflash_train.train.step import Batch, TrainStep
+    from dflash_train.data.batch import Batch
+    from dflash_train.train.step import TrainStep
     from dflash_train.train.transport import DrafterInbox, SplitLayout, TargetOutbox
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -152,7 +152,8 @@ def measure_one_side(args) -> None:
     from dflash_train.model.drafter_config import make_drafter_config
     from dflash_train.model.target import TargetCapture
     from dflash_train.train.blocks import sample_anchors
-    from dflash_train.train.step import Batch, TrainStep
+    from dflash_train.data.batch import Batch
+    from dflash_train.train.step import TrainStep
 
     from dflash_train.model import compile as compile_layer
 
@@ -237,7 +238,8 @@ def main() -> None:
     from dflash_train.model.drafter import DFlashDrafter, default_target_layer_ids
     from dflash_train.model.drafter_config import make_drafter_config
     from dflash_train.model.target import TargetCapture
-    from dflash_train.train.step import Batch, TrainStep
+    from dflash_train.data.batch import Batch
+    from dflash_train.train.step import TrainStep
 
     from dflash_train.model import compile as compile_layer
 

@@ -362,3 +362,22 @@ def test_prepare_needs_only_the_tokenizer(tiny_target_dir, counting_jsonl, tmp_p
     assert main(["prepare", "--target", str(folder), "--data", str(counting_jsonl), "--out", str(tmp_path / "p"),
                  "--max-length", "128", "--block-size", "4"]) == 0
     assert (tmp_path / "p" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("value,expected", [("true", True), ("False", False), ("1", True), ("0", False),
+                                            ("yes", True), ("NO", False)])
+def test_true_false_options_read_true_false_1_0_yes_no(value, expected):
+    from dflash_train.cli import parse_bool
+
+    assert parse_bool(value) is expected
+
+
+@pytest.mark.parametrize("command", [["eval", "--target", "t", "--drafter", "d"],
+                                     ["prepare", "--target", "t", "--data", "x", "--out", "o"],
+                                     ["regen", "--data", "x"]])
+@pytest.mark.parametrize("value", ["maybe", "on", "", "2"])
+def test_true_false_options_refuse_anything_else(command, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*command, "--thinking", value])
+    assert e.value.code == 2
+    assert f"--thinking: expected true or false (or 1/0, yes/no), got {value!r}" in capsys.readouterr().err

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def regen_data(tmp_path_factory, smollm2_slice_dir):
     """Conversations whose answers the tiny target wrote itself (greedy, `regen`), as every recipe does."""
-    from dflash_train.data.regen import RegenSettings, regenerate
+    from dflash_train.data.regen.inputs import RegenSettings
+    from dflash_train.data.regen.local import regenerate
 
     words = ["apple", "river", "stone", "cloud", "green", "seven", "light", "table"]
     questions = [f"Tell me about {words[i % 8]} number {i}." for i in range(30)]

@@ -137,7 +137,8 @@ def test_a_colocated_step_never_waits_for_the_gpu(compile_layers):
     from dflash_train.model.drafter import DFlashDrafter
     from dflash_train.model.drafter_config import make_drafter_config
     from dflash_train.model.target import TargetCapture
-    from dflash_train.train.step import Batch, TrainStep
+    from dflash_train.data.batch import Batch
+    from dflash_train.train.step import TrainStep
 
     model = _qwen3_target(layers=4)
     cfg = config_from_dict({"drafter": {"block_size": 16, "num_draft_layers": 2}, "objective": {"max_anchors": 32},

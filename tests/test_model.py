@@ -7,12 +7,13 @@ import torch
 from safetensors import safe_open
 
 from dflash_train.config import config_from_dict
+from dflash_train.data.batch import Batch
 from dflash_train.model.attention import resolve_backend
 from dflash_train.model.drafter import DFlashDrafter, default_target_layer_ids, sdpa_attention
 from dflash_train.model.drafter_config import make_drafter_config
 from dflash_train.model.io import load_drafter, save_drafter
 from dflash_train.model.target import TargetCapture, load_target_model
-from dflash_train.train.step import Batch, TrainStep
+from dflash_train.train.step import TrainStep
 
 
 def test_default_layer_ids_follow_the_reference_rule():

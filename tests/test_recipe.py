@@ -164,7 +164,8 @@ def test_forward_loss_equals_a_dense_reference(tiny64, objective, context_multip
     from dflash_train.model.attention import resolve_backend
     from dflash_train.model.drafter import DFlashDrafter
     from dflash_train.model.drafter_config import make_drafter_config
-    from dflash_train.train.step import Batch, forward_loss
+    from dflash_train.data.batch import Batch
+    from dflash_train.train.step import forward_loss
 
     model, target = tiny64
     bs = 4
@@ -318,7 +319,8 @@ def test_cuda_train_steps_with_every_option_on():
     from dflash_train.model.drafter import DFlashDrafter
     from dflash_train.model.drafter_config import make_drafter_config
     from dflash_train.model.target import TargetCapture
-    from dflash_train.train.step import Batch, TrainStep
+    from dflash_train.data.batch import Batch
+    from dflash_train.train.step import TrainStep
 
     torch.manual_seed(0)
     tcfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,

@@ -16,9 +16,12 @@ import pytest
 import torch
 
 from dflash_train.cli import main
-from dflash_train.data import batch_api
 from dflash_train.data.formats import to_messages
-from dflash_train.data.regen import LocalGenerator, RegenSettings, SettingsMismatch, batch_roundtrip, regenerate
+from dflash_train.data.regen import batch_api
+from dflash_train.data.regen.inputs import RegenSettings
+from dflash_train.data.regen.journal import SettingsMismatch
+from dflash_train.data.regen.local import LocalGenerator, regenerate
+from dflash_train.data.regen.roundtrip import batch_roundtrip
 
 STOPS = [2, 0]  # SmolLM2's <|im_end|>, <|endoftext|> (dflash_target.json of the tiny target)
 

@@ -85,7 +85,8 @@ def test_gradient_accumulation_is_the_mean_over_micro_batches(tiny_target_dir):
     from dflash_train.model.drafter import DFlashDrafter
     from dflash_train.model.drafter_config import make_drafter_config
     from dflash_train.model.target import TargetCapture, load_target_model
-    from dflash_train.train.step import Batch, MicroBatch, TrainStep, forward_loss
+    from dflash_train.data.batch import Batch
+    from dflash_train.train.step import MicroBatch, TrainStep, forward_loss
 
     cfg = config_from_dict({"drafter": {"block_size": 4, "num_draft_layers": 1}, "objective": {"max_anchors": 8},
                             "data": {"max_length": 64, "token_budget": 256}, "optim": {"grad_accum": 2}})

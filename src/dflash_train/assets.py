@@ -131,7 +131,7 @@ def resolve_target(spec: str, cache_dir: Path | None = None, weights: bool = Tru
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _cached_conversion(path.resolve(), cache_dir)
     if path.is_dir():
-        from .paths import check_model_folder
+        from .paths import check_model_folder  # here: paths imports torch (model.io), which `status` need not
 
         check_model_folder(path, weights=weights)
         return path.resolve()
@@ -192,7 +192,7 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantise a GGUF checkpoint into a plain HF folder (weights, tokenizer, marker)."""
-    import torch
+    import torch  # here, as in the function below: every command imports this module (through runtime)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

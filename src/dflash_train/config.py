@@ -18,13 +18,8 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
-from .errors import UserError
-from .rundir import write_text_atomic
-
-
-class ConfigError(UserError):
-    """A config that cannot run; the message names the key and what to do."""
-
+from .errors import ConfigError
+from .runtime import write_text_atomic
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 80, 80, 8, 8

@@ -23,6 +23,23 @@ from pathlib import Path
 
 import torch
 
+from . import assets
+from .config import config_from_dict
+from .data.chat import prompt_ids
+from .data.prepare import PrepareConfig, prepare
+from .data.regen.inputs import RegenSettings
+from .data.regen.local import regenerate
+from .infer.evaluate import (HISTOGRAM_HEADER, format_histogram, iter_prompts, load_eval_models, make_modes,
+                             replay_reports, run_prompt, summarize_records)
+from .infer.spec_decode import SpeculativeDecoder
+from .model.drafter import DFlashDrafter
+from .model.target import load_tokenizer
+from .model_card import link_images, put_eval_table
+from .rundir import RunDir, read_metrics
+from .runtime import resolve_device, resolve_dtype
+from .train.checkpoint import list_checkpoints
+from .train.trainer import train
+
 log = logging.getLogger(__name__)
 
 DATASETS = ("sharegpt", "mt-bench", "humaneval")
@@ -55,8 +72,6 @@ class DemoSize:
 
 
 def demo_config(size: DemoSize, data_dir: Path, overrides: list[str]):
-    from .config import config_from_dict
-
     gpu = torch.cuda.is_available()
     if gpu:
         drafter = {"num_draft_layers": 5, "block_size": 16}
@@ -102,7 +117,7 @@ def _stage(name: str, times: dict, fn):
 
 def plot_run(run_dir: Path, eval_report: dict, out_dir: Path) -> list[Path]:
     """Training curves and the acceptance histogram as PNG (matplotlib, if installed)."""
-    try:
+    try:  # an optional dependency (the `plots` extra)
         import matplotlib
 
         matplotlib.use("Agg")
@@ -110,8 +125,6 @@ def plot_run(run_dir: Path, eval_report: dict, out_dir: Path) -> list[Path]:
     except ImportError:
         log.warning("matplotlib is not installed: no plots")
         return []
-    from .rundir import read_metrics
-
     records = read_metrics(run_dir)
     train = [r for r in records if r.get("kind") != "validation"]
     val = [r for r in records if r.get("kind") == "validation"]
@@ -151,17 +164,13 @@ def plot_run(run_dir: Path, eval_report: dict, out_dir: Path) -> list[Path]:
 
 def eval_items(tokenizer, size: DemoSize) -> list[dict]:
     """The first `eval_prompts` prompts of each dataset whose first turn fits `eval_prompt_tokens`."""
-    from .infer.evaluate import iter_prompts
-
     items = []
     for ds in DATASETS:
         taken = 0
         for item in iter_prompts(ds):
             if taken >= size.eval_prompts:
                 break
-            text = tokenizer.apply_chat_template([{"role": "user", "content": item["turns"][0]}], tokenize=False,
-                                                 add_generation_prompt=True)
-            if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= size.eval_prompt_tokens:
+            if len(prompt_ids(tokenizer, [{"role": "user", "content": item["turns"][0]}])) <= size.eval_prompt_tokens:
                 items.append({"dataset": ds, **item})
                 taken += 1
     return items
@@ -172,11 +181,6 @@ def run_eval(target: str, drafter_dir: Path, size: DemoSize, seed: int = 0) -> d
     training started from), then real decoding of `decode_prompts` held-out ShareGPT prompts (timing,
     speedup against the target alone, lossless check). The report is `evaluate`'s, plus "untrained" (tau
     per dataset and mode) and "decode" (the real-decoding summary)."""
-    from .infer.evaluate import load_eval_models, make_modes, replay_reports, run_prompt, summarize_records
-    from .infer.spec_decode import SpeculativeDecoder
-    from .model.drafter import DFlashDrafter
-    from .train.trainer import resolve_device, resolve_dtype
-
     device = resolve_device("auto")
     tgt, tok, drafter, stops = load_eval_models(target, str(drafter_dir), device, resolve_dtype("float32", device))
     torch.manual_seed(seed)
@@ -202,8 +206,6 @@ def run_eval(target: str, drafter_dir: Path, size: DemoSize, seed: int = 0) -> d
 
 def summary_table(report: dict) -> str:
     """tau per dataset and mode (trained and untrained), then the real-decoding line."""
-    from .infer.evaluate import HISTOGRAM_HEADER, format_histogram
-
     c = report["config"]
     lines = [f"tau by replay (greedy; {c.get('prompts_per_dataset', '?')} prompts per dataset, "
              f"{c['max_new_tokens']} new tokens, block {c['block_size']}); untrained = the same drafter before training",
@@ -229,15 +231,6 @@ def summary_table(report: dict) -> str:
 
 def run_demo(root: Path, overrides: list[str], size: "DemoSize | None" = None) -> int:
     """The whole path into `root`; `size` defaults to the machine's (tests pass a small one)."""
-    from . import assets
-    from .data.prepare import PrepareConfig, prepare
-    from .data.regen import RegenSettings, regenerate
-    from .infer.evaluate import update_model_card
-    from .model.target import load_tokenizer
-    from .rundir import RunDir
-    from .train.checkpoint import list_checkpoints
-    from .train.trainer import train
-
     size = size or DemoSize.for_machine()
     root.mkdir(parents=True, exist_ok=True)
     check_recipe(root, size, overrides)
@@ -280,13 +273,8 @@ def run_demo(root: Path, overrides: list[str], size: "DemoSize | None" = None) -
 
     report = _stage("eval", times, do_eval)
     pngs = plot_run(run_dir, report, run_dir / "export")
-    update_model_card(run_dir / "export", report)
-    card = run_dir / "export" / "README.md"
-    links = [f"![{p.stem}]({p.name})" for p in pngs if f"]({p.name})" not in card.read_text()]
-    if links:
-        card.write_text(card.read_text() + "\n" + "".join(link + "\n" for link in links))
-    from .rundir import read_metrics
-
+    put_eval_table(run_dir / "export", report)
+    link_images(run_dir / "export", pngs)
     train_records = [r for r in read_metrics(run_dir) if r.get("kind") != "validation"]
     tok_s = sum(r["tokens_per_s"] for r in train_records) / max(len(train_records), 1)
     print("\n" + summary_table(report))

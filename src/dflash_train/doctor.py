@@ -10,6 +10,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from .runtime import resolve_device, resolve_dtype
+
 
 @dataclass
 class Check:
@@ -70,8 +72,8 @@ def flex_smoke_test() -> Check:
     from .model.drafter import sdpa_attention
     from .model.mask import dense_mask, flex_block_mask
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dev = resolve_device("auto")
+    device, dtype = dev.type, resolve_dtype("auto", dev)
     try:
         t0 = time.time()
         anchors = torch.tensor([[3, 40, 90, 0, 0, 0, 0, 0]], device=device)

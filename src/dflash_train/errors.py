@@ -19,6 +19,11 @@ class UserError(ValueError):
     """A mistake in what the user asked for: one line, exit code 2."""
 
 
+class ConfigError(UserError):
+    """A config that cannot run; the message names the key and what to do. Raised by config.py and by
+    model code that finds a config value its model cannot honour."""
+
+
 # ValueError and FileNotFoundError raised by our own checks name the bad input and what to do; the
 # CLI prints them as one line. Anything else is a failure and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError)

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from .model.drafter import sdpa_attention
+from .model_card import CARD_NAME, export_card
 from .model.io import load_drafter, save_drafter
 from .model.provenance import PROVENANCE_NAME
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from .runtime import dtype_named
 
 
 def parity_check(source, exported, dtype: torch.dtype, seed: int = 0) -> None:
@@ -37,10 +37,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> P
         extra["training_config.yaml"] = (run_dir / "config.yaml").read_text()
     if (run_dir / PROVENANCE_NAME).is_file():
         extra[PROVENANCE_NAME] = (run_dir / PROVENANCE_NAME).read_text()
-    extra["README.md"] = (
-        "# DFlash drafter\n\nExported by `dflash-train export` from "
-        f"`{checkpoint}`.\n\nLoad with the reference DFlash code or a serving engine's DFlash support.\n"
-    )
+    extra[CARD_NAME] = export_card(checkpoint)
     save_drafter(drafter, out, dtype=dtype, extra_files=extra)
-    parity_check(drafter, load_drafter(out), _DTYPES[dtype])
+    parity_check(drafter, load_drafter(out), dtype_named(dtype))
     return out

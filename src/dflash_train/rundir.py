@@ -11,10 +11,12 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from typing import Any, Optional
 
 from . import procs
+from .runtime import publish, write_json_atomic, write_text_atomic
 
 PHASES = ("starting", "loading", "warmup", "training", "exporting", "done", "failed", "stopped")
 ENDED = ("done", "failed", "stopped")
@@ -23,17 +25,6 @@ ENDED = ("done", "failed", "stopped")
 # seconds has lost its process.
 PULSE_S = 2.0
 SILENT_S = 15.0
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write through a temp file and a rename: a reader (or a kill) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True))
 
 
 @dataclass
@@ -81,7 +72,7 @@ class RunDir:
 
     def contents(self) -> list[str]:
         """What in this directory belongs to a run, described for a message; empty: nothing to lose."""
-        from .train.checkpoint import list_checkpoints  # checkpoint.py imports this module
+        from .train.checkpoint import list_checkpoints  # here: it imports torch, which `status` need not
 
         found = []
         if self.status.is_file():
@@ -120,8 +111,6 @@ class RunDir:
     log_backups = 3
 
     def attach_log(self) -> logging.Handler:
-        from logging.handlers import RotatingFileHandler
-
         handler = RotatingFileHandler(self.log, maxBytes=self.log_max_bytes, backupCount=self.log_backups)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger("dflash_train").addHandler(handler)
@@ -305,14 +294,14 @@ class MetricsWriter:
             self._open_tensorboard()
 
     def _open_tensorboard(self) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # here: `status` imports this module, torch takes 1.7 s
 
         self.tb = SummaryWriter(str(self.run.tensorboard))
 
     def _rotate(self) -> None:
         if self.path.is_file() and self.path.stat().st_size >= self.max_bytes:
             taken = [int(p.stem.split("-")[1]) for p in self.run.root.glob("metrics-*.jsonl")]
-            os.replace(self.path, self.run.root / f"metrics-{max(taken, default=0) + 1:05d}.jsonl")
+            publish(self.path, self.run.root / f"metrics-{max(taken, default=0) + 1:05d}.jsonl")
         if self.tb is not None:
             events = sorted(self.run.tensorboard.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
             if events and events[-1].stat().st_size >= self.max_bytes:

@@ -1,4 +1,6 @@
-"""Tokenise a conversation with the target's chat template; `loss_mask = 1` on assistant tokens.
+"""The target's chat template, the one place it is applied: `prompt_ids` (what the target reads before it
+writes the next assistant turn) and `tokenize_conversation` (a whole conversation; `loss_mask = 1` on
+assistant tokens).
 
 The template is rendered to text once per assistant turn prefix; an assistant turn's span is the
 text the template adds between "history + generation prompt" and "history + this turn" (its
@@ -52,6 +54,12 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, templa
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
+
+
+def prompt_ids(tokenizer, messages: list[dict[str, str]], template_kwargs: dict | None = None) -> list[int]:
+    """`messages` (ending with a user turn) rendered with the generation prompt, as token ids."""
+    text = _render(tokenizer, messages, True, template_kwargs or {})
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def tokenize_conversation(

@@ -19,13 +19,13 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from .chat import ConversationError, Tokenized, tokenize_conversation
-from .formats import BUILTIN_SOURCES, RowError, iter_source, to_messages
+from .formats import RowError, iter_source, to_messages
 from .rejects import Rejects
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BUILTIN_SOURCES", "Dataset", "tokenize_row", "load_dataset", "plan_batches", "batches_from",
-           "padding_fraction", "collate"]
+__all__ = ["Dataset", "tokenize_row", "load_dataset", "plan_batches", "batches_from",
+           "padding_fraction"]
 
 NO_ASSISTANT = "no assistant turn (run regen first)"
 FAR_OVER = "far over max_length"
@@ -176,17 +176,3 @@ def batches_from(lengths: np.ndarray, token_budget: int, max_batch_size: int, se
             yield epoch, index, len(plan), plan[index]
         epoch, batch_index = epoch + 1, 0
 
-
-def collate(examples: list[Tokenized], pad_id: int) -> "Batch":
-    import torch
-
-    from ..train.step import Batch
-
-    longest = max(len(e.input_ids) for e in examples)
-    ids = torch.full((len(examples), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(examples), longest), dtype=torch.long)
-    for i, e in enumerate(examples):
-        ids[i, : len(e.input_ids)] = torch.from_numpy(e.input_ids.astype(np.int64))
-        mask[i, : len(e.loss_mask)] = torch.from_numpy(e.loss_mask.astype(np.int64))
-    lengths = torch.tensor([len(e.input_ids) for e in examples], dtype=torch.long)
-    return Batch(ids, mask, lengths)

@@ -1,12 +1,15 @@
-"""Input rows in any common shape -> chat messages; files in JSONL / JSON array / Parquet -> rows.
+"""The one source reader: every `--data` (files in JSONL / JSON array / Parquet, folders of them, built-in
+sets) -> `(id, row)`, and rows in any common shape -> chat messages or the prompts to answer.
 
 Recognised row shapes:
 - ShareGPT: `{"conversations": [{"from": "human"|"gpt"|..., "value": str}, ...]}`
 - OpenAI:   `{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`
   (`content` may also be a list of `{"type": "text", "text": str}` parts)
 - `{"prompt": str, "response": str}` and `{"prompt": str}` (a prompt only: regen writes the answer)
-Every bad row raises `RowError` with a short, countable reason; `where` strings are `file:line`
-(JSONL), `file:#index` (JSON array, Parquet, built-in sources) so a user can find the row.
+- `{"turns": [str, ...]}`: consecutive user turns, no answers yet (MT-Bench)
+Every bad row raises `RowError` with a short, countable reason. Row ids say where the row is: `file:line`
+(JSONL), `file:#index` (JSON array, Parquet), `sharegpt:#index` (the training split; the held-out split
+eval reads: `sharegpt-heldout:#index`), `mt-bench:<question_id>`, `humaneval:<task_id>`.
 Reading is streaming for every format: memory does not grow with the file.
 """
 
@@ -16,8 +19,11 @@ import codecs
 import gzip
 import json
 import reprlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Union
+
+from .. import assets
 
 SHAREGPT_ROLES = {
     "human": "user", "user": "user",
@@ -68,11 +74,30 @@ def _turn(role: Any, content: Any, i: int) -> dict[str, str]:
     return {"role": role, "content": _content(content, role, i)}
 
 
-def to_messages(row: Any) -> list[dict[str, str]]:
-    """The row as chat messages. A prompt-only row ends with a user turn (no assistant yet)."""
+def _user_turns(turns: Any) -> list[str]:
+    if not isinstance(turns, list):
+        raise RowError("wrong type", f"'turns' is a {type(turns).__name__}, not a list")
+    if not turns:
+        raise RowError("missing turns", "no turns")
+    return [_content(t, "user", i) for i, t in enumerate(turns)]
+
+
+def _present(row: Any) -> dict:
     if not isinstance(row, dict):
         raise RowError("wrong type", f"row is a {type(row).__name__}, not an object")
-    row = {k: v for k, v in row.items() if v is not None}  # Parquet: absent columns are nulls
+    return {k: v for k, v in row.items() if v is not None}  # Parquet: absent columns are nulls
+
+
+def _is_turns_row(row: dict) -> bool:
+    return "turns" in row and not any(k in row for k in ("messages", "conversations", "prompt"))
+
+
+def to_messages(row: Any) -> list[dict[str, str]]:
+    """The row as chat messages. A prompt-only row ends with a user turn (no assistant yet); of a `turns`
+    row that is its first turn (the later ones wait for the answers to the earlier)."""
+    row = _present(row)
+    if _is_turns_row(row):
+        return [{"role": "user", "content": _user_turns(row["turns"])[0]}]
     if "messages" in row:
         turns = row["messages"]
         if not isinstance(turns, list):
@@ -100,7 +125,7 @@ def to_messages(row: Any) -> list[dict[str, str]]:
         if "response" in row:
             msgs.append(_turn("assistant", row["response"], 1))
     else:
-        raise RowError("unknown shape", f"keys {sorted(row)[:8]}; expected messages, conversations or prompt")
+        raise RowError("unknown shape", f"keys {sorted(row)[:8]}; expected messages, conversations, prompt or turns")
     if not msgs:
         raise RowError("missing turns", "no turns")
     body = msgs[1:] if msgs[0]["role"] == "system" else msgs
@@ -111,6 +136,28 @@ def to_messages(row: Any) -> list[dict[str, str]]:
         if m["role"] != expected:
             raise RowError("bad turn order", f"turn {i} is {m['role']}, expected {expected} (turns must alternate)")
     return msgs
+
+
+@dataclass
+class PromptTurns:
+    """What a target answers turn by turn: the row's system turn (or none) and its user turns.
+    `answered`: the row holds assistant turns, so its later user turns reply to answers the target did
+    not write."""
+
+    system: list[dict[str, str]]
+    users: list[str]
+    answered: bool
+
+
+def prompt_turns(row: Any) -> PromptTurns:
+    """The prompts of a row (any shape); raises RowError like `to_messages`."""
+    row = _present(row)
+    if _is_turns_row(row):
+        return PromptTurns([], _user_turns(row["turns"]), False)
+    msgs = to_messages(row)
+    system = [dict(msgs[0])] if msgs[0]["role"] == "system" else []
+    return PromptTurns(system, [m["content"] for m in msgs if m["role"] == "user"],
+                       any(m["role"] == "assistant" for m in msgs))
 
 
 Row = Union[dict, RowError]
@@ -290,11 +337,17 @@ def _value_end(buf: str, pos: int) -> int | None:
     return None
 
 
-def _iter_parquet(path: Path, batch_rows: int = 1024) -> Iterator[tuple[str, Row]]:
+def _parquet_file(path: Path):
+    # Imported on first use: the CLI imports this module to build its parser, and pyarrow.parquet takes
+    # 0.18 s to import (measured), more than the rest of `dflash-train status`.
     import pyarrow.parquet as pq
 
+    return pq.ParquetFile(path)
+
+
+def _iter_parquet(path: Path, batch_rows: int = 1024) -> Iterator[tuple[str, Row]]:
     index = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
+    for batch in _parquet_file(path).iter_batches(batch_size=batch_rows):
         for row in batch.to_pylist():
             yield f"{path}:#{index}", row
             index += 1
@@ -323,33 +376,62 @@ def expand_source(spec: str) -> list[Path] | str:
 
 
 def builtin_file(name: str) -> Path:
-    """The packaged file a built-in source reads (for checksums in manifests)."""
-    from .. import assets
+    """The packaged file a built-in source reads (for checksums in manifests). Raises FileNotFoundError,
+    saying what to install, when its package is missing."""
+    getter = {"sharegpt": assets.sharegpt_path, "mt-bench": assets.mtbench_path, "humaneval": assets.humaneval_path}
+    try:
+        return getter[name]()
+    except assets.AssetPackageMissing as e:
+        raise FileNotFoundError(str(e)) from None
 
-    return {"sharegpt": assets.sharegpt_path, "mt-bench": assets.mtbench_path, "humaneval": assets.humaneval_path}[name]()
 
-
-def iter_builtin(name: str) -> Iterator[tuple[str, Row]]:
-    """Rows of a built-in source: ShareGPT's training split as `messages`; MT-Bench and HumanEval as
-    prompt-only rows (`prompt` = first turn, `turns` = all of them, `id`)."""
-    from .. import assets
-
+def iter_builtin(name: str, sharegpt_split: str = "train") -> Iterator[tuple[str, Row]]:
+    """Rows of a built-in source: ShareGPT's training split (or, for eval, its held-out split) as `messages`;
+    MT-Bench and HumanEval as prompt-only `turns` rows."""
     if name == "sharegpt":
-        for i, conv in enumerate(assets.iter_sharegpt_split("train")):
-            yield f"sharegpt:#{i}", {"messages": conv["messages"]}
+        prefix = "sharegpt" if sharegpt_split == "train" else f"sharegpt-{sharegpt_split}"
+        for i, conv in enumerate(assets.iter_sharegpt_split(sharegpt_split)):
+            yield f"{prefix}:#{i}", {"messages": conv["messages"]}
     elif name in ("mt-bench", "humaneval"):
         items = assets.iter_mtbench() if name == "mt-bench" else assets.iter_humaneval()
-        for i, item in enumerate(items):
-            yield f"{name}:#{i}", {"id": item["id"], "prompt": item["turns"][0], "turns": item["turns"]}
+        for item in items:
+            yield f"{name}:{item['id']}", {"turns": item["turns"]}
     else:
         raise FileNotFoundError(f"unknown built-in source {name!r}; built-in: {', '.join(BUILTIN_SOURCES)}")
 
 
-def iter_source(spec: str) -> Iterator[tuple[str, Row]]:
+def iter_source(spec: str, sharegpt_split: str = "train") -> Iterator[tuple[str, Row]]:
     """Rows of one `--data` argument (file, folder or built-in name), in a deterministic order."""
     expanded = expand_source(spec)
     if isinstance(expanded, str):
-        yield from iter_builtin(expanded)
+        yield from iter_builtin(expanded, sharegpt_split)
         return
     for path in expanded:
         yield from iter_rows(path)
+
+
+def _row_counts(spec: str) -> Iterator[int]:
+    expanded = expand_source(spec)
+    if isinstance(expanded, str):
+        yield from (1 for _ in iter_builtin(expanded))
+        return
+    for path in expanded:
+        kind = _sniff(path)
+        if kind == "parquet":
+            yield _parquet_file(path).metadata.num_rows
+        elif kind == "array":
+            yield from (1 for _ in iter_rows(path))
+        else:  # counted by lines, without decoding them
+            with _open_bytes(path) as f:
+                yield from (1 for raw in f if raw.strip())
+
+
+def count_rows(specs: list[str], limit: int = 0) -> int:
+    """Rows the sources hold (for a progress bar), up to `limit` when set."""
+    total = 0
+    for spec in specs:
+        for n in _row_counts(spec):
+            total += n
+            if limit and total >= limit:
+                return limit
+    return total

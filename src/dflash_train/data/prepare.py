@@ -8,20 +8,21 @@ built in a hidden temp directory beside `--out` and renamed into place when comp
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from tqdm import tqdm
+
+from ..model.fingerprints import chat_template_fingerprint, chat_template_text, tokenizer_fingerprint
 from . import store
-from .dataset import FAR_FACTOR, tokenize_row
-from .formats import BUILTIN_SOURCES, RowError, builtin_file, expand_source, iter_source
+from .dataset import tokenize_row
+from .formats import RowError, builtin_file, expand_source, iter_source
 from .rejects import Rejects
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def holdout_key(messages: list[dict]) -> float:
 
 def template_kwargs_for(tokenizer, thinking: Optional[bool]) -> dict:
     """`enable_thinking` goes to the template only when it is given and the template reads it."""
-    if thinking is None or "enable_thinking" not in store.chat_template_text(tokenizer):
+    if thinking is None or "enable_thinking" not in chat_template_text(tokenizer):
         return {}
     return {"enable_thinking": thinking}
 
@@ -108,8 +109,6 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
         rows_read = kept = truncated = 0
         bar = None
         if progress:
-            from tqdm import tqdm
-
             bar = tqdm(desc="prepare", unit="row", dynamic_ncols=True, mininterval=1.0)
         for spec in data:
             for where, row in iter_source(spec):
@@ -144,8 +143,8 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
             "format": store.FORMAT,
             "format_version": store.FORMAT_VERSION,
             "target": str(target),
-            "tokenizer_fingerprint": store.tokenizer_fingerprint(tokenizer),
-            "chat_template_fingerprint": store.chat_template_fingerprint(tokenizer),
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "chat_template_fingerprint": chat_template_fingerprint(tokenizer),
             "thinking": cfg.thinking,
             "template_kwargs": kwargs,
             "max_length": cfg.max_length,
@@ -186,59 +185,3 @@ def summary(manifest: dict, out: Path) -> str:
     lines.append(f"  tokenizer {manifest['tokenizer_fingerprint'][:19]}..., chat template "
                  f"{manifest['chat_template_fingerprint'][:19]}...")
     return "\n".join(lines)
-
-
-def _bool(value: str) -> bool:
-    v = value.lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
-
-
-def cmd_prepare(args: argparse.Namespace) -> int:
-    from .. import assets
-    from ..model.target import load_tokenizer
-
-    target_path = assets.resolve_target(args.target, weights=False)  # the tokenizer is all prepare reads
-    tokenizer = load_tokenizer(target_path, args.trust_remote_code)
-    cfg = PrepareConfig(max_length=args.max_length, block_size=args.block_size, val_fraction=args.val_fraction,
-                        thinking=args.thinking, shard_rows=args.shard_rows, max_samples=args.max_samples,
-                        overwrite=args.overwrite)
-    out = Path(args.out)
-    try:
-        manifest = prepare(tokenizer, args.target, args.data, out, cfg, progress=sys.stderr.isatty())
-    except FileExistsError as e:
-        raise ValueError(str(e)) from None
-    print(summary(manifest, out))
-    return 0
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "prepare", help="tokenise conversations with the target's chat template into a prepared dataset directory",
-        description="Read conversations (JSONL / JSON array / Parquet; ShareGPT, OpenAI messages, {prompt, response}) "
-                    f"or a built-in source ({', '.join(BUILTIN_SOURCES)}), tokenise them with the target's chat "
-                    "template (loss on assistant tokens) and write memory-mapped shards + manifest.json to --out. "
-                    "Bad rows are skipped and listed in OUT/rejects.jsonl.",
-    )
-    p.add_argument("--target", required=True, help="target whose tokenizer and chat template are used: smollm2, an HF folder or a .gguf")
-    p.add_argument("--data", action="append", required=True, metavar="FILE|DIR|NAME",
-                   help="input file, folder of files, or built-in source; repeat for several")
-    p.add_argument("--out", required=True, help="output directory (written atomically)")
-    p.add_argument("--max-length", type=int, default=3072, help="tokens per conversation; longer ones are truncated, "
-                   f"more than {FAR_FACTOR}x longer ones rejected (default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=16, help="drafter block size: rows with fewer than 2 * block_size "
-                   "supervised tokens are dropped (default: %(default)s)")
-    p.add_argument("--val-fraction", type=float, default=0.02,
-                   help="share held out for validation, by a hash of the content (default: %(default)s)")
-    p.add_argument("--thinking", type=_bool, default=None, metavar="true|false",
-                   help="enable_thinking for templates that read it (default: the template's own default)")
-    p.add_argument("--shard-rows", type=int, default=50_000, help="rows per shard file (default: %(default)s)")
-    p.add_argument("--max-samples", type=int, default=0,
-                   help="keep at most this many rows, 0 = all (default: %(default)s)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--trust-remote-code", action="store_true", help="only if you trust the target folder's code")
-    p.set_defaults(func=cmd_prepare)
-    return p

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
 
+from ..model.fingerprints import chat_template_fingerprint, tokenizer_fingerprint
+from ..runtime import replace_dir
 from .chat import Tokenized
 
 FORMAT = "dflash-train/prepared"
@@ -40,36 +40,7 @@ SCHEMA = pa.schema([
 ])
 
 
-# ---------------------------------------------------------------------------------- fingerprints
-
-
-def _sha256_json(obj: Any) -> str:
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 over the vocabulary (added tokens included), the special tokens and the added tokens with
-    their flags: two tokenizers with the same fingerprint map every text to the same ids."""
-    added = {
-        str(i): {k: getattr(t, k, None) for k in ("content", "special", "lstrip", "rstrip", "normalized", "single_word")}
-        for i, t in tokenizer.added_tokens_decoder.items()
-    }
-    special = {k: str(v) for k, v in getattr(tokenizer, "special_tokens_map", {}).items()}
-    return _sha256_json({"vocab": tokenizer.get_vocab(), "special": special, "added": added})
-
-
-def chat_template_text(tokenizer) -> str:
-    template = getattr(tokenizer, "chat_template", None)
-    if template is None:
-        return ""
-    if isinstance(template, dict):  # named templates
-        return json.dumps(template, sort_keys=True)
-    return str(template)
-
-
-def chat_template_fingerprint(tokenizer) -> str:
-    return "sha256:" + hashlib.sha256(chat_template_text(tokenizer).encode("utf-8")).hexdigest()
+# ------------------------------------------------------------------------------------------ files
 
 
 def file_sha256(path: Path) -> str:
@@ -161,15 +132,9 @@ def write_json(path: Path, obj: Any) -> None:
 def publish_dir(tmp: Path, final: Path, overwrite: bool) -> None:
     """Move a finished temp directory into place (same filesystem: a rename). An existing output is
     replaced only with `overwrite`; it is moved aside first, so a crash never leaves a half directory."""
-    old = None
-    if final.exists():
-        if not overwrite:
-            raise FileExistsError(f"{final} already exists; pass --overwrite or choose another --out")
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final} already exists; pass --overwrite or choose another --out")
+    replace_dir(tmp, final)
 
 
 # ------------------------------------------------------------------------------------------- read

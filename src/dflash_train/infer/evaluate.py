@@ -16,50 +16,35 @@ from typing import Iterator, Optional
 import torch
 
 from .. import assets
+from ..data.chat import prompt_ids
+from ..data.formats import RowError, iter_source, prompt_turns
 from ..model.drafter import DFlashDrafter
+from ..model.drafter_config import text_config
+from ..model.io import load_drafter
+from ..model.provenance import compare, read_provenance, target_provenance
+from ..model.target import load_target_model, load_tokenizer, read_target_config
+from ..runtime import stop_token_ids
+from .replay import build_corpus, replay_records
 from .spec_decode import DecodeResult, SpeculativeDecoder
 
 log = logging.getLogger(__name__)
 
-DATASETS = ("mt-bench", "humaneval", "sharegpt")
-
-
 def iter_prompts(name: str, limit: int = 0) -> Iterator[dict]:
-    """`{"id", "turns": [user message, ...]}` from a built-in benchmark or a conversations file
-    (JSONL with `messages`, `turns` or `prompt`)."""
-    if name == "mt-bench":
-        source: Iterator[dict] = assets.iter_mtbench()
-    elif name == "humaneval":
-        source = assets.iter_humaneval()
-    elif name == "sharegpt":
-        source = ({"id": c["id"], "turns": [m["content"] for m in c["messages"] if m["role"] == "user"][:1]}
-                  for c in assets.iter_sharegpt_split("heldout"))
-    else:
-        path = Path(name)
-        if not path.is_file():
-            raise FileNotFoundError(f"eval data {name!r}: not a built-in set ({', '.join(DATASETS)}) nor a file")
-        source = _iter_file(path)
-    for i, item in enumerate(source):
+    """`{"id", "turns": [user message, ...]}` per row of a built-in set (`sharegpt`: its held-out split) or
+    of any source `formats` reads. `id` is the row's own `id` field when it has one (regen writes its
+    source row's id there), else the reader's. A conversation gives its first user turn only: its later
+    ones reply to answers the decoding under test did not write. A bad row stops here, naming it."""
+    for i, (where, row) in enumerate(iter_source(name, sharegpt_split="heldout")):
         if limit and i >= limit:
             return
-        yield item
-
-
-def _iter_file(path: Path) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "turns" in row:
-                turns = row["turns"]
-            elif "messages" in row:
-                turns = [m["content"] for m in row["messages"] if m.get("role") == "user"][:1]
-            elif "prompt" in row:
-                turns = [row["prompt"]]
-            else:
-                raise ValueError(f"{path}:{lineno}: expected 'turns', 'messages' or 'prompt'")
-            yield {"id": row.get("id", f"{path.name}:{lineno}"), "turns": turns}
+        if isinstance(row, RowError):
+            raise ValueError(f"eval data {where}: {row}")
+        try:
+            prompts = prompt_turns(row)
+        except RowError as e:
+            raise ValueError(f"eval data {where}: {e}") from None
+        own = row.get("id")
+        yield {"id": where if own is None else own, "turns": prompts.users[:1] if prompts.answered else prompts.users}
 
 
 @dataclass
@@ -92,9 +77,7 @@ def run_prompt(dec: SpeculativeDecoder, tokenizer, item: dict, modes: list[Mode]
         outs = []
         for turn in item["turns"]:
             history.append({"role": "user", "content": turn})
-            text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True,
-                                                 **(template_kwargs or {}))
-            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            prompt = prompt_ids(tokenizer, history, template_kwargs)
             res = mode.run(dec, prompt, max_new_tokens)
             answer = tokenizer.decode(res.tokens, skip_special_tokens=True)
             history.append({"role": "assistant", "content": answer})
@@ -211,8 +194,6 @@ def replay_reports(
 ) -> dict[str, dict]:
     """One replay report per drafter (all of one block size) over the same prompts (`{"dataset", "id",
     "turns"}`, datasets in order of first appearance): the target's continuations are generated once."""
-    from .replay import build_corpus, replay_records
-
     stops = list(stop_token_ids or [])
     block_size = next(iter(drafters.values())).block_size
     corpus = build_corpus(target, tokenizer, items, max_new_tokens, block_size, stops, batch_size, template_kwargs)
@@ -343,8 +324,6 @@ def write_report(report: dict, out: Path) -> None:
 
 def check_pair(target_config, drafter: DFlashDrafter) -> None:
     """The drafter must have been trained for this target: shapes and layer count, both sides named."""
-    from ..model.drafter_config import text_config
-
     t, d = text_config(target_config), drafter.config
     problems = []
     for name, tv, dv in (("hidden_size", t.hidden_size, d.hidden_size), ("vocab_size", t.vocab_size, d.vocab_size),
@@ -363,10 +342,6 @@ def load_eval_models(target_path: str, drafter_path: str, device: torch.device, 
                      template_kwargs: Optional[dict] = None, block_size: Optional[int] = None):
     """Load target and drafter after checking, from config files alone, that they belong together and
     that tokenizer, chat template and RoPE are the ones the drafter was trained with."""
-    from ..model.io import load_drafter
-    from ..model.provenance import compare, read_provenance, target_provenance
-    from ..model.target import load_target_model, load_tokenizer, read_target_config
-
     tpath = assets.resolve_target(target_path)
     drafter = load_drafter(drafter_path, device=device, dtype=dtype)
     tconfig = read_target_config(tpath)
@@ -381,19 +356,5 @@ def load_eval_models(target_path: str, drafter_path: str, device: torch.device, 
     if problems:
         raise ValueError("the drafter does not match how it would be used here: " + "; ".join(problems))
     target = load_target_model(tpath, dtype, device)
-    stops = assets.target_defaults(tpath).get("stop_token_ids") or [tokenizer.eos_token_id]
+    stops = stop_token_ids(tpath, tokenizer, tconfig)
     return target, tokenizer, drafter, stops
-
-
-def update_model_card(drafter_dir: Path, report: dict) -> None:
-    """Put the eval table into the drafter's README.md (replacing an earlier one)."""
-    card = drafter_dir / "README.md"
-    text = card.read_text() if card.is_file() else "# DFlash drafter\n"
-    marker = "\n## Evaluation (speculative decoding)\n"
-    text = text.split(marker)[0].rstrip() + "\n" + marker
-    c = report["config"]
-    how = ("Tau by replay (`dflash-train eval --replay`: the tau of greedy speculative decoding, not timed)"
-           if c.get("method") == "replay" else "Produced by `dflash-train eval`")
-    text += (f"\nGreedy={c['temperature'] <= 0}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
-             f"block size {c['block_size']}. {how}.\n\n" + markdown_table(report) + "\n")
-    card.write_text(text)

@@ -26,7 +26,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
+from transformers import DynamicCache
 
+from ..data.batch import left_pad
+from ..data.chat import prompt_ids
 from ..model.drafter import DFlashDrafter, sdpa_attention
 from ..model.mask import dense_mask
 from .spec_decode import SpeculativeDecoder
@@ -63,21 +66,13 @@ def greedy_continuations(target, prompts: list[list[int]], num_new: int, batch_s
                          pad_id: int = 0) -> list[list[int]]:
     """The target's greedy continuation of every prompt, `num_new` tokens each (no stopping), in batches
     of prompts of similar length (left padding)."""
-    from transformers import DynamicCache
-
     device = next(target.parameters()).device
     kwarg = _cache_kwarg(target)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[Optional[list[int]]] = [None] * len(prompts)
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            p = prompts[i]
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+        ids, mask = left_pad([prompts[i] for i in rows], pad_id)
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache()
@@ -270,9 +265,7 @@ def build_corpus(target, tokenizer, items: list[dict], max_new: int, block_size:
         prompts = []
         for k in rows:
             histories[k].append({"role": "user", "content": items[k]["turns"][t]})
-            text = tokenizer.apply_chat_template(histories[k], tokenize=False, add_generation_prompt=True,
-                                                 **(template_kwargs or {}))
-            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            prompts.append(prompt_ids(tokenizer, histories[k], template_kwargs))
         conts = greedy_continuations(target, prompts, max_new + block_size - 1, batch_size, pad)
         for k, prompt, cont in zip(rows, prompts, conts):
             answer = tokenizer.decode(finish(cont, max_new, stops), skip_special_tokens=True)

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import safe_open
 
-from ..config import ConfigError
+from ..errors import ConfigError
+from .target import _checkpoint_keys
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +85,6 @@ def init_drafter_from_target(drafter, target_path, layer_ids: Optional[list[int]
     """Copy target decoder layers into `drafter` in place (see the module docstring). Returns the target
     layer ids used. Raises ConfigError, naming the tensor and both shapes, when a shape differs (a
     drafter narrowed with drafter.intermediate_size / num_attention_heads / ...)."""
-    from safetensors import safe_open
-
-    from .target import _checkpoint_keys
-
     target_path = Path(target_path)
     cfg = drafter.config
     if layer_ids is None:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,13 +11,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..runtime import dtype_named, replace_dir, temp_dir_beside
 from .drafter import DFlashDrafter
 from .drafter_config import drafter_config_from_dict
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def drafter_config_json(drafter: DFlashDrafter, dtype: str) -> dict[str, Any]:
@@ -42,22 +39,6 @@ def drafter_config_json(drafter: DFlashDrafter, dtype: str) -> dict[str, Any]:
     return data
 
 
-def _atomic_dir(out: Path):
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-
-
 def save_drafter(
     drafter: DFlashDrafter,
     out_dir: str | Path,
@@ -66,14 +47,14 @@ def save_drafter(
 ) -> Path:
     """Write the drafter atomically: a killed save never leaves a folder that looks complete."""
     out = Path(out_dir)
-    tmp = _atomic_dir(out)
+    tmp = temp_dir_beside(out)
     try:
-        tensors = {k: v.detach().to("cpu", _DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
+        tensors = {k: v.detach().to("cpu", dtype_named(dtype)).contiguous() for k, v in drafter.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(drafter_config_json(drafter, dtype), indent=2, sort_keys=True))
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

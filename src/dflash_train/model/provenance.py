@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from ..runtime import write_json_atomic
 from .drafter_config import text_config
+from .fingerprints import chat_template_fingerprint, tokenizer_fingerprint
 
 PROVENANCE_NAME = "dflash_train.json"
 
@@ -24,8 +26,6 @@ def _rope(config) -> dict[str, Any]:
 
 
 def target_provenance(target_path: str, tokenizer, target_config, template_kwargs: Optional[dict] = None) -> dict:
-    from ..data.store import chat_template_fingerprint, tokenizer_fingerprint
-
     t = text_config(target_config)
     return {
         "target": str(target_path),
@@ -42,7 +42,7 @@ def target_provenance(target_path: str, tokenizer, target_config, template_kwarg
 
 
 def write_provenance(folder: Path, record: dict) -> None:
-    (Path(folder) / PROVENANCE_NAME).write_text(json.dumps(record, indent=2, sort_keys=True))
+    write_json_atomic(Path(folder) / PROVENANCE_NAME, record)
 
 
 def read_provenance(folder: Path) -> Optional[dict]:

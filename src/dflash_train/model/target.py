@@ -4,6 +4,7 @@ and capture the outputs of `target_layer_ids` without running later layers or th
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -11,9 +12,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from ..errors import ConfigError
 from .drafter_config import text_config
 
 log = logging.getLogger(__name__)
@@ -154,8 +157,6 @@ class TargetCapture:
         if compile:
             device = model.get_input_embeddings().weight.device
             if device.type not in _COMPILE_DEVICES:
-                from ..config import ConfigError
-
                 raise ConfigError(
                     f"config key 'target.compile': compiles the target's decoder layers with inductor for CUDA "
                     f"GPUs, but the target is on {device.type} (run.device=cpu, or auto without a GPU); set "
@@ -284,15 +285,11 @@ class TargetHead:
 
 def _checkpoint_keys(path: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from the index or the single file."""
-    import json
-
     index = path / "model.safetensors.index.json"
     if index.is_file():
         return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
     single = path / "model.safetensors"
     if single.is_file():
-        from safetensors import safe_open
-
         with safe_open(single, framework="pt") as f:
             return {k: single for k in f.keys()}
     raise FileNotFoundError(f"{path} has no model.safetensors(.index.json): the split placement reads the target's "
@@ -315,8 +312,6 @@ def load_target_head(path: str | Path, dtype: torch.dtype, device: torch.device,
                      trust_remote_code: bool = False) -> TargetHead:
     """The target's embedding and lm_head alone, read from its safetensors: a 27B target's decoder
     never touches a drafter rank's memory."""
-    from safetensors import safe_open
-
     path = Path(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     tc = text_config(config)

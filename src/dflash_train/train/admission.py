@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .. import assets
 from ..config import Config, ConfigError, config_to_dict, load_config
+from ..data.formats import expand_source
+from ..data.store import is_prepared
 from ..errors import UserError
 from ..rundir import ENDED, RunDir, liveness
 from .checkpoint import list_checkpoints
@@ -175,10 +178,6 @@ def _phase_of(run: RunDir, raw: bool = False) -> str:
 def check_inputs_exist(cfg: Config, config_path: Optional[str], overrides: list[str]) -> None:
     """The target and every data entry exist (cheap: no tokenising, no loading), so that a typo is reported
     in a second, naming the key and whether it came from the config file or an override."""
-    from .. import assets
-    from ..data.formats import expand_source
-    from ..data.store import is_prepared
-
     def where(key: str) -> str:
         given = [o for o in overrides if o.split("=", 1)[0].strip() == key]
         return f"override {given[-1]}" if given else f"config file {config_path}"

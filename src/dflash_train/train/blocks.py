@@ -15,13 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy that does not wait for the device: a CPU tensor goes to a GPU from pinned memory (CUDA copies
-    from pageable memory synchronise the stream first)."""
-    if t.device.type == "cpu" and device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+from ..runtime import to_device
 
 
 @dataclass

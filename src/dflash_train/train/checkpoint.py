@@ -21,7 +21,7 @@ import torch
 
 from ..errors import UserError
 from ..model.io import load_drafter, save_drafter
-from ..rundir import write_json_atomic
+from ..runtime import write_json_atomic
 
 log = logging.getLogger(__name__)
 

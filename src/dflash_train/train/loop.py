@@ -18,9 +18,11 @@ from typing import Any, Optional
 import torch
 
 from ..config import Config
-from ..data.dataset import batches_from, collate, padding_fraction, plan_batches
+from ..data.batch import collate
+from ..data.dataset import batches_from, padding_fraction, plan_batches
 from ..model import compile as compile_layer
 from ..model.io import save_drafter
+from ..model_card import CARD_NAME
 from ..model.provenance import PROVENANCE_NAME
 from ..rundir import Reporter, RunDir
 from . import checkpoint as checkpoints
@@ -280,7 +282,7 @@ def finish(s: Session, state: RunState, rep: Reporter, last_record: dict) -> Pat
         kept = run.export.rename(run.root / f"export.before-step-{state.step:08d}-{time.strftime('%Y%m%d-%H%M%S')}")
         log.info("the previous export moved to %s", kept)
     save_drafter(s.train_step.drafter, run.export, dtype=s.cfg.run.export_dtype,
-                 extra_files={"README.md": s.model_card(cfg_yaml, last_record), "training_config.yaml": cfg_yaml,
+                 extra_files={CARD_NAME: s.model_card(cfg_yaml, last_record), "training_config.yaml": cfg_yaml,
                               PROVENANCE_NAME: (run.root / PROVENANCE_NAME).read_text()})
     rep.report(phase="done", step=state.step, export_dir=str(run.export), eta_s=0)
     log.info("done: %d steps in %.0f s; drafter exported to %s", state.step, time.time() - s.t_start, run.export)

@@ -4,11 +4,13 @@ else holds it? A run that cannot fit says so in seconds instead of failing minut
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 log = logging.getLogger(__name__)
 
@@ -18,8 +20,6 @@ MARGIN = 2 * 2**30  # CUDA context, allocator slack, the first activations
 
 def checkpoint_parameters(path: Path) -> int:
     """Parameter count of a safetensors checkpoint, from the file headers alone."""
-    from safetensors import safe_open
-
     total = 0
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
@@ -52,8 +52,6 @@ def other_processes(device_index: int) -> list[str]:
                              capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError, RuntimeError):
         return []
-    import os
-
     found = []
     for line in out.splitlines():
         parts = [p.strip() for p in line.split(",")]

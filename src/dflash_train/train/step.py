@@ -10,26 +10,14 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
+from ..data.batch import Batch
 from ..model.attention import AttentionBackend
 from ..model.drafter import DFlashDrafter
 from ..model.target import TargetCapture, TargetHead
-from .blocks import Blocks, acceptance_weights, build_blocks, sample_anchors, to_device
+from ..runtime import to_device
+from .blocks import Blocks, acceptance_weights, build_blocks, sample_anchors
 from .dist import HostCopy
 from .loss import chunked_weighted_ce
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [B, S] right-padded
-    loss_mask: torch.Tensor  # [B, S]
-    lengths: torch.Tensor  # [B]
-    # The CPU batch this one was copied from: the step plans anchors and blocks there (data-dependent
-    # sizes read on the host, never from the device).
-    host: "Batch | None" = None
-
-    def to(self, device: torch.device) -> "Batch":
-        host = self if self.input_ids.device.type == "cpu" and device.type != "cpu" else self.host
-        return Batch(*(to_device(t, device) for t in (self.input_ids, self.loss_mask, self.lengths)), host=host)
 
 
 @dataclass

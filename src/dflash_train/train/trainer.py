@@ -20,7 +20,8 @@ import torch
 
 from .. import assets
 from ..config import Config, dump_config, validate_against_target, validate_compile_device, validate_world
-from ..data.dataset import collate, plan_batches
+from ..data.batch import Batch, collate
+from ..data.dataset import plan_batches
 from ..data.source import open_training_data, open_validation_data
 from ..errors import UserError, debug_enabled, is_user_error
 from ..model import compile as compile_layer
@@ -31,34 +32,19 @@ from ..model.drafter_init import init_drafter_from_target
 from ..model.provenance import target_provenance, write_provenance
 from ..model.target import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
                             read_target_config)
+from ..model_card import training_card
 from ..rundir import Reporter, RunDir, clear_stop_request, stop_requested_since
+from ..runtime import resolve_device, resolve_dtype, stop_token_ids, write_text_atomic
 from . import checkpoint as checkpoints
 from . import preflight, size_classes
 from .admission import holds_run_message, with_step_cap
 from .dist import DistContext
 from .launch import LAUNCH_TIME_ENV
 from .loop import RunState, Session, memory_gib, micro_batch_groups, train_loop
-from .step import Batch, TrainStep, forward_loss
+from .step import TrainStep, forward_loss
 from .transport import SplitLayout, TargetOutbox, DrafterInbox
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
 
 @dataclass
 class Plan:
@@ -95,21 +81,6 @@ def plan_run(cfg: Config) -> tuple[Plan, object]:
     target_dtype = resolve_dtype(cfg.target.dtype, device)
     compute_dtype = resolve_dtype(cfg.run.dtype, device)
     return Plan(target_path, layer_ids, int(mask), device, target_dtype, compute_dtype), tokenizer
-
-
-def _model_card(cfg_yaml: str, plan: Plan, summary: dict) -> str:
-    return (
-        "# DFlash drafter\n\n"
-        "A block-diffusion speculative-decoding drafter trained with dflash-train.\n\n"
-        f"- target: `{plan.target_path}`\n"
-        f"- target layer ids: {plan.layer_ids}\n"
-        f"- mask token id: {plan.mask_token_id}\n"
-        f"- steps: {summary.get('step')}, final loss {summary.get('loss', float('nan')):.4f}, "
-        f"accuracy {summary.get('accuracy', float('nan')):.3f}, tau estimate {summary.get('tau_estimate', float('nan')):.3f}\n\n"
-        "Load it with the reference DFlash code or a serving engine's DFlash support "
-        "(config.json + model.safetensors, no embedding or lm_head: those are the target's).\n\n"
-        "## Training config\n\n```yaml\n" + cfg_yaml + "```\n"
-    )
 
 
 def _other_batch_size(batch: Batch, hidden: Optional[torch.Tensor]) -> tuple[Batch, Optional[torch.Tensor]]:
@@ -477,10 +448,12 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
         if ctx.is_main and cfg.run.eval_every else None
     if ctx.is_main and cfg.run.eval_every and val is None:
         log.info("no validation data (prepared val split or data.val_files): validation is off")
-    stop_ids = assets.target_defaults(plan.target_path).get("stop_token_ids") or [a.tokenizer.eos_token_id]
+    stop_ids = stop_token_ids(plan.target_path, a.tokenizer)
     return Session(cfg, run, ctx.rank, ctx.is_main, r.device, train_step, r.data, a.tokenizer.pad_token_id,
                    r.batching, r.per_step, r.drafters, r.drafter_group, r.total, a.identity,
-                   lambda cfg_yaml, record: _model_card(cfg_yaml, plan, record), inbox, val, stop_ids)
+                   lambda cfg_yaml, record: training_card(cfg_yaml, plan.target_path, plan.layer_ids, plan.mask_token_id,
+                                                          record),
+                   inbox, val, stop_ids)
 
 
 def warm_up_drafter_rank(s: Session, a: Admitted, r: RankSetup, rep: Reporter) -> dict:
@@ -546,8 +519,6 @@ def _truncate_metrics(path: Path, step: int) -> None:
         if not keep and part != path:
             part.unlink()
             continue
-        tmp = part.with_name(f".{part.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, part)  # a kill here leaves the old file, never a half-written one
+        write_text_atomic(part, "".join(line + "\n" for line in keep))  # a kill leaves the old file
         if keep:
             break

@@ -25,7 +25,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .step import Batch, MicroBatch
+from ..data.batch import Batch
+from .step import MicroBatch
 
 GO, STOP = 1, 0
 HEADER = 8  # m, B, S, width, then spare

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..data.dataset import collate, plan_batches
+from ..data.batch import collate
+from ..data.dataset import plan_batches
 from ..infer.replay import teacher_forced_walk
 from ..infer.spec_decode import SpeculativeDecoder
 from .step import TrainStep, acceptance_estimate, forward_loss

@@ -1,0 +1,224 @@
+"""Local regen: the target generates every assistant turn, batched, resumable (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+
+from ... import assets
+from ...model.target import load_target_model, load_tokenizer, read_target_config
+from ...runtime import resolve_device, resolve_dtype, stop_token_ids
+from ..batch import left_pad
+from ..chat import prompt_ids
+from ..formats import RowError, count_rows
+from .inputs import Convo, RegenSettings, batch_seed, check_sources, iter_entries, windows
+from .journal import Appender, Summary, check_settings, read_done_ids, reject_record, side_paths
+
+log = logging.getLogger(__name__)
+
+
+class LocalGenerator:
+    """Batched generation with the target (HF `generate`, left padding, KV cache)."""
+
+    def __init__(self, model, tokenizer, *, stop_token_ids: list[int], max_new_tokens: int, temperature: float,
+                 top_p: float, seed: int, template_kwargs: Optional[dict] = None):
+        self._model, self.tokenizer = model, tokenizer  # model: a module, or a callable that loads it
+        self.stops = set(stop_token_ids)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]
+        self.sampling = temperature > 0
+        self.seed = seed
+        self.template_kwargs = template_kwargs or {}
+        kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=self.sampling,
+                                  eos_token_id=list(stop_token_ids), pad_token_id=self.pad_id, repetition_penalty=1.0)
+        if self.sampling:  # explicit, so that the model's own sampling defaults (top_k, ...) do not apply
+            kw.update(temperature=temperature, top_p=top_p, top_k=0)
+        self.gen_config = GenerationConfig(**kw)
+
+    @property
+    def model(self):
+        if callable(self._model) and not hasattr(self._model, "generate"):
+            self._model = self._model()
+        return self._model
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return prompt_ids(self.tokenizer, messages, self.template_kwargs)
+
+    def generate(self, prompts: list[list[int]], seed_key: str = "") -> list[list[int]]:
+        """New tokens per prompt, up to and including the first stop token."""
+        device = next(self.model.parameters()).device
+        ids, mask = left_pad(prompts, self.pad_id)
+        width = ids.shape[1]
+        if self.sampling:
+            torch.manual_seed(batch_seed(self.seed, seed_key))
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                      generation_config=self.gen_config)
+        result = []
+        for row in out[:, width:].tolist():
+            cut = next((j for j, t in enumerate(row) if t in self.stops), None)
+            result.append(row if cut is None else row[: cut + 1])
+        return result
+
+    def text(self, tokens: list[int]) -> str:
+        if tokens and tokens[-1] in self.stops:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def converse(self, batch: list[Convo], first_prompts: list[list[int]], max_prompt_tokens: int
+                 ) -> list[tuple[list[dict[str, str]], int, Optional[str], int]]:
+        """Answer every user turn of every row, turn by turn, batched across rows by turn index.
+        Per row: (messages, answered turns, why it ended early or None, new tokens)."""
+        msgs = [list(c.system) for c in batch]
+        answered = [0] * len(batch)
+        ended: list[Optional[str]] = [None] * len(batch)
+        ntok = [0] * len(batch)
+        for k in range(max(len(c.users) for c in batch)):
+            active, prompts = [], []
+            for i, c in enumerate(batch):
+                if ended[i] or k >= len(c.users):
+                    continue
+                hist = msgs[i] + [{"role": "user", "content": c.users[k]}]
+                ids = first_prompts[i] if k == 0 else self.prompt_ids(hist)
+                if len(ids) > max_prompt_tokens:
+                    ended[i] = "context full"
+                    continue
+                active.append((i, hist))
+                prompts.append(ids)
+            if not active:
+                break
+            for (i, hist), toks in zip(active, self.generate(prompts, seed_key=f"{batch[0].id}|{k}")):
+                ntok[i] += len(toks)
+                answer = self.text(toks)
+                if not answer.strip():
+                    ended[i] = "empty response"
+                    continue
+                msgs[i] = hist + [{"role": "assistant", "content": answer}]
+                answered[i] += 1
+        return [(msgs[i], answered[i], ended[i], ntok[i]) for i in range(len(batch))]
+
+
+def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str, Path],
+               settings: Optional[RegenSettings] = None, *, model=None, tokenizer=None) -> dict:
+    """Generate the assistant turns of `sources` with `target` into `out` (resumable; see the package
+    docstring). Returns the summary as a dict (`Summary.as_dict`)."""
+    s = settings or RegenSettings()
+    if s.max_new_tokens <= 0 or s.batch_size <= 0 or s.sort_window <= 0:
+        raise ValueError("--max-new-tokens, --batch-size and --sort-window must be positive")
+    sources = check_sources(sources)
+    out = Path(out)
+    target_path = assets.resolve_target(str(target))
+    config = read_target_config(target_path)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(target_path)
+    stops = stop_token_ids(target_path, tokenizer, config, s.stop_token_ids)
+    device = resolve_device(s.device)
+    dtype = resolve_dtype(s.dtype, device)
+    max_prompt = s.max_prompt_tokens
+    if max_prompt is None:
+        context = getattr(config, "max_position_embeddings", None)
+        max_prompt = (context - s.max_new_tokens) if context else 1 << 30
+        if max_prompt <= 0:
+            raise ValueError(f"--max-new-tokens {s.max_new_tokens} leaves no room for a prompt in the target's "
+                             f"context of {context} tokens")
+    # --limit, --batch-size and --sort-window may change between runs (e.g. a smaller batch after an OOM).
+    guarded = {"target": str(target_path), "data": sources, "max_new_tokens": s.max_new_tokens,
+               "temperature": s.temperature, "top_p": s.top_p if s.temperature > 0 else None,
+               "seed": s.seed if s.temperature > 0 else None, "stop_token_ids": stops, "thinking": s.thinking,
+               "max_prompt_tokens": s.max_prompt_tokens, "dtype": str(dtype).replace("torch.", "")}
+    check_settings(out, "generate", guarded)
+    sidecar, rejects_path = side_paths(out)
+    done_rejects = read_done_ids(rejects_path, full=True)
+    done = set(read_done_ids(out)) | set(done_rejects)
+
+    def load_model():  # on first use: a run with nothing left to do never loads the target
+        log.info("loading target %s (%s, %s)", target_path, device, dtype)
+        return load_target_model(target_path, dtype, device)
+
+    template_kwargs = {"enable_thinking": s.thinking} if s.thinking is not None else None
+    gen = LocalGenerator(model if model is not None else load_model, tokenizer, stop_token_ids=stops,
+                         max_new_tokens=s.max_new_tokens,
+                         temperature=s.temperature, top_p=s.top_p, seed=s.seed, template_kwargs=template_kwargs)
+
+    summary = Summary(out=str(out), rejects_file=str(rejects_path))
+    total = count_rows(sources, s.limit)
+    bar = tqdm(total=total, initial=min(len(done), total), unit="row", dynamic_ncols=True, disable=not s.progress,
+               desc="regen", file=sys.stderr)
+    out_f, rej_f = Appender(out), Appender(rejects_path)
+    t0 = time.perf_counter()
+    try:
+        for window in windows(iter_entries(sources, s.limit), s.sort_window):
+            if all(where in done for where, _ in window):  # finished: no need to tokenise it to sort it
+                for where, e in window:
+                    if where in done_rejects:
+                        rec = done_rejects[where] or {}
+                        summary.reject(where, rec.get("reason", "?"), rec.get("detail", ""))
+                    else:
+                        summary.already_done += 1
+                continue
+            new_rejects: list[dict] = []
+            items = []  # (prompt length, position, convo, prompt ids)
+            for pos, (where, e) in enumerate(window):
+                if isinstance(e, Convo):
+                    ids = gen.prompt_ids(e.system + [{"role": "user", "content": e.users[0]}])
+                    if len(ids) <= max_prompt:
+                        items.append((len(ids), pos, e, ids))
+                        continue
+                    e = RowError("prompt too long", f"{len(ids)} tokens > max prompt tokens {max_prompt}")
+                summary.reject(where, e.reason, e.detail)
+                if where not in done:
+                    new_rejects.append(reject_record(where, e.reason, e.detail))
+            rej_f.write(new_rejects)
+            bar.update(len(new_rejects))
+            items.sort(key=lambda t: (-t[0], t[1]))
+            for b in range(0, len(items), s.batch_size):
+                batch = items[b: b + s.batch_size]
+                todo = sum(1 for it in batch if it[2].id not in done)
+                for it in batch:
+                    if it[2].id in done_rejects:
+                        rec = done_rejects[it[2].id] or {}
+                        summary.reject(it[2].id, rec.get("reason", "?"), rec.get("detail", ""))
+                    elif it[2].id in done:
+                        summary.already_done += 1
+                if not todo:
+                    continue
+                convos = [it[2] for it in batch]
+                results = gen.converse(convos, [it[3] for it in batch], max_prompt)
+                rows, rejected = [], []
+                for c, (msgs, answered, ended, ntok) in zip(convos, results):
+                    if c.id in done:
+                        continue
+                    summary.new_tokens += ntok
+                    if answered == 0:
+                        reason, detail = ended or "empty response", "the target's first answer is empty"
+                        summary.reject(c.id, reason, detail)
+                        rejected.append(reject_record(c.id, reason, detail))
+                        continue
+                    if answered < len(c.users):
+                        summary.truncated[ended] += 1
+                    rows.append({"id": c.id, "messages": msgs})
+                out_f.write(rows)
+                rej_f.write(rejected)
+                summary.rows_written += len(rows)
+                bar.update(todo)
+                elapsed = time.perf_counter() - t0
+                bar.set_postfix_str(f"{summary.new_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+    except KeyboardInterrupt:
+        summary.elapsed_s = time.perf_counter() - t0
+        bar.close()
+        print(summary.format() + "\ninterrupted: run the same command again to continue", file=sys.stderr)
+        raise
+    finally:
+        out_f.close()
+        rej_f.close()
+    bar.close()
+    summary.elapsed_s = time.perf_counter() - t0
+    if summary.rows_written + summary.already_done == 0:
+        raise ValueError(f"no usable row in {', '.join(sources)}: " + summary.format())
+    return summary.as_dict()
