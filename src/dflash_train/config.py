@@ -19,6 +19,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 import yaml
 
 from .errors import ConfigError
+from .rundir import TRACKERS, tracker_unavailable
 from .runtime import write_text_atomic
 
 _REPR = reprlib.Repr()
@@ -157,6 +158,9 @@ class RunConfig:
     eval_batches: int = 4
     eval_prompts: int = 2
     eval_max_new_tokens: int = 64
+    # Experiment trackers that get every metrics record besides TensorBoard (always written): "wandb"
+    # (offline, RUN/wandb) and "mlflow" (RUN/mlruns, or MLFLOW_TRACKING_URI). Each needs its package.
+    report_to: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -462,6 +466,10 @@ def validate(cfg: Config) -> None:
     need(r.eval_every >= 0 and r.eval_batches >= 0 and r.eval_prompts >= 0, "run.eval_every",
          "eval_every, eval_batches and eval_prompts must be >= 0")
     need(r.eval_max_new_tokens >= 1, "run.eval_max_new_tokens", "must be >= 1")
+    for name in r.report_to:
+        need(name in TRACKERS, "run.report_to", f"{name!r} is not a tracker; valid: {', '.join(TRACKERS)} "
+             "(TensorBoard is always written; [] for it alone)")
+    need(len(set(r.report_to)) == len(r.report_to), "run.report_to", f"lists a tracker twice ({r.report_to})")
     need(op.grad_accum >= 1, "optim.grad_accum", f"must be >= 1 (got {op.grad_accum})")
     if r.device == "cpu":
         validate_compile_device(cfg, "cpu")
@@ -487,8 +495,19 @@ def validate_compile_device(cfg: Config, device_type: str) -> None:
             )
 
 
+def validate_trackers(cfg: Config) -> None:
+    """Each tracker of run.report_to imports here: a missing package fails the start, no silent fallback. Run
+    at start-up (by `validate_world`), not by `validate`: a resume loads the run's own config.yaml as it was
+    recorded, and must be able to drop a tracker whose package this machine lacks (run.report_to=[])."""
+    for name in cfg.run.report_to:
+        unavailable = tracker_unavailable(name)
+        if unavailable:
+            raise ConfigError(unavailable)
+
+
 def validate_world(cfg: Config, world: int) -> None:
-    """Checks that need the number of ranks (run at start-up, before any model loads)."""
+    """Checks at start-up, before any model loads: the number of ranks, and the trackers' packages."""
+    validate_trackers(cfg)
     if cfg.parallel.placement == "split" and not 1 <= cfg.parallel.target_ranks < world:
         raise ConfigError(
             f"config key 'parallel.target_ranks': {cfg.parallel.target_ranks} target rank(s) do not fit {world} "

@@ -1,22 +1,29 @@
 """The run directory contract: config.yaml, train.log, metrics.jsonl, status.json, heartbeats/, STOP,
-checkpoints/, tensorboard/, export/. Writers here; `read_status` / `format_status` answer
-`dflash-train status`, and `liveness` says whether the process behind a run is still there."""
+checkpoints/, tensorboard/, export/ (and, with run.report_to, trackers.json, mlruns/, wandb/). Writers here;
+`read_status` / `format_status` answer `dflash-train status`, and `liveness` says whether the process behind
+a run is still there."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
+import secrets
+import string
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, Sequence
+from urllib.parse import urlparse
 
 from . import procs
 from .runtime import publish, write_json_atomic, write_text_atomic
+
+log = logging.getLogger(__name__)
 
 PHASES = ("starting", "loading", "warmup", "training", "exporting", "done", "failed", "stopped")
 ENDED = ("done", "failed", "stopped")
@@ -61,6 +68,15 @@ class RunDir:
     @property
     def export(self) -> Path:
         return self.root / "export"
+
+    @property
+    def trackers(self) -> Path:
+        """trackers.json: the run id each tracker of run.report_to gave this run (a resume continues it)."""
+        return self.root / "trackers.json"
+
+    @property
+    def mlruns(self) -> Path:
+        return self.root / "mlruns"
 
     @property
     def stop_file(self) -> Path:
@@ -280,18 +296,41 @@ def read_metrics(root: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def record_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The scalars of a metrics record, named as every sink shows them: each number but `step`, and
+    accuracy_per_position as accuracy_per_position/1 .. /k (slots with nothing counted left out)."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if isinstance(value, (int, float)) and key != "step":
+            out[key] = value
+        elif isinstance(value, list) and key == "accuracy_per_position":
+            for k, v in enumerate(value, start=1):
+                if v is not None:
+                    out[f"accuracy_per_position/{k}"] = v
+    return out
+
+
 class MetricsWriter:
-    """metrics.jsonl (one record per log step) and TensorBoard scalars. Both rotate at `max_bytes`:
-    metrics.jsonl moves to the next metrics-NNNNN.jsonl and TensorBoard starts a new event file, so
-    no file grows without bound and nothing is deleted (the metrics are the run's record)."""
+    """metrics.jsonl (one record per log step), TensorBoard scalars and the trackers of run.report_to.
+    metrics.jsonl and TensorBoard rotate at `max_bytes`: metrics.jsonl moves to the next metrics-NNNNN.jsonl
+    and TensorBoard starts a new event file, so no file grows without bound and nothing is deleted (the
+    metrics are the run's record). `params` (the flattened config) go to each tracker run once."""
 
     max_bytes = 64 * 2**20
 
-    def __init__(self, run: RunDir, tensorboard: bool = True):
+    def __init__(self, run: RunDir, tensorboard: bool = True, trackers: Sequence[str] = (),
+                 params: Optional[dict[str, Any]] = None):
         self.run, self.path = run, run.metrics
         self.tb = None
         if tensorboard:
             self._open_tensorboard()
+        self.trackers: list[Tracker] = []
+        try:
+            for name in trackers:
+                self.trackers.append(open_tracker(name, run, params or {}))
+        except BaseException:
+            self.close(failed=True)
+            raise
 
     def _open_tensorboard(self) -> None:
         from torch.utils.tensorboard import SummaryWriter  # here: `status` imports this module, torch takes 1.7 s
@@ -312,19 +351,187 @@ class MetricsWriter:
         self._rotate()
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = record_scalars(record)
+        step = record["step"]
         if self.tb is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(key, value, step)
-                elif isinstance(value, list) and key == "accuracy_per_position":
-                    for k, v in enumerate(value, start=1):
-                        if v is not None:
-                            self.tb.add_scalar(f"accuracy_per_position/{k}", v, step)
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
+        for tracker in self.trackers:
+            tracker.write(step, scalars)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Flush and close every sink; `failed`: the run ended in an error (trackers mark their run so)."""
         if self.tb is not None:
             self.tb.close()
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            try:
+                tracker.close(failed)
+            except Exception as e:  # cleanup (often in a `finally`): the run's own error, if any, goes on
+                log.warning("%s did not close cleanly: %s: %s", type(tracker).__name__, type(e).__name__, e)
+
+
+# ---------------------------------------------------------------------------- trackers (run.report_to)
+
+
+@dataclass(frozen=True)
+class TrackerPackage:
+    module: str  # what is imported
+    install: str  # what to run when it is missing
+
+
+TRACKERS: dict[str, TrackerPackage] = {
+    "wandb": TrackerPackage("wandb", "pip install wandb"),
+    "mlflow": TrackerPackage("mlflow", "pip install mlflow-skinny"),
+}
+
+
+def tracker_unavailable(name: str, module: Optional[str] = None) -> Optional[str]:
+    """Why tracker `name` of run.report_to cannot run in this environment (one line saying what to install),
+    or None. Imports its package (`module`, by default the tracker's own): a package that is missing, or
+    present but broken, is found before any model loads."""
+    package = TRACKERS[name]
+    module = module or package.module
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # ImportError, or whatever a broken install raises at import
+        first = (str(e).splitlines() or [""])[0]
+        return (f"config key 'run.report_to': lists {name!r}, but its package ({module}) cannot be imported here "
+                f"({type(e).__name__}: {first}); install it with `{package.install}` (or `pip install "
+                f"'dflash-train[trackers]'`), or remove {name!r} from run.report_to")
+    return None
+
+
+class Tracker(Protocol):
+    """One experiment tracker's run, continued across resumes: it takes every metrics record's scalars."""
+
+    def write(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self, failed: bool = False) -> None: ...
+
+
+def read_tracker_ids(run: RunDir) -> dict[str, dict[str, Any]]:
+    """trackers.json: {tracker: {what identifies its run}}; empty when there is none (or it is unreadable)."""
+    try:
+        data = json.loads(run.trackers.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save_tracker_id(run: RunDir, name: str, entry: dict[str, Any]) -> None:
+    ids = read_tracker_ids(run)
+    ids[name] = entry
+    write_json_atomic(run.trackers, ids)
+
+
+def open_tracker(name: str, run: RunDir, params: dict[str, Any]) -> Tracker:
+    if name == "mlflow":
+        return MlflowTracker(run, params)
+    if name == "wandb":
+        return WandbTracker(run, params)
+    raise ValueError(f"unknown tracker {name!r} (valid: {', '.join(TRACKERS)})")
+
+
+class MlflowTracker:
+    """An MLflow run through MlflowClient (explicit run id, no fluent global state). The tracking URI is
+    MLFLOW_TRACKING_URI when set, else a local file store in RUN/mlruns; the experiment is
+    MLFLOW_EXPERIMENT_NAME or "dflash-train", the run is named after the run directory."""
+
+    def __init__(self, run: RunDir, params: dict[str, Any]):
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        self.uri = os.environ.get("MLFLOW_TRACKING_URI") or run.mlruns.resolve().as_uri()
+        if _is_file_store(self.uri):
+            # MLflow 3 keeps its file store in maintenance mode and refuses to open one without this opt-in;
+            # it needs no database (the sqlite store needs sqlalchemy and alembic, which mlflow-skinny lacks).
+            # Set for this process only, and only for a file store; a value the user set is kept.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=self.uri)
+        known = read_tracker_ids(run).get("mlflow", {}).get("run_id")
+        self.run_id: Optional[str] = None
+        if known:
+            try:
+                active = self.client.get_run(known).info.lifecycle_stage == "active"
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                active = False
+            if active:
+                self.run_id = known
+                self.client.update_run(known, status="RUNNING")
+            else:
+                log.warning("MLflow run %s of %s is not in %s (or was deleted); starting a new MLflow run",
+                            known, run.trackers, self.uri)
+        if self.run_id is None:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "dflash-train"
+            experiment = self.client.get_experiment_by_name(name)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+            created = self.client.create_run(experiment_id, run_name=run.root.name,
+                                             tags={"dflash_train.run_dir": str(run.root.resolve())})
+            self.run_id = created.info.run_id
+            _save_tracker_id(run, "mlflow", {"run_id": self.run_id, "experiment_id": experiment_id,
+                                             "tracking_uri": self.uri})
+            items = [Param(k, str(v)) for k, v in sorted(params.items())]
+            for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+                self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, step) for k, v in scalars.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def close(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def _is_file_store(uri: str) -> bool:
+    """A local path or file: URI (a bare name such as "databricks" also passes: the opt-in is then unused)."""
+    return urlparse(uri).scheme in ("", "file")
+
+
+class WandbTracker:
+    """A Weights & Biases run, offline unless WANDB_MODE says otherwise: it writes RUN/wandb/offline-run-*/
+    and needs no network or account (`wandb sync RUN/wandb/offline-run-*` uploads it later). The project
+    is WANDB_PROJECT or "dflash-train"; the run id is kept in trackers.json, so a resume logs into the
+    same run (each sitting writes its own offline-run-* directory under that id)."""
+
+    def __init__(self, run: RunDir, params: dict[str, Any]):
+        import wandb
+
+        run_id = read_tracker_ids(run).get("wandb", {}).get("id")
+        fresh = run_id is None
+        if fresh:
+            run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(12))
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "dflash-train",
+            name=run.root.name,
+            id=run_id,
+            resume="allow",
+            dir=str(run.root),
+            mode=os.environ.get("WANDB_MODE") or "offline",
+            config=params if fresh else None,  # the params once per tracker run
+            settings=wandb.Settings(console="off", silent=True),  # leave the trainer's stdout/stderr alone
+        )
+        if fresh:
+            _save_tracker_id(run, "wandb", {"id": run_id})
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(dict(scalars), step=step)
+
+    def close(self, failed: bool = False) -> None:
+        import wandb
+
+        self.run.finish(exit_code=1 if failed else 0)
+        # finish() can return before W&B's service process has written the run's file (offline, on a busy
+        # machine: an empty run-ID.wandb for a while); teardown waits for it, so the run is on disk when
+        # close returns. W&B's own atexit teardown is, by its docs, unreliable in multi-process programs.
+        wandb.teardown()
 
 
 def read_status(root: str | Path) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
@@ -474,7 +681,8 @@ def bound_side(beats: list[dict[str, Any]]) -> Optional[str]:
 
 class Reporter:
     """One rank's voice in the run directory: its heartbeat file and the pulse that says the process lives,
-    and on rank 0 status.json, train.log, metrics.jsonl and TensorBoard. Nothing else writes them."""
+    and on rank 0 status.json, train.log, metrics.jsonl, TensorBoard and the trackers of run.report_to.
+    Nothing else writes them."""
 
     def __init__(self, run: RunDir, rank: int, is_main: bool):
         self.run, self.rank, self.is_main = run, rank, is_main
@@ -483,6 +691,7 @@ class Reporter:
         self.log_handler = run.attach_log() if is_main else None
         self.status = StatusWriter(run) if is_main else None
         self.metrics: Optional[MetricsWriter] = None
+        self.has_failed = False
         self.pulse = Pulse([heartbeat_path(run, rank)] + ([run.status] if is_main else [])).start()
 
     def report(self, **fields: Any) -> None:
@@ -498,9 +707,10 @@ class Reporter:
         self.step = step
         write_heartbeat(self.run, self.rank, phase, step, **{**self.beat_fields, **extra})
 
-    def open_metrics(self) -> None:
+    def open_metrics(self, trackers: Sequence[str] = (), params: Optional[dict[str, Any]] = None) -> None:
+        """metrics.jsonl and TensorBoard, and `trackers` (run.report_to) with `params` (the flattened config)."""
         if self.is_main and self.metrics is None:
-            self.metrics = MetricsWriter(self.run)
+            self.metrics = MetricsWriter(self.run, trackers=trackers, params=params)
 
     def write_metrics(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:
@@ -513,6 +723,7 @@ class Reporter:
         write_heartbeat(self.run, self.rank, "stopped", self.step)
 
     def failed(self, e: BaseException) -> None:
+        self.has_failed = True
         if self.status is not None:
             self.status.fail(e)
         else:
@@ -521,7 +732,7 @@ class Reporter:
     def close(self) -> None:
         self.pulse.stop()
         if self.metrics is not None:
-            self.metrics.close()
+            self.metrics.close(failed=self.has_failed)
         if self.log_handler is not None:
             logging.getLogger("dflash_train").removeHandler(self.log_handler)
             self.log_handler.close()

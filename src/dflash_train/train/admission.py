@@ -28,10 +28,10 @@ from .checkpoint import list_checkpoints
 
 log = logging.getLogger(__name__)
 
-# Keys a resumed run may change: how long it trains and how often it logs, saves and validates. The data
-# order, anchors, optimizer and model are untouched by them.
+# Keys a resumed run may change: how long it trains, how often it logs, saves and validates, and which trackers
+# it reports to. The data order, anchors, optimizer and model are untouched by them.
 RESUMABLE = ("optim.max_steps", "optim.epochs", "run.log_every", "run.save_every", "run.keep_last",
-             "run.eval_every", "run.progress_bar", "run.compile_cache_dir")
+             "run.eval_every", "run.progress_bar", "run.compile_cache_dir", "run.report_to")
 LENGTH_KEYS = ("optim.max_steps", "optim.epochs")
 
 

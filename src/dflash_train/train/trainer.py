@@ -37,7 +37,7 @@ from ..rundir import Reporter, RunDir, clear_stop_request, stop_requested_since
 from ..runtime import resolve_device, resolve_dtype, stop_token_ids, write_text_atomic
 from . import checkpoint as checkpoints
 from . import preflight, size_classes
-from .admission import holds_run_message, with_step_cap
+from .admission import flatten, holds_run_message, with_step_cap
 from .dist import DistContext
 from .launch import LAUNCH_TIME_ENV
 from .loop import RunState, Session, memory_gib, micro_batch_groups, train_loop
@@ -443,7 +443,7 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
                              len(plan.layer_ids) * a.provenance["hidden_size"], plan.target_dtype, r.device, state.step)
         if state.step < r.total:
             inbox.ask(state.step)  # the target ranks compute the first step while this rank compiles
-    rep.open_metrics()
+    rep.open_metrics(cfg.run.report_to, flatten(cfg))  # rank 0: metrics, TensorBoard, run.report_to
     val = open_validation_data(cfg, a.tokenizer, run.root / "rejects-val.jsonl") \
         if ctx.is_main and cfg.run.eval_every else None
     if ctx.is_main and cfg.run.eval_every and val is None:
