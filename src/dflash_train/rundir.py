@@ -5,6 +5,7 @@ a run is still there."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -221,10 +222,8 @@ class Pulse:
     def _run(self) -> None:
         while not self._halt.wait(self.interval):
             for path in self.paths:
-                try:
+                with contextlib.suppress(OSError):  # not written yet, or being replaced this instant
                     os.utime(path)
-                except OSError:  # not written yet, or being replaced this instant
-                    pass
 
     def stop(self) -> None:
         self._halt.set()
@@ -271,10 +270,7 @@ def stop_requested_since(run: RunDir, since: float) -> bool:
 
 
 def clear_stop_request(run: RunDir) -> None:
-    try:
-        run.stop_file.unlink()
-    except FileNotFoundError:
-        pass
+    run.stop_file.unlink(missing_ok=True)
 
 
 def metrics_parts(root: str | Path) -> list[Path]:
