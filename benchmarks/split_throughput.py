@@ -36,11 +36,12 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from dflash_train.config import config_from_dict
-    from dflash_train.model.attention import resolve_backend
-    from dflash_train.model.drafter import DFlashDrafter, default_target_layer_ids
-    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.algorithms.dflash.attention import resolve_backend
+    from dflash_train.algorithms.base import default_target_layer_ids
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.model.target import TargetCapture, TargetHead
-    from dflash_train.train.blocks import sample_anchors
+    from dflash_train.algorithms.dflash.blocks import sample_anchors
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
     from dflash_train.train.transport import DrafterInbox, SplitLayout, TargetOutbox

@@ -147,11 +147,12 @@ def measure_one_side(args) -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from dflash_train.config import config_from_dict
-    from dflash_train.model.attention import resolve_backend
-    from dflash_train.model.drafter import DFlashDrafter, default_target_layer_ids
-    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.algorithms.dflash.attention import resolve_backend
+    from dflash_train.algorithms.base import default_target_layer_ids
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.model.target import TargetCapture
-    from dflash_train.train.blocks import sample_anchors
+    from dflash_train.algorithms.dflash.blocks import sample_anchors
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
 
@@ -234,9 +235,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from dflash_train.config import config_from_dict
-    from dflash_train.model.attention import resolve_backend
-    from dflash_train.model.drafter import DFlashDrafter, default_target_layer_ids
-    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.algorithms.dflash.attention import resolve_backend
+    from dflash_train.algorithms.base import default_target_layer_ids
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.model.target import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
@@ -309,7 +311,7 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=35, max_name_column_width=70))
     step.target = real_target
 
-    from dflash_train.train.blocks import sample_anchors
+    from dflash_train.algorithms.dflash.blocks import sample_anchors
     anchors, keep = sample_anchors(batch.loss_mask.cpu(), batch.lengths.cpu(), args.block, args.anchors,
                                    torch.Generator().manual_seed(2), backend.blocks_multiple_of)
     f_target = target_flops(shape, lengths, max(ids))

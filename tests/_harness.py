@@ -100,10 +100,10 @@ def wait_for_step(run_dir: Path, rank: int, step: int, proc: subprocess.Popen, t
 # stands in for the GPU in `drafter.compile` (the device check lifted, Dynamo's eager backend: tracing,
 # guards and recompiles without inductor), as the in-process compile tests do with monkeypatch.
 CPU_DRAFTER_COMPILE = """
-import dflash_train.config, dflash_train.model.drafter, dflash_train.train.trainer
+import dflash_train.config, dflash_train.algorithms.dflash.model, dflash_train.train.trainer
 dflash_train.config.validate_compile_device = lambda *a: None
 dflash_train.train.trainer.validate_compile_device = lambda *a: None
-dflash_train.model.drafter.COMPILE_BACKEND = "eager"
+dflash_train.algorithms.dflash.model.COMPILE_BACKEND = "eager"
 """
 
 

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from dflash_train.train.blocks import build_blocks, sample_anchors, slot_weights
-from dflash_train.train.loss import chunked_weighted_ce
-from dflash_train.train.step import acceptance_estimate, lr_factor
+from dflash_train.algorithms.dflash.blocks import build_blocks, sample_anchors, slot_weights
+from dflash_train.algorithms.dflash.loss import chunked_weighted_ce
+from dflash_train.algorithms.base import acceptance_estimate
+from dflash_train.train.step import lr_factor
 
 
 def test_anchors_are_valid_sorted_distinct_and_capped():
@@ -111,7 +112,7 @@ def test_chunked_loss_and_gradient_equal_unchunked_in_float64(chunk):
 def test_the_eager_chunk_math_equals_the_compiled_one_in_float64():
     """CPU runs `_ce_chunk_eager` (in place, four passes); CUDA compiles `_ce_chunk`. Same outputs, ties in
     the argmax included (both take the first maximum)."""
-    from dflash_train.train.loss import _ce_chunk, _ce_chunk_eager
+    from dflash_train.algorithms.dflash.loss import _ce_chunk, _ce_chunk_eager
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(23, 40, generator=g, dtype=torch.float64) * 4
@@ -128,7 +129,7 @@ def test_the_eager_chunk_math_equals_the_compiled_one_in_float64():
 
 @pytest.mark.parametrize("chunk", [3, 4, 7, 2048])
 def test_chunks_cover_the_rows_in_order_and_none_holds_one_row(chunk):
-    from dflash_train.train.loss import chunk_bounds
+    from dflash_train.algorithms.dflash.loss import chunk_bounds
 
     for m in range(1, 3 * chunk + 3):
         bounds = chunk_bounds(m, chunk)
@@ -144,7 +145,7 @@ def test_no_micro_batch_size_gives_the_compiled_chunk_math_a_variant_of_its_own(
     when the warm-up's batches had none. The chunks never hold one row, so one variant serves every count.
     (Dynamo's eager backend on the CPU: the same tracing and guards as the GPU's inductor.)"""
     from dflash_train.model import compile as compile_layer
-    from dflash_train.train import loss as loss_mod
+    from dflash_train.algorithms.dflash import loss as loss_mod
 
     monkeypatch.setattr(compile_layer, "_compiled", {})
     monkeypatch.setattr(loss_mod, "_chunk_fn", lambda name, fn, device, eager=None: compile_layer.compiled(

@@ -75,8 +75,8 @@ def _drafter(seed: int):
     import torch
     from transformers import LlamaConfig
 
-    from dflash_train.model.drafter import DFlashDrafter
-    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.dflash.config import make_drafter_config
 
     target = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -218,8 +218,8 @@ def tiny_eval(tmp_path_factory, tiny_target_dir):
 
     from transformers import AutoConfig
 
-    from dflash_train.model.drafter import DFlashDrafter
-    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.model.io import save_drafter
 
     root = tmp_path_factory.mktemp("tiny-eval")

@@ -13,10 +13,10 @@ import torch
 
 from dflash_train.config import ConfigError, config_from_dict, load_config
 from dflash_train.model import compile as compile_layer
-from dflash_train.model import drafter as drafter_mod
-from dflash_train.model.drafter import DFlashDrafter, DrafterKVCache, sdpa_attention
-from dflash_train.model.drafter_config import make_drafter_config
-from dflash_train.model.mask import dense_mask
+from dflash_train.algorithms.dflash import model as drafter_mod
+from dflash_train.algorithms.dflash.model import DFlashDrafter, DrafterKVCache, sdpa_attention
+from dflash_train.algorithms.dflash.config import make_drafter_config
+from dflash_train.algorithms.dflash.mask import dense_mask
 
 H, BS = 64, 4
 
@@ -145,21 +145,23 @@ def test_trainer_warm_up_covers_the_planned_batch_kinds_and_steps_never_compile(
     compiles the drafter's graphs for the batch kinds the data plan has (one row, several), then steps add
     none. A budget of 256 tokens fits one of these conversations per batch: one kind, half the graphs."""
     import dflash_train.config as config_mod
-    from dflash_train.train import step as step_mod
+    from dflash_train.data.batch import Batch
     from dflash_train.train import trainer
+    from dflash_train.train.step import TrainStep
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
     monkeypatch.setattr(trainer, "validate_compile_device", lambda *a: None)
     monkeypatch.setattr(drafter_mod, "COMPILE_BACKEND", "eager")
     rows_seen, graphs_at = [], []
-    original_forward_loss = step_mod.forward_loss
+    original_step = TrainStep.__call__
 
-    def forward_loss(*args, **kwargs):
-        rows_seen.append(args[3].input_ids.shape[0])
+    def training_step(self, micro, step):  # the steps only, not the warm-up's calls of the objective
+        batch = micro if isinstance(micro, Batch) else micro[0].batch
+        rows_seen.append(batch.input_ids.shape[0])
         graphs_at.append(compile_layer.graphs_compiled())
-        return original_forward_loss(*args, **kwargs)
+        return original_step(self, micro, step)
 
-    monkeypatch.setattr(step_mod, "forward_loss", forward_loss)
+    monkeypatch.setattr(TrainStep, "__call__", training_step)
     cfg = config_from_dict({
         "target": {"path": str(tiny_target_dir)},
         "drafter": {"num_draft_layers": 2, "block_size": 4, "attention_backend": "sdpa", "compile": True},
@@ -171,7 +173,7 @@ def test_trainer_warm_up_covers_the_planned_batch_kinds_and_steps_never_compile(
     trainer.train(cfg, tmp_path / "R", max_steps=12)
     status = json.loads((tmp_path / "R" / "status.json").read_text())
     assert status["phase"] == "done", status
-    # (inputs, output + MLP) x the kinds (one row, several): one set for all layers (see forward_loss)
+    # (inputs, output + MLP) x the kinds (one row, several): one set for all layers (see DFlashObjective)
     assert status["drafter_compiled_graphs"] == 2 * len(kinds)
     assert len(rows_seen) == 12 and {"one row" if r == 1 else "several" for r in rows_seen} == kinds
     assert graphs_at[-1] == graphs_at[0]  # no step compiled anything

@@ -9,8 +9,8 @@ import yaml
 
 from dflash_train.cli import main
 from dflash_train.config import ConfigError, load_config
-from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.drafter_config import make_drafter_config
+from dflash_train.algorithms.dflash.model import DFlashDrafter
+from dflash_train.algorithms.dflash.config import make_drafter_config
 from dflash_train.model.drafter_init import init_drafter_from_target, init_layer_ids
 from dflash_train.model.io import load_drafter
 from dflash_train.model.target import read_target_config

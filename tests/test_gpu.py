@@ -19,9 +19,9 @@ pytestmark = [
 def _drafter_and_inputs(block_size=16, s=300, batch=2, max_anchors=40, seed=0):
     from transformers import Qwen3Config
 
-    from dflash_train.model.drafter import DFlashDrafter
-    from dflash_train.model.drafter_config import make_drafter_config
-    from dflash_train.train.blocks import sample_anchors
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.dflash.blocks import sample_anchors
 
     tcfg = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=64, vocab_size=1000)
@@ -47,7 +47,7 @@ def _drafter_and_inputs(block_size=16, s=300, batch=2, max_anchors=40, seed=0):
 
 
 def _run(drafter, hidden, block, pos, anchors, keep, s, backend_name, dtype, compiled_layers=False):
-    from dflash_train.model.attention import resolve_backend
+    from dflash_train.algorithms.dflash.attention import resolve_backend
 
     backend = resolve_backend(backend_name, torch.device("cuda"), 16)
     drafter.zero_grad(set_to_none=True)
@@ -133,9 +133,9 @@ def test_a_colocated_step_never_waits_for_the_gpu(compile_layers):
     a non-finite step is skipped on the device (fused AdamW's found_inf). CUDA's sync debug mode reports
     every wait with the line that caused it; the only ones allowed are in `_SYNCS_NOT_OURS`."""
     from dflash_train.config import config_from_dict
-    from dflash_train.model.attention import resolve_backend
-    from dflash_train.model.drafter import DFlashDrafter
-    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.algorithms.dflash.attention import resolve_backend
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.model.target import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
@@ -203,8 +203,8 @@ def test_field_race_replayed_through_our_layer_has_zero_errors():
     (the field's crash: 2 of 2 trials failed on this card without serialisation)."""
     import threading
 
-    from dflash_train.model.attention import compiled_flex_attention
-    from dflash_train.model.mask import flex_block_mask
+    from dflash_train.algorithms.dflash.attention import compiled_flex_attention
+    from dflash_train.algorithms.dflash.mask import flex_block_mask
 
     errors = []
     for _ in range(3):
@@ -239,7 +239,7 @@ EAGER_FLEX_AROUND_THE_SEAL = textwrap.dedent("""
     import json, torch
     from torch.nn.attention.flex_attention import flex_attention
     from dflash_train.model import compile as compile_layer
-    from dflash_train.model.attention import compiled_flex_attention
+    from dflash_train.algorithms.dflash.attention import compiled_flex_attention
     def qkv():
         return [torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     flex_attention(*qkv()).float().sum().backward()  # before the seal: runs (torch's one warning is spent)
@@ -280,9 +280,9 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
 
     from dflash_train.config import config_from_dict
     from dflash_train.model import compile as compile_layer
-    from dflash_train.model.attention import AttentionBackend
-    from dflash_train.model.drafter import DFlashDrafter
-    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.algorithms.dflash.attention import AttentionBackend
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.model.target import TargetCapture, load_target_model
     from dflash_train.train.step import Batch, TrainStep
     from dflash_train.train.trainer import warm_up
@@ -295,7 +295,7 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
                                                 target_layer_ids=[1, 3], mask_token_id=5)).to(device)
     eager = AttentionBackend("flex", lambda q, k, v, mask: flex_attention(q, k, v, block_mask=mask, enable_gqa=True),
                              8, 128)
-    from dflash_train.model.mask import flex_block_mask
+    from dflash_train.algorithms.dflash.mask import flex_block_mask
 
     eager.build_mask = lambda anchors, keep, s, bs: flex_block_mask(anchors, keep, s, bs)
     step = TrainStep(drafter, TargetCapture.from_model(model, [1, 3]), eager, cfg, 10, torch.bfloat16, device)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dflash_train.model.mask import dense_mask, flex_block_mask
-from dflash_train.train.blocks import sample_anchors
+from dflash_train.algorithms.dflash.mask import dense_mask, flex_block_mask
+from dflash_train.algorithms.dflash.blocks import sample_anchors
 
 
 def brute_force(anchors, keep, context_len, block_size, boundary="<"):
@@ -102,7 +102,7 @@ def test_flex_block_mask_covers_exactly_the_predicate(seed):
 def test_flex_attention_matches_sdpa_forward_on_cpu():
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dflash_train.model.drafter import sdpa_attention
+    from dflash_train.algorithms.dflash.model import sdpa_attention
 
     anchors, keep, s, bs = random_case(7)
     tile = 128

@@ -10,9 +10,10 @@ import torch
 import yaml
 
 from dflash_train.config import config_from_dict
-from dflash_train.train.blocks import build_blocks, sample_anchors
-from dflash_train.train.loss import chunked_weighted_ce
-from dflash_train.train.step import lr_factor, row_weights
+from dflash_train.algorithms.dflash.blocks import build_blocks, sample_anchors
+from dflash_train.algorithms.dflash.loss import chunked_weighted_ce
+from dflash_train.algorithms.dflash.objective import row_weights
+from dflash_train.train.step import lr_factor
 
 F = torch.nn.functional
 
@@ -157,15 +158,15 @@ def test_capture_with_final_returns_what_feeds_the_lm_head(tiny64):
 ])
 @pytest.mark.parametrize("context_multiple", [1, 16])
 def test_forward_loss_equals_a_dense_reference(tiny64, objective, context_multiple):
-    """forward_loss against full logits of the drafter and the target's own logits (HF forward):
+    """The DFlash objective against full logits of the drafter and the target's own logits (HF forward):
     slot k of the block at a learns input_ids[a + k] and the target's distribution at a + k - 1.
     With the context padded to a multiple (as the flex backend pads it), nothing changes: the padded
     keys lie past every anchor."""
-    from dflash_train.model.attention import resolve_backend
-    from dflash_train.model.drafter import DFlashDrafter
-    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.algorithms.dflash.attention import resolve_backend
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.data.batch import Batch
-    from dflash_train.train.step import forward_loss
+    from dflash_train.algorithms.dflash.objective import DFlashObjective
 
     model, target = tiny64
     bs = 4
@@ -180,7 +181,7 @@ def test_forward_loss_equals_a_dense_reference(tiny64, objective, context_multip
     ids = torch.randint(3, 49152, (2, 30), generator=g)
     loss_mask = (torch.rand(2, 30, generator=g) < 0.8).long()
     batch = Batch(ids, loss_mask, torch.tensor([30, 22]))
-    stats = forward_loss(drafter, target, backend, batch, cfg, torch.Generator().manual_seed(7), torch.float64)
+    stats = DFlashObjective(drafter, target, backend, cfg, torch.float64)(batch, torch.Generator().manual_seed(7))
     grads = torch.autograd.grad(stats.loss, list(drafter.parameters()))
 
     # reference: the same anchors, the drafter's outputs, everything after them dense
@@ -315,9 +316,9 @@ def test_cuda_train_steps_with_every_option_on():
     """flex + bf16 + compiled chunks: acceptance weights, distillation (full target forward) and wsd."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash_train.model.attention import resolve_backend
-    from dflash_train.model.drafter import DFlashDrafter
-    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.algorithms.dflash.attention import resolve_backend
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.model.target import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep

@@ -6,9 +6,9 @@ import torch
 
 from dflash_train.infer.replay import ReplayTurn, greedy_continuations, replay_turn, walk
 from dflash_train.infer.spec_decode import SpeculativeDecoder
-from dflash_train.model.drafter import DFlashDrafter, sdpa_attention
-from dflash_train.model.drafter_config import make_drafter_config
-from dflash_train.model.mask import dense_mask
+from dflash_train.algorithms.dflash.model import DFlashDrafter, sdpa_attention
+from dflash_train.algorithms.dflash.config import make_drafter_config
+from dflash_train.algorithms.dflash.mask import dense_mask
 from dflash_train.model.target import load_target_model
 
 STOPS = [2]

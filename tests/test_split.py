@@ -81,12 +81,13 @@ def test_invalid_split_fails_before_anything_loads(tmp_path, tiny_target_dir, co
 
 def test_gradient_accumulation_is_the_mean_over_micro_batches(tiny_target_dir):
     """Two accumulated micro-batches update the weights like one backward of their mean loss."""
-    from dflash_train.model.attention import resolve_backend
-    from dflash_train.model.drafter import DFlashDrafter
-    from dflash_train.model.drafter_config import make_drafter_config
+    from dflash_train.algorithms.dflash.attention import resolve_backend
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.model.target import TargetCapture, load_target_model
     from dflash_train.data.batch import Batch
-    from dflash_train.train.step import MicroBatch, TrainStep, forward_loss
+    from dflash_train.algorithms.dflash.objective import DFlashObjective
+    from dflash_train.train.step import MicroBatch, TrainStep
 
     cfg = config_from_dict({"drafter": {"block_size": 4, "num_draft_layers": 1}, "objective": {"max_anchors": 8},
                             "data": {"max_length": 64, "token_budget": 256}, "optim": {"grad_accum": 2}})
@@ -108,7 +109,7 @@ def test_gradient_accumulation_is_the_mean_over_micro_batches(tiny_target_dir):
     parts = []
     for k, b in enumerate(batches):
         gen = torch.Generator().manual_seed(((cfg.run.seed * 1_000_003 + 3) * 1024 + 0) * 64 + k)
-        parts.append(forward_loss(reference, target, backend, b, cfg, gen, torch.float64).loss)
+        parts.append(DFlashObjective(reference, target, backend, cfg, torch.float64)(b, gen).loss)
     loss = torch.stack(parts).mean()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.optim.grad_clip)

@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
+from .algorithms import NAMES as ARCHITECTURE_NAMES
 from .errors import ConfigError
 from .rundir import TRACKERS, tracker_unavailable
 from .runtime import write_text_atomic
@@ -57,6 +58,8 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
+    # The drafter architecture (`algorithms/`): dflash is the one registered today.
+    architecture: str = "dflash"
     num_draft_layers: int = 5
     block_size: int = 16
     # Outputs of these target decoder layers feed the drafter; null = the reference rule.
@@ -420,6 +423,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}': {msg}")
 
     d, o, op, dt, r = cfg.drafter, cfg.objective, cfg.optim, cfg.data, cfg.run
+    need(d.architecture in ARCHITECTURE_NAMES, "drafter.architecture",
+         f"must be one of {', '.join(ARCHITECTURE_NAMES)} (got {d.architecture!r})")
     need(d.block_size >= 2, "drafter.block_size", f"must be >= 2 (got {d.block_size})")
     need(d.num_draft_layers >= 1, "drafter.num_draft_layers", f"must be >= 1 (got {d.num_draft_layers})")
     if d.target_layer_ids is not None:

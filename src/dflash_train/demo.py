@@ -32,7 +32,6 @@ from .data.regen.local import regenerate
 from .infer.evaluate import (HISTOGRAM_HEADER, format_histogram, iter_prompts, load_eval_models, make_modes,
                              replay_reports, run_prompt, summarize_records)
 from .infer.spec_decode import SpeculativeDecoder
-from .model.drafter import DFlashDrafter
 from .model.target import load_tokenizer
 from .model_card import link_images, put_eval_table
 from .rundir import RunDir, read_metrics
@@ -184,7 +183,7 @@ def run_eval(target: str, drafter_dir: Path, size: DemoSize, seed: int = 0) -> d
     device = resolve_device("auto")
     tgt, tok, drafter, stops = load_eval_models(target, str(drafter_dir), device, resolve_dtype("float32", device))
     torch.manual_seed(seed)
-    untrained = DFlashDrafter(drafter.config).to(device=device, dtype=next(drafter.parameters()).dtype).eval()
+    untrained = type(drafter)(drafter.config).to(device=device, dtype=next(drafter.parameters()).dtype).eval()
     items = eval_items(tok, size)
     budgets = (size.tree_budget,)
     with torch.no_grad():

@@ -68,9 +68,9 @@ def flex_smoke_test() -> Check:
     forward + backward on GPU; forward only on CPU (FlexAttention has no CPU backward)."""
     import torch
 
-    from .model.attention import compiled_flex_attention
-    from .model.drafter import sdpa_attention
-    from .model.mask import dense_mask, flex_block_mask
+    from .algorithms.dflash.attention import compiled_flex_attention
+    from .algorithms.dflash.model import sdpa_attention
+    from .algorithms.dflash.mask import dense_mask, flex_block_mask
 
     dev = resolve_device("auto")
     device, dtype = dev.type, resolve_dtype("auto", dev)

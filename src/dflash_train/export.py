@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .model.drafter import sdpa_attention
+from .algorithms.base import sdpa_attention
 from .model_card import CARD_NAME, export_card
 from .model.io import load_drafter, save_drafter
 from .model.provenance import PROVENANCE_NAME

@@ -18,8 +18,8 @@ import torch
 from .. import assets
 from ..data.chat import prompt_ids
 from ..data.formats import RowError, iter_source, prompt_turns
-from ..model.drafter import DFlashDrafter
-from ..model.drafter_config import text_config
+from ..algorithms.base import Drafter
+from ..model.hf_config import text_config
 from ..model.io import load_drafter
 from ..model.provenance import compare, read_provenance, target_provenance
 from ..model.target import load_target_model, load_tokenizer, read_target_config
@@ -134,7 +134,7 @@ def summarize_records(records: list[dict], mode_names: list[str], temperature: f
 def evaluate(
     target,
     tokenizer,
-    drafter: DFlashDrafter,
+    drafter: Drafter,
     datasets: list[str],
     *,
     max_new_tokens: int = 256,
@@ -162,7 +162,7 @@ def evaluate(
 def evaluate_by_replay(
     target,
     tokenizer,
-    drafter: DFlashDrafter,
+    drafter: Drafter,
     datasets: list[str],
     *,
     max_new_tokens: int = 256,
@@ -183,7 +183,7 @@ def evaluate_by_replay(
 def replay_reports(
     target,
     tokenizer,
-    drafters: dict[str, DFlashDrafter],
+    drafters: dict[str, Drafter],
     items: list[dict],
     *,
     max_new_tokens: int = 256,
@@ -322,7 +322,7 @@ def write_report(report: dict, out: Path) -> None:
     out.with_suffix(".md").write_text("# Speculative decoding evaluation\n\n" + markdown_table(report) + "\n")
 
 
-def check_pair(target_config, drafter: DFlashDrafter) -> None:
+def check_pair(target_config, drafter: Drafter) -> None:
     """The drafter must have been trained for this target: shapes and layer count, both sides named."""
     t, d = text_config(target_config), drafter.config
     problems = []

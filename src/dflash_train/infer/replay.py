@@ -30,8 +30,7 @@ from transformers import DynamicCache
 
 from ..data.batch import left_pad
 from ..data.chat import prompt_ids
-from ..model.drafter import DFlashDrafter, sdpa_attention
-from ..model.mask import dense_mask
+from ..algorithms.base import Drafter, sdpa_attention
 from .spec_decode import SpeculativeDecoder
 
 
@@ -113,7 +112,7 @@ def target_pass(target, ids: list[int]):
 
 
 @torch.no_grad()
-def drafter_proposals(drafter: DFlashDrafter, embed: Callable, lm_head: torch.nn.Module, hidden_states,
+def drafter_proposals(drafter: Drafter, embed: Callable, lm_head: torch.nn.Module, hidden_states,
                       ids: list[int], prompt_len: int, num_anchors: int, top_k: int = 0,
                       anchors_per_chunk: int = 64) -> Proposals:
     """The drafter's proposals for blocks anchored at `prompt_len .. prompt_len + num_anchors - 1`, each
@@ -124,7 +123,7 @@ def drafter_proposals(drafter: DFlashDrafter, embed: Callable, lm_head: torch.nn
 
 
 @torch.no_grad()
-def proposals_from_context(drafter: DFlashDrafter, embed: Callable, lm_head: torch.nn.Module, context: torch.Tensor,
+def proposals_from_context(drafter: Drafter, embed: Callable, lm_head: torch.nn.Module, context: torch.Tensor,
                            ids: Sequence[int], prompt_len: int, num_anchors: int, top_k: int = 0,
                            anchors_per_chunk: int = 64) -> Proposals:
     """`drafter_proposals` from the captured target features `[1, L, K*H]` (layers already concatenated)."""
@@ -142,7 +141,7 @@ def proposals_from_context(drafter: DFlashDrafter, embed: Callable, lm_head: tor
         block[:, 0] = ids_t[anchors]
         positions = (anchors.view(-1, 1) + torch.arange(bs, device=device)).view(1, -1)
         keep = torch.ones(1, n, dtype=torch.bool, device=device)
-        mask = dense_mask(anchors.view(1, -1), keep, length, bs)
+        mask = drafter.dense_mask(anchors.view(1, -1), keep, length)
         position_ids = torch.cat([torch.arange(length, device=device).view(1, -1), positions], 1)
         out = drafter(context, embed(block.view(1, -1)).to(dtype), position_ids, sdpa_attention, mask)
         logits = lm_head(out[0].to(lm_head.weight.dtype)).float().view(n, bs, -1)[:, 1:]  # slots 1..B-1
@@ -164,7 +163,7 @@ def _block_accepts(drafts: torch.Tensor, ids: torch.Tensor, prompt_len: int) -> 
     return hits.long().cumprod(-1).sum(-1).tolist()
 
 
-def teacher_forced_walk(drafter: DFlashDrafter, embed: Callable, lm_head: torch.nn.Module, context: torch.Tensor,
+def teacher_forced_walk(drafter: Drafter, embed: Callable, lm_head: torch.nn.Module, context: torch.Tensor,
                         ids: Sequence[int], start: int) -> list[int]:
     """Accept lengths of greedy block decoding along the given text from position `start` to its end: each
     step anchored where the last one ended, accepting the drafts that agree with the text. Equal to real
@@ -219,7 +218,7 @@ class TurnReplay:
     argmax_mismatches: int
 
 
-def replay_turn(target, drafter: DFlashDrafter, turn: ReplayTurn, max_new: int, tree_budgets: Sequence[int],
+def replay_turn(target, drafter: Drafter, turn: ReplayTurn, max_new: int, tree_budgets: Sequence[int],
                 stops: Iterable[int], target_out=None) -> TurnReplay:
     """Block and DDTree-`b` decoding of one turn by replay. `target_out`: `target_pass` of prompt +
     continuation, when already computed (several drafters share it)."""
@@ -274,7 +273,7 @@ def build_corpus(target, tokenizer, items: list[dict], max_new: int, block_size:
     return corpus
 
 
-def replay_records(target, tokenizer, drafters: dict[str, DFlashDrafter], corpus: list[ReplayTurn], max_new: int,
+def replay_records(target, tokenizer, drafters: dict[str, Drafter], corpus: list[ReplayTurn], max_new: int,
                    tree_budgets: Sequence[int], stops: Iterable[int]) -> dict[str, list[dict]]:
     """Per drafter: one record per prompt in `run_prompt`'s shape (`{"dataset", "id", "modes": {mode: [output
     per turn]}}`, decode_s 0: nothing was timed), plus `"replay": {"argmax_mismatches": n}`. The target runs

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..model.drafter import DFlashDrafter, DrafterKVCache, sdpa_attention
+from ..algorithms.base import Drafter, DrafterKVCache, sdpa_attention
 
 
 @dataclass
@@ -148,7 +148,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         target,
-        drafter: DFlashDrafter,
+        drafter: Drafter,
         stop_token_ids: Optional[list[int]] = None,
         temperature: float = 0.0,
         block_size: Optional[int] = None,

@@ -70,7 +70,7 @@ def _guard_dense_flex() -> None:
                 raise UncompiledFlexAttention(
                     f"{_name} ran uncompiled after the warm-up began: eager flex attention materialises the whole "
                     "score matrix (the field's 276 GB allocation). Call it through "
-                    "dflash_train.model.attention.compiled_flex_attention(); for a deliberate reference computation "
+                    "dflash_train.algorithms.dflash.attention.compiled_flex_attention(); for a deliberate reference computation "
                     "wrap it in compile.allow_eager_flex()")
             return _kernel(*args, **kwargs)
 

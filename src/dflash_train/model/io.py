@@ -1,46 +1,26 @@
-"""Save and load a drafter in the reference DFlash format (config.json + model.safetensors)."""
+"""Save and load a drafter in its architecture's reference format (config.json + model.safetensors)."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..algorithms import UnknownArchitecture, architecture, architecture_of_export
+from ..algorithms.base import Drafter
 from ..runtime import dtype_named, replace_dir, temp_dir_beside
-from .drafter import DFlashDrafter
-from .drafter_config import drafter_config_from_dict
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 
-def drafter_config_json(drafter: DFlashDrafter, dtype: str) -> dict[str, Any]:
-    data = drafter.config.to_dict()
-    data["architectures"] = ["DFlashDraftModel"]
-    data["model_type"] = "qwen3"
-    data["dtype"] = dtype
-    data["torch_dtype"] = dtype  # transformers 4.x name
-    data["block_size"] = drafter.block_size
-    data["num_target_layers"] = int(drafter.config.num_target_layers)
-    data["dflash_config"] = dict(drafter.config.dflash_config)
-    # Older loaders read rope_theta / rope_scaling; newer ones read rope_parameters.
-    rope = data.get("rope_parameters") or {}
-    if "rope_theta" not in data and "rope_theta" in rope:
-        data["rope_theta"] = rope["rope_theta"]
-        if rope.get("rope_type", "default") != "default":
-            data["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    for key in ("id2label", "label2id", "_name_or_path", "transformers_version"):
-        data.pop(key, None)
-    return data
-
-
 def save_drafter(
-    drafter: DFlashDrafter,
+    drafter: Drafter,
     out_dir: str | Path,
     dtype: str = "bfloat16",
     extra_files: Optional[dict[str, str]] = None,
@@ -51,7 +31,7 @@ def save_drafter(
     try:
         tensors = {k: v.detach().to("cpu", dtype_named(dtype)).contiguous() for k, v in drafter.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(drafter_config_json(drafter, dtype), indent=2, sort_keys=True))
+        (tmp / CONFIG_NAME).write_text(json.dumps(architecture(drafter.architecture).config_json(drafter, dtype), indent=2, sort_keys=True))
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
         replace_dir(tmp, out)
@@ -61,7 +41,7 @@ def save_drafter(
     return out
 
 
-def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None) -> DFlashDrafter:
+def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: Optional[torch.dtype] = None) -> Drafter:
     """Load an exported drafter strictly: every tensor name and shape must match the config."""
     path = Path(path)
     cfg_file, weights = path / CONFIG_NAME, path / WEIGHTS_NAME
@@ -69,11 +49,13 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: Op
         if not f.is_file():
             raise FileNotFoundError(f"{f} is missing: {path} is not an exported DFlash drafter")
     try:
-        config = drafter_config_from_dict(json.loads(cfg_file.read_text()))
-    except (ValueError, json.JSONDecodeError) as e:
+        data = json.loads(cfg_file.read_text())
+        arch = architecture_of_export(data)
+        config = arch.config_from_dict(data)
+    except (UnknownArchitecture, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"{cfg_file}: {e}") from e
     with torch.device("meta"):
-        drafter = DFlashDrafter(config)
+        drafter = arch.drafter_class(config)
     expected = {k: v.shape for k, v in drafter.state_dict().items()}
     with safe_open(str(weights), framework="pt") as f:
         names = set(f.keys())
@@ -88,6 +70,6 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: Op
         if tuple(tensor.shape) != tuple(expected[name]):
             raise ValueError(f"{weights}: tensor {name} has shape {tuple(tensor.shape)}, config expects {tuple(expected[name])}")
     file_dtype = next(iter(state.values())).dtype
-    drafter = DFlashDrafter(config).to(device=device, dtype=dtype or file_dtype)
+    drafter = arch.drafter_class(config).to(device=device, dtype=dtype or file_dtype)
     drafter.load_state_dict(state, strict=True)
     return drafter

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..runtime import write_json_atomic
-from .drafter_config import text_config
+from .hf_config import text_config
 from .fingerprints import chat_template_fingerprint, tokenizer_fingerprint
 
 PROVENANCE_NAME = "dflash_train.json"

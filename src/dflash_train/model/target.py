@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from ..errors import ConfigError
-from .drafter_config import text_config
+from .hf_config import text_config
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from ..model.provenance import PROVENANCE_NAME
 from ..rundir import Reporter, RunDir
 from . import checkpoint as checkpoints
 from .dist import StopVote
-from .step import MicroBatch, StepStats, TrainStep
+from ..algorithms.base import StepStats
+from .step import MicroBatch, TrainStep
 from .transport import DrafterInbox
 from .validate import validate
 

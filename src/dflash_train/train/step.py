@@ -1,5 +1,6 @@
-"""One DFlash training step, start to end: target capture -> anchors and blocks -> mask ->
-drafter forward -> chunked decayed CE -> backward -> clip -> AdamW -> schedule."""
+"""One training step, start to end: the architecture's objective on each micro-batch (target capture,
+blocks, drafter forward, loss) -> backward -> clip -> AdamW -> schedule. Generic: the algorithm is reached
+through the registry (`algorithms.architecture(cfg.drafter.architecture)`)."""
 
 from __future__ import annotations
 
@@ -9,38 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..algorithms import architecture
+from ..algorithms.base import Drafter, StepStats
 from ..config import Config
 from ..data.batch import Batch
-from ..model.attention import AttentionBackend
-from ..model.drafter import DFlashDrafter
 from ..model.target import TargetCapture, TargetHead
-from ..runtime import to_device
-from .blocks import Blocks, acceptance_weights, build_blocks, sample_anchors
 from .dist import HostCopy
-from .loss import chunked_weighted_ce
-
-
-@dataclass
-class StepStats:
-    """Sums over a step (tensors on the device: read them only when logging)."""
-
-    loss: torch.Tensor
-    correct_per_slot: torch.Tensor  # [bs] counted slots predicted right
-    counted_per_slot: torch.Tensor  # [bs] counted slots
-    accepted_sum: torch.Tensor  # sum over kept blocks of the acceptance-length estimate
-    kept_blocks: torch.Tensor
-    grad_norm: torch.Tensor | None = None
-
-    @staticmethod
-    def sum(parts: "list[StepStats]") -> "StepStats":
-        """Counts add up over micro-batches; the loss is their mean."""
-        return StepStats(
-            loss=torch.stack([p.loss for p in parts]).mean(),
-            correct_per_slot=sum(p.correct_per_slot for p in parts),
-            counted_per_slot=sum(p.counted_per_slot for p in parts),
-            accepted_sum=sum(p.accepted_sum for p in parts),
-            kept_blocks=sum(p.kept_blocks for p in parts),
-        )
 
 
 @dataclass
@@ -49,7 +24,7 @@ class MicroBatch:
     hidden: torch.Tensor | None = None  # the target's capture, when another rank computed it
 
 
-def make_optimizer(drafter: DFlashDrafter, cfg: Config, device: torch.device) -> torch.optim.AdamW:
+def make_optimizer(drafter: Drafter, cfg: Config, device: torch.device) -> torch.optim.AdamW:
     o = cfg.optim
     return torch.optim.AdamW(
         [p for p in drafter.parameters() if p.requires_grad],
@@ -81,118 +56,6 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: fl
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def acceptance_estimate(correct: torch.Tensor) -> torch.Tensor:
-    """`[..., bs]` correctness of slots 1..bs-1 (slot 0 ignored) -> `1 + leading run of correct slots`."""
-    return 1 + correct[..., 1:].long().cumprod(-1).sum(-1)
-
-
-def _distill_rows(final: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> torch.Tensor:
-    """The target's final normed hidden state that predicted each counted slot's label: slot k of the
-    block at a predicts `input_ids[a + k]`, which the target read off position `a + k - 1` (k >= 1)."""
-    b, s, h = final.shape
-    source = (blocks.block_positions - 1).clamp(min=0) + torch.arange(b, device=final.device).view(-1, 1) * s
-    return final.reshape(b * s, h).index_select(0, source.view(-1).index_select(0, idx))
-
-
-def row_weights(cfg: Config, blocks: Blocks, idx: torch.Tensor):
-    """The counted rows' loss weights: the gamma decay, or (acceptance) a function of the rows' label
-    log-probabilities that the loss calls after its forward."""
-    o = cfg.objective
-    if o.slot_weighting == "gamma":
-        return blocks.weights.view(-1).index_select(0, idx)
-
-    def by_acceptance(label_logp: torch.Tensor) -> torch.Tensor:
-        full = label_logp.new_zeros(blocks.counted.numel()).index_put((idx,), label_logp)
-        w = acceptance_weights(full.view(blocks.counted.shape), blocks.counted, o.acceptance_floor)
-        return w.view(-1).index_select(0, idx)
-
-    return by_acceptance
-
-
-def forward_loss(
-    drafter: DFlashDrafter,
-    target: TargetCapture,
-    backend: AttentionBackend,
-    batch: Batch,
-    cfg: Config,
-    generator: torch.Generator,
-    compute_dtype: torch.dtype,
-    call=None,
-    hidden: torch.Tensor | None = None,
-) -> StepStats:
-    """The drafter's loss on one micro-batch (graph kept for backward). `call` runs the drafter's
-    forward (its DDP wrapper on several ranks); attributes are read from `drafter`. `hidden` is the
-    target's capture of `batch` when another rank computed it (split placement); else `target` runs."""
-    call = call or drafter
-    bs = drafter.block_size
-    o = cfg.objective
-    distill = o.distill_weight > 0
-    final = None
-    if hidden is None:
-        if distill:
-            hidden, final = target.capture(batch.input_ids, with_final=True)  # + [B, S, H] final normed
-        else:
-            hidden = target(batch.input_ids)  # [B, S, K*H], no grad
-    elif distill:
-        raise ValueError("objective.distill_weight > 0 needs the target's final hidden states, which a capture "
-                         "computed on another rank (parallel.placement=split) does not carry")
-    # Anchors, blocks and the counted rows have data-dependent sizes: planned on the host copy of the batch
-    # when there is one, so that reading them never waits for the device.
-    plan = batch.host if batch.host is not None else batch
-    anchors, keep = sample_anchors(plan.loss_mask, plan.lengths, bs, o.max_anchors, generator,
-                                   backend.blocks_multiple_of, o.max_anchors_per_batch)
-    blocks: Blocks = build_blocks(
-        plan.input_ids, plan.loss_mask, plan.lengths, anchors, keep, bs, drafter.mask_token_id, o.gamma
-    )
-    idx = blocks.counted.view(-1).nonzero().squeeze(1)  # the counted rows
-    device = batch.input_ids.device
-    blocks, idx = blocks.to(device), to_device(idx, device)
-    b, s = batch.input_ids.shape
-    with torch.no_grad():
-        block_embeds = target.embed_tokens(blocks.block_ids)
-    if drafter.layers_compiled and torch.is_grad_enabled():
-        # Dynamo guards on requires_grad: an input that needs no gradient would give the first layer graphs
-        # of its own. One set for all layers costs the first layer's q/k/v input gradient (~0.6% of a step).
-        block_embeds.requires_grad_()
-    pad = -s % backend.context_multiple_of
-    if pad:  # padded context keys lie past every anchor: no block ever sees them
-        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
-        s += pad
-    context_pos = torch.arange(s, device=device).expand(b, s)
-    position_ids = torch.cat([context_pos, blocks.block_positions], dim=1)
-    mask = backend.build_mask(blocks.anchors, blocks.keep, s, bs)
-    device_type = device.type
-    autocast = (
-        torch.autocast(device_type, dtype=compute_dtype)
-        if compute_dtype in (torch.bfloat16, torch.float16)
-        else contextlib.nullcontext()
-    )
-    with autocast:
-        out = call(hidden, block_embeds, position_ids, backend.attention, mask,
-                   compiled_layers=drafter.layers_compiled)  # [B, N*bs, H]
-        rows = out.reshape(-1, out.shape[-1]).index_select(0, idx)
-        result = chunked_weighted_ce(
-            rows,
-            target.lm_head.weight,
-            blocks.labels.view(-1).index_select(0, idx),
-            row_weights(cfg, blocks, idx),
-            o.loss_chunk_size,
-            target_hidden=_distill_rows(final, blocks, idx) if distill else None,
-            distill_weight=o.distill_weight,
-            temperature=o.distill_temperature,
-        )
-    correct = torch.zeros_like(blocks.counted).view(-1).index_put((idx,), result.correct)
-    correct = correct.view(blocks.labels.shape)  # [B, N, bs]
-    accept = acceptance_estimate(correct)
-    return StepStats(
-        loss=result.loss,
-        correct_per_slot=correct.sum((0, 1)),
-        counted_per_slot=blocks.counted.sum((0, 1)),
-        accepted_sum=(accept * blocks.keep).sum(),
-        kept_blocks=blocks.keep.sum(),
-    )
-
-
 class TrainStep:
     """Holds what a step needs and runs it. `__call__` does one optimizer step on one micro-batch per rank,
     without waiting for the device. A step whose loss or gradients are not finite is skipped on the device
@@ -203,9 +66,9 @@ class TrainStep:
 
     def __init__(
         self,
-        drafter: DFlashDrafter,
+        drafter: Drafter,
         target: "TargetCapture | TargetHead",
-        backend: AttentionBackend,
+        backend,
         cfg: Config,
         total_steps: int,
         compute_dtype: torch.dtype,
@@ -216,6 +79,8 @@ class TrainStep:
     ):
         self.drafter, self.target, self.backend, self.cfg = drafter, target, backend, cfg
         self.compute_dtype = compute_dtype
+        # The loss on one micro-batch, also what validation and the warm-up run.
+        self.objective = architecture(cfg.drafter.architecture).objective(drafter, target, backend, cfg, compute_dtype)
         # `group` / `replicas`: the ranks that train the drafter together (DDP); `rank`: this rank's index.
         self.rank = rank
         self.model = drafter
@@ -270,8 +135,7 @@ class TrainStep:
             last = k == len(micro) - 1
             sync = contextlib.nullcontext() if last or self.model is self.drafter else self.model.no_sync()
             with sync:
-                part = forward_loss(self.drafter, self.target, self.backend, mb.batch, self.cfg, self.generator,
-                                    self.compute_dtype, self.model, mb.hidden)
+                part = self.objective(mb.batch, self.generator, self.model, mb.hidden)
                 (part.loss / len(micro)).backward()
             part.loss = part.loss.detach()
             parts.append(part)

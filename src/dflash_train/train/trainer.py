@@ -25,9 +25,8 @@ from ..data.dataset import plan_batches
 from ..data.source import open_training_data, open_validation_data
 from ..errors import UserError, debug_enabled, is_user_error
 from ..model import compile as compile_layer
-from ..model.attention import resolve_backend
-from ..model.drafter import DFlashDrafter, default_target_layer_ids
-from ..model.drafter_config import make_drafter_config
+from ..algorithms import architecture
+from ..algorithms.base import default_target_layer_ids
 from ..model.drafter_init import init_drafter_from_target
 from ..model.provenance import target_provenance, write_provenance
 from ..model.target import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
@@ -41,7 +40,7 @@ from .admission import flatten, holds_run_message, with_step_cap
 from .dist import DistContext
 from .launch import LAUNCH_TIME_ENV
 from .loop import RunState, Session, memory_gib, micro_batch_groups, train_loop
-from .step import TrainStep, forward_loss
+from .step import TrainStep
 from .transport import SplitLayout, TargetOutbox, DrafterInbox
 
 log = logging.getLogger(__name__)
@@ -126,14 +125,12 @@ def warm_up(train_step: TrainStep, batch, cache_dir: Path, with_validation: bool
     for n, (b, h) in enumerate(batches + extremes):
         if n == len(batches):
             first_graphs = compile_layer.graphs_compiled()
-        stats = forward_loss(train_step.drafter, train_step.target, train_step.backend, b, train_step.cfg,
-                             torch.Generator().manual_seed(0), train_step.compute_dtype, hidden=h)
+        stats = train_step.objective(b, torch.Generator().manual_seed(0), hidden=h)
         stats.loss.backward()
         train_step.optimizer.zero_grad(set_to_none=True)
         if with_validation:
             with torch.no_grad():
-                forward_loss(train_step.drafter, train_step.target, train_step.backend, b, train_step.cfg,
-                             torch.Generator().manual_seed(0), train_step.compute_dtype)
+                train_step.objective(b, torch.Generator().manual_seed(0))
     if batch.input_ids.is_cuda:
         torch.cuda.current_stream().synchronize()  # not the NCCL stream: it may hold posted receives
     compile_layer.seal()
@@ -226,7 +223,7 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
     plan, tokenizer = plan_run(cfg)
     target_config = read_target_config(plan.target_path, cfg.target.trust_remote_code)
     d = cfg.drafter
-    dcfg = make_drafter_config(
+    dcfg = architecture(d.architecture).make_config(
         target_config, num_draft_layers=d.num_draft_layers, block_size=d.block_size,
         target_layer_ids=plan.layer_ids, mask_token_id=plan.mask_token_id, intermediate_size=d.intermediate_size,
         num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
@@ -360,7 +357,7 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
              plan.target_path, plan.layer_ids, plan.mask_token_id, device)
     if device.type == "cuda":
         with torch.device("meta"):
-            drafter_params = sum(p.numel() for p in DFlashDrafter(a.dcfg).parameters())
+            drafter_params = sum(p.numel() for p in architecture(cfg.drafter.architecture).drafter_class(a.dcfg).parameters())
         if role == "drafter" and a.layout is not None:  # plus the target's embedding and lm_head
             drafter_params += a.target_config.vocab_size * a.target_config.hidden_size // 4
         need_role = "colocated" if a.layout is None else role
@@ -417,13 +414,14 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
     if ctx.is_main:
         write_provenance(run.root, a.provenance)
     torch.manual_seed(cfg.run.seed)
-    drafter = DFlashDrafter(a.dcfg)
+    arch = architecture(cfg.drafter.architecture)
+    drafter = arch.drafter_class(a.dcfg)
     if cfg.drafter.init_from_target and not resume:  # a resume loads the checkpoint's weights over it
         init_drafter_from_target(drafter, plan.target_path)
     drafter = drafter.to(r.device)
     if cfg.drafter.compile:  # compiled by the warm-up
         drafter.compile_layers()
-    backend = resolve_backend(cfg.drafter.attention_backend, r.device, cfg.drafter.block_size)
+    backend = arch.resolve_backend(cfg.drafter.attention_backend, r.device, cfg.drafter.block_size)
     train_step = TrainStep(drafter, target, backend, cfg, r.total, plan.compute_dtype, r.device, r.drafter_group,
                            ctx.rank, r.drafters)
     log.info("drafter: %d layers, %.1fM parameters; %d steps (%d micro-batches per epoch, %d per step)",

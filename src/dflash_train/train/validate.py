@@ -12,7 +12,8 @@ from ..data.batch import collate
 from ..data.dataset import plan_batches
 from ..infer.replay import teacher_forced_walk
 from ..infer.spec_decode import SpeculativeDecoder
-from .step import TrainStep, acceptance_estimate, forward_loss
+from ..algorithms.base import acceptance_estimate
+from .step import TrainStep
 
 
 @torch.no_grad()
@@ -34,8 +35,7 @@ def validate(train_step: TrainStep, val, pad_id: int, device: torch.device, *, b
                 g = torch.Generator().manual_seed(cfg.run.seed * 7919 + i)  # the same anchors at every validation
                 hidden = train_step.target(batch.input_ids)
                 walk_accepts += _walks(train_step, batch, hidden)
-                stats = forward_loss(drafter, train_step.target, train_step.backend, batch, cfg, g, train_step.compute_dtype,
-                                     hidden=None if cfg.objective.distill_weight > 0 else hidden)
+                stats = train_step.objective(batch, g, hidden=None if cfg.objective.distill_weight > 0 else hidden)
                 loss_sum += float(stats.loss)
                 correct += float(stats.correct_per_slot.sum())
                 counted += float(stats.counted_per_slot.sum())

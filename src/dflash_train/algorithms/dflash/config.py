@@ -6,11 +6,7 @@ from typing import Any, Optional
 
 from transformers import PretrainedConfig, Qwen3Config
 
-
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The language-model part of a (possibly multimodal) config."""
-    getter = getattr(config, "get_text_config", None)
-    return getter(decoder=True) if getter is not None else config
+from ...model.hf_config import text_config
 
 
 def _rope_fields(target: PretrainedConfig) -> dict[str, Any]:
@@ -93,3 +89,24 @@ def drafter_config_from_dict(data: dict[str, Any]) -> Qwen3Config:
     cfg.num_target_layers = int(data["num_target_layers"])
     cfg.dflash_config = dict(dflash)
     return cfg
+
+
+def drafter_config_json(drafter, dtype: str) -> dict[str, Any]:
+    """The exported config.json: the reference DFlash fields, and rope fields old and new loaders read."""
+    data = drafter.config.to_dict()
+    data["architectures"] = ["DFlashDraftModel"]
+    data["model_type"] = "qwen3"
+    data["dtype"] = dtype
+    data["torch_dtype"] = dtype  # transformers 4.x name
+    data["block_size"] = drafter.block_size
+    data["num_target_layers"] = int(drafter.config.num_target_layers)
+    data["dflash_config"] = dict(drafter.config.dflash_config)
+    # Older loaders read rope_theta / rope_scaling; newer ones read rope_parameters.
+    rope = data.get("rope_parameters") or {}
+    if "rope_theta" not in data and "rope_theta" in rope:
+        data["rope_theta"] = rope["rope_theta"]
+        if rope.get("rope_type", "default") != "default":
+            data["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    for key in ("id2label", "label2id", "_name_or_path", "transformers_version"):
+        data.pop(key, None)
+    return data

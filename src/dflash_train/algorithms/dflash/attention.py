@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .drafter import AttentionFn, sdpa_attention
+from .model import AttentionFn, sdpa_attention
 from .mask import dense_mask, flex_block_mask
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def compiled_flex_attention(dynamic: bool = True) -> Callable:
     compile flex with dynamic shapes, so CPU checks use `dynamic=False`."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from .compile import compiled
+    from ...model.compile import compiled
 
     name = "flex_attention" if dynamic else "flex_attention_static"
     return compiled(name, flex_attention, dynamic=dynamic)
@@ -67,7 +67,7 @@ def resolve_backend(requested: str, device: torch.device, block_size: int, train
         def attention(q, k, v, mask):
             if q.shape[2] % FLEX_TILE or k.shape[2] % FLEX_TILE:
                 raise ValueError(f"flex attention: query and key lengths must be multiples of {FLEX_TILE} (got "
-                                 f"{q.shape[2]} and {k.shape[2]}); forward_loss pads the context to "
+                                 f"{q.shape[2]} and {k.shape[2]}); the objective pads the context to "
                                  f"backend.context_multiple_of and sample_anchors rounds the blocks")
             return flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=divisible)
 

@@ -19,13 +19,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
 
-
-def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
-    """The reference rule: one id -> the middle layer; else evenly from layer 1 to L - 3."""
-    if num_ids == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [int(round(start + i * (end - start) / (num_ids - 1))) for i in range(num_ids)]
+from ..base import AttentionFn, Drafter, DrafterKVCache, sdpa_attention  # noqa: F401 (re-exported)
+from .mask import dense_mask
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -51,21 +46,6 @@ class RopeTables(NamedTuple):
 # `drafter.compile`'s torch.compile backend; CPU tests swap in Dynamo's "eager" (tracing, guards and
 # recompiles without inductor).
 COMPILE_BACKEND = "inductor"
-
-# An attention function: (q [b, nh, Q, d], k [b, nkv, KV, d], v, mask) -> [b, nh, Q, d].
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object], torch.Tensor]
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Dense attention with an optional boolean mask `[b, 1, Q, KV]`; rows with no visible key give 0."""
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
-    # A row with no visible key (a not-kept block) is NaN in some kernels, and NaN poisons the
-    # backward. Let such rows see every key, then zero their output: no gradient flows through them.
-    dead = ~mask.any(-1, keepdim=True)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | dead, enable_gqa=q.shape[1] != k.shape[1])
-    return out.masked_fill(dead, 0.0)
-
 
 class RMSNorm(nn.Module):
     """Qwen3's RMSNorm through torch's fused kernel, in the activations' dtype (statistics in float32
@@ -167,31 +147,9 @@ class DFlashDecoderLayer(nn.Module):
         return output(self, x, attention(q, k, v, mask))
 
 
-class DrafterKVCache:
-    """Per-layer key/value cache for speculative decoding; `crop` drops rejected positions."""
+class DFlashDrafter(Drafter):
+    architecture = "dflash"
 
-    def __init__(self, num_layers: int):
-        self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.values: list[Optional[torch.Tensor]] = [None] * num_layers
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
-
-    def length(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
-
-    def crop(self, length: int) -> None:
-        for i, k in enumerate(self.keys):
-            if k is not None:
-                self.keys[i] = k[:, :, :length]
-                self.values[i] = self.values[i][:, :, :length]
-
-
-class DFlashDrafter(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.config = config
@@ -214,7 +172,7 @@ class DFlashDrafter(nn.Module):
         the attention, which its backend compiles on its own). Dynamic batch and lengths, through the compile
         layer (one process lock, fullgraph). Used by `forward(..., compiled_layers=True)` only: the training
         step; evaluation and decoding keep the eager layers, whose shapes the warm-up does not cover."""
-        from .compile import compiled
+        from ...model.compile import compiled
 
         backend = backend or COMPILE_BACKEND
         layer = DFlashDecoderLayer
@@ -227,6 +185,10 @@ class DFlashDrafter(nn.Module):
     @property
     def layers_compiled(self) -> bool:
         return self._compiled_parts is not None
+
+    def dense_mask(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int) -> torch.Tensor:
+        """The training layout's boolean mask `[b, 1, N*bs, S + N*bs]` for blocks at `anchors`."""
+        return dense_mask(anchors, keep, context_len, self.block_size)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..runtime import to_device
+from ...runtime import to_device
 
 
 @dataclass

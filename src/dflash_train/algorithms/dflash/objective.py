@@ -1,0 +1,126 @@
+"""The DFlash training objective on one micro-batch: target capture -> anchors and blocks -> mask ->
+drafter forward -> chunked slot-weighted CE over the counted slots."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+
+from ...config import Config
+from ...data.batch import Batch
+from ...runtime import to_device
+from ..base import StepStats, acceptance_estimate
+from .attention import AttentionBackend
+from .blocks import Blocks, acceptance_weights, build_blocks, sample_anchors
+from .loss import chunked_weighted_ce
+from .model import DFlashDrafter
+
+
+def _distill_rows(final: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> torch.Tensor:
+    """The target's final normed hidden state that predicted each counted slot's label: slot k of the
+    block at a predicts `input_ids[a + k]`, which the target read off position `a + k - 1` (k >= 1)."""
+    b, s, h = final.shape
+    source = (blocks.block_positions - 1).clamp(min=0) + torch.arange(b, device=final.device).view(-1, 1) * s
+    return final.reshape(b * s, h).index_select(0, source.view(-1).index_select(0, idx))
+
+
+def row_weights(cfg: Config, blocks: Blocks, idx: torch.Tensor):
+    """The counted rows' loss weights: the gamma decay, or (acceptance) a function of the rows' label
+    log-probabilities that the loss calls after its forward."""
+    o = cfg.objective
+    if o.slot_weighting == "gamma":
+        return blocks.weights.view(-1).index_select(0, idx)
+
+    def by_acceptance(label_logp: torch.Tensor) -> torch.Tensor:
+        full = label_logp.new_zeros(blocks.counted.numel()).index_put((idx,), label_logp)
+        w = acceptance_weights(full.view(blocks.counted.shape), blocks.counted, o.acceptance_floor)
+        return w.view(-1).index_select(0, idx)
+
+    return by_acceptance
+
+
+class DFlashObjective:
+    """Holds what the loss needs (the drafter, the frozen target, the attention backend, the config and the
+    compute dtype) and computes it on one micro-batch (`base.Objective`)."""
+
+    def __init__(self, drafter: DFlashDrafter, target, backend: AttentionBackend, cfg: Config,
+                 compute_dtype: torch.dtype):
+        self.drafter, self.target, self.backend, self.cfg = drafter, target, backend, cfg
+        self.compute_dtype = compute_dtype
+
+    def capture(self, batch: Batch, hidden: Optional[torch.Tensor]):
+        """(features `[B, S, K*H]`, the target's final normed hidden states or None): the target runs here
+        unless another rank's capture is given."""
+        distill = self.cfg.objective.distill_weight > 0
+        if hidden is not None:
+            if distill:
+                raise ValueError("objective.distill_weight > 0 needs the target's final hidden states, which a "
+                                 "capture computed on another rank (parallel.placement=split) does not carry")
+            return hidden, None
+        if distill:
+            return self.target.capture(batch.input_ids, with_final=True)
+        return self.target(batch.input_ids), None  # no grad
+
+    def plan_blocks(self, batch: Batch, generator: torch.Generator) -> tuple[Blocks, torch.Tensor]:
+        """Anchors, blocks and the counted rows on the device. Their sizes are data-dependent, so they are
+        planned on the host copy of the batch when there is one: reading them never waits for the device."""
+        o, bs = self.cfg.objective, self.drafter.block_size
+        plan = batch.host if batch.host is not None else batch
+        anchors, keep = sample_anchors(plan.loss_mask, plan.lengths, bs, o.max_anchors, generator,
+                                       self.backend.blocks_multiple_of, o.max_anchors_per_batch)
+        blocks = build_blocks(plan.input_ids, plan.loss_mask, plan.lengths, anchors, keep, bs,
+                              self.drafter.mask_token_id, o.gamma)
+        idx = blocks.counted.view(-1).nonzero().squeeze(1)
+        device = batch.input_ids.device
+        return blocks.to(device), to_device(idx, device)
+
+    def __call__(self, batch: Batch, generator: torch.Generator, call: Optional[Callable] = None,
+                 hidden: Optional[torch.Tensor] = None) -> StepStats:
+        drafter, target, backend, o = self.drafter, self.target, self.backend, self.cfg.objective
+        call = call or drafter
+        bs = drafter.block_size
+        hidden, final = self.capture(batch, hidden)
+        blocks, idx = self.plan_blocks(batch, generator)
+        device = batch.input_ids.device
+        b, s = batch.input_ids.shape
+        with torch.no_grad():
+            block_embeds = target.embed_tokens(blocks.block_ids)
+        if drafter.layers_compiled and torch.is_grad_enabled():
+            # Dynamo guards on requires_grad: an input that needs no gradient would give the first layer graphs
+            # of its own. One set for all layers costs the first layer's q/k/v input gradient (~0.6% of a step).
+            block_embeds.requires_grad_()
+        pad = -s % backend.context_multiple_of
+        if pad:  # padded context keys lie past every anchor: no block ever sees them
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
+            s += pad
+        context_pos = torch.arange(s, device=device).expand(b, s)
+        position_ids = torch.cat([context_pos, blocks.block_positions], dim=1)
+        mask = backend.build_mask(blocks.anchors, blocks.keep, s, bs)
+        autocast = (torch.autocast(device.type, dtype=self.compute_dtype)
+                    if self.compute_dtype in (torch.bfloat16, torch.float16) else contextlib.nullcontext())
+        with autocast:
+            out = call(hidden, block_embeds, position_ids, backend.attention, mask,
+                       compiled_layers=drafter.layers_compiled)  # [B, N*bs, H]
+            rows = out.reshape(-1, out.shape[-1]).index_select(0, idx)
+            result = chunked_weighted_ce(
+                rows,
+                target.lm_head.weight,
+                blocks.labels.view(-1).index_select(0, idx),
+                row_weights(self.cfg, blocks, idx),
+                o.loss_chunk_size,
+                target_hidden=_distill_rows(final, blocks, idx) if final is not None else None,
+                distill_weight=o.distill_weight,
+                temperature=o.distill_temperature,
+            )
+        correct = torch.zeros_like(blocks.counted).view(-1).index_put((idx,), result.correct)
+        correct = correct.view(blocks.labels.shape)  # [B, N, bs]
+        accept = acceptance_estimate(correct)
+        return StepStats(
+            loss=result.loss,
+            correct_per_slot=correct.sum((0, 1)),
+            counted_per_slot=blocks.counted.sum((0, 1)),
+            accepted_sum=(accept * blocks.keep).sum(),
+            kept_blocks=blocks.keep.sum(),
+        )
