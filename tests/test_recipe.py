@@ -1,5 +1,6 @@
 """Recipe options of issue #10: acceptance-weighted slots, distillation from the target's logits, the
-warmup-stable-decay schedule. Each against an independent dense float64 reference."""
+warmup-stable-decay schedule; D-PACE slot weights (issue #22). Each against an independent dense float64
+reference."""
 
 import dataclasses
 import json
@@ -10,7 +11,7 @@ import torch
 import yaml
 
 from dflash_train.config import config_from_dict
-from dflash_train.algorithms.dflash.blocks import build_blocks, sample_anchors
+from dflash_train.algorithms.dflash.blocks import build_blocks, dpace_weights, sample_anchors
 from dflash_train.algorithms.dflash.loss import chunked_weighted_ce
 from dflash_train.algorithms.dflash.objective import row_weights
 from dflash_train.train.step import lr_factor
@@ -116,6 +117,79 @@ def test_acceptance_weights_equal_a_brute_force_product_and_carry_no_gradient(ch
     (ref_grad,) = torch.autograd.grad(ref, ref_out)
     torch.testing.assert_close(res.loss, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------- D-PACE weighting
+
+
+def _brute_force_dpace(label_logp, counted, alpha):
+    """Loops: counted slot j weighs the sum over counted m >= j of the product over counted i <= m of
+    (1 - alpha) * p(label_i) + alpha. Uncounted slots are skipped outright (weight 0, in no sum or product)."""
+    b, n, bs = counted.shape
+    w = torch.zeros(b, n, bs, dtype=torch.float64)
+    for r in range(b):
+        for blk in range(n):
+            for j in range(bs):
+                if not counted[r, blk, j]:
+                    continue
+                total = 0.0
+                for m in range(j, bs):
+                    if not counted[r, blk, m]:
+                        continue
+                    reach = 1.0
+                    for i in range(m + 1):
+                        if counted[r, blk, i]:
+                            reach *= (1 - alpha) * math.exp(float(label_logp[r, blk, i])) + alpha
+                    total += reach
+                w[r, blk, j] = total
+    return w
+
+
+def _dpace_case(seed):
+    """Random label log-probs and a counted mask `[3, 5, 6]` holding every kind of uncounted slot: the anchor
+    (slot 0), holes inside a block (loss mask), a row's tail past its end, a block with no counted slot, and
+    blocks not kept. Uncounted entries hold random log-probs too: they must not matter."""
+    g = torch.Generator().manual_seed(seed)
+    b, n, bs = 3, 5, 6
+    label_logp = torch.log(torch.rand(b, n, bs, generator=g, dtype=torch.float64).clamp_min(1e-3))
+    counted = torch.rand(b, n, bs, generator=g) < 0.7
+    counted[0, 0] = torch.tensor([False, True, False, True, True, False])  # a hole between counted slots
+    counted[0, 2] = False  # a block with no counted slot
+    counted[1, 4, 3:] = False  # the row ends inside its last block
+    counted[2, 3:] = False  # blocks not kept
+    counted[..., 0] = False  # the anchor never counts (as build_blocks gives it)
+    return label_logp, counted
+
+
+@pytest.mark.parametrize("seed,alpha", [(0, 0.5), (1, 0.5), (2, 0.0), (3, 0.2), (4, 0.9)])
+def test_dpace_weights_equal_a_brute_force_sum_and_carry_no_gradient(seed, alpha):
+    label_logp, counted = _dpace_case(seed)
+    leaf = label_logp.clone().requires_grad_(True)
+    w = dpace_weights(leaf, counted, alpha)
+    assert not w.requires_grad and w.dtype == torch.float64
+    expect = _brute_force_dpace(label_logp, counted, alpha)
+    torch.testing.assert_close(w, expect, rtol=1e-12, atol=0)
+    assert torch.equal(w != 0, counted)  # > 0 exactly on the counted slots (alpha = 0 too: every p > 0 here)
+    # Uncounted slots' log-probs do not enter: the padding rows of a micro-batch read 0, anything else is equal.
+    scrambled = torch.where(counted, label_logp, torch.randn_like(label_logp))
+    assert torch.equal(dpace_weights(scrambled, counted, alpha), w)
+    # The hand-set block [-, c, -, c, c, -]: w_1 = f1 + f1 f3 + f1 f3 f4, w_3 = f1 f3 + f1 f3 f4, w_4 = f1 f3 f4.
+    f = (1 - alpha) * label_logp[0, 0].exp() + alpha
+    p1, p3, p4 = f[1], f[1] * f[3], f[1] * f[3] * f[4]
+    torch.testing.assert_close(w[0, 0], torch.stack([0 * p1, p1 + p3 + p4, 0 * p1, p3 + p4, p4, 0 * p1]),
+                               rtol=1e-12, atol=0)
+
+
+def test_dpace_alpha_one_counts_the_counted_slots_from_here_on():
+    """alpha = 1: every factor is 1, so w_j = #{counted m >= j} (a suffix count), whatever the drafter predicts;
+    a fully counted block of size bs weighs bs - j at slot j."""
+    label_logp, counted = _dpace_case(5)
+    w = dpace_weights(label_logp, counted, 1.0)
+    suffix_count = counted.flip(-1).cumsum(-1).flip(-1).double() * counted
+    assert torch.equal(w, suffix_count)
+    full = torch.ones(1, 1, 6, dtype=torch.bool)
+    full[..., 0] = False
+    assert dpace_weights(torch.randn(1, 1, 6, dtype=torch.float64), full, 1.0).tolist() == [[[0, 5, 4, 3, 2, 1]]]
 
 
 def test_gamma_weighting_is_the_decay():

@@ -4,8 +4,9 @@ Anchors: positions p with `loss_mask[p] == 1` and `p <= length - block_size`, up
 per sequence, drawn without replacement, sorted; rows with fewer pad with `keep = False`.
 Labels are same-position: slot k of block n predicts `input_ids[a_n + k]`. Slot 0 (the anchor)
 never counts; slot k counts iff the block is kept, `a_n + k < length` and `loss_mask[a_n + k]`.
-Weights: `exp(-(k - 1) / gamma)` for counted slots, or (`acceptance_weights`) the drafter's own detached
-probability of reaching the slot, computed after its forward.
+Weights: `exp(-(k - 1) / gamma)` for counted slots, or, computed after the drafter's forward from its own
+detached label probabilities, (`acceptance_weights`) its probability of reaching the slot or (`dpace_weights`)
+the D-PACE weight, the sum of its smoothed probabilities of getting through each counted slot from this one on.
 """
 
 from __future__ import annotations
@@ -127,3 +128,25 @@ def acceptance_weights(label_logp: torch.Tensor, counted: torch.Tensor, floor: f
     before = torch.nn.functional.pad(logp[..., :-1], (1, 0))  # slot k sees slots < k
     reach = torch.exp(torch.cumsum(before, -1))
     return reach.clamp_min(floor) * counted
+
+
+def dpace_weights(label_logp: torch.Tensor, counted: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights (arXiv 2605.18810): counted slot j weighs `w_j = sum_{counted m >= j} P_m`,
+    `P_m = prod_{counted i <= m} f_i`, `f_i = (1 - alpha) * q_i + alpha`, with `q_i = exp(label_logp[..., i])`
+    the drafter's probability of slot i's label (the hard label, also when distilling). `label_logp` and
+    `counted` are `[B, N, bs]`; the result is detached, 0 where the slot does not count.
+
+    Uncounted slots (slot 0, the given anchor; slots past the sequence end; slots outside the loss mask;
+    every slot of a block that is not kept) are dropped from the block: each is a factor 1 in the products
+    and no term of the sums, and its `label_logp` does not matter. So a block's weights are the formula applied
+    to its counted slots alone, in order, and no slot that cannot be trained adds to them: a block with no
+    counted slot weighs 0 throughout, and one whose only counted slots are j < m has `w_j = f_j + f_j f_m`,
+    `w_m = f_j f_m` whatever lies between or after. `w_j` is the derivative of the block's smoothed expected
+    accepted length `sum_{counted m} P_m` with respect to `log f_j`. With alpha = 1 every factor is 1 and
+    `w_j` is the number of counted slots at or after j."""
+    logp = label_logp.detach().to(torch.promote_types(label_logp.dtype, torch.float32))
+    factor = (1.0 - alpha) * torch.exp(logp) + alpha
+    factor = torch.where(counted, factor, torch.ones_like(factor))
+    reach = torch.cumprod(factor, -1) * counted  # P_m over counted m, 0 elsewhere
+    # Suffix sums by flipping (not total - prefix): late slots' small weights keep their relative precision.
+    return reach.flip(-1).cumsum(-1).flip(-1) * counted
