@@ -33,7 +33,7 @@ def test_unknown_key_names_the_key_and_lists_valid_ones():
     ({"drafter": {"target_layer_ids": [1, "x"]}}, "drafter.target_layer_ids[1]"),
     ({"optim": {"betas": [0.9]}}, "optim.betas"),
     ({"data": []}, "data"),
-    ({"objective": {"slot_weighting": "dpace"}}, "objective.slot_weighting"),
+    ({"objective": {"slot_weighting": "pace"}}, "objective.slot_weighting.*'dpace'"),
     ({"optim": {"schedule": "linear"}}, "optim.schedule"),
     ({"objective": {"distill_weight": "half"}}, "objective.distill_weight"),
 ])
@@ -54,6 +54,8 @@ def test_wrong_types_name_the_key(tree, key):
     ({"objective": {"distill_weight": -0.1}}, "objective.distill_weight"),
     ({"objective": {"distill_temperature": 0.0}}, "objective.distill_temperature"),
     ({"objective": {"acceptance_floor": 0.0}}, "objective.acceptance_floor"),
+    ({"objective": {"dpace_alpha": 1.5}}, "objective.dpace_alpha.*in \\[0, 1\\]"),
+    ({"objective": {"dpace_alpha": -0.1}}, "objective.dpace_alpha"),
     ({"optim": {"decay_ratio": 0.0}}, "optim.decay_ratio"),
     ({"optim": {"decay_ratio": 1.2}}, "optim.decay_ratio"),
     ({"optim": {"schedule": "wsd", "warmup_ratio": 0.5, "decay_ratio": 0.6}}, "optim.decay_ratio"),

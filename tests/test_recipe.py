@@ -68,11 +68,11 @@ def test_distill_weight_zero_is_todays_loss_bit_for_bit():
 # ---------------------------------------------------------------------------- acceptance weighting, loss level
 
 
-def _blocks(seed, bs=5, seq=40):
+def _blocks(seed, bs=5, seq=40, short=9):
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, 12, (2, seq), generator=g)
     loss_mask = (torch.rand(2, seq, generator=g) < 0.85).long()  # holes: uncounted slots inside blocks
-    lengths = torch.tensor([seq, seq - 9])
+    lengths = torch.tensor([seq, seq - short])
     anchors, keep = sample_anchors(loss_mask, lengths, bs, 6, g)
     return build_blocks(input_ids, loss_mask, lengths, anchors, keep, bs, 99, 3.0), g
 
@@ -192,6 +192,30 @@ def test_dpace_alpha_one_counts_the_counted_slots_from_here_on():
     assert dpace_weights(torch.randn(1, 1, 6, dtype=torch.float64), full, 1.0).tolist() == [[[0, 5, 4, 3, 2, 1]]]
 
 
+@pytest.mark.parametrize("chunk", [3, 1000])
+def test_dpace_row_weights_in_the_loss_equal_the_brute_force_and_carry_no_gradient(chunk):
+    blocks, g = _blocks(10 + chunk, short=31)  # the short row has at most 5 anchors of 6: blocks not kept
+    v, h = 12, 6
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64)
+    noise = torch.randn(blocks.labels.numel(), h, generator=g, dtype=torch.float64)
+    out = 0.8 * weight[blocks.labels].view(-1, h) + noise  # leaning towards the labels: factors spread over (a, 1)
+    out.requires_grad_(True)
+    cfg = config_from_dict({"objective": {"slot_weighting": "dpace", "dpace_alpha": 0.3}})
+    idx = blocks.counted.view(-1).nonzero().squeeze(1)
+    res = chunked_weighted_ce(out[idx], weight, blocks.labels.view(-1)[idx], row_weights(cfg, blocks, idx), chunk)
+    (grad,) = torch.autograd.grad(res.loss, out)
+
+    logp = F.log_softmax(out.detach() @ weight.t(), -1).view(*blocks.labels.shape, v)
+    expect = _brute_force_dpace(logp.gather(-1, blocks.labels.unsqueeze(-1)).squeeze(-1), blocks.counted, 0.3)
+    assert (~blocks.keep).any() and (blocks.keep.unsqueeze(-1) & ~blocks.counted)[..., 1:].any()  # both kinds met
+    torch.testing.assert_close(res.weights, expect.view(-1)[idx], rtol=1e-10, atol=0)
+    ref_out = out.detach().clone().requires_grad_(True)
+    ref = _soft_ce_reference(ref_out[idx], weight, blocks.labels.view(-1)[idx], expect.view(-1)[idx])  # w constant
+    (ref_grad,) = torch.autograd.grad(ref, ref_out)
+    torch.testing.assert_close(res.loss, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+
+
 def test_gamma_weighting_is_the_decay():
     cfg = config_from_dict({}, ["objective.slot_weighting=gamma"])
     assert cfg.objective.distill_weight == 0.0
@@ -229,6 +253,8 @@ def test_capture_with_final_returns_what_feeds_the_lm_head(tiny64):
     {"slot_weighting": "acceptance", "acceptance_floor": 0.1},
     {"distill_weight": 0.3, "distill_temperature": 2.0},
     {"distill_weight": 1.0, "slot_weighting": "acceptance"},
+    {"slot_weighting": "dpace"},
+    {"slot_weighting": "dpace", "dpace_alpha": 0.2, "distill_weight": 0.3},
 ])
 @pytest.mark.parametrize("context_multiple", [1, 16])
 def test_forward_loss_equals_a_dense_reference(tiny64, objective, context_multiple):
@@ -275,8 +301,11 @@ def test_forward_loss_equals_a_dense_reference(tiny64, objective, context_multip
     ce = -(q * logp).sum(-1)
     if o.slot_weighting == "gamma":
         w = blocks.weights.double()
-    else:
+    elif o.slot_weighting == "acceptance":
         w = _brute_force_acceptance(logp.detach(), blocks, o.acceptance_floor)
+    else:
+        label_logp = logp.detach().gather(-1, blocks.labels.unsqueeze(-1)).squeeze(-1)
+        w = _brute_force_dpace(label_logp, blocks.counted, o.dpace_alpha)
     ref = (w * ce)[blocks.counted].sum() / w[blocks.counted].sum()
     ref_grads = torch.autograd.grad(ref, list(drafter.parameters()))
     torch.testing.assert_close(stats.loss, ref, rtol=1e-10, atol=1e-12)
@@ -311,6 +340,7 @@ def test_wsd_schedule_values():
 
 @pytest.mark.parametrize("option", [
     {"objective": {"slot_weighting": "gamma"}},
+    {"objective": {"slot_weighting": "dpace", "dpace_alpha": 0.5}},
     {"optim": {"schedule": "cosine"}},
     {"objective": {"distill_weight": 0.5, "distill_temperature": 2.0}},
     {"optim": {"schedule": "wsd", "decay_ratio": 0.5, "min_lr_ratio": 0.1}},

@@ -113,8 +113,11 @@ class ObjectiveConfig:
     # gamma: slot k weighs exp(-(k - 1) / gamma). acceptance: slot k weighs the drafter's own (detached)
     # probability of reaching it, prod_{1 <= j < k} p(label_j), floored at acceptance_floor.
     # The default since it won at equal steps: tau 1.559 against 1.363 for gamma (QUALITY.md, 2026-11-30).
-    slot_weighting: Literal["gamma", "acceptance"] = "acceptance"
+    # dpace (arXiv 2605.18810): slot j weighs sum_{m >= j} prod_{i <= m} ((1 - dpace_alpha) p(label_i) + dpace_alpha)
+    # over the block's counted slots (blocks.dpace_weights).
+    slot_weighting: Literal["gamma", "acceptance", "dpace"] = "acceptance"
     acceptance_floor: float = 0.05
+    dpace_alpha: float = 0.5
     # Share alpha of the target's softmax(logits / distill_temperature) mixed into the one-hot label.
     distill_weight: float = 0.0
     distill_temperature: float = 1.0
@@ -445,6 +448,7 @@ def validate(cfg: Config) -> None:
     need(o.gamma > 0, "objective.gamma", f"must be > 0 (got {o.gamma})")
     need(o.loss_chunk_size >= 1, "objective.loss_chunk_size", "must be >= 1")
     need(0 < o.acceptance_floor <= 1, "objective.acceptance_floor", f"must be in (0, 1] (got {o.acceptance_floor})")
+    need(0 <= o.dpace_alpha <= 1, "objective.dpace_alpha", f"must be in [0, 1] (got {o.dpace_alpha})")
     need(0 <= o.distill_weight <= 1, "objective.distill_weight", f"must be in [0, 1] (got {o.distill_weight})")
     need(o.distill_temperature > 0, "objective.distill_temperature", f"must be > 0 (got {o.distill_temperature})")
     need(op.lr > 0, "optim.lr", f"must be > 0 (got {op.lr})")

@@ -4,6 +4,7 @@ drafter forward -> chunked slot-weighted CE over the counted slots."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -13,7 +14,7 @@ from ...data.batch import Batch
 from ...runtime import to_device
 from ..base import StepStats, acceptance_estimate
 from .attention import AttentionBackend
-from .blocks import Blocks, acceptance_weights, build_blocks, sample_anchors
+from .blocks import Blocks, acceptance_weights, build_blocks, dpace_weights, sample_anchors
 from .loss import chunked_weighted_ce
 from .model import DFlashDrafter
 
@@ -27,18 +28,22 @@ def _distill_rows(final: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> tor
 
 
 def row_weights(cfg: Config, blocks: Blocks, idx: torch.Tensor):
-    """The counted rows' loss weights: the gamma decay, or (acceptance) a function of the rows' label
+    """The counted rows' loss weights: the gamma decay, or (acceptance, dpace) a function of the rows' label
     log-probabilities that the loss calls after its forward."""
     o = cfg.objective
     if o.slot_weighting == "gamma":
         return blocks.weights.view(-1).index_select(0, idx)
+    if o.slot_weighting == "acceptance":
+        per_block = functools.partial(acceptance_weights, floor=o.acceptance_floor)
+    else:
+        per_block = functools.partial(dpace_weights, alpha=o.dpace_alpha)
 
-    def by_acceptance(label_logp: torch.Tensor) -> torch.Tensor:
+    def by_prediction(label_logp: torch.Tensor) -> torch.Tensor:
         full = label_logp.new_zeros(blocks.counted.numel()).index_put((idx,), label_logp)
-        w = acceptance_weights(full.view(blocks.counted.shape), blocks.counted, o.acceptance_floor)
+        w = per_block(full.view(blocks.counted.shape), blocks.counted)
         return w.view(-1).index_select(0, idx)
 
-    return by_acceptance
+    return by_prediction
 
 
 class DFlashObjective:
