@@ -301,7 +301,7 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
     step = TrainStep(drafter, TargetCapture.from_model(model, [1, 3]), eager, cfg, 10, torch.bfloat16, device)
     ids = torch.randint(10, 1000, (2, 200), generator=torch.Generator().manual_seed(0))
     with pytest.raises(compile_layer.UncompiledFlexAttention, match="ran uncompiled after the warm-up began"):
-        warm_up(step, Batch(ids, torch.ones_like(ids), torch.tensor([200, 180])).to(device), Path("unused"), False,
+        warm_up(step, Batch(ids, torch.ones_like(ids), torch.tensor([200, 180])).to(device), Path("unused"),
                 kinds=(False, True))
 
 

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -43,6 +43,7 @@ from .launch import LAUNCH_TIME_ENV
 from .loop import RunState, Session, memory_gib, micro_batch_groups, train_loop
 from .step import TrainStep, forward_loss
 from .transport import SplitLayout, TargetOutbox, DrafterInbox
+from .validate import evaluating, validation_batches_to_warm_up, validation_loss
 
 log = logging.getLogger(__name__)
 
@@ -101,15 +102,17 @@ def batch_kinds(planned: list[list[int]]) -> tuple[bool, bool]:
     return min(rows) == 1, max(rows) > 1
 
 
-def warm_up(train_step: TrainStep, batch, cache_dir: Path, with_validation: bool, hidden: Optional[torch.Tensor] = None,
-            kinds: tuple[bool, bool] = (True, True), extremes: tuple = ()) -> dict:
+def warm_up(train_step: TrainStep, batch, cache_dir: Path, validation: Sequence[tuple[int, Batch]] = (),
+            hidden: Optional[torch.Tensor] = None, kinds: tuple[bool, bool] = (True, True),
+            extremes: tuple = ()) -> dict:
     """Compile everything the loop will run, exactly as the loop runs it (grad on, forward + backward,
-    production dtype, dynamic shapes, the batch kinds of `batch_kinds`; and the no-grad forward of
-    validation), then seal the compile layer. `extremes`: the plan's batches at the edges of its sizes
-    (`size_classes.warm_up_batches`), run after the first so that any variant they need compiles here (the
-    number that did is reported: 0 means the first batch's graphs serve the whole plan). From the start an
-    eager flex_attention call raises. Weights do not change. `cache_dir`: where `compile.configure_cache`
-    pointed inductor (reported)."""
+    production dtype, dynamic shapes, the batch kinds of `batch_kinds`), then seal the compile layer.
+    `extremes`: the plan's batches at the edges of its sizes (`size_classes.warm_up_batches`), run after the
+    first so that any variant they need compiles here (the number that did is reported: 0 means the first
+    batch's graphs serve the whole plan). `validation`: (index, batch) of the validation batches at the edges
+    of validation's sizes (`validate.validation_batches_to_warm_up`), run as validation runs them (no grad,
+    eval mode, their own anchors: `validate.validation_loss`). From the start an eager flex_attention call raises. Weights do
+    not change. `cache_dir`: where `compile.configure_cache` pointed inductor (reported)."""
     t0 = time.time()
     compile_layer.begin_warm_up()
     # target.compile: the target's layers first, batch 1 and >= 2, lengths near the first batch's (no-op when off)
@@ -130,10 +133,10 @@ def warm_up(train_step: TrainStep, batch, cache_dir: Path, with_validation: bool
                              torch.Generator().manual_seed(0), train_step.compute_dtype, hidden=h)
         stats.loss.backward()
         train_step.optimizer.zero_grad(set_to_none=True)
-        if with_validation:
-            with torch.no_grad():
-                forward_loss(train_step.drafter, train_step.target, train_step.backend, b, train_step.cfg,
-                             torch.Generator().manual_seed(0), train_step.compute_dtype)
+    training_graphs = compile_layer.graphs_compiled()
+    with evaluating(train_step.drafter):
+        for index, b in validation:
+            validation_loss(train_step, b, index)
     if batch.input_ids.is_cuda:
         torch.cuda.current_stream().synchronize()  # not the NCCL stream: it may hold posted receives
     compile_layer.seal()
@@ -141,11 +144,14 @@ def warm_up(train_step: TrainStep, batch, cache_dir: Path, with_validation: bool
             "drafter_compiled_graphs": compile_layer.graphs_compiled() - graphs, **target_info}
     if extremes:
         info["warmup_extreme_batches"] = len(extremes)
-        info["extreme_batches_compiled_graphs"] = compile_layer.graphs_compiled() - first_graphs
+        info["extreme_batches_compiled_graphs"] = training_graphs - first_graphs
         if info["extreme_batches_compiled_graphs"]:
             log.warning("warm-up: the plan's extreme batches compiled %d graph(s) the first batch's did not (a size "
                         "threshold in the compiled code; the recompile lines above name the guard); compiled now, "
                         "not mid-run", info["extreme_batches_compiled_graphs"])
+    if validation:
+        info["warmup_validation_batches"] = len(validation)
+        info["validation_compiled_graphs"] = compile_layer.graphs_compiled() - training_graphs
     log.info("warm-up done in %.1f s (compile cache %s: %d hits, %d misses)", info["warmup_s"], cache_dir,
              info["fxgraph_cache_hit"], info["fxgraph_cache_miss"])
     return info
@@ -483,8 +489,14 @@ def warm_up_drafter_rank(s: Session, a: Admitted, r: RankSetup, rep: Reporter) -
         extremes.append(collate([s.data.example(i) for i in rows], s.pad_id).to(s.device))
         log.info("warm-up batch: %d rows x %d tokens (%s)", len(rows), extremes[-1].input_ids.shape[1],
                  ", ".join(edges))
-    return warm_up(s.train_step, first, r.compile_cache, with_validation=s.val is not None, hidden=synthetic,
-                   kinds=batch_kinds(r.epoch0), extremes=tuple(extremes))
+    validation = []
+    if s.val is not None:  # rank 0: validation's own sizes, in its own mode (validate.py)
+        for index, rows, edges in validation_batches_to_warm_up(s.train_step, s.val):
+            validation.append((index, collate([s.val.example(i) for i in rows], s.pad_id).to(s.device)))
+            log.info("warm-up validation batch %d: %d rows x %d tokens (%s)", index, len(rows),
+                     validation[-1][1].input_ids.shape[1], ", ".join(edges))
+    return warm_up(s.train_step, first, r.compile_cache, validation, hidden=synthetic, kinds=batch_kinds(r.epoch0),
+                   extremes=tuple(extremes))
 
 
 # The compiled variants one capture can add per compiled function: the layers of one class share one graph per
