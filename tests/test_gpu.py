@@ -374,6 +374,42 @@ def test_real_variable_length_data_compiles_nothing_after_the_warm_up_nor_after_
     assert "recompiled after the warm-up" not in text and text.count("warm-up done") == 2
 
 
+def test_validation_on_real_data_compiles_nothing_after_the_warm_up(tmp_path, qwen3_target_dir, real_data):
+    """Issue 20: validation batches (held-out real conversations, their own sizes, no grad, eval mode) with both
+    compiles and flex on: the warm-up runs validation's extreme batches as validation does, so the validations
+    at steps 10, 20 and 30 (the last after the last metrics record) compile nothing after the seal."""
+    import gzip
+
+    from _harness import run
+
+    with gzip.open(real_data, "rt") as f:
+        held_out = [line for _, line in zip(range(1300), f)][1000:]
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(held_out))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({
+        "target": {"path": str(qwen3_target_dir), "compile": True},
+        "drafter": {"num_draft_layers": 2, "block_size": 16, "attention_backend": "flex", "compile": True,
+                    "mask_token_id": 16},
+        "data": {"train_files": [str(real_data)], "val_files": [str(val)], "max_length": 1024,
+                 "token_budget": 16384, "max_batch_size": 16, "max_samples": 1000},
+        "objective": {"max_anchors": 512, "gamma": 7.0},
+        "optim": {"lr": 6e-4, "max_steps": 30, "warmup_ratio": 0.04},
+        "run": {"device": "cuda", "log_every": 5, "save_every": 1000, "progress_bar": False, "eval_every": 10,
+                "eval_batches": 8, "eval_prompts": 1, "eval_max_new_tokens": 32,
+                "compile_cache_dir": str(tmp_path / "cache")},
+    }))
+    out, log = tmp_path / "R", tmp_path / "train.out"
+    assert run(["train", str(cfg), "--run-dir", str(out)], log, timeout=600) == 0, log.read_text()[-3000:]
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "done" and status["warmup_validation_batches"] >= 1, status
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("kind") == "validation"] == [10, 20, 30]
+    assert status["recompiles_after_warmup"] == 0, status
+    text = (out / "train.log").read_text()
+    assert "recompiled after the warm-up" not in text, text[-3000:]  # also the last validation's
+
+
 def test_preflight_refuses_a_plan_that_cannot_fit():
     from dflash_train.train.preflight import check_gpu
 
