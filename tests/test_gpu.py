@@ -601,3 +601,27 @@ def test_colocated_one_gpu_run_with_compiled_drafter_and_target(tmp_path, tiny_t
     records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["recompiles"] == records[0]["recompiles"] and all(r["loss"] == r["loss"] for r in records)
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_inductor_recompiles_a_kernel_whose_elements_cross_two_to_the_31(caplog):
+    """The premise of train/indexing.py: inductor indexes a kernel that fits 2^31 - 1 elements with 32-bit
+    integers and guards the dynamic sizes to stay there, so the first call past it recompiles (a run refuses
+    such a plan up front)."""
+    import logging
+
+    from dflash_train.model import compile as compile_layer
+
+    compile_layer.watch_recompiles()
+    torch._dynamo.reset()
+    fn = compile_layer.compiled("test_int32_indexing", lambda x: x + 1, dynamic=True)
+    fn(torch.zeros(4099, 1024, dtype=torch.int8, device="cuda"))
+    before = compile_layer.recompiles()
+    fn(torch.zeros(8191, 1024, dtype=torch.int8, device="cuda"))  # same side of 2^31: the same graph
+    assert compile_layer.recompiles() == before
+    with caplog.at_level(logging.WARNING, logger="dflash_train"):
+        big = fn(torch.zeros(2**21 + 3, 1024, dtype=torch.int8, device="cuda"))  # 2^31 + 3072 elements
+    assert int(big[-1, -1]) == 1
+    assert compile_layer.recompiles() == before + 1
+    assert "2147483647" in caplog.text, caplog.text  # the failed guard: numel <= 2^31 - 1
+    del big
+    torch._dynamo.reset()

@@ -36,7 +36,7 @@ from ..model_card import training_card
 from ..rundir import Reporter, RunDir, clear_stop_request, stop_requested_since
 from ..runtime import resolve_device, resolve_dtype, stop_token_ids, write_text_atomic
 from . import checkpoint as checkpoints
-from . import preflight, size_classes
+from . import indexing, preflight, size_classes
 from .admission import flatten, holds_run_message, with_step_cap
 from .dist import DistContext
 from .launch import LAUNCH_TIME_ENV
@@ -342,6 +342,11 @@ class RankSetup:
     total: int
     state: RunState
 
+    def epochs_left(self) -> range:
+        """The epochs whose plans the rest of the run reaches (from the current one, one more for a partial)."""
+        return range(self.state.epoch,
+                     self.state.epoch + math.ceil((self.total - self.state.step) / self.steps_per_epoch) + 1)
+
 
 def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh_compile_cache: bool) -> RankSetup:
     plan = a.plan
@@ -392,8 +397,25 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
         if state.step > total:
             raise UserError(f"--resume: the run is at step {state.step}, past the {total} steps its config now asks "
                             "for (optim.max_steps / optim.epochs); give a larger optim.max_steps")
-    return RankSetup(device, role, drafter_group, drafters, compile_cache, data, batching, per_step, epoch0,
-                     steps_per_epoch, total, state)
+    setup = RankSetup(device, role, drafter_group, drafters, compile_cache, data, batching, per_step, epoch0,
+                      steps_per_epoch, total, state)
+    check_indexing(cfg, a, setup, rep)
+    return setup
+
+
+def check_indexing(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter) -> None:
+    """How far the plan keeps the compiled graphs from 2^31 elements (indexing.py), over the whole run (the
+    target's and the drafter's compiled code alike, so that every rank of a split placement decides the same):
+    logged, in status.json, and a plan that would cross it is refused before any weights load."""
+    backend = resolve_backend(cfg.drafter.attention_backend, r.device, cfg.drafter.block_size)
+    widths = indexing.compiled_widths(cfg, a.dcfg, a.target_config, backend, r.device.type == "cuda")
+    o = cfg.objective
+    largest = indexing.largest_tensor(widths, *r.batching, r.epochs_left(), o.max_anchors, o.max_anchors_per_batch,
+                                      backend.blocks_multiple_of, r.data.anchor_positions)
+    log.info("%s", largest.describe())
+    rep.report(index_largest_elements=largest.elements,
+               index_headroom=round(largest.headroom, 2) if largest.elements else None)
+    indexing.check(largest)
 
 
 def run_target_rank(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter, stop: StopRequest) -> None:
@@ -478,10 +500,9 @@ def warm_up_drafter_rank(s: Session, a: Admitted, r: RankSetup, rep: Reporter) -
     if a.layout is not None:  # the compile needs the shapes and dtype of a capture, not its values
         synthetic = torch.randn(*first.input_ids.shape, len(a.plan.layer_ids) * a.provenance["hidden_size"],
                                 dtype=a.plan.target_dtype, device=s.device)
-    cfg, state = s.cfg, r.state
-    epochs = range(state.epoch, state.epoch + math.ceil((r.total - state.step) / r.steps_per_epoch) + 1)
+    cfg = s.cfg
     edges_of_plan = size_classes.extreme_classes(
-        s.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, epochs, cfg.drafter.block_size,
+        s.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, r.epochs_left(), cfg.drafter.block_size,
         cfg.objective.max_anchors, cfg.objective.max_anchors_per_batch, s.train_step.backend.blocks_multiple_of)
     log.info("size classes of the plan: %s", size_classes.describe(edges_of_plan))
     extremes = []
