@@ -226,7 +226,8 @@ def test_a_target_rank_near_its_recompile_limit_stops_the_run_with_a_checkpoint_
     st = status(out)
     assert rc == 1 and st["phase"] == "failed", (rc, st, log.read_text()[-3000:])
     error = st["error"]["secondary"]
-    assert error.startswith(f"RecompileLimitNear: target rank {target_rank}: torch.compile: target_layer[eager]:"), error
+    assert error.startswith(f"RecompileLimitNear: target rank {target_rank}: torch.compile: target_layer[eager]:"), \
+        error
     assert "LlamaDecoderLayer holds" in error and f"recompile limit ({limit})" in error and "size mismatch" in error
     for rank in range(1, nproc - 1):  # the other drafter ranks raised with the same reason
         assert f"RecompileLimitNear: target rank {target_rank}: torch.compile" in (out / f"rank-{rank}.out").read_text()

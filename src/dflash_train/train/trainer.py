@@ -111,8 +111,8 @@ def warm_up(train_step: TrainStep, batch, cache_dir: Path, validation: Sequence[
     first so that any variant they need compiles here (the number that did is reported: 0 means the first
     batch's graphs serve the whole plan). `validation`: (index, batch) of the validation batches at the edges
     of validation's sizes (`validate.validation_batches_to_warm_up`), run as validation runs them (no grad,
-    eval mode, their own anchors: `validate.validation_loss`). From the start an eager flex_attention call raises. Weights do
-    not change. `cache_dir`: where `compile.configure_cache` pointed inductor (reported)."""
+    eval mode, their own anchors: `validate.validation_loss`). From the start an eager flex_attention call
+    raises. Weights do not change. `cache_dir`: where `compile.configure_cache` pointed inductor (reported)."""
     t0 = time.time()
     compile_layer.begin_warm_up()
     # target.compile: the target's layers first, batch 1 and >= 2, lengths near the first batch's (no-op when off)
@@ -502,8 +502,9 @@ def warm_up_drafter_rank(s: Session, a: Admitted, r: RankSetup, rep: Reporter) -
                                 dtype=a.plan.target_dtype, device=s.device)
     cfg = s.cfg
     edges_of_plan = size_classes.extreme_classes(
-        s.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, r.epochs_left(), cfg.drafter.block_size,
-        cfg.objective.max_anchors, cfg.objective.max_anchors_per_batch, s.train_step.backend.blocks_multiple_of)
+        s.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, r.epochs_left(),
+        cfg.drafter.block_size, cfg.objective.max_anchors, cfg.objective.max_anchors_per_batch,
+        s.train_step.backend.blocks_multiple_of)
     log.info("size classes of the plan: %s", size_classes.describe(edges_of_plan))
     extremes = []
     for rows, edges in size_classes.warm_up_batches(edges_of_plan, skip=tuple(r.epoch0[0])):
