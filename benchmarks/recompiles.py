@@ -133,7 +133,7 @@ def main() -> None:
         collate([data.example(i) for i in rows], tok.pad_token_id).to(device)
         for rows, _ in size_classes.warm_up_batches(edges, skip=tuple(epoch0[0]))]
     t0 = time.time()
-    info = warm_up(step_fn, first, cache, with_validation=False, hidden=capture(first), kinds=batch_kinds(epoch0),
+    info = warm_up(step_fn, first, cache, hidden=capture(first), kinds=batch_kinds(epoch0),
                    extremes=tuple(extremes))
     sync()
     warm_s = time.time() - t0

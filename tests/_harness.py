@@ -113,6 +113,31 @@ def cpu_drafter_compile_env(folder: Path) -> dict:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
 
 
+# The same for `target.compile` (the target's decoder layers through Dynamo's eager backend on the CPU), with the
+# compile layer's recompile limit set to `limit`; `static`: the target's layers compiled with static shapes, so
+# that every new batch shape a target rank captures is a recompile after the warm-up.
+CPU_TARGET_COMPILE = """
+import dflash_train.config, dflash_train.train.trainer
+import dflash_train.model.compile as compile_layer, dflash_train.model.target as target_mod
+dflash_train.config.validate_compile_device = lambda *a: None
+dflash_train.train.trainer.validate_compile_device = lambda *a: None
+target_mod._COMPILE_DEVICES = ("cuda", "cpu")
+target_mod._COMPILE_BACKEND = "eager"
+compile_layer.RECOMPILE_LIMIT = {limit}
+if {static}:
+    _compiled = compile_layer.compiled
+    def _static_target(name, fn, **kwargs):
+        return _compiled(name, fn, **({{**kwargs, "dynamic": False}} if name.startswith("target_layer") else kwargs))
+    compile_layer.compiled = _static_target
+"""
+
+
+def cpu_target_compile_env(folder: Path, limit: int = 64, static: bool = False) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(CPU_TARGET_COMPILE.format(limit=limit, static=static))
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
 def status(run_dir: Path) -> dict:
     return json.loads((run_dir / "status.json").read_text())
 

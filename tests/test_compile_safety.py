@@ -119,7 +119,7 @@ def test_an_eager_flex_call_in_a_warm_up_is_an_error(tiny_target_dir):
                      torch.device("cpu"))
     ids = torch.randint(10, 1000, (2, 200), generator=torch.Generator().manual_seed(0))
     with pytest.raises(compile_layer.UncompiledFlexAttention, match="ran uncompiled after the warm-up began"):
-        warm_up(step, Batch(ids, torch.ones_like(ids), torch.tensor([200, 180])), Path("unused"), False,
+        warm_up(step, Batch(ids, torch.ones_like(ids), torch.tensor([200, 180])), Path("unused"),
                 kinds=(False, True))
 
 

@@ -6,6 +6,8 @@ benchmarks/throughput.py --compile-drafter)."""
 
 import copy
 import json
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -114,7 +116,7 @@ def test_two_graphs_for_all_layers_and_no_recompile_across_shapes(fresh_dynamo):
         _loss_and_grads(drafter, _inputs(b, s, n), compiled=True)
     warmed = compile_layer.graphs_compiled() - before
     # (inputs, output + MLP) x (several rows, one row) x (the first layer, whose input needs no gradient;
-    # the later layers): for all three layers. forward_loss gives the first layer an input that needs a
+    # the later layers): for all three layers. the objective gives the first layer an input that needs a
     # gradient, halving this (the trainer test below).
     assert warmed == 8
     recompiles = compile_layer.recompiles()
@@ -273,3 +275,60 @@ def test_a_run_that_keeps_recompiling_stops_before_the_limit_with_a_checkpoint_a
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 61))
     assert records[-1]["recompiles_after_warmup"] == 0
+
+
+@pytest.mark.slow
+def test_validation_runs_the_warm_ups_graphs_and_compiles_nothing_mid_run(
+        tmp_path, tiny_target_dir, counting_jsonl, monkeypatch, fresh_dynamo, caplog):
+    """Validation has batches of its own sizes and runs without gradients in eval mode, which Dynamo compiles
+    apart from training. Here every training batch holds one long conversation and every validation batch
+    several short ones (another batch kind): the warm-up runs validation's extreme batches as validation runs
+    them, so validating at steps 2, 4 and 6 compiles nothing after the seal."""
+    import dflash_train.config as config_mod
+    from conftest import counting_conversations
+    from dflash_train.train import trainer
+
+    monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(trainer, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(drafter_mod, "COMPILE_BACKEND", "eager")
+    short = []
+    for row in counting_conversations(12, seed=3):
+        numbers = row["messages"][1]["content"].split()
+        short.append({"messages": [row["messages"][0], {"role": "assistant", "content": " ".join(numbers[:8])}]})
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in short))
+    after_warm_up, kinds_seen = [], []
+    original = trainer.warm_up
+
+    def warm_up(*args, **kwargs):
+        info = original(*args, **kwargs)
+        after_warm_up.append(compile_layer.graphs_compiled())
+        kinds_seen.append(kwargs["kinds"])
+        return info
+
+    monkeypatch.setattr(trainer, "warm_up", warm_up)
+    cfg = config_from_dict({
+        "target": {"path": str(tiny_target_dir)},
+        "drafter": {"num_draft_layers": 2, "block_size": 4, "attention_backend": "sdpa", "compile": True},
+        "data": {"train_files": [str(counting_jsonl)], "val_files": [str(val)], "max_length": 256,
+                 "token_budget": 256, "max_batch_size": 3},
+        "objective": {"max_anchors": 16, "gamma": 4.0},
+        "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.05},
+        "run": {"device": "cpu", "log_every": 1, "save_every": 100, "progress_bar": False, "eval_every": 2,
+                "eval_batches": 3, "eval_prompts": 1, "eval_max_new_tokens": 8},
+    })
+    run = tmp_path / "R"
+    with caplog.at_level(logging.INFO, logger="dflash_train"):
+        trainer.train(cfg, run, max_steps=6)
+    status = json.loads((run / "status.json").read_text())
+    assert status["phase"] == "done", status
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("kind") == "validation"] == [2, 4, 6]
+    assert compile_layer.graphs_compiled() == after_warm_up[0]  # no step and no validation compiled anything
+    assert compile_layer.recompiles_after_warmup() == 0 and status["recompiles_after_warmup"] == 0
+    assert "recompiled after the warm-up" not in caplog.text
+    assert kinds_seen == [(True, False)]  # training: one conversation a batch
+    val_rows = [int(m.group(1)) for m in re.finditer(r"warm-up validation batch \d+: (\d+) rows", caplog.text)]
+    assert val_rows and min(val_rows) > 1 and status["warmup_validation_batches"] == len(val_rows)
+    # validation's graphs (no grad, several rows) are its own: compiled by the warm-up, not mid-run
+    assert status["validation_compiled_graphs"] > 0

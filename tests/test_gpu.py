@@ -51,7 +51,7 @@ def _run(drafter, hidden, block, pos, anchors, keep, s, backend_name, dtype, com
 
     backend = resolve_backend(backend_name, torch.device("cuda"), 16)
     drafter.zero_grad(set_to_none=True)
-    pad = -s % backend.context_multiple_of  # as forward_loss pads it: flex gets whole tiles, sdpa nothing
+    pad = -s % backend.context_multiple_of  # as the objective pads it: flex gets whole tiles, sdpa nothing
     if pad:
         hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
         pos = torch.cat([torch.arange(s + pad, device="cuda").expand(pos.shape[0], -1), pos[:, s:]], 1)
@@ -301,7 +301,7 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
     step = TrainStep(drafter, TargetCapture.from_model(model, [1, 3]), eager, cfg, 10, torch.bfloat16, device)
     ids = torch.randint(10, 1000, (2, 200), generator=torch.Generator().manual_seed(0))
     with pytest.raises(compile_layer.UncompiledFlexAttention, match="ran uncompiled after the warm-up began"):
-        warm_up(step, Batch(ids, torch.ones_like(ids), torch.tensor([200, 180])).to(device), Path("unused"), False,
+        warm_up(step, Batch(ids, torch.ones_like(ids), torch.tensor([200, 180])).to(device), Path("unused"),
                 kinds=(False, True))
 
 
@@ -372,6 +372,42 @@ def test_real_variable_length_data_compiles_nothing_after_the_warm_up_nor_after_
     assert max(r["epoch"] for r in records) > 1.0  # past an epoch boundary: the next epoch's plan too
     text = (out / "train.log").read_text()
     assert "recompiled after the warm-up" not in text and text.count("warm-up done") == 2
+
+
+def test_validation_on_real_data_compiles_nothing_after_the_warm_up(tmp_path, qwen3_target_dir, real_data):
+    """Issue 20: validation batches (held-out real conversations, their own sizes, no grad, eval mode) with both
+    compiles and flex on: the warm-up runs validation's extreme batches as validation does, so the validations
+    at steps 10, 20 and 30 (the last after the last metrics record) compile nothing after the seal."""
+    import gzip
+
+    from _harness import run
+
+    with gzip.open(real_data, "rt") as f:
+        held_out = [line for _, line in zip(range(1300), f)][1000:]
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(held_out))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({
+        "target": {"path": str(qwen3_target_dir), "compile": True},
+        "drafter": {"num_draft_layers": 2, "block_size": 16, "attention_backend": "flex", "compile": True,
+                    "mask_token_id": 16},
+        "data": {"train_files": [str(real_data)], "val_files": [str(val)], "max_length": 1024,
+                 "token_budget": 16384, "max_batch_size": 16, "max_samples": 1000},
+        "objective": {"max_anchors": 512, "gamma": 7.0},
+        "optim": {"lr": 6e-4, "max_steps": 30, "warmup_ratio": 0.04},
+        "run": {"device": "cuda", "log_every": 5, "save_every": 1000, "progress_bar": False, "eval_every": 10,
+                "eval_batches": 8, "eval_prompts": 1, "eval_max_new_tokens": 32,
+                "compile_cache_dir": str(tmp_path / "cache")},
+    }))
+    out, log = tmp_path / "R", tmp_path / "train.out"
+    assert run(["train", str(cfg), "--run-dir", str(out)], log, timeout=600) == 0, log.read_text()[-3000:]
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "done" and status["warmup_validation_batches"] >= 1, status
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("kind") == "validation"] == [10, 20, 30]
+    assert status["recompiles_after_warmup"] == 0, status
+    text = (out / "train.log").read_text()
+    assert "recompiled after the warm-up" not in text, text[-3000:]  # also the last validation's
 
 
 def test_preflight_refuses_a_plan_that_cannot_fit():
@@ -565,3 +601,27 @@ def test_colocated_one_gpu_run_with_compiled_drafter_and_target(tmp_path, tiny_t
     records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["recompiles"] == records[0]["recompiles"] and all(r["loss"] == r["loss"] for r in records)
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_inductor_recompiles_a_kernel_whose_elements_cross_two_to_the_31(caplog):
+    """The premise of train/indexing.py: inductor indexes a kernel that fits 2^31 - 1 elements with 32-bit
+    integers and guards the dynamic sizes to stay there, so the first call past it recompiles (a run refuses
+    such a plan up front)."""
+    import logging
+
+    from dflash_train.model import compile as compile_layer
+
+    compile_layer.watch_recompiles()
+    torch._dynamo.reset()
+    fn = compile_layer.compiled("test_int32_indexing", lambda x: x + 1, dynamic=True)
+    fn(torch.zeros(4099, 1024, dtype=torch.int8, device="cuda"))
+    before = compile_layer.recompiles()
+    fn(torch.zeros(8191, 1024, dtype=torch.int8, device="cuda"))  # same side of 2^31: the same graph
+    assert compile_layer.recompiles() == before
+    with caplog.at_level(logging.WARNING, logger="dflash_train"):
+        big = fn(torch.zeros(2**21 + 3, 1024, dtype=torch.int8, device="cuda"))  # 2^31 + 3072 elements
+    assert int(big[-1, -1]) == 1
+    assert compile_layer.recompiles() == before + 1
+    assert "2147483647" in caplog.text, caplog.text  # the failed guard: numel <= 2^31 - 1
+    del big
+    torch._dynamo.reset()

@@ -12,12 +12,12 @@ import time
 import pytest
 import torch
 
-from _harness import (assert_same_losses, beat, cpu_drafter_compile_env, launch, losses, run, status, stop,
-                      wait_for_step, wait_until, write_config)
+from _harness import (assert_same_losses, beat, cpu_drafter_compile_env, cpu_target_compile_env, launch, losses, run,
+                      status, stop, wait_for_step, wait_until, write_config)
 
 from dflash_train.cli import main
 from dflash_train.config import ConfigError, config_from_dict, validate_world
-from dflash_train.train.transport import SplitLayout
+from dflash_train.train.transport import NOTE_BYTES, SplitLayout, decode_note, encode_note
 
 
 # ---------------------------------------------------------------------------- the schedule
@@ -63,6 +63,37 @@ def test_stop_reaches_every_target_exactly_once_at_the_ticket_it_waits_for(world
             # brute force: the first micro-batch of target t not yet asked for
             expect = next(m for m in itertools.count(asked_until * lay.per_step) if lay.producer(m) == t)
             assert ms == [expect]
+
+
+def test_a_note_crosses_the_transport_whole_or_cut_at_a_character_boundary():
+    for note in ("", "target_layer holds 61 variants: 0/3: tensor 'args[0]' size mismatch", "größe " * 600):
+        slots, length = encode_note(note)
+        assert slots.dtype == torch.int64 and len(slots) * 8 <= NOTE_BYTES and length <= NOTE_BYTES
+        got = decode_note(slots, length)
+        assert got == note if len(note.encode()) <= NOTE_BYTES else (note.startswith(got) and len(got) > 600)
+
+
+@pytest.mark.parametrize("world,targets,accum", [(2, 1, 1), (3, 1, 1), (3, 2, 1), (5, 2, 3), (8, 5, 1)])
+def test_captures_until_stop_bounds_what_a_target_computes_after_its_first_note(world, targets, accum):
+    """The loop's rule replayed on the schedule: a note in a capture of step k reaches its drafter rank when it
+    takes step k; the drafter ranks train through step k (one drafter rank) or k + 1 (several: their vote lands
+    a step late), and the step after the last trained one was asked for already. From its first note a target
+    computes each of its micro-batches asked for, then meets its STOP ticket: never more than the bound."""
+    lay = SplitLayout(world, targets, accum)
+    for t in range(lay.drafter_ranks, world):
+        mine = [m for m in range(60 * lay.per_step) if lay.producer(m) == t]
+        most = 0
+        for first in mine[:20]:  # the first capture sent with a note
+            last_trained = first // lay.per_step + (1 if lay.drafter_ranks > 1 else 0)
+            asked_until = last_trained + 2
+            computed = [m for m in mine if first <= m < asked_until * lay.per_step]
+            stops = [m for d in range(lay.drafter_ranks) for m in lay.stop_tickets(d, asked_until)
+                     if lay.producer(m) == t]
+            assert stops == [mine[mine.index(computed[-1]) + 1]]  # its next micro-batch is its STOP
+            most = max(most, len(computed))
+        assert most <= lay.captures_until_stop()
+        if lay.per_step % targets == 0:
+            assert most == lay.captures_until_stop()  # and the bound is met: not looser than it must be
 
 
 def test_invalid_split_fails_before_anything_loads(tmp_path, tiny_target_dir, counting_jsonl, capsys):
@@ -175,6 +206,51 @@ def test_one_target_two_compiled_drafters_log_the_losses_of_colocated_data_paral
     assert {r["recompiles"] for r in records if "recompiles" in r} == {0}
     for rank in range(3):  # the compile layer logs every recompile with its reason
         assert "recompiled" not in (split / f"rank-{rank}.out").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,limit", [(2, 12), (3, 20)])
+def test_a_target_rank_near_its_recompile_limit_stops_the_run_with_a_checkpoint_and_resume_finishes(setup, nproc,
+                                                                                                   limit):
+    """`target.compile` on the target rank with recompiles forced (its layers compiled with static shapes: every
+    new batch shape a variant, a small limit): before any function could reach the limit the target rank's
+    captures carry the news, the drafter ranks stop at a step boundary with a checkpoint and a RecompileLimitNear
+    that names the target's function and guard, the target rank ends cleanly (nothing hangs); --resume (dynamic
+    shapes again, a new process) finishes the run. Two drafter ranks (3 processes): their vote agrees a step late
+    and each raises with the target's reason, whichever of them got the note."""
+    root, cfg = setup
+    out, log = root / f"target-limit-{nproc}", root / f"target-limit-{nproc}.log"
+    target_rank = nproc - 1
+    args = ["train", str(cfg), "parallel.placement=split", "target.compile=true", "--run-dir", str(out),
+            "--max-steps", "24", "--nproc", str(nproc)]
+    rc = run(args, log, timeout=240, env=cpu_target_compile_env(root / "static-target", limit=limit, static=True))
+    st = status(out)
+    assert rc == 1 and st["phase"] == "failed", (rc, st, log.read_text()[-3000:])
+    error = st["error"]["secondary"]
+    assert error.startswith(f"RecompileLimitNear: target rank {target_rank}: torch.compile: target_layer[eager]:"), \
+        error
+    assert "LlamaDecoderLayer holds" in error and f"recompile limit ({limit})" in error and "size mismatch" in error
+    for rank in range(1, nproc - 1):  # the other drafter ranks raised with the same reason
+        assert f"RecompileLimitNear: target rank {target_rank}: torch.compile" in (out / f"rank-{rank}.out").read_text()
+    stopped_at = st["step"]
+    assert 0 < stopped_at < 24 and st["checkpoint"].endswith(f"step-{stopped_at:08d}"), st
+    assert (out / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
+    assert f"Stopped at step {stopped_at} with checkpoint" in error
+    target_out = (out / f"rank-{target_rank}.out").read_text()
+    assert "target rank finished" in target_out and "FailOnRecompileLimitHit" not in target_out
+    counts = [line for line in target_out.splitlines() if "torch.compile recompiled after the warm-up (#" in line]
+    assert counts and all("failed guard: " in line for line in counts)
+    in_all = int(counts[-1].split(" in all)")[0].rsplit("#", 1)[1])
+    assert in_all + 1 < limit  # the first compile and the recompiles: never at the limit
+    target = beat(out, target_rank)
+    assert target["phase"] == "done" and target["recompiles_after_warmup"] == len(counts), target
+    assert target["recompile_limit_near"] in error and target["last_recompile"]
+
+    rc = run(args + ["--resume"], log, timeout=240, env=cpu_target_compile_env(root / "dynamic-target"))
+    st = status(out)
+    assert rc == 0 and st["phase"] == "done" and st["step"] == 24, (rc, st, log.read_text()[-3000:])
+    assert sorted(losses(out)) == list(range(1, 25))
+    assert beat(out, target_rank)["recompiles_after_warmup"] == 0
 
 
 @pytest.mark.slow

@@ -48,6 +48,8 @@ class _Prepared:
             rows = rows[:limit]
         self.rows = rows
         self.lengths = np.minimum(self.ds.lengths[rows], max_length)
+        # supervised tokens counted before truncation: an upper bound of each row's anchor positions
+        self.anchor_positions = np.minimum(self.ds.num_supervised[rows], self.lengths - block_size + 1)
         self.description = f"{path} ({split} split: {len(rows)} rows, {int(self.lengths.sum())} tokens)"
 
     def example(self, j: int) -> Tokenized:
@@ -67,6 +69,8 @@ class _InMemory:
         self.rejects = ds.rejects
         self.source = source
         self.lengths = np.array([len(e.input_ids) for e in ds.examples], dtype=np.int64)
+        self.anchor_positions = np.array([int(np.count_nonzero(e.loss_mask[:len(e.input_ids) - block_size + 1]))
+                                          for e in ds.examples], dtype=np.int64)
         self.description = f"{source} (tokenised on the fly: {len(ds)} rows, {int(self.lengths.sum())} tokens)"
 
     def example(self, j: int) -> Tokenized:
@@ -91,6 +95,12 @@ class TrainingData:
     @property
     def num_rows(self) -> int:
         return len(self.lengths)
+
+    @property
+    def anchor_positions(self) -> np.ndarray:
+        """Per row, the positions that can anchor a block (supervised, a whole block before the row's end), or
+        an upper bound of them (a prepared dataset's supervised tokens): what bounds a batch's block count."""
+        return np.concatenate([p.anchor_positions for p in self.parts]).astype(np.int64)
 
     def example(self, i: int) -> Tokenized:
         k = int(np.searchsorted(self._starts, i, side="right")) - 1

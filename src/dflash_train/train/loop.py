@@ -148,7 +148,8 @@ def train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
                                      tok_s=f"{last_record['tokens_per_s']:.0f}")
         if progress is not None:
             progress.update(1)
-        near = compile_layer.recompile_headroom_error(variants_ahead)
+        # this rank's compiled functions, or a target rank's (its note arrives with a capture; transport.py)
+        near = compile_layer.recompile_headroom_error(variants_ahead) or (s.inbox.target_note if s.inbox else None)
         if near is not None if recompile_vote is None else recompile_vote(near is not None):
             _stop_before_the_recompile_limit(s, state, rep, near)
         if stop.requested if vote is None else vote(stop.requested):
@@ -237,16 +238,24 @@ def _log_window(s: Session, state: RunState, rep: Reporter, window: _Window, sta
 
 
 def _stop_before_the_recompile_limit(s: Session, state: RunState, rep: Reporter, near: Optional[str]) -> None:
+    """Every drafter rank comes here at the same step (the vote agreed): the target ranks get their STOP
+    tickets, rank 0 checkpoints, and every rank raises with the reason one of them found (gathered once
+    rank 0's checkpoint is written, so that no rank ends the run before it)."""
     if s.inbox is not None:
         s.inbox.close()
     ckpt = save(s, state) if s.is_main else None
     if ckpt is not None:
         rep.report(checkpoint=str(ckpt))
+    if s.drafters > 1:
+        reasons: list = [None] * s.drafters
+        torch.distributed.all_gather_object(reasons, near, group=s.drafter_group)
+        near = near or next((r for r in reasons if r), None)
+    where = "train.log and the rank-*.out files" if s.drafters > 1 or s.inbox is not None else "train.log"
     raise compile_layer.RecompileLimitNear(
-        f"{near or 'another drafter rank is near its recompile limit (its train.log lines say which)'}. "
+        f"{near or 'a rank is near its recompile limit'}. "
         f"Stopped at step {state.step}" + (f" with checkpoint {ckpt}" if ckpt else "") + "; --resume continues "
         "from it (a new process starts with no compiled variants). The 'torch.compile recompiled after the "
-        "warm-up' lines of train.log name each failed guard: a size class the warm-up did not compile")
+        f"warm-up' lines of {where} name each failed guard: a size class the warm-up did not compile")
 
 
 def run_validation(s: Session, state: RunState, rep: Reporter) -> None:

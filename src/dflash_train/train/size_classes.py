@@ -45,10 +45,17 @@ def block_bound(rows: np.ndarray, longest: np.ndarray, block_size: int, max_anch
     """Per batch (`rows` rows, the longest `longest` tokens): the most blocks `sample_anchors` can give it (the
     per-batch cap and the rounding to `multiple_of` as it applies them; a short batch is padded with not-kept
     blocks up to that count)."""
+    return blocks_for(rows, longest - block_size + 1, max_anchors, max_batch_anchors, multiple_of)
+
+
+def blocks_for(rows: np.ndarray, anchor_positions: np.ndarray, max_anchors: int, max_batch_anchors: int,
+               multiple_of: int) -> np.ndarray:
+    """Per batch (`rows` rows, at most `anchor_positions` positions a row that can anchor a block): the
+    blocks `sample_anchors` gives it, as it caps and rounds them."""
     cap = np.full(rows.shape, max_anchors, dtype=np.int64)
     if max_batch_anchors > 0:
         cap = np.minimum(cap, np.maximum(max_batch_anchors // rows // multiple_of * multiple_of, multiple_of))
-    n = np.maximum(np.minimum(longest - block_size + 1, cap), 1)
+    n = np.maximum(np.minimum(anchor_positions, cap), 1)
     return -(-n // multiple_of) * multiple_of
 
 
@@ -66,6 +73,25 @@ EDGES = {
 }
 
 
+def plan_extremes(plan: list[list[int]], lengths: np.ndarray, block_size: int, max_anchors: int,
+                  max_batch_anchors: int, multiple_of: int, epoch: int = 0) -> dict[str, tuple[int, SizeClass]]:
+    """Per edge of `EDGES`, the value it reaches in `plan` (one epoch's micro-batches, or validation's fixed
+    list) and the first batch that reaches it."""
+    if not plan:
+        return {}
+    rows = np.array([len(r) for r in plan], dtype=np.int64)
+    flat = lengths[np.concatenate([np.asarray(r, dtype=np.int64) for r in plan])]
+    longest = np.maximum.reduceat(flat, np.concatenate([[0], np.cumsum(rows)[:-1]]))
+    blocks = block_bound(rows, longest, block_size, max_anchors, max_batch_anchors, multiple_of)
+    out = {}
+    for edge, key in EDGES.items():
+        values = key(rows, longest, blocks)
+        i = int(np.argmax(values))  # the first batch at the maximum
+        out[edge] = (int(values[i]), SizeClass(epoch, i, tuple(int(r) for r in plan[i]), int(longest[i]),
+                                               int(blocks[i])))
+    return out
+
+
 def extreme_classes(lengths: np.ndarray, token_budget: int, max_batch_size: int, seed: int, epochs: range,
                     block_size: int, max_anchors: int, max_batch_anchors: int, multiple_of: int) -> dict[str, SizeClass]:
     """Per edge of `EDGES`, the first planned micro-batch over `epochs` that reaches it (one epoch's plan in
@@ -73,18 +99,10 @@ def extreme_classes(lengths: np.ndarray, token_budget: int, max_batch_size: int,
     best: dict[str, tuple[int, SizeClass]] = {}
     for epoch in epochs:
         plan = plan_batches(lengths, token_budget, max_batch_size, seed, epoch)
-        if not plan:
-            continue
-        rows = np.array([len(r) for r in plan], dtype=np.int64)
-        flat = lengths[np.concatenate([np.asarray(r, dtype=np.int64) for r in plan])]
-        longest = np.maximum.reduceat(flat, np.concatenate([[0], np.cumsum(rows)[:-1]]))
-        blocks = block_bound(rows, longest, block_size, max_anchors, max_batch_anchors, multiple_of)
-        for edge, key in EDGES.items():
-            values = key(rows, longest, blocks)
-            i = int(np.argmax(values))  # the first batch at the maximum
-            if edge not in best or values[i] > best[edge][0]:
-                best[edge] = (int(values[i]), SizeClass(epoch, i, tuple(int(r) for r in plan[i]), int(longest[i]),
-                                                        int(blocks[i])))
+        for edge, (value, c) in plan_extremes(plan, lengths, block_size, max_anchors, max_batch_anchors, multiple_of,
+                                              epoch).items():
+            if edge not in best or value > best[edge][0]:
+                best[edge] = (value, c)
     return {edge: c for edge, (_, c) in best.items()}
 
 

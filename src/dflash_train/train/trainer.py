@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,13 +35,14 @@ from ..model_card import training_card
 from ..rundir import Reporter, RunDir, clear_stop_request, stop_requested_since
 from ..runtime import resolve_device, resolve_dtype, stop_token_ids, write_text_atomic
 from . import checkpoint as checkpoints
-from . import preflight, size_classes
+from . import indexing, preflight, size_classes
 from .admission import flatten, holds_run_message, with_step_cap
 from .dist import DistContext
 from .launch import LAUNCH_TIME_ENV
 from .loop import RunState, Session, memory_gib, micro_batch_groups, train_loop
 from .step import TrainStep
 from .transport import SplitLayout, TargetOutbox, DrafterInbox
+from .validate import evaluating, validation_batches_to_warm_up, validation_loss
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +101,17 @@ def batch_kinds(planned: list[list[int]]) -> tuple[bool, bool]:
     return min(rows) == 1, max(rows) > 1
 
 
-def warm_up(train_step: TrainStep, batch, cache_dir: Path, with_validation: bool, hidden: Optional[torch.Tensor] = None,
-            kinds: tuple[bool, bool] = (True, True), extremes: tuple = ()) -> dict:
+def warm_up(train_step: TrainStep, batch, cache_dir: Path, validation: Sequence[tuple[int, Batch]] = (),
+            hidden: Optional[torch.Tensor] = None, kinds: tuple[bool, bool] = (True, True),
+            extremes: tuple = ()) -> dict:
     """Compile everything the loop will run, exactly as the loop runs it (grad on, forward + backward,
-    production dtype, dynamic shapes, the batch kinds of `batch_kinds`; and the no-grad forward of
-    validation), then seal the compile layer. `extremes`: the plan's batches at the edges of its sizes
-    (`size_classes.warm_up_batches`), run after the first so that any variant they need compiles here (the
-    number that did is reported: 0 means the first batch's graphs serve the whole plan). From the start an
-    eager flex_attention call raises. Weights do not change. `cache_dir`: where `compile.configure_cache`
-    pointed inductor (reported)."""
+    production dtype, dynamic shapes, the batch kinds of `batch_kinds`), then seal the compile layer.
+    `extremes`: the plan's batches at the edges of its sizes (`size_classes.warm_up_batches`), run after the
+    first so that any variant they need compiles here (the number that did is reported: 0 means the first
+    batch's graphs serve the whole plan). `validation`: (index, batch) of the validation batches at the edges
+    of validation's sizes (`validate.validation_batches_to_warm_up`), run as validation runs them (no grad,
+    eval mode, their own anchors: `validate.validation_loss`). From the start an eager flex_attention call
+    raises. Weights do not change. `cache_dir`: where `compile.configure_cache` pointed inductor (reported)."""
     t0 = time.time()
     compile_layer.begin_warm_up()
     # target.compile: the target's layers first, batch 1 and >= 2, lengths near the first batch's (no-op when off)
@@ -128,9 +131,10 @@ def warm_up(train_step: TrainStep, batch, cache_dir: Path, with_validation: bool
         stats = train_step.objective(b, torch.Generator().manual_seed(0), hidden=h)
         stats.loss.backward()
         train_step.optimizer.zero_grad(set_to_none=True)
-        if with_validation:
-            with torch.no_grad():
-                train_step.objective(b, torch.Generator().manual_seed(0))
+    training_graphs = compile_layer.graphs_compiled()
+    with evaluating(train_step.drafter):
+        for index, b in validation:
+            validation_loss(train_step, b, index)
     if batch.input_ids.is_cuda:
         torch.cuda.current_stream().synchronize()  # not the NCCL stream: it may hold posted receives
     compile_layer.seal()
@@ -138,11 +142,14 @@ def warm_up(train_step: TrainStep, batch, cache_dir: Path, with_validation: bool
             "drafter_compiled_graphs": compile_layer.graphs_compiled() - graphs, **target_info}
     if extremes:
         info["warmup_extreme_batches"] = len(extremes)
-        info["extreme_batches_compiled_graphs"] = compile_layer.graphs_compiled() - first_graphs
+        info["extreme_batches_compiled_graphs"] = training_graphs - first_graphs
         if info["extreme_batches_compiled_graphs"]:
             log.warning("warm-up: the plan's extreme batches compiled %d graph(s) the first batch's did not (a size "
                         "threshold in the compiled code; the recompile lines above name the guard); compiled now, "
                         "not mid-run", info["extreme_batches_compiled_graphs"])
+    if validation:
+        info["warmup_validation_batches"] = len(validation)
+        info["validation_compiled_graphs"] = compile_layer.graphs_compiled() - training_graphs
     log.info("warm-up done in %.1f s (compile cache %s: %d hits, %d misses)", info["warmup_s"], cache_dir,
              info["fxgraph_cache_hit"], info["fxgraph_cache_miss"])
     return info
@@ -333,6 +340,11 @@ class RankSetup:
     total: int
     state: RunState
 
+    def epochs_left(self) -> range:
+        """The epochs whose plans the rest of the run reaches (from the current one, one more for a partial)."""
+        return range(self.state.epoch,
+                     self.state.epoch + math.ceil((self.total - self.state.step) / self.steps_per_epoch) + 1)
+
 
 def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh_compile_cache: bool) -> RankSetup:
     plan = a.plan
@@ -383,8 +395,28 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
         if state.step > total:
             raise UserError(f"--resume: the run is at step {state.step}, past the {total} steps its config now asks "
                             "for (optim.max_steps / optim.epochs); give a larger optim.max_steps")
-    return RankSetup(device, role, drafter_group, drafters, compile_cache, data, batching, per_step, epoch0,
-                     steps_per_epoch, total, state)
+    setup = RankSetup(device, role, drafter_group, drafters, compile_cache, data, batching, per_step, epoch0,
+                      steps_per_epoch, total, state)
+    check_indexing(cfg, a, setup, rep)
+    return setup
+
+
+def check_indexing(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter) -> None:
+    """How far the plan keeps the compiled graphs from 2^31 elements (indexing.py), over the whole run (the
+    target's and the drafter's compiled code alike, so that every rank of a split placement decides the same):
+    logged and in status.json, with a warning for a plan that crosses it (64-bit kernels, slower)."""
+    backend = resolve_backend(cfg.drafter.attention_backend, r.device, cfg.drafter.block_size)
+    widths = indexing.compiled_widths(cfg, a.dcfg, a.target_config, backend, r.device.type == "cuda")
+    o = cfg.objective
+    largest = indexing.largest_tensor(widths, *r.batching, r.epochs_left(), o.max_anchors, o.max_anchors_per_batch,
+                                      backend.blocks_multiple_of, r.data.anchor_positions)
+    log.info("%s", largest.describe())
+    warning = indexing.over_limit_warning(largest)
+    if warning:
+        log.warning("%s", warning)
+    rep.report(index_largest_elements=largest.elements,
+               index_headroom=round(largest.headroom, 2) if largest.elements else None,
+               index_64bit_kernels=warning is not None)
 
 
 def run_target_rank(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter, stop: StopRequest) -> None:
@@ -394,12 +426,19 @@ def run_target_rank(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter, stop:
     if target.compile:  # this rank's only compiled code: warm it before serving any step
         rep.report(phase="warmup")
         target.warm_up(cfg.data.max_length, *batch_kinds(r.epoch0))
+    compile_layer.seal()  # from here a compile counts as a recompile after the warm-up, with its guard
     groups = (g for _, _, _, g in micro_batch_groups(r.batching, r.per_step, r.state.epoch, r.state.batch_index))
     rep.report(phase="training", step=r.state.step)
     stop.training()
-    step = serve_target(target, a.layout, groups, r.state.step, r.data, a.tokenizer.pad_token_id, cfg, r.device,
-                        lambda at, **extra: rep.beat(at, mem_gib=memory_gib(r.device), role="target", **extra))
-    rep.beat(step, phase="done", mem_gib=memory_gib(r.device))
+
+    def beat(at: int, **extra) -> None:
+        rep.beat(at, mem_gib=memory_gib(r.device), role="target",
+                 recompiles_after_warmup=compile_layer.recompiles_after_warmup(),
+                 last_recompile=compile_layer.last_recompile(), **extra)
+
+    step, note = serve_target(target, a.layout, groups, r.state.step, r.data, a.tokenizer.pad_token_id, cfg,
+                              r.device, beat)
+    beat(step, phase="done", **({"recompile_limit_near": note} if note else {}))
 
 
 def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep: Reporter, ctx, resume: bool) -> Session:
@@ -463,39 +502,60 @@ def warm_up_drafter_rank(s: Session, a: Admitted, r: RankSetup, rep: Reporter) -
     if a.layout is not None:  # the compile needs the shapes and dtype of a capture, not its values
         synthetic = torch.randn(*first.input_ids.shape, len(a.plan.layer_ids) * a.provenance["hidden_size"],
                                 dtype=a.plan.target_dtype, device=s.device)
-    cfg, state = s.cfg, r.state
-    epochs = range(state.epoch, state.epoch + math.ceil((r.total - state.step) / r.steps_per_epoch) + 1)
+    cfg = s.cfg
     edges_of_plan = size_classes.extreme_classes(
-        s.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, epochs, cfg.drafter.block_size,
-        cfg.objective.max_anchors, cfg.objective.max_anchors_per_batch, s.train_step.backend.blocks_multiple_of)
+        s.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, r.epochs_left(),
+        cfg.drafter.block_size, cfg.objective.max_anchors, cfg.objective.max_anchors_per_batch,
+        s.train_step.backend.blocks_multiple_of)
     log.info("size classes of the plan: %s", size_classes.describe(edges_of_plan))
     extremes = []
     for rows, edges in size_classes.warm_up_batches(edges_of_plan, skip=tuple(r.epoch0[0])):
         extremes.append(collate([s.data.example(i) for i in rows], s.pad_id).to(s.device))
         log.info("warm-up batch: %d rows x %d tokens (%s)", len(rows), extremes[-1].input_ids.shape[1],
                  ", ".join(edges))
-    return warm_up(s.train_step, first, r.compile_cache, with_validation=s.val is not None, hidden=synthetic,
-                   kinds=batch_kinds(r.epoch0), extremes=tuple(extremes))
+    validation = []
+    if s.val is not None:  # rank 0: validation's own sizes, in its own mode (validate.py)
+        for index, rows, edges in validation_batches_to_warm_up(s.train_step, s.val):
+            validation.append((index, collate([s.val.example(i) for i in rows], s.pad_id).to(s.device)))
+            log.info("warm-up validation batch %d: %d rows x %d tokens (%s)", index, len(rows),
+                     validation[-1][1].input_ids.shape[1], ", ".join(edges))
+    return warm_up(s.train_step, first, r.compile_cache, validation, hidden=synthetic, kinds=batch_kinds(r.epoch0),
+                   extremes=tuple(extremes))
+
+
+# The compiled variants one capture can add per compiled function: the layers of one class share one graph per
+# shape, and a class whose layers differ in a guarded attribute (sliding-window and full attention) takes two.
+CAPTURE_VARIANTS = 2
 
 
 def serve_target(target: TargetCapture, layout: SplitLayout, groups, start_step: int, data, pad_id: int, cfg: Config,
-                 device: torch.device, heartbeat) -> int:
+                 device: torch.device, heartbeat) -> tuple[int, Optional[str]]:
     """A target rank of the split placement: compute the captures the drafter ranks ask for, in
-    schedule order, until each has said stop. Returns the step it stopped at."""
+    schedule order, until each has said stop. Before each capture, the recompile-limit check: once a
+    compiled function could reach the limit within the captures this rank may still be asked for before the
+    drafter ranks can stop (`SplitLayout.captures_until_stop`), every capture carries that news to its drafter
+    rank (transport.py, Notes), and the drafter ranks stop the run at a step boundary with a checkpoint.
+    Returns the step it stopped at and that note (None: the limit was never near)."""
     outbox = TargetOutbox(layout, cfg.data.token_budget, cfg.data.max_batch_size, device)
+    ahead = CAPTURE_VARIANTS * layout.captures_until_stop()
     t0 = time.perf_counter()
-    at = start_step
+    at, note = start_step, None
     for m, rows in layout.produced(torch.distributed.get_rank(), groups, start_step):
         if not outbox.next_ticket(m):
             break
+        if note is None:
+            note = compile_layer.recompile_headroom_error(ahead)
+            if note is not None:
+                log.warning("%s; telling the drafter ranks, which stop the run at a step boundary with a checkpoint",
+                            note)
         batch = collate([data.example(i) for i in rows], pad_id).to(device)
-        outbox.send(m, batch, target(batch.input_ids))
+        outbox.send(m, batch, target(batch.input_ids), note)
         at = m // layout.per_step + 1
         busy = time.perf_counter() - t0 - outbox.wait_s
         heartbeat(at, produced=outbox.sent, wait_s=round(outbox.wait_s, 2), busy_s=round(busy, 2))
     outbox.close()
     log.info("target rank served %d micro-batches; %.1f s waiting for the drafters", outbox.sent, outbox.wait_s)
-    return at
+    return at, note
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -11,8 +11,15 @@ drafter trains on step s (double buffering) and its sends complete as soon as th
 the end each target receives exactly one [m, STOP] ticket in place of the next GO it waits for.
 
 Messages have fixed sizes, so a receive can be posted before the shapes are known: `meta` (int64:
-header, input ids, loss mask, lengths) and `hidden` (`token_budget * width` elements); the header
+header, input ids, loss mask, lengths, note) and `hidden` (`token_budget * width` elements); the header
 gives the real shapes and the micro-batch number, which the receiver checks.
+
+Notes. A target rank has no stop vote of its own: what it must tell the drafter ranks travels in its
+messages. Once its compiled code nears the recompile limit, every capture it sends carries a note
+(UTF-8, up to `NOTE_BYTES`) saying which function and guard; the drafter rank that receives it brings
+the note to its recompile vote, and the drafter ranks stop together at a step boundary with a
+checkpoint, sending the usual STOP tickets. The target keeps serving real captures until its STOP
+comes: `SplitLayout.captures_until_stop` bounds how many that can be, so it can decide early enough.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -29,7 +37,8 @@ from ..data.batch import Batch
 from .step import MicroBatch
 
 GO, STOP = 1, 0
-HEADER = 8  # m, B, S, width, then spare
+HEADER = 8  # m, B, S, width, dtype code, note bytes, then spare
+NOTE_BYTES = 2048  # a note's UTF-8, 8 bytes to an int64 slot at the end of `meta`
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -77,6 +86,14 @@ class SplitLayout:
         nexts = [first + (t - first) % self.target_ranks for t in range(self.target_ranks)]
         return [m for m in nexts if self.consumer(m) == rank]
 
+    def captures_until_stop(self) -> int:
+        """At most how many micro-batches a target rank computes from the first one whose message carries a
+        note to its STOP ticket. The note's step k reaches its drafter rank when that rank takes step k; the
+        loop stops at the boundary after it with one drafter rank, one step later with several (their vote
+        agrees a step late); and the step after the last trained one was asked for ahead. So steps k, k + 1
+        and, with several drafter ranks, k + 2, of which a target rank computes ceil(per_step / T) each."""
+        return -(-self.per_step // self.target_ranks) * (3 if self.drafter_ranks > 1 else 2)
+
     def produced(self, rank: int, groups: Iterator[list], start_step: int) -> Iterator[tuple[int, list]]:
         """`(m, rows)` of every micro-batch target `rank` computes, from the step-ordered groups of rows."""
         t = rank - self.drafter_ranks
@@ -87,8 +104,26 @@ class SplitLayout:
                     yield m, rows
 
 
+_NOTE_SLOTS = NOTE_BYTES // 8
+
+
 def _meta_len(capacity: int, max_batch: int) -> int:
+    return HEADER + 2 * capacity + max_batch + _NOTE_SLOTS
+
+
+def _note_offset(capacity: int, max_batch: int) -> int:
     return HEADER + 2 * capacity + max_batch
+
+
+def encode_note(note: str) -> tuple[torch.Tensor, int]:
+    """`note` as int64 slots (its UTF-8 cut to `NOTE_BYTES` at a character boundary) and its byte length."""
+    raw = note.encode()[:NOTE_BYTES].decode(errors="ignore").encode()
+    padded = raw + bytes(-len(raw) % 8)
+    return torch.from_numpy(np.frombuffer(padded, dtype="<i8").copy()), len(raw)
+
+
+def decode_note(slots: torch.Tensor, length: int) -> str:
+    return slots.cpu().numpy().astype("<i8").tobytes()[:length].decode(errors="replace")
 
 
 class TargetOutbox:
@@ -114,7 +149,8 @@ class TargetOutbox:
                                f"drafter rank {self.layout.consumer(m)} asked for {got}")
         return True
 
-    def send(self, m: int, batch: Batch, hidden: torch.Tensor) -> None:
+    def send(self, m: int, batch: Batch, hidden: torch.Tensor, note: Optional[str] = None) -> None:
+        """Send micro-batch `m`'s capture to its drafter rank, with `note` for it (see the module's Notes)."""
         b, s = batch.input_ids.shape
         width = hidden.shape[-1]
         if b * s > self.capacity or b > self.max_batch:
@@ -126,6 +162,11 @@ class TargetOutbox:
         meta[HEADER:HEADER + n] = batch.input_ids.reshape(-1)
         meta[HEADER + self.capacity:HEADER + self.capacity + n] = batch.loss_mask.reshape(-1)
         meta[HEADER + 2 * self.capacity:HEADER + 2 * self.capacity + b] = batch.lengths
+        if note:
+            slots, length = encode_note(note)
+            meta[5] = length
+            start = _note_offset(self.capacity, self.max_batch)
+            meta[start:start + len(slots)] = slots.to(self.device)
         flat = torch.empty(self.capacity * width, dtype=hidden.dtype, device=self.device)
         flat[: n * width] = hidden.reshape(-1)
         dst = self.layout.consumer(m)
@@ -157,6 +198,7 @@ class DrafterInbox:
         self.tickets: list = []
         self.asked_until = start_step  # steps below this have been asked for (or were done before a resume)
         self.wait_s = 0.0
+        self.target_note: Optional[str] = None  # the first note a target rank sent (see the module's Notes)
 
     def ask(self, step: int) -> None:
         """Request this rank's micro-batches of `step` and post their receives (no waiting)."""
@@ -185,13 +227,17 @@ class DrafterInbox:
     def _unpack(self, m: int, works: list, meta: torch.Tensor, hidden: torch.Tensor) -> MicroBatch:
         for w in works:
             w.wait()
-        got, b, s, width, code = meta[:5].tolist()
+        got, b, s, width, code, note_bytes = meta[:6].tolist()
         if got != m:
             raise RuntimeError(f"split transport out of step: drafter rank {self.rank} expected micro-batch {m} from "
                                f"rank {self.layout.producer(m)}, received {got}")
         if width != self.width or code != _DTYPE_CODES[self.hidden_dtype]:
             raise RuntimeError(f"split transport: micro-batch {m} has hidden width {width} (dtype code {code}), "
                                f"the drafter expects {self.width} ({self.hidden_dtype})")
+        if note_bytes and self.target_note is None:
+            start = _note_offset(self.capacity, self.max_batch)
+            note = decode_note(meta[start:start + -(-note_bytes // 8)], note_bytes)
+            self.target_note = f"target rank {self.layout.producer(m)}: {note}"
         n, c = b * s, self.capacity
         batch = Batch(meta[HEADER:HEADER + n].view(b, s), meta[HEADER + c:HEADER + c + n].view(b, s),
                       meta[HEADER + 2 * c:HEADER + 2 * c + b])

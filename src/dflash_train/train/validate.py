@@ -1,41 +1,89 @@
 """Validation during training on held-out micro-batches: a teacher-forced acceptance estimate over random
 anchors, the greedy block-decoding walk along each response (`val_tau_walk`: real decoding's tau when the
 responses are the target's own greedy output, as regenerated data is), and real speculative decoding
-(block verification, greedy) on a few held-out prompts."""
+(block verification, greedy) on a few held-out prompts.
+
+The loss part runs the training's compiled code (the target's capture, the drafter's compiled layers and
+attention, the loss) under no_grad and in eval mode, on batches of their own sizes: Dynamo compiles those
+apart from the training's. Validation's batches are fixed (the first `run.eval_batches` of the validation
+plan, each with its own anchors), so the warm-up runs the extremes of their sizes exactly as validation
+does (`validation_batches_to_warm_up`, `validation_loss`, `evaluating`) and no validation compiles after
+the seal. The walk and the decoding run the eager drafter."""
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import numpy as np
 import torch
 
-from ..data.batch import collate
+from ..data.batch import Batch, collate
 from ..data.dataset import plan_batches
 from ..infer.replay import teacher_forced_walk
 from ..infer.spec_decode import SpeculativeDecoder
-from ..algorithms.base import acceptance_estimate
+from ..algorithms.base import StepStats, acceptance_estimate
+from . import size_classes
 from .step import TrainStep
 
 
-@torch.no_grad()
-def validate(train_step: TrainStep, val, pad_id: int, device: torch.device, *, batches: int, prompts: int,
-             max_new_tokens: int, stop_token_ids: list[int]) -> dict:
+def validation_plan(train_step: TrainStep, val) -> list[list[int]]:
+    """The validation batches, the same at every validation: the first `run.eval_batches` of the plan."""
     cfg = train_step.cfg
-    drafter = train_step.drafter
-    out: dict = {}
+    return plan_batches(val.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, 0)[
+        :cfg.run.eval_batches]
+
+
+@contextlib.contextmanager
+def evaluating(drafter: torch.nn.Module) -> Iterator[None]:
+    """Validation's mode: no gradient, the drafter in eval mode (restored after)."""
     was_training = drafter.training
     drafter.eval()
     try:
+        with torch.no_grad():
+            yield
+    finally:
+        drafter.train(was_training)
+
+
+def validation_loss(train_step: TrainStep, batch: Batch, index: int) -> tuple[StepStats, torch.Tensor]:
+    """The loss on validation batch `index` (under `evaluating`): its anchors are the same at every validation.
+    Returns the stats and the target's capture."""
+    cfg = train_step.cfg
+    g = torch.Generator().manual_seed(cfg.run.seed * 7919 + index)
+    hidden = train_step.target(batch.input_ids)
+    stats = train_step.objective(batch, g, hidden=None if cfg.objective.distill_weight > 0 else hidden)
+    return stats, hidden
+
+
+def validation_batches_to_warm_up(train_step: TrainStep, val) -> list[tuple[int, tuple[int, ...], list[str]]]:
+    """The validation batches at the edges of validation's sizes (`size_classes.EDGES`): (index in
+    `validation_plan`, rows, the edges it stands for), each batch once."""
+    cfg = train_step.cfg
+    plan = validation_plan(train_step, val)
+    edges = size_classes.plan_extremes(plan, val.lengths, cfg.drafter.block_size, cfg.objective.max_anchors,
+                                       cfg.objective.max_anchors_per_batch, train_step.backend.blocks_multiple_of)
+    chosen: dict[int, list[str]] = {}
+    for edge, (_, c) in edges.items():
+        chosen.setdefault(c.index, []).append(edge)
+    return [(i, tuple(plan[i]), names) for i, names in sorted(chosen.items())]
+
+
+def validate(train_step: TrainStep, val, pad_id: int, device: torch.device, *, batches: int, prompts: int,
+             max_new_tokens: int, stop_token_ids: list[int]) -> dict:
+    """`batches`: how many of the validation plan's batches (`run.eval_batches`, as `validation_plan` reads it)."""
+    drafter = train_step.drafter
+    out: dict = {}
+    with evaluating(drafter):
         if batches:
-            plan = plan_batches(val.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, 0)[:batches]
+            plan = validation_plan(train_step, val)[:batches]
             correct = counted = accepted = kept = 0.0
             loss_sum = 0.0
             walk_accepts: list[int] = []
             for i, rows in enumerate(plan):
                 batch = collate([val.example(r) for r in rows], pad_id).to(device)
-                g = torch.Generator().manual_seed(cfg.run.seed * 7919 + i)  # the same anchors at every validation
-                hidden = train_step.target(batch.input_ids)
+                stats, hidden = validation_loss(train_step, batch, i)
                 walk_accepts += _walks(train_step, batch, hidden)
-                stats = train_step.objective(batch, g, hidden=None if cfg.objective.distill_weight > 0 else hidden)
                 loss_sum += float(stats.loss)
                 correct += float(stats.correct_per_slot.sum())
                 counted += float(stats.counted_per_slot.sum())
@@ -54,8 +102,6 @@ def validate(train_step: TrainStep, val, pad_id: int, device: torch.device, *, b
                 taus += result.accept_lengths
                 n_tokens += len(result.tokens)
             out.update(val_tau=sum(taus) / max(len(taus), 1), val_decoded_tokens=n_tokens)
-    finally:
-        drafter.train(was_training)
     return out
 
 
