@@ -104,7 +104,7 @@ def test_a_stage_runs_again_when_its_key_changed_or_its_output_is_gone(tmp_path)
     runner, said = _runner(root)
     report = runner.run(stages({"data": ["b.jsonl"]}))
     assert _ran(root)[6:] == ["eval"] and (root / "eval.out").is_file()
-    assert f"eval: done in an earlier call, but {root / 'eval.out'} is gone: running it again" in said
+    assert f"eval: done in an earlier call, but {root / 'eval.out'} is missing: running it again" in said
 
 
 def test_a_root_of_another_recipe_is_refused_naming_what_differs(tmp_path):

@@ -44,7 +44,9 @@ class Stage:
     name: str
     run: Callable[[], Any]  # does the stage's work; its return value is the stage's result
     outputs: tuple[Path, ...] = ()  # a done stage with one of these missing runs again
-    key: Any = None  # JSON-able: what the stage depends on beyond the recipe; a done stage whose key changed runs again
+    # JSON-able, or a function giving it when the runner reaches the stage: what the stage depends on beyond
+    # the recipe; a done stage whose key changed runs again
+    key: Any = None
     reuse: Optional[Callable[[], Any]] = None  # the result of a skipped stage (None without it)
     min_remaining_s: float = 0.0  # with a deadline: not started with less time left (Unfinished)
 
@@ -123,6 +125,11 @@ class StageRunner:
         times[key] = round(times.get(key, 0.0) + seconds, 2)
         self._save()
 
+    def clear_time(self, key: str) -> None:
+        """Forget the named time `key` (its work was thrown away)."""
+        if self.state["times"].pop(key, None) is not None:
+            self._save()
+
     @property
     def times(self) -> dict[str, float]:
         return dict(self.state["times"])
@@ -168,15 +175,16 @@ class StageRunner:
             return ""
         if ran_before is not None:
             return f"done in an earlier call, but {ran_before} ran before it"
-        if rec.get("key") != _as_json(stage.key):
+        if rec.get("key") != _key(stage):
             return "done in an earlier call with other inputs"
         gone = [p for p in stage.outputs if not Path(p).exists()]
         if gone:
-            return f"done in an earlier call, but {gone[0]} is gone"
+            return f"done in an earlier call, but {gone[0]} is missing"
         return None
 
     def _run_one(self, stage: Stage) -> Outcome:
         rec = self.state["stages"].setdefault(stage.name, {"seconds": 0.0, "calls": 0})
+        key = _key(stage)  # what it runs with (a stage may change what a later key would read)
         rec.update(done=False, last="running", started=_now())
         self._save()
         self.say(f"{stage.name} ...")
@@ -191,7 +199,7 @@ class StageRunner:
             seconds = self._end(rec, t0, f"failed: {type(e).__name__}: {e}"[:500])
             self.say(f"{stage.name} failed after {seconds:.0f} s ({type(e).__name__}); the next call runs it again")
             raise
-        rec["key"] = _as_json(stage.key)
+        rec["key"] = key
         seconds = self._end(rec, t0, "done", done=True)
         self.say(f"{stage.name} done in {seconds:.0f} s")
         return Outcome(stage.name, "ran", seconds, rec["seconds"], result)
@@ -237,6 +245,10 @@ def _differences(old: Any, new: Any, where: str = "") -> list[str]:
         return []
     show = lambda v: "(none)" if v is _MISSING else repr(v)  # noqa: E731
     return [f"{where or 'recipe'}: {show(old)} there, {show(new)} here"]
+
+
+def _key(stage: Stage) -> Any:
+    return _as_json(stage.key() if callable(stage.key) else stage.key)
 
 
 def _as_json(value: Any) -> Any:
