@@ -29,8 +29,8 @@ one record per prompt and a later call runs only the missing prompts. Exit code 
 `--copy-to DIR` (e.g. the GPU machine's $OUT, which brings back at most 8 files, 16 MiB each, 64 MiB in
 all, two folders deep) writes, at the end of every call, also a failed one: summary.json, summary.md,
 logs.tar.gz (metrics.jsonl, train/driver/worker logs, eval plan and report) and drafter/ (the exported
-drafter as drafter.tar.gz.part-aa, -ab, ... of at most 15 MiB + SHA256SUMS). Here, put the drafter back
-together (sums checked) and evaluate it again, on CPU or GPU, without training:
+drafter as drafter.tar.gz.part-aa, -ab, ... of at most 15 MiB + SHA256SUMS; tools/gpu_pack.py). Here, put the
+drafter back together (sums checked) and evaluate it again, on CPU or GPU, without training:
 
     tools/join_drafter.sh <files>/drafter runs/quality-gpu/export
     PYTHONPATH=src python benchmarks/quality.py --out runs/quality-gpu-eval --drafter runs/quality-gpu/export \\
@@ -44,7 +44,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -54,8 +53,11 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO / "src") not in sys.path:
-    sys.path.insert(0, str(REPO / "src"))
+for _path in (REPO / "src", REPO / "tools"):  # dflash_train; gpu_pack (bringing files back from the GPU machine)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import gpu_pack  # noqa: E402
 
 REFERENCE = {
     "trainer": "another project's DFlash trainer",
@@ -184,138 +186,6 @@ def merged_report(config: dict, items: list[dict], records: dict[str, dict], mod
         if rec is not None:
             by_ds[item["dataset"]].append(rec)
     return report_from_records(config, by_ds, {ds: mode_names for ds in by_ds}, order)
-
-
-# --------------------------------------------------------------------------- bringing files back (--copy-to)
-
-# What comes back from the GPU machine through $OUT: at most 8 files, 16 MiB each, 64 MiB in all, no deeper
-# than two folders. --copy-to writes summary.json, summary.md, logs.tar.gz (metrics, logs, the eval report)
-# and drafter/ (the exported drafter as drafter.tar.gz in parts of at most 15 MiB, with SHA256SUMS), within
-# those limits: the summary first, then the drafter, then the logs (the eval report dropped first).
-OUT_LIMITS = {"files": 8, "file_bytes": 16 * 2**20, "total_bytes": 64 * 2**20}
-PART_BYTES = 15 * 2**20
-DRAFTER_ARCHIVE = "drafter.tar.gz"
-LOGS_ARCHIVE = "logs.tar.gz"
-
-
-def _part_suffix(k: int) -> str:
-    """aa, ab, ..., az, ba, ...: the names `split -a 2` gives, so `cat NAME.part-*` joins them in order."""
-    if k >= 26 * 26:
-        raise ValueError("more than 676 parts")
-    return chr(ord("a") + k // 26) + chr(ord("a") + k % 26)
-
-
-class _PartWriter:
-    """A write-only file object that spreads its bytes over `folder/NAME.part-aa`, `-ab`, ... of at most
-    `part_bytes` each, hashing every part and the whole."""
-
-    def __init__(self, folder: Path, name: str, part_bytes: int):
-        self.folder, self.name, self.part_bytes = folder, name, part_bytes
-        self.parts: list[dict] = []
-        self.whole = hashlib.sha256()
-        self.size = 0
-        self._f = None
-        self._h = None
-        self._n = 0
-
-    def _rotate(self) -> None:
-        self._close_part()
-        part = f"{self.name}.part-{_part_suffix(len(self.parts))}"
-        self._f, self._h, self._n = open(self.folder / part, "wb"), hashlib.sha256(), 0
-        self.parts.append({"name": part})
-
-    def _close_part(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self.parts[-1].update(sha256=self._h.hexdigest(), bytes=self._n)
-            self._f = None
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        self.whole.update(view)
-        self.size += len(view)
-        while len(view):
-            if self._f is None or self._n >= self.part_bytes:
-                self._rotate()
-            chunk = view[: self.part_bytes - self._n]
-            self._f.write(chunk)
-            self._h.update(chunk)
-            self._n += len(chunk)
-            view = view[len(chunk):]
-        return len(data)
-
-    def flush(self) -> None:
-        if self._f is not None:
-            self._f.flush()
-
-    def close(self) -> None:
-        if not self.parts:
-            self._rotate()  # an empty stream still gets one (empty) part
-        self._close_part()
-
-
-def _deterministic_tarinfo(info):
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    info.mode = 0o644 if info.isfile() else 0o755
-    return info
-
-
-def pack_drafter(export: Path, dest: Path, part_bytes: int = PART_BYTES) -> dict:
-    """The exported drafter folder as `dest/drafter.tar.gz.part-aa, -ab, ...` (each at most `part_bytes`)
-    and `dest/SHA256SUMS` (sha256sum format: every part, then the whole archive). The archive holds the
-    folder's files under their own names (no leading folder); same files -> same bytes. Joined and checked
-    by tools/join_drafter.sh. Returns {"parts": [{name, sha256, bytes}], "archive_sha256", "archive_bytes",
-    "files": {name: bytes}}."""
-    import gzip
-    import tarfile
-
-    export, dest = Path(export), Path(dest)
-    if not (export / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{export} has no model.safetensors: not an exported drafter")
-    dest.mkdir(parents=True, exist_ok=True)
-    for old in list(dest.glob(f"{DRAFTER_ARCHIVE}.part-*")) + [dest / "SHA256SUMS"]:
-        old.unlink(missing_ok=True)
-    files = sorted(p for p in export.rglob("*") if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(export).parts))
-    writer = _PartWriter(dest, DRAFTER_ARCHIVE, part_bytes)
-    with gzip.GzipFile(filename="", mode="wb", fileobj=writer, compresslevel=6, mtime=0) as gz:
-        with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for path in files:
-                tar.add(path, arcname=path.relative_to(export).as_posix(), recursive=False,
-                        filter=_deterministic_tarinfo)
-    writer.close()
-    sums = "".join(f"{p['sha256']}  {p['name']}\n" for p in writer.parts)
-    sums += f"{writer.whole.hexdigest()}  {DRAFTER_ARCHIVE}\n"
-    (dest / "SHA256SUMS").write_text(sums)
-    return {"parts": writer.parts, "archive_sha256": writer.whole.hexdigest(), "archive_bytes": writer.size,
-            "files": {p.relative_to(export).as_posix(): p.stat().st_size for p in files}}
-
-
-def pack_logs(members: list[tuple[Path, str]], out: Path, max_member_bytes: int = 8 * 2**20) -> list[str]:
-    """`out` (tar.gz) holding each existing `(path, name)`; a file over `max_member_bytes` keeps its tail
-    (its name gets `.tail`). Returns the names written."""
-    import io
-    import tarfile
-
-    written = []
-    with tarfile.open(out, "w:gz", format=tarfile.PAX_FORMAT) as tar:
-        for path, name in members:
-            if not Path(path).is_file():
-                continue
-            size = path.stat().st_size
-            if size <= max_member_bytes:
-                tar.add(path, arcname=name, recursive=False, filter=_deterministic_tarinfo)
-            else:
-                with open(path, "rb") as f:
-                    f.seek(size - max_member_bytes)
-                    data = f.read()
-                name += ".tail"
-                info = _deterministic_tarinfo(tarfile.TarInfo(name))
-                info.size, info.mtime = len(data), int(path.stat().st_mtime)
-                tar.addfile(info, io.BytesIO(data))
-            written.append(name)
-    return written
 
 
 def drafter_origin(folder: Path, given: bool) -> dict:
@@ -1079,54 +949,11 @@ class Driver:
         (self.out / "summary.md").write_text(summary_markdown(summary))
         return summary
 
-    def copy_out(self) -> None:
+    def copy_out(self, limits: Optional["gpu_pack.OutLimits"] = None, part_bytes: int = gpu_pack.PART_BYTES) -> None:
         """--copy-to: summary.json/.md, drafter/ (the exported drafter in checked parts) and logs.tar.gz, within
-        OUT_LIMITS. Never raises: the run's own outcome is what the caller reports."""
+        `limits` (the GPU machine's). Never raises: the run's own outcome is what the caller reports."""
         if not self.args.copy_to:
             return
-        try:
-            self._copy_out(Path(self.args.copy_to))
-        except Exception as e:  # noqa: BLE001
-            self.log(f"copy-to: failed: {type(e).__name__}: {e}")
-
-    def _copy_out(self, dest: Path) -> None:
-        lim = OUT_LIMITS
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in ("summary.json", "summary.md", LOGS_ARCHIVE):
-            (dest / name).unlink(missing_ok=True)
-        shutil.rmtree(dest / "drafter", ignore_errors=True)
-        others = [p for p in dest.rglob("*") if p.is_file()]  # put there by someone else: they count too
-        files, total = len(others), sum(p.stat().st_size for p in others)
-
-        def fits(n: int, size: int, largest: int) -> bool:
-            return files + n <= lim["files"] and total + size <= lim["total_bytes"] and largest <= lim["file_bytes"]
-
-        for src in (self.out / "summary.json", self.out / "summary.md"):
-            if src.is_file() and fits(1, src.stat().st_size, src.stat().st_size):
-                shutil.copy(src, dest / src.name)
-                files, total = files + 1, total + src.stat().st_size
-        export = self.drafter_dir
-        if self.given_drafter is not None:
-            self.log(f"copy-to: the drafter was given (--drafter {export}): not copied back")
-        elif (export / "model.safetensors").is_file():
-            try:
-                packed = pack_drafter(export, dest / "drafter", PART_BYTES)
-            except BaseException:
-                shutil.rmtree(dest / "drafter", ignore_errors=True)  # no half set of parts
-                raise
-            n = len(packed["parts"]) + 1
-            size = sum(p["bytes"] for p in packed["parts"]) + (dest / "drafter" / "SHA256SUMS").stat().st_size
-            if fits(n, size, max(p["bytes"] for p in packed["parts"])):
-                files, total = files + n, total + size
-                self.log(f"copy-to: drafter {export} -> {dest / 'drafter'}: {DRAFTER_ARCHIVE} in {n - 1} parts "
-                         f"({size / 2**20:.1f} MiB, sha256 {packed['archive_sha256'][:16]}...); here: "
-                         "tools/join_drafter.sh <files>/drafter <new folder>")
-            else:
-                shutil.rmtree(dest / "drafter")
-                self.log(f"copy-to: the drafter does not fit ({n} files, {size / 2**20:.1f} MiB with {files} files, "
-                         f"{total / 2**20:.1f} MiB already there; limits {lim}): NOT copied back")
-        else:
-            self.log(f"copy-to: no exported drafter in {export} yet: nothing to bring back of it")
         members = [(self.run / "metrics.jsonl", "metrics.jsonl"), (self.run / "train.log", "train.log"),
                    (self.run / "status.json", "status.json"), (self.out / "driver.log", "driver.log"),
                    (self.out / "train.stdout.log", "train.stdout.log"), (self.out / "timings.json", "timings.json"),
@@ -1136,17 +963,15 @@ class Driver:
         attempts = sorted(self.eval_dir.glob("attempt-*"))
         if attempts:
             members += [(p, f"workers/{p.name}") for p in sorted(attempts[-1].glob("worker-*.log"))]
-        logs = dest / LOGS_ARCHIVE
-        for with_report in (True, False):  # the eval report (every output's tokens and text) goes first
-            names = pack_logs(members + ([(self.eval_dir / "report.json", "eval_report.json")] if with_report else []),
-                              logs)
-            size = logs.stat().st_size
-            if fits(1, size, size):
-                self.log(f"copy-to: {LOGS_ARCHIVE} ({size / 2**20:.2f} MiB): {', '.join(names)}")
-                return
-        logs.unlink()
-        self.log(f"copy-to: {LOGS_ARCHIVE} does not fit ({size / 2**20:.1f} MiB; {files} files, "
-                 f"{total / 2**20:.1f} MiB there already): not copied")
+        if self.given_drafter is not None:
+            self.log(f"copy-to: the drafter was given (--drafter {self.given_drafter}): not copied back")
+        try:  # the eval report (every output's tokens and text) is the first to go when the logs do not fit
+            gpu_pack.bring_back(Path(self.args.copy_to), files=[self.out / "summary.json", self.out / "summary.md"],
+                                drafter=None if self.given_drafter is not None else self.drafter_dir, logs=members,
+                                optional_logs=[(self.eval_dir / "report.json", "eval_report.json")], say=self.log,
+                                limits=limits or gpu_pack.OUT_LIMITS, part_bytes=part_bytes)
+        except Exception as e:  # noqa: BLE001
+            self.log(f"copy-to: failed: {type(e).__name__}: {e}")
 
 
 def drafter_block_size(folder: Path) -> int:
