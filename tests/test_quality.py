@@ -475,6 +475,16 @@ def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair,
     # brought back: summary and logs, not the drafter that was given
     assert {p.name for p in _out_files(tmp_path / "OUT")} == {"summary.json", "summary.md", "logs.tar.gz"}
 
+    # the same command again: the eval is done, so it is skipped and its summary printed as it was
+    written = (out / "summary.json").stat().st_mtime_ns
+    assert Q.main(argv) == 0
+    assert (out / "summary.json").stat().st_mtime_ns == written
+    assert "eval: done in an earlier call" in (out / "driver.log").read_text()
+    state = json.loads((out / "pipeline.json").read_text())
+    assert state["stages"]["eval"]["done"] and state["stages"]["eval"]["calls"] == 1
+    # one target per work directory: another one is refused before anything runs, naming both
+    with pytest.raises(SystemExit, match=f"target: '{tiny_target_dir}' there, 'smollm2' here"):
+        Q.main([a if not a.startswith("target.path=") else "target.path=smollm2" for a in argv])
 
     # without the training file: every prompt is evaluated and the summary says the filter was off
     assert Q.main(argv[:argv.index("--data")] + ["--data", str(tmp_path / "nope.jsonl")] + argv[argv.index("--data") + 2:]) == 0
