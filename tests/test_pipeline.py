@@ -107,6 +107,23 @@ def test_a_stage_runs_again_when_its_key_changed_or_its_output_is_gone(tmp_path)
     assert f"eval: done in an earlier call, but {root / 'eval.out'} is missing: running it again" in said
 
 
+def test_a_key_function_is_read_when_the_runner_reaches_its_stage(tmp_path):
+    """A key may depend on what the stages before it make (the quality driver keys its eval by the trained
+    drafter's weights): it is read after they ran, and recorded as the stage ran with it."""
+    root = tmp_path / "root"
+    weights = root / "train.out"
+    stages = lambda: [_stage(root, "train"), Stage("eval", lambda: weights.read_text(),  # noqa: E731
+                                                   key=lambda: {"weights": weights.read_text()})]
+    first = _runner(root)[0].run(stages())
+    assert first.result("eval") == "made by train"
+    assert json.loads((root / "pipeline.json").read_text())["stages"]["eval"]["key"] == {"weights": "made by train"}
+    assert [o.status for o in _runner(root)[0].run(stages()).outcomes] == ["skipped", "skipped"]
+    weights.write_text("retrained elsewhere")  # same files, other content: the eval runs again, train does not
+    runner, said = _runner(root)
+    assert [o.status for o in runner.run(stages()).outcomes] == ["skipped", "ran"]
+    assert "eval: done in an earlier call with other inputs: running it again" in said
+
+
 def test_a_root_of_another_recipe_is_refused_naming_what_differs(tmp_path):
     root = tmp_path / "root"
     recipe = {"recipe_version": 2, "size": {"steps": 8, "prompts": 24}, "overrides": ["optim.lr=1e-3"]}
