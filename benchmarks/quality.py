@@ -15,9 +15,10 @@ from the shared training file: about half of its prompts are training prompts of
 prompt whose turn equals a training user turn (whitespace collapsed, case folded), or shares its first
 `--overlap-prefix` normalised characters with one, is dropped and counted in the summary.
 
-Every stage is resumable and skipped when done, so the work can span calls of a time-limited machine
-(`--deadline-s`): training stops with a checkpoint (the STOP file) and resumes; evaluation workers append
-one record per prompt and a later call runs only the missing prompts. Exit code 3 = not finished yet.
+Every stage is resumable and skipped when done (`dflash_train.pipeline`: the stages' state and times in
+OUT/pipeline.json; a work directory holds one target's work), so the work can span calls of a time-limited
+machine (`--deadline-s`): training stops with a checkpoint (the STOP file) and resumes; evaluation workers
+append one record per prompt and a later call runs only the missing prompts. Exit code 3 = not finished yet.
 
     PYTHONPATH=src python benchmarks/quality.py --out runs/quality                    # everything, defaults
     PYTHONPATH=src python benchmarks/quality.py --out /root/q --deadline-s 540 --copy-to $OUT \\
@@ -28,9 +29,9 @@ one record per prompt and a later call runs only the missing prompts. Exit code 
 
 `--copy-to DIR` (e.g. the GPU machine's $OUT, which brings back at most 8 files, 16 MiB each, 64 MiB in
 all, two folders deep) writes, at the end of every call, also a failed one: summary.json, summary.md,
-logs.tar.gz (metrics.jsonl, train/driver/worker logs, eval plan and report) and drafter/ (the exported
-drafter as drafter.tar.gz.part-aa, -ab, ... of at most 15 MiB + SHA256SUMS). Here, put the drafter back
-together (sums checked) and evaluate it again, on CPU or GPU, without training:
+logs.tar.gz (metrics.jsonl, train/driver/worker logs, pipeline.json, eval plan and report) and drafter/ (the
+exported drafter as drafter.tar.gz.part-aa, -ab, ... of at most 15 MiB + SHA256SUMS; tools/gpu_pack.py). Here,
+put the drafter back together (sums checked) and evaluate it again, on CPU or GPU, without training:
 
     tools/join_drafter.sh <files>/drafter runs/quality-gpu/export
     PYTHONPATH=src python benchmarks/quality.py --out runs/quality-gpu-eval --drafter runs/quality-gpu/export \\
@@ -44,18 +45,20 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import IO, Callable, Iterable, Optional
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO / "src") not in sys.path:
-    sys.path.insert(0, str(REPO / "src"))
+for _path in (REPO / "src", REPO / "tools"):  # dflash_train; gpu_pack (bringing files back from the GPU machine)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import gpu_pack  # noqa: E402
 
 REFERENCE = {
     "trainer": "another project's DFlash trainer",
@@ -184,138 +187,6 @@ def merged_report(config: dict, items: list[dict], records: dict[str, dict], mod
         if rec is not None:
             by_ds[item["dataset"]].append(rec)
     return report_from_records(config, by_ds, {ds: mode_names for ds in by_ds}, order)
-
-
-# --------------------------------------------------------------------------- bringing files back (--copy-to)
-
-# What comes back from the GPU machine through $OUT: at most 8 files, 16 MiB each, 64 MiB in all, no deeper
-# than two folders. --copy-to writes summary.json, summary.md, logs.tar.gz (metrics, logs, the eval report)
-# and drafter/ (the exported drafter as drafter.tar.gz in parts of at most 15 MiB, with SHA256SUMS), within
-# those limits: the summary first, then the drafter, then the logs (the eval report dropped first).
-OUT_LIMITS = {"files": 8, "file_bytes": 16 * 2**20, "total_bytes": 64 * 2**20}
-PART_BYTES = 15 * 2**20
-DRAFTER_ARCHIVE = "drafter.tar.gz"
-LOGS_ARCHIVE = "logs.tar.gz"
-
-
-def _part_suffix(k: int) -> str:
-    """aa, ab, ..., az, ba, ...: the names `split -a 2` gives, so `cat NAME.part-*` joins them in order."""
-    if k >= 26 * 26:
-        raise ValueError("more than 676 parts")
-    return chr(ord("a") + k // 26) + chr(ord("a") + k % 26)
-
-
-class _PartWriter:
-    """A write-only file object that spreads its bytes over `folder/NAME.part-aa`, `-ab`, ... of at most
-    `part_bytes` each, hashing every part and the whole."""
-
-    def __init__(self, folder: Path, name: str, part_bytes: int):
-        self.folder, self.name, self.part_bytes = folder, name, part_bytes
-        self.parts: list[dict] = []
-        self.whole = hashlib.sha256()
-        self.size = 0
-        self._f = None
-        self._h = None
-        self._n = 0
-
-    def _rotate(self) -> None:
-        self._close_part()
-        part = f"{self.name}.part-{_part_suffix(len(self.parts))}"
-        self._f, self._h, self._n = open(self.folder / part, "wb"), hashlib.sha256(), 0
-        self.parts.append({"name": part})
-
-    def _close_part(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self.parts[-1].update(sha256=self._h.hexdigest(), bytes=self._n)
-            self._f = None
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        self.whole.update(view)
-        self.size += len(view)
-        while len(view):
-            if self._f is None or self._n >= self.part_bytes:
-                self._rotate()
-            chunk = view[: self.part_bytes - self._n]
-            self._f.write(chunk)
-            self._h.update(chunk)
-            self._n += len(chunk)
-            view = view[len(chunk):]
-        return len(data)
-
-    def flush(self) -> None:
-        if self._f is not None:
-            self._f.flush()
-
-    def close(self) -> None:
-        if not self.parts:
-            self._rotate()  # an empty stream still gets one (empty) part
-        self._close_part()
-
-
-def _deterministic_tarinfo(info):
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    info.mode = 0o644 if info.isfile() else 0o755
-    return info
-
-
-def pack_drafter(export: Path, dest: Path, part_bytes: int = PART_BYTES) -> dict:
-    """The exported drafter folder as `dest/drafter.tar.gz.part-aa, -ab, ...` (each at most `part_bytes`)
-    and `dest/SHA256SUMS` (sha256sum format: every part, then the whole archive). The archive holds the
-    folder's files under their own names (no leading folder); same files -> same bytes. Joined and checked
-    by tools/join_drafter.sh. Returns {"parts": [{name, sha256, bytes}], "archive_sha256", "archive_bytes",
-    "files": {name: bytes}}."""
-    import gzip
-    import tarfile
-
-    export, dest = Path(export), Path(dest)
-    if not (export / "model.safetensors").is_file():
-        raise FileNotFoundError(f"{export} has no model.safetensors: not an exported drafter")
-    dest.mkdir(parents=True, exist_ok=True)
-    for old in list(dest.glob(f"{DRAFTER_ARCHIVE}.part-*")) + [dest / "SHA256SUMS"]:
-        old.unlink(missing_ok=True)
-    files = sorted(p for p in export.rglob("*") if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(export).parts))
-    writer = _PartWriter(dest, DRAFTER_ARCHIVE, part_bytes)
-    with gzip.GzipFile(filename="", mode="wb", fileobj=writer, compresslevel=6, mtime=0) as gz:
-        with tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for path in files:
-                tar.add(path, arcname=path.relative_to(export).as_posix(), recursive=False,
-                        filter=_deterministic_tarinfo)
-    writer.close()
-    sums = "".join(f"{p['sha256']}  {p['name']}\n" for p in writer.parts)
-    sums += f"{writer.whole.hexdigest()}  {DRAFTER_ARCHIVE}\n"
-    (dest / "SHA256SUMS").write_text(sums)
-    return {"parts": writer.parts, "archive_sha256": writer.whole.hexdigest(), "archive_bytes": writer.size,
-            "files": {p.relative_to(export).as_posix(): p.stat().st_size for p in files}}
-
-
-def pack_logs(members: list[tuple[Path, str]], out: Path, max_member_bytes: int = 8 * 2**20) -> list[str]:
-    """`out` (tar.gz) holding each existing `(path, name)`; a file over `max_member_bytes` keeps its tail
-    (its name gets `.tail`). Returns the names written."""
-    import io
-    import tarfile
-
-    written = []
-    with tarfile.open(out, "w:gz", format=tarfile.PAX_FORMAT) as tar:
-        for path, name in members:
-            if not Path(path).is_file():
-                continue
-            size = path.stat().st_size
-            if size <= max_member_bytes:
-                tar.add(path, arcname=name, recursive=False, filter=_deterministic_tarinfo)
-            else:
-                with open(path, "rb") as f:
-                    f.seek(size - max_member_bytes)
-                    data = f.read()
-                name += ".tail"
-                info = _deterministic_tarinfo(tarfile.TarInfo(name))
-                info.size, info.mtime = len(data), int(path.stat().st_mtime)
-                tar.addfile(info, io.BytesIO(data))
-            written.append(name)
-    return written
 
 
 def drafter_origin(folder: Path, given: bool) -> dict:
@@ -558,12 +429,254 @@ def metric_times(run: Path) -> dict[int, float]:
     return {r["step"]: r["time"] - t0 for r in recs}
 
 
+# --------------------------------------------------------------------------- child processes
+
+
+def child_env(**extra: str) -> dict:
+    """This process's environment for a child: unbuffered, with src/ first on PYTHONPATH, plus `extra`."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(extra)
+    return env
+
+
+def visible_gpus(device: str) -> int:
+    """GPUs the children may spread over (0 with --device cpu or without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
+
+
+def gpu_env(env: dict, k: int, gpus: int) -> dict:
+    """The k-th child's environment: on GPU k mod `gpus` when there are several (one process per GPU
+    context would time-slice)."""
+    return dict(env, CUDA_VISIBLE_DEVICES=str(k % gpus)) if gpus > 1 else env
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: IO[bytes]
+    log_path: Path
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.is_file() else ""
+
+
+class Children:
+    """Processes started together, each writing to its own log file. Leaving the `with` kills any still
+    running and closes every log."""
+
+    def __init__(self) -> None:
+        self.procs: list[Child] = []
+
+    def start(self, name: str, cmd: list[str], log_path: Path, env: dict, append: bool = False) -> Child:
+        log = open(log_path, "ab" if append else "wb")
+        child = Child(name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log, log_path)
+        self.procs.append(child)
+        return child
+
+    def wait(self, poll_s: float, tick: Callable[[], None]) -> None:
+        """Until every process has ended, calling `tick` after each `poll_s` of sleep."""
+        while any(c.proc.poll() is None for c in self.procs):
+            time.sleep(poll_s)
+            tick()
+
+    def __enter__(self) -> "Children":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for c in self.procs:
+            if c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait()
+            c.log.close()
+
+
+def run_helpers(cmds: list[list[str]], folder: Path, what: str, runner, device: str, log: Callable[[str], None]) -> None:
+    """Run these processes at once, one per GPU; raise with a log tail if one fails; Unfinished if the
+    deadline passes."""
+    from dflash_train.pipeline import Unfinished
+
+    env = child_env(TOKENIZERS_PARALLELISM="false")
+    gpus = visible_gpus(device)
+
+    def tick() -> None:
+        if runner.remaining() < 0:
+            raise Unfinished(f"{what}: the deadline passed; run the same command again")
+
+    with Children() as kids:
+        for k, cmd in enumerate(cmds):
+            kids.start(f"{what}-{k:02d}", cmd, folder / f"{what}-{k:02d}.log", gpu_env(env, k, gpus))
+        kids.wait(1.0, tick)
+    for c in kids.procs:
+        if c.proc.returncode != 0:
+            raise RuntimeError(f"{what} failed (exit {c.proc.returncode}); {c.log_path} ends:\n{c.tail()}")
+        log(c.log_path.read_text(errors="replace").strip().splitlines()[-1])
+
+
+def run_eval_workers(cmds: list[tuple[list[str], Path]], env: dict, runner, device: str,
+                     log: Callable[[str], None], announce: str) -> tuple[list[int], bool, float]:
+    """Run the eval workers (command, log file) at once, spread over the GPUs. Once the deadline has passed
+    they are stopped (SIGTERM, a kill after 20 s; the prompts they finished are kept). Returns (exit codes,
+    whether they were stopped, seconds from their start)."""
+    gpus = visible_gpus(device)
+    stopped = False
+
+    def tick() -> None:
+        nonlocal stopped
+        if runner.remaining() >= 0 or stopped:
+            return
+        log("eval: hard deadline passed: stopping workers (finished prompts are kept)")
+        stopped = True
+        running = [c.proc for c in kids.procs if c.proc.poll() is None]
+        for p in running:
+            p.send_signal(signal.SIGTERM)
+        for p in running:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    with Children() as kids:
+        for k, (cmd, log_path) in enumerate(cmds):
+            kids.start(f"worker-{k:02d}", cmd, log_path, gpu_env(env, k, gpus))
+        log(announce)
+        t0 = time.time()
+        kids.wait(2.0, tick)
+    return [c.proc.returncode for c in kids.procs], stopped, time.time() - t0
+
+
+@dataclass
+class TrainJob:
+    name: str
+    run: Path
+    cmd: list[str]
+    log_path: Path
+    env: dict
+
+
+def run_trainings(jobs: list[TrainJob], runner, stop_margin_s: float, log: Callable[[str], None]) -> dict[str, tuple[int, float]]:
+    """Run the training jobs at once. Once the deadline is `stop_margin_s` away, ask each to checkpoint and
+    stop (its STOP file; the next call resumes it). Returns each job's (exit code, seconds it ran)."""
+    t0 = time.time()
+    ended: dict[str, float] = {}
+    stopping = False
+
+    def tick() -> None:
+        nonlocal stopping
+        for c in kids.procs:
+            if c.proc.poll() is not None and c.name not in ended:
+                ended[c.name] = time.time()
+        if not stopping and runner.remaining() < stop_margin_s:
+            log("train: deadline near: asking the runs to checkpoint and stop (they resume next call)")
+            for job in jobs:
+                job.run.mkdir(parents=True, exist_ok=True)
+                (job.run / "STOP").touch()
+            stopping = True
+
+    with Children() as kids:
+        for job in jobs:
+            (job.run / "STOP").unlink(missing_ok=True)  # left by an earlier call's deadline: it would end this run at once
+            log(f"train {job.name}: " + " ".join(job.cmd))
+            kids.start(job.name, job.cmd, job.log_path, job.env, append=True)
+        kids.wait(1.0, tick)
+    for job in jobs:
+        (job.run / "STOP").unlink(missing_ok=True)
+    return {c.name: (c.proc.returncode, ended.get(c.name, time.time()) - t0) for c in kids.procs}
+
+
+# --------------------------------------------------------------------------- the stages' inputs
+
+
+def prepare_training_data(cfg, data: str, val_fraction: float, prepared: Path, log: Callable[[str], None]) -> Optional[float]:
+    """`prepared` from the training file, unless it holds that file prepared with the same settings already.
+    Returns the seconds spent preparing (None: reused)."""
+    from dflash_train import assets
+    from dflash_train.data.prepare import PrepareConfig, prepare, summary
+    from dflash_train.model.target import load_tokenizer
+
+    data = str(Path(data).resolve())
+    want = {"max_length": cfg.data.max_length, "block_size": cfg.drafter.block_size, "val_fraction": val_fraction}
+    manifest_path = prepared / "manifest.json"
+    if manifest_path.is_file():
+        m = json.loads(manifest_path.read_text())
+        have = {k: m[k] for k in want}
+        if have == want and [s["data"] for s in m["sources"]] == [data]:
+            log(f"prepare: reusing {prepared} ({m['counts']['kept']} rows)")
+            return None
+        log(f"prepare: {prepared} was made with {have} from {[s['data'] for s in m['sources']]}; redoing")
+    t0 = time.time()
+    target = assets.resolve_target(cfg.target.path)
+    manifest = prepare(load_tokenizer(target), cfg.target.path, [data], prepared, PrepareConfig(overwrite=True, **want))
+    seconds = time.time() - t0
+    log(summary(manifest, prepared))
+    return seconds
+
+
+def load_eval_items(specs: list[str], data: str, limit: int, overlap_prefix: int,
+                    log: Callable[[str], None]) -> tuple[list[dict], dict, Optional[str]]:
+    """All eval prompts in report order (overlap with the training file `data` removed), the drop counts per
+    set, and the training file they were filtered against (None: `data` is missing, no filter)."""
+    from dflash_train.infer.evaluate import iter_prompts
+
+    if Path(data).is_file():
+        overlap_data = data
+        index = OverlapIndex.from_texts(training_user_turns([data]), overlap_prefix)
+    else:  # only with --drafter: without --drafter, prepare has already failed on a missing file
+        overlap_data = None
+        index = OverlapIndex(prefix_chars=overlap_prefix)
+        log(f"eval: training data {data} not found: eval prompts are NOT filtered against "
+            "training prompts (pass --data with the drafter's training file)")
+    items, info = [], {}
+    for spec in specs:
+        name, _, source = spec.partition("=")
+        raw = [{"dataset": name, "id": it["id"], "turns": list(it["turns"])} for it in iter_prompts(source or name, 0)]
+        kept, dropped = drop_overlap(raw, index)
+        if limit:
+            kept = kept[:limit]
+        info[name] = {"source": source or f"built-in {name}", "prompts_total": len(raw), "prompts": len(kept),
+                      "turns": sum(len(i["turns"]) for i in kept),
+                      "dropped_overlap": {"exact": sum(d["reason"] == "exact" for d in dropped),
+                                          "prefix": sum(d["reason"] == "prefix" for d in dropped)},
+                      "dropped_ids": [d["id"] for d in dropped]}
+        log(f"eval data {name}: {len(raw)} prompts, {len(dropped)} dropped as training prompts "
+            f"({info[name]['dropped_overlap']}), {len(kept)} evaluated")
+        items += kept
+    return items, info, overlap_data
+
+
 # --------------------------------------------------------------------------- the driver
 
 
+def parse_variants(specs: list[str], config: str, overrides: list[str]) -> dict[str, list[str]]:
+    """--variant NAME=K=V[,K=V...] -> {NAME: [K=V, ...]}; a bad spec or a variant whose config does not
+    load fails now, before anything runs."""
+    from dflash_train.config import load_config
+
+    variants: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, extra = spec.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == "default" or name in variants:
+            raise SystemExit(f"--variant {spec!r}: expected NAME=key=value[,key=value...] with a new NAME of "
+                             "letters, digits, _ . - (not 'default')")
+        variants[name] = [o for o in extra.split(",") if o]
+        load_config(config, list(overrides) + variants[name])
+    return variants
+
+
+def exported(folder: Path) -> bool:
+    return (folder / "model.safetensors").is_file()
+
+
 class Driver:
+    """One call of the comparison: its stages (prepare, train, eval) run through a `StageRunner` on --out
+    (state and times in pipeline.json), under the --deadline-s budget."""
+
     def __init__(self, args: argparse.Namespace):
         from dflash_train.config import load_config
+        from dflash_train.pipeline import StageRunner
 
         self.args = args
         self.out = Path(args.out).resolve()
@@ -572,26 +685,20 @@ class Driver:
         self.run = self.out / "run"
         self.eval_dir = self.out / "eval"
         self.cfg = load_config(args.config, args.overrides)
+        self.variants = parse_variants(getattr(args, "variant", None) or [], args.config, args.overrides)
         self.start = time.time()
-        self.deadline = self.start + args.deadline_s if args.deadline_s else None
-        self.timings_path = self.out / "timings.json"
-        self.timings = json.loads(self.timings_path.read_text()) if self.timings_path.is_file() else {}
         self.log_file = open(self.out / "driver.log", "a", encoding="utf-8")
+        # One target per work directory: its prepared tokens, drafters and continuations are that target's.
+        self.runner = StageRunner(self.out, {"target": self.cfg.target.path}, label="quality comparison",
+                                  remedy="remove it or pass another --out", adopt_unstamped=True,
+                                  deadline=self.start + args.deadline_s if args.deadline_s else None, say=self.log)
         self.settings = EvalSettings(max_new_tokens=args.max_new_tokens, tree_budgets=tuple(args.tree_budget),
                                      baseline=args.baseline, dtype=args.dtype, device=args.device)
         # --drafter: evaluate that exported drafter (no prepare, no train); else this run's export
         self.given_drafter = Path(args.drafter).resolve() if getattr(args, "drafter", None) else None
         self.drafter_dir = self.given_drafter or self.run / "export"
         self.overlap_data: Optional[str] = None  # the training file the eval prompts were filtered against
-        self.variants: dict[str, list[str]] = {}
         self.failed: dict[str, str] = {}  # variants whose training failed this call: left out of the comparison
-        for spec in getattr(args, "variant", None) or []:
-            name, sep, overrides = spec.partition("=")
-            if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == "default" or name in self.variants:
-                raise SystemExit(f"--variant {spec!r}: expected NAME=key=value[,key=value...] with a new NAME of "
-                                 "letters, digits, _ . - (not 'default')")
-            self.variants[name] = [o for o in overrides.split(",") if o]
-            load_config(args.config, list(args.overrides) + self.variants[name])  # a bad variant fails now
 
     def log(self, msg: str) -> None:
         line = f"[quality {time.strftime('%H:%M:%S')}] {msg}"
@@ -599,42 +706,38 @@ class Driver:
         self.log_file.write(line + "\n")
         self.log_file.flush()
 
-    def add_time(self, key: str, seconds: float) -> None:
-        self.timings[key] = round(self.timings.get(key, 0.0) + seconds, 2)
-        self.timings_path.write_text(json.dumps(self.timings, indent=1))
+    def stages(self, names: set[str]) -> list:
+        """The selected stages, in order. A done stage is skipped while its key (what it depends on) is unchanged."""
+        from dflash_train.pipeline import Stage
 
-    def remaining(self) -> float:
-        return float("inf") if self.deadline is None else self.deadline - time.time()
+        prepare_key = {"data": self.args.data, "max_length": self.cfg.data.max_length,
+                       "block_size": self.cfg.drafter.block_size, "val_fraction": self.args.val_fraction}
+        all_stages = [
+            Stage("prepare", self.stage_prepare, outputs=(self.prepared / "manifest.json",), key=prepare_key),
+            Stage("train", self.stage_train, outputs=tuple(run / "export" / "model.safetensors"
+                                                           for run, _ in self.runs().values()),
+                  key={name: [str(run), overrides] for name, (run, overrides) in self.runs().items()}),
+            Stage("eval", self.stage_eval, outputs=(self.out / "summary.json", self.out / "summary.md"),
+                  key=self.eval_key, reuse=self.print_summary, min_remaining_s=self.args.eval_stop_margin_s + 60),
+        ]
+        return [s for s in all_stages if s.name in names]
 
-    def env(self) -> dict:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        return env
+    def eval_key(self) -> dict:
+        """Everything the summary depends on besides the stages before it: the arguments, the drafter's weights."""
+        a = vars(self.args)
+        key = {k: a[k] for k in ("config", "overrides", "data", "val_fraction", "eval", "limit", "overlap_prefix",
+                                 "max_new_tokens", "tree_budget", "baseline", "dtype", "device", "workers", "method",
+                                 "check_decode", "drafter", "variant", "curve_every")}
+        weights = self.drafter_dir / "model.safetensors"
+        key["drafter_sha256"] = _file_sha256(weights) if weights.is_file() else None
+        return key
 
     # ------------------------------------------------------------------ prepare
 
     def stage_prepare(self) -> None:
-        from dflash_train import assets
-        from dflash_train.data.prepare import PrepareConfig, prepare, summary
-        from dflash_train.model.target import load_tokenizer
-
-        data = str(Path(self.args.data).resolve())
-        want = {"max_length": self.cfg.data.max_length, "block_size": self.cfg.drafter.block_size,
-                "val_fraction": self.args.val_fraction}
-        manifest_path = self.prepared / "manifest.json"
-        if manifest_path.is_file():
-            m = json.loads(manifest_path.read_text())
-            have = {k: m[k] for k in want}
-            if have == want and [s["data"] for s in m["sources"]] == [data]:
-                self.log(f"prepare: reusing {self.prepared} ({m['counts']['kept']} rows)")
-                return
-            self.log(f"prepare: {self.prepared} was made with {have} from {[s['data'] for s in m['sources']]}; redoing")
-        t0 = time.time()
-        target = assets.resolve_target(self.cfg.target.path)
-        manifest = prepare(load_tokenizer(target), self.cfg.target.path, [data], self.prepared,
-                           PrepareConfig(overwrite=True, **want))
-        self.add_time("prepare_s", time.time() - t0)
-        self.log(summary(manifest, self.prepared))
+        seconds = prepare_training_data(self.cfg, self.args.data, self.args.val_fraction, self.prepared, self.log)
+        if seconds is not None:
+            self.runner.add_time("prepare_s", seconds)
 
     # ------------------------------------------------------------------ train
 
@@ -649,11 +752,6 @@ class Driver:
             runs[name] = (self.out / "variants" / name, list(self.args.overrides) + extra)
         return runs
 
-    def gpus(self) -> int:
-        import torch
-
-        return torch.cuda.device_count() if self.args.device != "cpu" and torch.cuda.is_available() else 0
-
     @staticmethod
     def train_gpu(name: str, k: int, gpus: int) -> int:
         """The default run has GPU 0 to itself (its wall time is the one compared with the reference); the
@@ -662,116 +760,96 @@ class Driver:
             return 0
         return 1 + (k - 1) % (gpus - 1)
 
-    def stage_train(self) -> bool:
-        """Train every run not yet exported, at the same time (spread over the GPUs); True when all are."""
+    def train_command(self, run: Path, overrides: list[str]) -> list[str]:
         from dflash_train.train.checkpoint import list_checkpoints
 
-        todo = {n: r for n, r in self.runs().items() if not (r[0] / "export" / "model.safetensors").is_file()}
-        for name in sorted(set(self.runs()) - set(todo)):
-            self.log(f"train {name}: reusing {self.runs()[name][0] / 'export'}")
+        cmd = [sys.executable, "-m", "dflash_train", "train", str(self.args.config), *overrides,
+               f"data.train_files=[{self.prepared}]", "--run-dir", str(run)]
+        if run.joinpath("checkpoints").is_dir() and list_checkpoints(run / "checkpoints"):
+            cmd.append("--resume")
+        elif run.is_dir():
+            cmd.append("--overwrite")  # an earlier call's attempt that never checkpointed: moved aside
+        return cmd
+
+    def stage_train(self) -> None:
+        """Train every run not yet exported, at the same time (spread over the GPUs). Unfinished when the
+        deadline stopped them (with a checkpoint: the next call resumes)."""
+        from dflash_train.pipeline import Unfinished
+
+        runs = self.runs()
+        todo = {n: r for n, r in runs.items() if not exported(r[0] / "export")}
+        for name in sorted(set(runs) - set(todo)):
+            self.log(f"train {name}: reusing {runs[name][0] / 'export'}")
         if not todo:
-            return True
-        gpus = self.gpus()
-        procs = []
-        t0 = time.time()
-        for k, (name, (run, overrides)) in enumerate(todo.items()):
-            stop = run / "STOP"
-            if stop.exists():
-                stop.unlink()  # left by an earlier call's deadline: it would end this run at once
-            cmd = [sys.executable, "-m", "dflash_train", "train", str(self.args.config), *overrides,
-                   f"data.train_files=[{self.prepared}]", "--run-dir", str(run)]
-            if run.joinpath("checkpoints").is_dir() and list_checkpoints(run / "checkpoints"):
-                cmd.append("--resume")
-            elif run.is_dir():
-                cmd.append("--overwrite")  # an earlier call's attempt that never checkpointed: moved aside
-            self.log(f"train {name}: " + " ".join(cmd))
-            log_path = self.out / ("train.stdout.log" if name == "default" else f"train-{name}.stdout.log")
-            env = dict(self.env(), CUDA_VISIBLE_DEVICES=str(self.train_gpu(name, k, gpus))) if gpus > 1 else self.env()
-            log = open(log_path, "ab")
-            procs.append((name, run, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO),
-                          log, log_path))
-        stopping = False
-        ended: dict[str, float] = {}
-        try:
-            while any(p.poll() is None for _, _, p, _, _ in procs):
-                time.sleep(1.0)
-                for name, _, p, _, _ in procs:
-                    if p.poll() is not None and name not in ended:
-                        ended[name] = time.time()
-                if not stopping and self.remaining() < self.args.train_stop_margin_s:
-                    self.log("train: deadline near: asking the runs to checkpoint and stop (they resume next call)")
-                    for _, run, _, _, _ in procs:
-                        run.mkdir(parents=True, exist_ok=True)
-                        (run / "STOP").touch()
-                    stopping = True
-        finally:
-            for _, _, p, log, _ in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-                log.close()
-        for name, _, _, _, _ in procs:  # wall time of each training process (its share of this call)
-            key = "train_s" if name == "default" else f"train_s:{name}"
-            self.add_time(key, ended.get(name, time.time()) - t0)
-        for n, run, p, _, lp in procs:
-            (run / "STOP").unlink(missing_ok=True)
-            if p.returncode in (0, 3):  # done, or stopped at the deadline (resumes next call)
-                continue
-            if n == "default":
-                raise RuntimeError(f"training failed (exit {p.returncode}); see {lp} and {run / 'train.log'}")
-            # a variant that fails is reported and left out; the comparison goes on without it
-            tail = lp.read_text(errors="replace").strip().splitlines()[-1:] if lp.is_file() else []
-            self.log(f"train {n}: FAILED (exit {p.returncode}): {' '.join(tail)}; see {lp}")
-            self.failed[n] = f"exit {p.returncode}: {' '.join(tail)}"
-        return all((r[0] / "export" / "model.safetensors").is_file() for n, r in self.runs().items()
-                   if n not in self.failed)
+            return
+        gpus = visible_gpus(self.args.device)
+        jobs = [TrainJob(name, run, self.train_command(run, overrides),
+                         self.out / ("train.stdout.log" if name == "default" else f"train-{name}.stdout.log"),
+                         gpu_env(child_env(), self.train_gpu(name, k, gpus), gpus))
+                for k, (name, (run, overrides)) in enumerate(todo.items())]
+        ends = run_trainings(jobs, self.runner, self.args.train_stop_margin_s, self.log)
+        for name, (_, seconds) in ends.items():  # wall time of each training process (its share of this call)
+            self.runner.add_time("train_s" if name == "default" else f"train_s:{name}", seconds)
+        for job in jobs:
+            self.check_training(job, ends[job.name][0])
+        if not all(exported(r[0] / "export") for n, r in runs.items() if n not in self.failed):
+            raise Unfinished("training stopped at the deadline with a checkpoint; run the same command again to "
+                             "continue")
+
+    def check_training(self, job: TrainJob, code: int) -> None:
+        """A run's exit: done or stopped at the deadline (3) are fine; the default's failure ends the call, a
+        variant's is reported and leaves it out of the comparison."""
+        if code in (0, 3):  # done, or stopped at the deadline (resumes next call)
+            return
+        if job.name == "default":
+            raise RuntimeError(f"training failed (exit {code}); see {job.log_path} and {job.run / 'train.log'}")
+        text = job.log_path.read_text(errors="replace") if job.log_path.is_file() else ""
+        tail = text.strip().splitlines()[-1:]
+        self.log(f"train {job.name}: FAILED (exit {code}): {' '.join(tail)}; see {job.log_path}")
+        self.failed[job.name] = f"exit {code}: {' '.join(tail)}"
 
     # ------------------------------------------------------------------ eval
 
-    def eval_items(self) -> tuple[list[dict], dict]:
-        """All eval prompts in report order (overlap with the training data removed) and the drop counts."""
-        from dflash_train.infer.evaluate import iter_prompts
+    def stage_eval(self) -> dict:
+        """Tau of the drafter(s) on every eval prompt, then summary.json and summary.md (printed). Unfinished
+        while prompts are left (the deadline)."""
+        from dflash_train.pipeline import Unfinished
 
-        if Path(self.args.data).is_file():
-            self.overlap_data = self.args.data
-            index = OverlapIndex.from_texts(training_user_turns([self.args.data]), self.args.overlap_prefix)
-        else:  # only with --drafter: without --drafter, prepare has already failed on a missing file
-            self.overlap_data = None
-            index = OverlapIndex(prefix_chars=self.args.overlap_prefix)
-            self.log(f"eval: training data {self.args.data} not found: eval prompts are NOT filtered against "
-                     "training prompts (pass --data with the drafter's training file)")
-        items, info = [], {}
-        for spec in self.args.eval or list(DEFAULT_EVAL):
-            name, _, source = spec.partition("=")
-            raw = [{"dataset": name, "id": it["id"], "turns": list(it["turns"])}
-                   for it in iter_prompts(source or name, 0)]
-            kept, dropped = drop_overlap(raw, index)
-            if self.args.limit:
-                kept = kept[: self.args.limit]
-            info[name] = {"source": source or f"built-in {name}", "prompts_total": len(raw), "prompts": len(kept),
-                          "turns": sum(len(i["turns"]) for i in kept),
-                          "dropped_overlap": {"exact": sum(d["reason"] == "exact" for d in dropped),
-                                              "prefix": sum(d["reason"] == "prefix" for d in dropped)},
-                          "dropped_ids": [d["id"] for d in dropped]}
-            self.log(f"eval data {name}: {len(raw)} prompts, {len(dropped)} dropped as training prompts "
-                     f"({info[name]['dropped_overlap']}), {len(kept)} evaluated")
-            items += kept
+        items, info = self.eval_items()
+        if self.args.method == "decode":
+            complete, info = self.decode(items, info)
+            summary = self.summarize(complete, info)
+        else:
+            complete, info, extra = self.eval_by_replay(items, info)
+            summary = self.summarize(complete, info, extra)
+        print(summary_markdown(summary), flush=True)
+        if not complete:
+            raise Unfinished("prompts are left to decode; run the same command again")
+        return summary
+
+    def print_summary(self) -> dict:
+        """An eval done in an earlier call: its summary, printed again."""
+        print((self.out / "summary.md").read_text(), flush=True)
+        return json.loads((self.out / "summary.json").read_text())
+
+    def eval_items(self) -> tuple[list[dict], dict]:
+        items, info, self.overlap_data = load_eval_items(self.args.eval or list(DEFAULT_EVAL), self.args.data,
+                                                         self.args.limit, self.args.overlap_prefix, self.log)
         return items, info
 
     def workers(self) -> int:
         if self.args.workers:
             return self.args.workers
-        import torch
-
         cpus = os.cpu_count() or 2
-        return max(1, min(12, cpus - 2)) if torch.cuda.is_available() and self.args.device != "cpu" else 1
+        return max(1, min(12, cpus - 2)) if visible_gpus(self.args.device) else 1
 
-    def stage_eval(self, items: Optional[list[dict]] = None, info: Optional[dict] = None,
-                   eval_dir: Optional[Path] = None, settings: Optional["EvalSettings"] = None) -> tuple[bool, dict]:
-        """Real decoding of `items` (default: every eval prompt) by worker processes: (complete, eval info)."""
+    def decode(self, items: list[dict], info: dict, eval_dir: Optional[Path] = None,
+               settings: Optional["EvalSettings"] = None) -> tuple[bool, dict]:
+        """Real decoding of `items` by worker processes: (complete, eval info). Records of an earlier call
+        with the same prompts, settings and drafter are kept; other ones are moved aside."""
+        from dflash_train.infer.evaluate import report_config
+
         drafter = self.drafter_dir
-        if items is None:
-            items, info = self.eval_items()
         eval_dir = eval_dir or self.eval_dir
         settings = settings or self.settings
         key = hashlib.sha256(json.dumps({
@@ -783,10 +861,10 @@ class Driver:
             old = eval_dir.with_name(f"eval-stale-{int(time.time())}")
             self.log(f"eval: prompts, settings or drafter changed since the last call: moving {eval_dir} to {old}")
             eval_dir.rename(old)
-            self.timings.pop("eval_s", None)
+            self.runner.clear_time("eval_s")
         eval_dir.mkdir(parents=True, exist_ok=True)
-        (eval_dir / "plan.json").write_text(json.dumps({"key": key, "settings": settings.__dict__,
-                                                             "datasets": info}, indent=1, default=list))
+        plan_path.write_text(json.dumps({"key": key, "settings": settings.__dict__, "datasets": info}, indent=1,
+                                        default=list))
         done = read_records(eval_dir.glob("records-*.jsonl"))
         todo = [i for i in items if record_key(i["dataset"], i["id"]) not in done]
         self.log(f"eval: {len(items)} prompts, {len(items) - len(todo)} already done, {len(todo)} to decode")
@@ -794,8 +872,6 @@ class Driver:
             self.run_workers(todo, drafter, eval_dir, settings)
             done = read_records(eval_dir.glob("records-*.jsonl"))
         missing = [i for i in items if record_key(i["dataset"], i["id"]) not in done]
-        from dflash_train.infer.evaluate import report_config
-
         config = report_config(settings.max_new_tokens, settings.temperature, drafter_block_size(drafter),
                                settings.tree_budgets)
         missing_keys = {record_key(i["dataset"], i["id"]) for i in missing}
@@ -807,6 +883,33 @@ class Driver:
         if missing:
             self.log(f"eval: {len(missing)} of {len(items)} prompts still to decode: run the same command again")
         return not missing, info
+
+    def run_workers(self, todo: list[dict], drafter: Path, eval_dir: Path, settings: "EvalSettings") -> None:
+        """Decode `todo` over parallel worker processes (records appended per prompt), up to the deadline."""
+        shards = plan_shards(todo, min(self.workers(), len(todo)))
+        attempt = len(list(eval_dir.glob("attempt-*")))
+        adir = eval_dir / f"attempt-{attempt:02d}"
+        adir.mkdir()
+        deadline = None if self.runner.deadline is None else self.runner.deadline - self.args.eval_stop_margin_s
+        cmds = []
+        for k, shard in enumerate(shards):
+            items_file = adir / f"items-{k:02d}.jsonl"
+            items_file.write_text("".join(json.dumps(i) + "\n" for i in shard), encoding="utf-8")
+            cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--target", self.cfg.target.path,
+                   "--drafter", str(drafter), "--items", str(items_file),
+                   "--settings", json.dumps(settings.__dict__, default=list),
+                   "--out", str(eval_dir / f"records-{attempt:02d}-{k:02d}.jsonl")]
+            cmds.append((cmd + (["--deadline", str(deadline)] if deadline is not None else []),
+                         adir / f"worker-{k:02d}.log"))
+        env = child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        codes, stopped, seconds = run_eval_workers(
+            cmds, env, self.runner, self.args.device, self.log,
+            f"eval: {len(shards)} workers started ({', '.join(str(len(s)) for s in shards)} prompts); logs in {adir}")
+        self.runner.add_time("eval_s", seconds)
+        failed = [k for k, code in enumerate(codes) if code != 0 and not (stopped and code < 0)]
+        if failed:
+            tail = cmds[failed[0]][1].read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"eval workers {failed} failed; worker {failed[0]}'s log ends:\n{tail}")
 
     # ------------------------------------------------------------------ tau by replay
 
@@ -841,69 +944,40 @@ class Driver:
             "max_new": settings.max_new_tokens, "block": block, "dtype": settings.dtype,
         }, sort_keys=True).encode()).hexdigest()
         corpus = rdir / f"corpus-{corpus_key[:16]}.jsonl"
+        me, settings_json = str(Path(__file__).resolve()), json.dumps(settings.__dict__, default=list)
         t0 = time.time()
         if not corpus.is_file():
             items_file = rdir / "items.jsonl"
             items_file.write_text("".join(json.dumps(i) + "\n" for i in items), encoding="utf-8")
             self.log(f"replay: generating the target's greedy continuations of {len(items)} prompts -> {corpus}")
-            self._run_helpers([[sys.executable, str(Path(__file__).resolve()), "corpus", "--target",
-                                self.cfg.target.path, "--items", str(items_file), "--block-size", str(block),
-                                "--settings", json.dumps(settings.__dict__, default=list), "--out", str(corpus)]],
-                              rdir, "corpus")
-            self.add_time("corpus_s", time.time() - t0)
-        keys = {name: hashlib.sha256((corpus_key + _file_sha256(d / "model.safetensors")
-                                      + json.dumps(settings.__dict__, default=list)).encode()).hexdigest()
-                for name, d in drafters.items()}
+            run_helpers([[sys.executable, me, "corpus", "--target", self.cfg.target.path, "--items", str(items_file),
+                          "--block-size", str(block), "--settings", settings_json, "--out", str(corpus)]],
+                        rdir, "corpus", self.runner, self.args.device, self.log)
+            self.runner.add_time("corpus_s", time.time() - t0)
+        keys = {name: hashlib.sha256((corpus_key + _file_sha256(d / "model.safetensors") + settings_json).encode())
+                .hexdigest() for name, d in drafters.items()}
         known = json.loads((rdir / "keys.json").read_text()) if (rdir / "keys.json").is_file() else {}
         todo = [n for n in drafters if known.get(n) != keys[n] or not (rdir / f"{n}.jsonl").is_file()]
         if todo:
             # one process per drafter (each writes its records when done): the walk is host-bound Python, so
             # processes overlap well on a GPU; on CPU one process for all (the target pass is shared)
-            shards = [[n] for n in todo] if self.gpus() else [todo]
+            shards = [[n] for n in todo] if visible_gpus(self.args.device) else [todo]
             self.log(f"replay: {len(todo)} drafter(s) over {len(shards)} process(es): {', '.join(todo)}")
             t1 = time.time()
-            cmds = [[sys.executable, str(Path(__file__).resolve()), "replay", "--target", self.cfg.target.path,
-                     "--corpus", str(corpus), "--settings", json.dumps(settings.__dict__, default=list),
-                     "--out-dir", str(rdir)] + [a for n in shard for a in ("--drafter", f"{n}={drafters[n]}")]
-                    for shard in shards]
-            self._run_helpers(cmds, rdir, "replay")
-            self.add_time("replay_s", time.time() - t1)
+            run_helpers([[sys.executable, me, "replay", "--target", self.cfg.target.path, "--corpus", str(corpus),
+                          "--settings", settings_json, "--out-dir", str(rdir)]
+                         + [a for n in shard for a in ("--drafter", f"{n}={drafters[n]}")] for shard in shards],
+                        rdir, "replay", self.runner, self.args.device, self.log)
+            self.runner.add_time("replay_s", time.time() - t1)
             known.update({n: keys[n] for n in todo})
             (rdir / "keys.json").write_text(json.dumps(known, indent=1))
         return {name: read_records([rdir / f"{name}.jsonl"]) for name in drafters}
 
-    def _run_helpers(self, cmds: list[list[str]], folder: Path, what: str) -> None:
-        """Run these processes at once, one per GPU; raise with a log tail if one fails or the deadline passes."""
-        env = dict(self.env(), TOKENIZERS_PARALLELISM="false")
-        gpus = self.gpus()
-        procs = []
-        for k, cmd in enumerate(cmds):
-            log_path = folder / f"{what}-{k:02d}.log"
-            worker_env = dict(env, CUDA_VISIBLE_DEVICES=str(k % gpus)) if gpus > 1 else env
-            procs.append((subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
-                                           env=worker_env, cwd=REPO), log_path))
-        try:
-            while any(p.poll() is None for p, _ in procs):
-                time.sleep(1.0)
-                if self.deadline is not None and time.time() > self.deadline:
-                    raise TimeoutError(f"{what}: the deadline passed; run the same command again")
-        finally:
-            for p, _ in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        for p, log_path in procs:
-            if p.returncode != 0:
-                raise RuntimeError(f"{what} failed (exit {p.returncode}); {log_path} ends:\n"
-                                   + log_path.read_text(errors="replace")[-3000:])
-            self.log(log_path.read_text(errors="replace").strip().splitlines()[-1])
-
-    def eval_by_replay(self) -> tuple[bool, dict, dict]:
+    def eval_by_replay(self, items: list[dict], info: dict) -> tuple[bool, dict, dict]:
         """Replay every drafter on every eval prompt; with --check-decode, decode some prompts for real too.
         Returns (complete, eval info of the default drafter, the replay sections of the summary)."""
         from dflash_train.infer.evaluate import report_config
 
-        items, info = self.eval_items()
         records = self.stage_replay(items)
         drafters = self.replay_drafters()
         modes = EvalSettings(**{**self.settings.__dict__, "baseline": False}).mode_names()
@@ -919,22 +993,10 @@ class Driver:
             name: sum(r.get("replay", {}).get("argmax_mismatches", 0) for r in recs.values())
             for name, recs in records.items()}}
         if self.given_drafter is None:
-            variants = {}
-            for name, (run, overrides) in self.runs().items():
-                if name in self.failed:
-                    variants[name] = {"overrides": self.variants.get(name, []), "failed": self.failed[name]}
-                    continue
-                rep = reports[name]
-                t = train_summary(run)
-                variants[name] = {
-                    "overrides": self.variants.get(name, []),
-                    "steps": t.get("steps"), "accuracy_mean_last": t.get("accuracy_mean_last"),
-                    "train_wall_s": self.timings.get("train_s" if name == "default" else f"train_s:{name}"),
-                    "loop_s": t.get("loop_s"),
-                    "tau_mt-bench+sharegpt": pooled_tau(rep, modes, pooled_names), "tau_all": pooled_tau(rep, modes),
-                    "tau_block_by_dataset": {ds: b["modes"]["block"]["tau"] for ds, b in rep["datasets"].items()},
-                }
-            extra["variants"] = variants
+            extra["variants"] = {name: variant_row(self.variants.get(name, []), self.failed.get(name), reports.get(name),
+                                                   train_summary(run), modes, pooled_names,
+                                                   self.runner.times.get("train_s" if name == "default" else f"train_s:{name}"))
+                                 for name, (run, _) in self.runs().items()}
         if self.args.curve_every and self.given_drafter is None:
             times = metric_times(self.run)
             extra["curve"] = [{"step": int(name.split("-")[1]), "train_s_after_first_log": times.get(int(name.split("-")[1])),
@@ -943,87 +1005,37 @@ class Driver:
                               for name in sorted(n for n in reports if n.startswith("step-"))]
         complete = True
         if self.args.check_decode:
-            per_ds: dict[str, int] = {}
-            check_items = []
-            for item in items:
-                if per_ds.get(item["dataset"], 0) < self.args.check_decode:
-                    per_ds[item["dataset"]] = per_ds.get(item["dataset"], 0) + 1
-                    check_items.append(item)
-            settings = EvalSettings(**{**self.settings.__dict__, "baseline": True})
-            check_info = {k: dict(v) for k, v in info.items() if not k.startswith("_")}
-            complete, check_info = self.stage_eval(check_items, check_info, self.out / "eval-decode", settings)
-            rep = check_info["_report"]
-            decoded = {record_key(r["dataset"], r["id"]): r for r in rep["outputs"]}
-            extra["decode_check"] = {
-                "prompts": len(decoded), "per_dataset": per_ds,
-                "agreement": compare_with_decoding(decoded, records["default"], modes),
-                "speedup": {ds: {m: b["modes"][m].get("speedup") for m in b["modes"] if m != "target"}
-                            for ds, b in rep["datasets"].items()},
-                "decode_tokens_per_s": {ds: {m: b["modes"][m]["decode_tokens_per_s"] for m in b["modes"]}
-                                        for ds, b in rep["datasets"].items()},
-                "lossless_mismatches": sum(len(b["lossless_mismatches"]) for b in rep["datasets"].values()),
-            }
+            complete, extra["decode_check"] = self.decode_check(items, info, records["default"], modes)
         return complete, info, extra
 
-    def run_workers(self, todo: list[dict], drafter: Path, eval_dir: Path, settings: "EvalSettings") -> None:
-        n = min(self.workers(), len(todo))
-        shards = plan_shards(todo, n)
-        attempt = len(list(eval_dir.glob("attempt-*")))
-        adir = eval_dir / f"attempt-{attempt:02d}"
-        adir.mkdir()
-        deadline = None if self.deadline is None else self.deadline - self.args.eval_stop_margin_s
-        env = self.env()
-        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        procs = []
-        settings = json.dumps(settings.__dict__, default=list)
-        for k, shard in enumerate(shards):
-            items_file = adir / f"items-{k:02d}.jsonl"
-            items_file.write_text("".join(json.dumps(i) + "\n" for i in shard), encoding="utf-8")
-            cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--target", self.cfg.target.path,
-                   "--drafter", str(drafter), "--items", str(items_file), "--settings", settings,
-                   "--out", str(eval_dir / f"records-{attempt:02d}-{k:02d}.jsonl")]
-            if deadline is not None:
-                cmd += ["--deadline", str(deadline)]
-            log = open(adir / f"worker-{k:02d}.log", "wb")
-            import torch
-
-            gpus = torch.cuda.device_count() if self.args.device != "cpu" and torch.cuda.is_available() else 0
-            # one process per GPU context would time-slice: spread the workers over every GPU there is
-            worker_env = dict(env, CUDA_VISIBLE_DEVICES=str(k % gpus)) if gpus > 1 else env
-            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env, cwd=REPO), log))
-        self.log(f"eval: {len(shards)} workers started ({', '.join(str(len(s)) for s in shards)} prompts); "
-                 f"logs in {adir}")
-        t0 = time.time()
-        stopped = False
-        try:
-            while any(p.poll() is None for p, _ in procs):
-                time.sleep(2.0)
-                if self.deadline is not None and time.time() > self.deadline:
-                    self.log("eval: hard deadline passed: stopping workers (finished prompts are kept)")
-                    stopped = True
-                    for p, _ in procs:
-                        if p.poll() is None:
-                            p.send_signal(signal.SIGTERM)
-                    for p, _ in procs:
-                        try:
-                            p.wait(timeout=20)
-                        except subprocess.TimeoutExpired:
-                            p.kill()
-        finally:
-            for p, log in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-                log.close()
-        self.add_time("eval_s", time.time() - t0)
-        failed = [k for k, (p, _) in enumerate(procs) if p.returncode != 0 and not (stopped and p.returncode < 0)]
-        if failed:
-            tail = (adir / f"worker-{failed[0]:02d}.log").read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"eval workers {failed} failed; worker {failed[0]}'s log ends:\n{tail}")
+    def decode_check(self, items: list[dict], info: dict, replayed: dict[str, dict], modes: list[str]) -> tuple[bool, dict]:
+        """--check-decode N: the first N prompts of each set decoded for real (with the target alone too),
+        compared with replay turn by turn: (complete, the summary's decode_check section)."""
+        per_ds: dict[str, int] = {}
+        check_items = []
+        for item in items:
+            if per_ds.get(item["dataset"], 0) < self.args.check_decode:
+                per_ds[item["dataset"]] = per_ds.get(item["dataset"], 0) + 1
+                check_items.append(item)
+        settings = EvalSettings(**{**self.settings.__dict__, "baseline": True})
+        check_info = {k: dict(v) for k, v in info.items() if not k.startswith("_")}
+        complete, check_info = self.decode(check_items, check_info, self.out / "eval-decode", settings)
+        rep = check_info["_report"]
+        decoded = {record_key(r["dataset"], r["id"]): r for r in rep["outputs"]}
+        return complete, {
+            "prompts": len(decoded), "per_dataset": per_ds,
+            "agreement": compare_with_decoding(decoded, replayed, modes),
+            "speedup": {ds: {m: b["modes"][m].get("speedup") for m in b["modes"] if m != "target"}
+                        for ds, b in rep["datasets"].items()},
+            "decode_tokens_per_s": {ds: {m: b["modes"][m]["decode_tokens_per_s"] for m in b["modes"]}
+                                    for ds, b in rep["datasets"].items()},
+            "lossless_mismatches": sum(len(b["lossless_mismatches"]) for b in rep["datasets"].values()),
+        }
 
     # ------------------------------------------------------------------ summary
 
     def summarize(self, complete: bool, info: dict, extra: Optional[dict] = None) -> dict:
+        """summary.json and summary.md of this call's eval (and what was trained); returns the summary."""
         report = info.pop("_report")
         worker_s = info.pop("_worker_prompt_s")
         if self.given_drafter is None:
@@ -1036,27 +1048,7 @@ class Driver:
             data = {"file": self.overlap_data, "used_for": "the overlap filter only (drafter given)"}
             run = self.given_drafter.parent
             train = train_summary(run) if (run / "metrics.jsonl").is_file() else {"records": 0}
-        datasets = {}
-        for name, meta in info.items():
-            body = report["datasets"].get(name, {"modes": {}, "lossless_mismatches": []})
-            meta = {k: v for k, v in meta.items() if k != "dropped_ids"}
-            walls = [r.get("wall_s", 0.0) for r in report["outputs"] if r["dataset"] == name]
-            datasets[name] = {**meta, "prompts_done": len(walls),
-                              "mean_prompt_wall_s": round(sum(walls) / len(walls), 3) if walls else None,
-                              "modes": {m: {k: s[k] for k in ("tau", "steps", "tokens", "histogram", "decode_tokens_per_s",
-                                                              "speedup") if k in s}
-                                        for m, s in body["modes"].items()},
-                              "lossless_mismatches": len(body["lossless_mismatches"])}
-        pooled = {}
-        for mode in self.settings.mode_names():
-            if mode == "target":
-                continue
-            for label, names in (("mt-bench+sharegpt", [n for n in POOLED if n in datasets]),
-                                 ("all", list(datasets))):
-                steps = sum(datasets[n]["modes"].get(mode, {}).get("steps", 0) for n in names)
-                gained = sum(datasets[n]["modes"].get(mode, {}).get("tau", 0) * datasets[n]["modes"].get(mode, {}).get("steps", 0)
-                             for n in names)
-                pooled.setdefault(label, {})[mode] = gained / steps if steps else None
+        datasets = dataset_summaries(report, info)
         summary = {
             "complete": complete,
             "reference": REFERENCE,
@@ -1068,9 +1060,10 @@ class Driver:
             "eval": {"settings": {**self.settings.__dict__, "tree_budgets": list(self.settings.tree_budgets),
                                   "overlap_prefix_chars": self.args.overlap_prefix,
                                   "overlap_filter_data": self.overlap_data, "workers": self.workers()},
-                     "datasets": datasets, "pooled_tau": pooled,
+                     "datasets": datasets,
+                     "pooled_tau": pooled_by_mode(datasets, [m for m in self.settings.mode_names() if m != "target"]),
                      "worker_prompt_s": worker_s},
-            "wall_s": self.timings,
+            "wall_s": self.runner.times,
             "dropped_ids": {n: m["dropped_ids"] for n, m in info.items()},
             "method": "decode",
             **(extra or {}),
@@ -1079,74 +1072,68 @@ class Driver:
         (self.out / "summary.md").write_text(summary_markdown(summary))
         return summary
 
-    def copy_out(self) -> None:
+    def copy_out(self, limits: Optional["gpu_pack.OutLimits"] = None, part_bytes: int = gpu_pack.PART_BYTES) -> None:
         """--copy-to: summary.json/.md, drafter/ (the exported drafter in checked parts) and logs.tar.gz, within
-        OUT_LIMITS. Never raises: the run's own outcome is what the caller reports."""
+        `limits` (the GPU machine's). Never raises: the run's own outcome is what the caller reports."""
         if not self.args.copy_to:
             return
-        try:
-            self._copy_out(Path(self.args.copy_to))
-        except Exception as e:  # noqa: BLE001
-            self.log(f"copy-to: failed: {type(e).__name__}: {e}")
-
-    def _copy_out(self, dest: Path) -> None:
-        lim = OUT_LIMITS
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in ("summary.json", "summary.md", LOGS_ARCHIVE):
-            (dest / name).unlink(missing_ok=True)
-        shutil.rmtree(dest / "drafter", ignore_errors=True)
-        others = [p for p in dest.rglob("*") if p.is_file()]  # put there by someone else: they count too
-        files, total = len(others), sum(p.stat().st_size for p in others)
-
-        def fits(n: int, size: int, largest: int) -> bool:
-            return files + n <= lim["files"] and total + size <= lim["total_bytes"] and largest <= lim["file_bytes"]
-
-        for src in (self.out / "summary.json", self.out / "summary.md"):
-            if src.is_file() and fits(1, src.stat().st_size, src.stat().st_size):
-                shutil.copy(src, dest / src.name)
-                files, total = files + 1, total + src.stat().st_size
-        export = self.drafter_dir
-        if self.given_drafter is not None:
-            self.log(f"copy-to: the drafter was given (--drafter {export}): not copied back")
-        elif (export / "model.safetensors").is_file():
-            try:
-                packed = pack_drafter(export, dest / "drafter", PART_BYTES)
-            except BaseException:
-                shutil.rmtree(dest / "drafter", ignore_errors=True)  # no half set of parts
-                raise
-            n = len(packed["parts"]) + 1
-            size = sum(p["bytes"] for p in packed["parts"]) + (dest / "drafter" / "SHA256SUMS").stat().st_size
-            if fits(n, size, max(p["bytes"] for p in packed["parts"])):
-                files, total = files + n, total + size
-                self.log(f"copy-to: drafter {export} -> {dest / 'drafter'}: {DRAFTER_ARCHIVE} in {n - 1} parts "
-                         f"({size / 2**20:.1f} MiB, sha256 {packed['archive_sha256'][:16]}...); here: "
-                         "tools/join_drafter.sh <files>/drafter <new folder>")
-            else:
-                shutil.rmtree(dest / "drafter")
-                self.log(f"copy-to: the drafter does not fit ({n} files, {size / 2**20:.1f} MiB with {files} files, "
-                         f"{total / 2**20:.1f} MiB already there; limits {lim}): NOT copied back")
-        else:
-            self.log(f"copy-to: no exported drafter in {export} yet: nothing to bring back of it")
         members = [(self.run / "metrics.jsonl", "metrics.jsonl"), (self.run / "train.log", "train.log"),
                    (self.run / "status.json", "status.json"), (self.out / "driver.log", "driver.log"),
-                   (self.out / "train.stdout.log", "train.stdout.log"), (self.out / "timings.json", "timings.json"),
+                   (self.out / "train.stdout.log", "train.stdout.log"), (self.out / "pipeline.json", "pipeline.json"),
                    (self.eval_dir / "plan.json", "eval_plan.json"),
                    (self.out / "eval-decode" / "report.json", "decode_check_report.json")]
         members += [(p, f"replay/{p.name}") for p in sorted((self.out / "replay").glob("*.log"))]
         attempts = sorted(self.eval_dir.glob("attempt-*"))
         if attempts:
             members += [(p, f"workers/{p.name}") for p in sorted(attempts[-1].glob("worker-*.log"))]
-        logs = dest / LOGS_ARCHIVE
-        for with_report in (True, False):  # the eval report (every output's tokens and text) goes first
-            names = pack_logs(members + ([(self.eval_dir / "report.json", "eval_report.json")] if with_report else []),
-                              logs)
-            size = logs.stat().st_size
-            if fits(1, size, size):
-                self.log(f"copy-to: {LOGS_ARCHIVE} ({size / 2**20:.2f} MiB): {', '.join(names)}")
-                return
-        logs.unlink()
-        self.log(f"copy-to: {LOGS_ARCHIVE} does not fit ({size / 2**20:.1f} MiB; {files} files, "
-                 f"{total / 2**20:.1f} MiB there already): not copied")
+        if self.given_drafter is not None:
+            self.log(f"copy-to: the drafter was given (--drafter {self.given_drafter}): not copied back")
+        try:  # the eval report (every output's tokens and text) is the first to go when the logs do not fit
+            gpu_pack.bring_back(Path(self.args.copy_to), files=[self.out / "summary.json", self.out / "summary.md"],
+                                drafter=None if self.given_drafter is not None else self.drafter_dir, logs=members,
+                                optional_logs=[(self.eval_dir / "report.json", "eval_report.json")], say=self.log,
+                                limits=limits or gpu_pack.OUT_LIMITS, part_bytes=part_bytes)
+        except Exception as e:  # noqa: BLE001
+            self.log(f"copy-to: failed: {type(e).__name__}: {e}")
+
+
+def dataset_summaries(report: dict, info: dict) -> dict[str, dict]:
+    """The summary's per-dataset entries: what was evaluated and dropped, tau and histogram per mode."""
+    datasets = {}
+    for name, meta in info.items():
+        body = report["datasets"].get(name, {"modes": {}, "lossless_mismatches": []})
+        meta = {k: v for k, v in meta.items() if k != "dropped_ids"}
+        walls = [r.get("wall_s", 0.0) for r in report["outputs"] if r["dataset"] == name]
+        datasets[name] = {**meta, "prompts_done": len(walls),
+                          "mean_prompt_wall_s": round(sum(walls) / len(walls), 3) if walls else None,
+                          "modes": {m: {k: s[k] for k in ("tau", "steps", "tokens", "histogram", "decode_tokens_per_s",
+                                                          "speedup") if k in s}
+                                    for m, s in body["modes"].items()},
+                          "lossless_mismatches": len(body["lossless_mismatches"])}
+    return datasets
+
+
+def pooled_by_mode(datasets: dict[str, dict], modes: list[str]) -> dict[str, dict]:
+    """Tau per mode over the steps of MT-Bench + ShareGPT (the reference's sets) and of every set."""
+    pooled: dict[str, dict] = {}
+    for mode in modes:
+        for label, names in (("mt-bench+sharegpt", [n for n in POOLED if n in datasets]), ("all", list(datasets))):
+            stats = [datasets[n]["modes"].get(mode, {}) for n in names]
+            steps = sum(s.get("steps", 0) for s in stats)
+            gained = sum(s.get("tau", 0) * s.get("steps", 0) for s in stats)
+            pooled.setdefault(label, {})[mode] = gained / steps if steps else None
+    return pooled
+
+
+def variant_row(overrides: list[str], failed: Optional[str], report: Optional[dict], train: dict, modes: list[str],
+                pooled_names: list[str], train_wall_s: Optional[float]) -> dict:
+    """One recipe's line of "Recipes at equal steps"."""
+    if failed is not None:
+        return {"overrides": overrides, "failed": failed}
+    return {"overrides": overrides, "steps": train.get("steps"), "accuracy_mean_last": train.get("accuracy_mean_last"),
+            "train_wall_s": train_wall_s, "loop_s": train.get("loop_s"),
+            "tau_mt-bench+sharegpt": pooled_tau(report, modes, pooled_names), "tau_all": pooled_tau(report, modes),
+            "tau_block_by_dataset": {ds: b["modes"]["block"]["tau"] for ds, b in report["datasets"].items()}}
 
 
 def drafter_block_size(folder: Path) -> int:
@@ -1404,33 +1391,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         missing = [n for n in ("config.json", "model.safetensors") if not (Path(args.drafter) / n).is_file()]
         if missing:
             raise SystemExit(f"--drafter {args.drafter}: {', '.join(missing)} missing: not an exported drafter folder")
-    drv = Driver(args)
-    try:
-        if "prepare" in stages:
-            drv.stage_prepare()
-        if "train" in stages and not drv.stage_train():
-            drv.log("train: stopped at the deadline with a checkpoint; run the same command again to continue")
-            return EXIT_UNFINISHED
-        if "eval" not in stages:
-            return 0
-        if drv.remaining() < drv.args.eval_stop_margin_s + 60:
-            drv.log("eval: too little time left before the deadline; run the same command again")
-            return EXIT_UNFINISHED
-        if args.method == "decode":
-            complete, info = drv.stage_eval()
-            summary = drv.summarize(complete, info)
-        else:
-            complete, info, extra = drv.eval_by_replay()
-            summary = drv.summarize(complete, info, extra)
-        print(summary_markdown(summary), flush=True)
-        return 0 if complete else EXIT_UNFINISHED
-    except TimeoutError as e:
-        drv.log(str(e))
-        return EXIT_UNFINISHED
-    finally:
-        drv.log(f"this call: {time.time() - drv.start:.0f} s; totals {drv.timings}")
-        drv.copy_out()  # also after a failure: the exported drafter and the logs are what is left to look at
+    from dflash_train.pipeline import RecipeMismatch
 
+    try:
+        drv = Driver(args)
+    except RecipeMismatch as e:
+        raise SystemExit(str(e)) from None
+    try:
+        return 0 if drv.runner.run(drv.stages(stages)).finished else EXIT_UNFINISHED
+    finally:
+        drv.log(f"this call: {time.time() - drv.start:.0f} s; totals {drv.runner.times}")
+        drv.copy_out()  # also after a failure: the exported drafter and the logs are what is left to look at
 
 if __name__ == "__main__":
     sys.exit(main())

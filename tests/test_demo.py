@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.demo import DemoSize, check_recipe, run_demo
+from dflash_train.demo import DemoSize, open_pipeline, recipe, run_demo
 
 SMALL = DemoSize(prompts=24, max_prompt_tokens=96, max_new_tokens=24, regen_batch=12, train_steps=8,
                  eval_prompts=2, eval_prompt_tokens=200, eval_new_tokens=16, tree_budget=4,
@@ -17,18 +17,31 @@ SMALL = DemoSize(prompts=24, max_prompt_tokens=96, max_new_tokens=24, regen_batc
 def test_a_run_directory_holds_one_recipe(tmp_path):
     root = tmp_path / "demo"
     root.mkdir()
-    check_recipe(root, SMALL, ["optim.lr=1e-3"])
-    check_recipe(root, SMALL, ["optim.lr=1e-3"])  # the same recipe: its stages are reused
+    open_pipeline(root, SMALL, ["optim.lr=1e-3"])
+    open_pipeline(root, SMALL, ["optim.lr=1e-3"])  # the same recipe: its stages are reused
     with pytest.raises(ValueError, match=f"{root}.*other overrides"):
-        check_recipe(root, SMALL, ["optim.lr=2e-3"])
+        open_pipeline(root, SMALL, ["optim.lr=2e-3"])
     bigger = DemoSize(**{**SMALL.__dict__, "train_steps": 9})
     with pytest.raises(ValueError, match="another recipe"):
-        check_recipe(root, bigger, ["optim.lr=1e-3"])
+        open_pipeline(root, bigger, ["optim.lr=1e-3"])
     old = tmp_path / "old"
     old.mkdir()
     (old / "regen.jsonl").write_text("{}\n")  # a directory from before the stamp existed
     with pytest.raises(ValueError, match="earlier demo version"):
-        check_recipe(old, SMALL, [])
+        open_pipeline(old, SMALL, [])
+
+
+def test_a_run_directory_of_the_demo_before_the_stage_runner_resumes(tmp_path):
+    """demo.json once held the recipe alone: such a directory is taken over by the same recipe, not refused."""
+    root = tmp_path / "demo"
+    root.mkdir()
+    (root / "demo.json").write_text(json.dumps(recipe(SMALL, []), indent=1))
+    (root / "regen.jsonl").write_text("{}\n")
+    open_pipeline(root, SMALL, [])
+    state = json.loads((root / "demo.json").read_text())
+    assert state["recipe"] == recipe(SMALL, []) and state["stages"] == {}
+    with pytest.raises(ValueError, match="other overrides"):
+        open_pipeline(root, SMALL, ["optim.lr=2e-3"])
 
 
 @pytest.mark.slow
@@ -55,4 +68,15 @@ def test_demo_runs_the_whole_path_and_a_second_run_reuses_it(tmp_path, smollm2_d
                                                  export / "model.safetensors")}
     assert run_demo(root, [], SMALL) == 0  # every stage is done: reused, not redone
     assert {p: p.stat().st_mtime_ns for p in before} == before
+    again = capsys.readouterr().out
+    assert "[demo] train: done in an earlier call" in again and "train ..." not in again
+    assert summary_of(again) == summary_of(printed)  # the same tau table
+    state = json.loads((root / "demo.json").read_text())
+    assert [n for n, r in state["stages"].items() if r["done"]] == ["regen", "prepare", "train", "eval", "export"]
     assert (export / "README.md").read_text().count("](training_curves.png)") == 1
+
+
+def summary_of(printed: str) -> str:
+    """The tau table the demo prints (from its header to the blank line after it)."""
+    start = printed.index("tau by replay")
+    return printed[start:printed.index("\ntraining:", start)]

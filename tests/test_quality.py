@@ -1,5 +1,6 @@
 """benchmarks/quality.py (issue #10): overlap filter, prompt sharding, merging per-shard eval results into
-exactly the unsharded report, resumable workers, the summary, and tools/gpu_assemble.sh."""
+exactly the unsharded report, resumable workers, the summary, bringing files back (tools/gpu_pack.py,
+tools/join_drafter.sh) and tools/gpu_assemble.sh."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def _load_quality():
 
 
 Q = _load_quality()
+gpu_pack = Q.gpu_pack  # tools/gpu_pack.py, as quality.py imports it
 
 
 # --------------------------------------------------------------------------- overlap filter
@@ -337,7 +339,7 @@ def _same_tree(a: Path, b: Path) -> bool:
 @needs_shell
 def test_pack_drafter_then_join_gives_the_same_files_and_refuses_damage(tmp_path):
     export = _fake_export(tmp_path / "export")
-    packed = Q.pack_drafter(export, tmp_path / "OUT" / "drafter", part_bytes=12_000)
+    packed = gpu_pack.pack_drafter(export, tmp_path / "OUT" / "drafter", part_bytes=12_000)
     parts = sorted((tmp_path / "OUT" / "drafter").glob("drafter.tar.gz.part-*"))
     assert [p.name for p in parts] == [p["name"] for p in packed["parts"]] and len(parts) == 5
     assert [p.name[-2:] for p in parts] == ["aa", "ab", "ac", "ad", "ae"]
@@ -346,7 +348,7 @@ def test_pack_drafter_then_join_gives_the_same_files_and_refuses_damage(tmp_path
     assert len(sums) == 6 and sums[-1].endswith("  drafter.tar.gz")
     assert set(packed["files"]) == {"model.safetensors", "config.json", "README.md", "training_config.yaml"}
     # deterministic: the same files give the same archive
-    assert Q.pack_drafter(export, tmp_path / "again", part_bytes=12_000)["archive_sha256"] == packed["archive_sha256"]
+    assert gpu_pack.pack_drafter(export, tmp_path / "again", part_bytes=12_000)["archive_sha256"] == packed["archive_sha256"]
 
     ok = _join(tmp_path / "OUT", tmp_path / "joined")  # the folder holding drafter/ works too
     assert ok.returncode == 0, ok.stderr
@@ -369,7 +371,7 @@ def test_pack_drafter_then_join_gives_the_same_files_and_refuses_damage(tmp_path
     # parts that each match but were cut differently (SHA256SUMS of another packing): the whole-archive check
     mixed = tmp_path / "mixed"
     shutil.copytree(tmp_path / "OUT" / "drafter", mixed)
-    other = Q.pack_drafter(_fake_export(tmp_path / "export2"), tmp_path / "other", part_bytes=12_000)
+    other = gpu_pack.pack_drafter(_fake_export(tmp_path / "export2"), tmp_path / "other", part_bytes=12_000)
     lines = (mixed / "SHA256SUMS").read_text().splitlines()
     lines[-1] = f"{other['archive_sha256']}  drafter.tar.gz"
     (mixed / "SHA256SUMS").write_text("\n".join(lines) + "\n")
@@ -388,11 +390,10 @@ def _out_files(root: Path) -> list[Path]:
 
 
 @needs_shell
-def test_copy_out_brings_back_summary_drafter_and_logs_within_the_limits(tmp_path, monkeypatch):
+def test_copy_out_brings_back_summary_drafter_and_logs_within_the_limits(tmp_path):
     import tarfile
 
-    monkeypatch.setattr(Q, "OUT_LIMITS", {"files": 8, "file_bytes": 16_000, "total_bytes": 64_000})
-    monkeypatch.setattr(Q, "PART_BYTES", 15_000)
+    limits = {"limits": gpu_pack.OutLimits(files=8, file_bytes=16_000, total_bytes=64_000), "part_bytes": 15_000}
     drv = _driver(tmp_path)
     export = _fake_export(drv.run / "export", 40_000)  # random: does not compress, 3 parts
     (drv.run / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -404,7 +405,7 @@ def test_copy_out_brings_back_summary_drafter_and_logs_within_the_limits(tmp_pat
     (drv.eval_dir / "report.json").write_text(json.dumps({"outputs": os.urandom(15_000).hex()}))
     (drv.eval_dir / "attempt-00").mkdir()
     (drv.eval_dir / "attempt-00" / "worker-00.log").write_text("worker: 1 of 1 prompts decoded\n")
-    drv.copy_out()
+    drv.copy_out(**limits)
     out = tmp_path / "OUT"
     files = _out_files(out)
     assert len(files) <= 8 and sum(p.stat().st_size for p in files) <= 64_000
@@ -421,7 +422,7 @@ def test_copy_out_brings_back_summary_drafter_and_logs_within_the_limits(tmp_pat
 
     # a smaller report comes back inside the logs; a second copy replaces the first (no stale parts)
     (drv.eval_dir / "report.json").write_text(json.dumps({"outputs": "x" * 5000}))
-    drv.copy_out()
+    drv.copy_out(**limits)
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert "eval_report.json" in tar.getnames()
     assert len(_out_files(out)) == 7
@@ -429,7 +430,7 @@ def test_copy_out_brings_back_summary_drafter_and_logs_within_the_limits(tmp_pat
     # a drafter too large for the limits is not half-copied: summary and logs still come back, and it says so
     shutil.rmtree(export)
     _fake_export(export, 70_000)
-    drv.copy_out()
+    drv.copy_out(**limits)
     assert not (out / "drafter").exists()
     assert {p.name for p in _out_files(out)} == {"summary.json", "summary.md", "logs.tar.gz"}
     assert "the drafter does not fit" in (drv.out / "driver.log").read_text()
@@ -473,6 +474,17 @@ def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair,
     assert f"Drafter: given (--drafter): `{given}`" in md and "exported from `/root/q/run/checkpoints/step-759`" in md
     # brought back: summary and logs, not the drafter that was given
     assert {p.name for p in _out_files(tmp_path / "OUT")} == {"summary.json", "summary.md", "logs.tar.gz"}
+
+    # the same command again: the eval is done, so it is skipped and its summary printed as it was
+    written = (out / "summary.json").stat().st_mtime_ns
+    assert Q.main(argv) == 0
+    assert (out / "summary.json").stat().st_mtime_ns == written
+    assert "eval: done in an earlier call" in (out / "driver.log").read_text()
+    state = json.loads((out / "pipeline.json").read_text())
+    assert state["stages"]["eval"]["done"] and state["stages"]["eval"]["calls"] == 1
+    # one target per work directory: another one is refused before anything runs, naming both
+    with pytest.raises(SystemExit, match=f"target: '{tiny_target_dir}' there, 'smollm2' here"):
+        Q.main([a if not a.startswith("target.path=") else "target.path=smollm2" for a in argv])
 
     # without the training file: every prompt is evaluated and the summary says the filter was off
     assert Q.main(argv[:argv.index("--data")] + ["--data", str(tmp_path / "nope.jsonl")] + argv[argv.index("--data") + 2:]) == 0

@@ -29,11 +29,13 @@ from .data.chat import prompt_ids
 from .data.prepare import PrepareConfig, prepare
 from .data.regen.inputs import RegenSettings
 from .data.regen.local import regenerate
+from .errors import EXIT_STOPPED
 from .infer.evaluate import (HISTOGRAM_HEADER, format_histogram, iter_prompts, load_eval_models, make_modes,
                              replay_reports, run_prompt, summarize_records)
 from .infer.spec_decode import SpeculativeDecoder
 from .model.target import load_tokenizer
 from .model_card import link_images, put_eval_table
+from .pipeline import Stage, StageRunner, Unfinished
 from .rundir import RunDir, read_metrics
 from .runtime import resolve_device, resolve_dtype
 from .train.checkpoint import list_checkpoints
@@ -90,28 +92,15 @@ def demo_config(size: DemoSize, data_dir: Path, overrides: list[str]):
     return config_from_dict(tree, overrides)
 
 
-def check_recipe(root: Path, size: DemoSize, overrides: list[str]) -> None:
-    """A run directory holds one recipe: its stages are reused only by the same recipe and overrides."""
-    stamp = {"recipe_version": RECIPE_VERSION, "size": asdict(size), "overrides": list(overrides)}
-    path = root / "demo.json"
-    if path.is_file():
-        old = json.loads(path.read_text())
-        if old != stamp:
-            raise ValueError(f"{root} holds a demo made with another recipe or other overrides ({old.get('overrides')}, "
-                             f"recipe version {old.get('recipe_version')}); remove it or pass --run-dir NEW_DIR")
-    elif any(root.iterdir()):
-        raise ValueError(f"{root} holds files from an earlier demo version; remove it or pass --run-dir NEW_DIR")
-    else:
-        path.write_text(json.dumps(stamp, indent=1))
+def recipe(size: DemoSize, overrides: list[str]) -> dict:
+    """What a run directory's stages were made with: they are reused only by the same recipe and overrides."""
+    return {"recipe_version": RECIPE_VERSION, "size": asdict(size), "overrides": list(overrides)}
 
 
-def _stage(name: str, times: dict, fn):
-    t0 = time.time()
-    print(f"[demo] {name} ...", flush=True)
-    result = fn()
-    times[name] = time.time() - t0
-    print(f"[demo] {name} done in {times[name]:.0f} s", flush=True)
-    return result
+def open_pipeline(root: Path, size: DemoSize, overrides: list[str]) -> StageRunner:
+    """The demo's stage runner on `root` (state in demo.json); refuses a root of another recipe."""
+    return StageRunner(root, recipe(size, overrides), state_file="demo.json", label="demo",
+                       remedy="remove it or pass --run-dir NEW_DIR", say=lambda msg: print(f"[demo] {msg}", flush=True))
 
 
 def plot_run(run_dir: Path, eval_report: dict, out_dir: Path) -> list[Path]:
@@ -229,19 +218,21 @@ def summary_table(report: dict) -> str:
 
 
 def run_demo(root: Path, overrides: list[str], size: "DemoSize | None" = None) -> int:
-    """The whole path into `root`; `size` defaults to the machine's (tests pass a small one)."""
+    """The whole path into `root`; `size` defaults to the machine's (tests pass a small one). Exit code 0, or
+    3 when training stopped before its end (a stop request): the same command continues."""
     size = size or DemoSize.for_machine()
     root.mkdir(parents=True, exist_ok=True)
-    check_recipe(root, size, overrides)
-    times: dict[str, float] = {}
+    runner = open_pipeline(root, size, overrides)
     t_all = time.time()
     target = str(assets.resolve_target("smollm2"))
-    regen_out, data_dir, run_dir = root / "regen.jsonl", root / "prepared", root / "run"
+    regen_out, data_dir, run_dir, eval_json = root / "regen.jsonl", root / "prepared", root / "run", root / "eval.json"
+    export = run_dir / "export"
     cfg = demo_config(size, data_dir, overrides)
 
-    _stage("regen", times, lambda: regenerate(target, ["sharegpt"], regen_out, RegenSettings(
-        max_new_tokens=size.max_new_tokens, limit=size.prompts, max_prompt_tokens=size.max_prompt_tokens,
-        batch_size=size.regen_batch, progress=False)))
+    def do_regen():
+        return regenerate(target, ["sharegpt"], regen_out, RegenSettings(
+            max_new_tokens=size.max_new_tokens, limit=size.prompts, max_prompt_tokens=size.max_prompt_tokens,
+            batch_size=size.regen_batch, progress=False))
 
     def do_prepare():
         if (data_dir / "manifest.json").is_file():
@@ -250,34 +241,48 @@ def run_demo(root: Path, overrides: list[str], size: "DemoSize | None" = None) -
                        PrepareConfig(max_length=cfg.data.max_length, block_size=cfg.drafter.block_size,
                                      val_fraction=0.05))
 
-    _stage("prepare", times, do_prepare)
-
     def do_train():
-        if (run_dir / "export" / "model.safetensors").is_file():
-            return run_dir / "export"
+        if (export / "model.safetensors").is_file():
+            return export
         resume = bool(list_checkpoints(run_dir / "checkpoints"))
         if not resume and run_dir.is_dir() and RunDir(run_dir).contents():
             print(f"an earlier training attempt never checkpointed; moved aside: {RunDir(run_dir).move_aside()}")
-        return train(cfg, run_dir, resume=resume)
-
-    _stage("train", times, do_train)
-    eval_json = root / "eval.json"
+        train(cfg, run_dir, resume=resume)
+        if not (export / "model.safetensors").is_file():
+            raise Unfinished(f"training stopped before its last step (see {run_dir / 'train.log'}); run the demo "
+                             "again to continue it")
+        return export
 
     def do_eval():
         if eval_json.is_file():
             return json.loads(eval_json.read_text())
-        report = run_eval(target, run_dir / "export", size, cfg.run.seed)
+        report = run_eval(target, export, size, cfg.run.seed)
         eval_json.write_text(json.dumps(report, indent=1))
         return report
 
-    report = _stage("eval", times, do_eval)
-    pngs = plot_run(run_dir, report, run_dir / "export")
-    put_eval_table(run_dir / "export", report)
-    link_images(run_dir / "export", pngs)
+    def do_export():  # the plots and the eval table on the exported drafter's model card
+        report = json.loads(eval_json.read_text())
+        pngs = plot_run(run_dir, report, export)
+        put_eval_table(export, report)
+        link_images(export, pngs)
+
+    done = runner.run([
+        Stage("regen", do_regen, outputs=(regen_out,)),
+        Stage("prepare", do_prepare, outputs=(data_dir / "manifest.json",),
+              reuse=lambda: json.loads((data_dir / "manifest.json").read_text())),
+        Stage("train", do_train, outputs=(export / "model.safetensors",), reuse=lambda: export),
+        Stage("eval", do_eval, outputs=(eval_json,), reuse=lambda: json.loads(eval_json.read_text())),
+        Stage("export", do_export, outputs=(export / "README.md",)),
+    ])
+    if not done.finished:
+        return EXIT_STOPPED
+    report = done.result("eval")
     train_records = [r for r in read_metrics(run_dir) if r.get("kind") != "validation"]
     tok_s = sum(r["tokens_per_s"] for r in train_records) / max(len(train_records), 1)
     print("\n" + summary_table(report))
     print(f"\ntraining: {len(train_records) and train_records[-1]['step']} steps, {tok_s:,.0f} target tokens/s")
-    print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()) + f"; total {time.time() - t_all:.0f} s")
-    print(f"run directory: {run_dir}\nexported drafter: {run_dir / 'export'} (model card with plots)")
+    print("wall time: " + ", ".join(f"{o.name} {o.seconds:.0f} s" if o.status == "ran"
+                                    else f"{o.name} {o.total_s:.0f} s (an earlier call)" for o in done.outcomes)
+          + f"; total {time.time() - t_all:.0f} s")
+    print(f"run directory: {run_dir}\nexported drafter: {export} (model card with plots)")
     return 0
