@@ -405,7 +405,8 @@ def check_indexing(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter) -> Non
     """How far the plan keeps the compiled graphs from 2^31 elements (indexing.py), over the whole run (the
     target's and the drafter's compiled code alike, so that every rank of a split placement decides the same):
     logged and in status.json, with a warning for a plan that crosses it (64-bit kernels, slower)."""
-    backend = resolve_backend(cfg.drafter.attention_backend, r.device, cfg.drafter.block_size)
+    d = cfg.drafter
+    backend = architecture(d.architecture).resolve_backend(d.attention_backend, r.device, d.block_size)
     widths = indexing.compiled_widths(cfg, a.dcfg, a.target_config, backend, r.device.type == "cuda")
     o = cfg.objective
     largest = indexing.largest_tensor(widths, *r.batching, r.epochs_left(), o.max_anchors, o.max_anchors_per_batch,
