@@ -72,11 +72,11 @@ def instrument(dec, timers: Timers) -> None:
 
     dec._prefill = timers.wrap("prefill", dec._prefill)
     dec._target = timers.wrap("target", dec._target)
-    dec._draft_logits = timers.wrap("draft", dec._draft_logits)
+    dec._draft_hidden = timers.wrap("draft", dec._draft_hidden)
     dec.drafter.forward = timers.wrap("drafter", dec.drafter.forward)
     dec.lm_head.forward = timers.wrap("lm_head", dec.lm_head.forward)
     dec.embed.forward = timers.wrap("embed", dec.embed.forward)
-    dec.build_tree = timers.wrap("tree_build", dec.build_tree)
+    dec.build_tree_from_top = timers.wrap("tree_build", dec.build_tree_from_top)
     dec._tree_mask = timers.wrap("tree_mask", dec._tree_mask)
     for name in ("trim_cache", "select_cache", "accept_tree_path"):
         if hasattr(sd, name):

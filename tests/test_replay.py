@@ -81,21 +81,25 @@ def test_walk_reproduces_the_decoders_steps_and_stopping(target, max_new):
     for stops in ([2], [cont[max_new // 2]]):
         dec.stop = set(stops)
         right = lambda j: (j * 7 + 3) % bs  # noqa: E731  0..bs-1 accepted drafts
-        original = dec._draft_logits
+        original_hidden, original_logits, at = dec._draft_hidden, dec.drafter.logits, {}
 
-        def forced(context, anchor, start, dcache, original=original):
-            logits = original(context, anchor, start, dcache)
-            j = start - len(prompt)
-            for k in range(logits.shape[0]):
-                logits[k] = -1e9
+        def record_start(context, anchor, start, dcache, original_hidden=original_hidden):
+            at["start"] = start
+            return original_hidden(context, anchor, start, dcache)
+
+        def forced(hidden, lm_head, original_logits=original_logits):  # [1, bs, V], row 0 the anchor's
+            logits = original_logits(hidden, lm_head)
+            j = at["start"] - len(prompt)
+            for k in range(logits.shape[1] - 1):
+                logits[0, k + 1] = -1e9
                 good = k < right(j)
                 want = cont[j + 1 + k]
-                logits[k, want if good else (want + 1) % logits.shape[1]] = 0
+                logits[0, k + 1, want if good else (want + 1) % logits.shape[2]] = 0
             return logits
 
-        dec._draft_logits = forced
+        dec._draft_hidden, dec.drafter.logits = record_start, forced
         real = dec.generate_block(prompt, max_new)
-        dec._draft_logits = original
+        del dec._draft_hidden, dec.drafter.logits  # back to the methods
         tokens, accepts = walk(right, cont, max_new, stops)
         assert real.tokens == tokens
         assert real.accept_lengths == accepts

@@ -57,18 +57,22 @@ def test_lossless_with_a_drafter_that_is_often_right(target):
     dec = SpeculativeDecoder(target, make_drafter(target, 4), stop_token_ids=[2])
     prompt = prompts()[1]
     ref = dec.generate_target_only(prompt, 30).tokens
-    original = dec._draft_logits
+    original_hidden, original_logits, seen = dec._draft_hidden, dec.drafter.logits, {}
 
-    def oracle(context, anchor, start, dcache):
-        logits = original(context, anchor, start, dcache)
-        offset = start - len(prompt)  # index of the anchor in ref
-        for k in range(logits.shape[0]):
+    def record_start(context, anchor, start, dcache):
+        seen["start"] = start
+        return original_hidden(context, anchor, start, dcache)
+
+    def oracle(hidden, lm_head):  # [1, bs, V] for the block at seen["start"]; row 0 is the anchor's
+        logits = original_logits(hidden, lm_head)
+        offset = seen["start"] - len(prompt)  # index of the anchor in ref
+        for k in range(logits.shape[1] - 1):
             if offset + 1 + k < len(ref) and k < 2:  # right for two slots, then whatever the drafter says
-                logits[k] = -1e9
-                logits[k, ref[offset + 1 + k]] = 0
+                logits[0, k + 1] = -1e9
+                logits[0, k + 1, ref[offset + 1 + k]] = 0
         return logits
 
-    dec._draft_logits = oracle
+    dec._draft_hidden, dec.drafter.logits = record_start, oracle
     out = dec.generate_block(prompt, 30)
     assert out.tokens == ref
     assert out.tau > 2.5
@@ -125,7 +129,7 @@ def test_speculative_sampling_follows_the_target_distribution():
     counts = torch.zeros(v)
     for _ in range(trials):
         d = torch.multinomial(q, 1, generator=g)
-        n_acc, bonus = speculative_accept(d, draft_logits, target_logits, 1.0, g)
+        n_acc, bonus = speculative_accept(d, q.unsqueeze(0), target_logits, 1.0, g)
         first = int(d[0]) if n_acc == 1 else bonus
         counts[first] += 1
     expected = p * trials

@@ -78,6 +78,12 @@ class DrafterConfig:
     # layers (and its final norm as the target's), read from the target's safetensors; fc stays
     # random. Needs the target's layer shape (the four keys above at null).
     init_from_target: bool = False
+    # drafter.architecture dflash2 only: the block-local convolutions' taps and channels per dynamic tap, and
+    # the candidate selector's rank and candidates per slot (the reference's values).
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
     # Compile the drafter's layers for training (torch.compile/inductor, two graphs shared by all layers,
     # dynamic batch and length, compiled in the warm-up): fuses the norms, RoPE, SiLU x mul and residual
     # adds around the matmuls. CUDA only: a CPU device refuses it.
@@ -118,6 +124,8 @@ class ObjectiveConfig:
     slot_weighting: Literal["gamma", "acceptance", "dpace"] = "acceptance"
     acceptance_floor: float = 0.05
     dpace_alpha: float = 0.5
+    # drafter.architecture dflash2 only: weight of the selector's loss next to the unary slot loss.
+    selector_loss_weight: float = 1.0
     # Share alpha of the target's softmax(logits / distill_temperature) mixed into the one-hot label.
     distill_weight: float = 0.0
     distill_temperature: float = 1.0
@@ -428,6 +436,11 @@ def validate(cfg: Config) -> None:
     d, o, op, dt, r = cfg.drafter, cfg.objective, cfg.optim, cfg.data, cfg.run
     need(d.architecture in ARCHITECTURE_NAMES, "drafter.architecture",
          f"must be one of {', '.join(ARCHITECTURE_NAMES)} (got {d.architecture!r})")
+    for key in ("conv_group_size", "selector_rank", "selector_top_k"):
+        need(getattr(d, key) >= 1, f"drafter.{key}", f"must be >= 1 (got {getattr(d, key)})")
+    need(1 <= d.conv_kernel_size <= d.block_size, "drafter.conv_kernel_size",
+         f"must be between 1 and drafter.block_size={d.block_size} (got {d.conv_kernel_size})")
+    need(o.selector_loss_weight >= 0, "objective.selector_loss_weight", f"must be >= 0 (got {o.selector_loss_weight})")
     need(d.block_size >= 2, "drafter.block_size", f"must be >= 2 (got {d.block_size})")
     need(d.num_draft_layers >= 1, "drafter.num_draft_layers", f"must be >= 1 (got {d.num_draft_layers})")
     if d.target_layer_ids is not None:

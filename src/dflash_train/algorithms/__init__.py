@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
 _PACKAGES = {  # drafter.architecture -> (package, the `architectures` name of its exported config.json)
     "dflash": ("dflash", "DFlashDraftModel"),
+    "dflash2": ("dflash2", "DFlash2DraftModel"),
 }
 NAMES = tuple(_PACKAGES)
 

@@ -123,6 +123,27 @@ class Drafter(nn.Module):
         """Vocabulary scores of the block's final hidden states, through the target's lm_head."""
         return lm_head(hidden.to(lm_head.weight.dtype))
 
+    def draft(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor, temperature: float = 0.0,
+              generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The drafts `[n, bs-1]` for slots 1.. of `n` blocks, from their final hidden states `[n, bs, H]` (slot 0
+        is the anchor, `anchor_ids [n]`): the argmax of each slot, or with `temperature > 0` a sample from
+        `q = softmax(logits / temperature)`, returned too (`[n, bs-1, V]`) for speculative sampling. Every row
+        goes through the lm_head and the anchor's is dropped (on CPU a 15-row product with a large lm_head
+        costs twice a 16-row one)."""
+        logits = self.logits(hidden, lm_head)[:, 1:].float()
+        if temperature <= 0:
+            return logits.argmax(-1), None
+        q = torch.softmax(logits / temperature, -1)
+        drafts = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator).view(q.shape[:-1])
+        return drafts, q
+
+    def tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
+                        k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's `k` best next tokens and their log-probabilities, best first (`[n, bs-1, k]` each), for a
+        DDTree over the block: here the slots' own distributions."""
+        log_probs = torch.log_softmax(self.logits(hidden, lm_head)[:, 1:].float(), -1)
+        return log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+
 
 class Objective(Protocol):
     """An architecture's training objective on one micro-batch, graph kept for backward. `generator` draws
@@ -138,7 +159,8 @@ class Architecture:
     name: str  # the `drafter.architecture` value
     hf_architecture: str  # `architectures[0]` of its exported config.json
     drafter_class: Callable[["PretrainedConfig"], Drafter]
-    make_config: Callable[..., "PretrainedConfig"]  # (target config, **drafter keys) -> drafter config
+    # (target config, the run's `drafter` config section, target layer ids, mask token id) -> drafter config
+    config_for_run: Callable[..., "PretrainedConfig"]
     config_from_dict: Callable[[dict], "PretrainedConfig"]  # an exported config.json -> drafter config
     config_json: Callable[[Drafter, str], dict]  # (drafter, dtype name) -> the config.json it exports
     resolve_backend: Callable[..., Any]  # (requested, device, block_size, training) -> attention backend

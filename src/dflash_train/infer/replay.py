@@ -144,10 +144,10 @@ def proposals_from_context(drafter: Drafter, embed: Callable, lm_head: torch.nn.
         mask = drafter.dense_mask(anchors.view(1, -1), keep, length)
         position_ids = torch.cat([torch.arange(length, device=device).view(1, -1), positions], 1)
         out = drafter(context, embed(block.view(1, -1)).to(dtype), position_ids, sdpa_attention, mask)
-        logits = lm_head(out[0].to(lm_head.weight.dtype)).float().view(n, bs, -1)[:, 1:]  # slots 1..B-1
-        drafts.append(logits.argmax(-1))
+        hidden = out[0].view(n, bs, -1)
+        drafts.append(drafter.draft(hidden, lm_head, block[:, 0])[0])  # slots 1..B-1
         if top_k:
-            lp, tid = torch.log_softmax(logits, -1).topk(min(top_k, logits.shape[-1]), dim=-1)
+            lp, tid = drafter.tree_candidates(hidden, lm_head, block[:, 0], top_k)
             top_lp.append(lp)
             top_ids.append(tid)
     return Proposals(torch.cat(drafts), torch.cat(top_lp) if top_k else None, torch.cat(top_ids) if top_k else None)

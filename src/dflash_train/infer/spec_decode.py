@@ -124,16 +124,15 @@ def accept_tree_path(cache: DynamicCache, start: int, path: list[int], path_t: t
 
 def speculative_accept(
     drafts: torch.Tensor,
-    draft_logits: torch.Tensor,
+    q: torch.Tensor,
     target_logits: torch.Tensor,
     temperature: float,
     generator: torch.Generator,
 ) -> tuple[int, int]:
-    """Speculative sampling over a block: draft i (sampled from q_i) is accepted with probability
-    min(1, p_i(d)/q_i(d)); at the first rejection the token comes from max(p_i - q_i, 0) normalised;
-    if every draft passes, the bonus comes from p_{n}. Outputs follow the target's distribution.
-    `target_logits` has one more row than `drafts`."""
-    q = torch.softmax(draft_logits / temperature, -1)
+    """Speculative sampling over a block: draft i, sampled from `q[i]` (a distribution over the vocabulary,
+    which may depend on the drafts before it), is accepted with probability min(1, p_i(d)/q_i(d)); at the first
+    rejection the token comes from max(p_i - q_i, 0) normalised; if every draft passes, the bonus comes from
+    p_{n}. Outputs follow the target's distribution. `target_logits` has one more row than `drafts`."""
     p = torch.softmax(target_logits / temperature, -1)
     u = torch.rand(len(drafts), generator=generator, device=drafts.device)
     for i, d in enumerate(drafts.tolist()):
@@ -190,8 +189,8 @@ class SpeculativeDecoder:
         logits = out.logits[0]
         return (logits[-1:] if last_only else logits).float(), hidden
 
-    def _draft_logits(self, context: torch.Tensor, anchor: int, start: int, dcache: DrafterKVCache) -> torch.Tensor:
-        """Logits `[B-1, V]` for slots 1..B-1 of the block anchored at `start`."""
+    def _draft_hidden(self, context: torch.Tensor, anchor: int, start: int, dcache: DrafterKVCache):
+        """(the drafter's final hidden states `[1, B, H]` of the block anchored at `start`, the anchor `[1]`)."""
         bs = self.block_size
         block = torch.full((1, bs), self.drafter.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = anchor
@@ -199,9 +198,20 @@ class SpeculativeDecoder:
         dtype = next(self.drafter.parameters()).dtype
         out = self.drafter(context.unsqueeze(0).to(dtype), self.embed(block).to(dtype), positions, sdpa_attention, None, dcache)
         dcache.crop(start)  # keep context keys only
-        # Every block row through the lm_head, then the anchor's row dropped: on CPU (MKL) a 15-row product
-        # with the 49,152-row lm_head takes twice as long as a 16-row one (38 vs 18 ms); free on a GPU.
-        return self.lm_head(out[0].to(self.lm_head.weight.dtype))[1:].float()
+        return out, block[:, 0]
+
+    def _draft(self, context: torch.Tensor, anchor: int, start: int,
+               dcache: DrafterKVCache) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(drafts `[B-1]` for slots 1..B-1, their distributions `[B-1, V]` when sampling, else None)."""
+        hidden, anchor_t = self._draft_hidden(context, anchor, start, dcache)
+        drafts, q = self.drafter.draft(hidden, self.lm_head, anchor_t, self.temperature, self.generator)
+        return drafts[0], (q[0] if q is not None else None)
+
+    def _tree_candidates(self, context: torch.Tensor, anchor: int, start: int, dcache: DrafterKVCache, k: int):
+        """Per slot 1..B-1 its `k` best tokens and their log-probabilities, best first (`[B-1, k]` each)."""
+        hidden, anchor_t = self._draft_hidden(context, anchor, start, dcache)
+        top_lp, top_ids = self.drafter.tree_candidates(hidden, self.lm_head, anchor_t, k)
+        return top_lp[0], top_ids[0]
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature <= 0:
@@ -257,8 +267,7 @@ class SpeculativeDecoder:
         start = len(prompt)
         t0 = time.perf_counter()
         while not self._done(tokens, max_new_tokens, new):
-            draft_logits = self._draft_logits(context, anchor, start, dcache)
-            drafts = self._pick(draft_logits)
+            drafts, q = self._draft(context, anchor, start, dcache)
             block = torch.cat([drafts.new_full((1,), anchor), drafts])
             positions = torch.arange(start, start + self.block_size, device=self.device)
             logits, hidden = self._target(block, positions, cache)
@@ -271,7 +280,7 @@ class SpeculativeDecoder:
                     n_acc += 1
                 new = d[:n_acc] + [posterior[n_acc]]
             else:
-                n_acc, bonus = speculative_accept(drafts, draft_logits, logits, self.temperature, self.generator)
+                n_acc, bonus = speculative_accept(drafts, q, logits, self.temperature, self.generator)
                 new = drafts[:n_acc].tolist() + [bonus]
             tokens.extend(new)
             accepts.append(n_acc + 1)
@@ -341,8 +350,8 @@ class SpeculativeDecoder:
         dtype = next(self.target.parameters()).dtype
         t0 = time.perf_counter()
         while not self._done(tokens, max_new_tokens, new):
-            log_probs = torch.log_softmax(self._draft_logits(context, anchor, start, dcache), -1)
-            node_tokens, parents, depths = self.build_tree(log_probs, budget)
+            top_lp, top_ids = self._tree_candidates(context, anchor, start, dcache, budget)
+            node_tokens, parents, depths = self.build_tree_from_top(top_lp.tolist(), top_ids.tolist(), budget)
             ids, positions = torch.tensor([[anchor] + node_tokens, [start] + [start + d for d in depths]],
                                           device=self.device)  # one host -> device copy
             mask = self._tree_mask(parents, start, dtype)

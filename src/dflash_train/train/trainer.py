@@ -230,11 +230,7 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
     plan, tokenizer = plan_run(cfg)
     target_config = read_target_config(plan.target_path, cfg.target.trust_remote_code)
     d = cfg.drafter
-    dcfg = architecture(d.architecture).make_config(
-        target_config, num_draft_layers=d.num_draft_layers, block_size=d.block_size,
-        target_layer_ids=plan.layer_ids, mask_token_id=plan.mask_token_id, intermediate_size=d.intermediate_size,
-        num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
-    )
+    dcfg = architecture(d.architecture).config_for_run(target_config, d, plan.layer_ids, plan.mask_token_id)
     provenance = target_provenance(str(plan.target_path), tokenizer, target_config)
     placement = "colocated" if layout is None else f"split {layout.target_ranks}+{layout.drafter_ranks}"
     identity = {"world_size": world, "placement": placement, "grad_accum": cfg.optim.grad_accum,

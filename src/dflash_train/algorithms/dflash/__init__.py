@@ -11,7 +11,7 @@
 
 from ..base import Architecture
 from .attention import resolve_backend
-from .config import drafter_config_from_dict, drafter_config_json, make_drafter_config
+from .config import config_for_run, drafter_config_from_dict, drafter_config_json
 from .model import DFlashDrafter
 from .objective import DFlashObjective
 
@@ -19,7 +19,7 @@ ARCHITECTURE = Architecture(
     name="dflash",
     hf_architecture="DFlashDraftModel",
     drafter_class=DFlashDrafter,
-    make_config=make_drafter_config,
+    config_for_run=config_for_run,
     config_from_dict=drafter_config_from_dict,
     config_json=drafter_config_json,
     resolve_backend=resolve_backend,

@@ -73,7 +73,16 @@ def make_drafter_config(
     return cfg
 
 
-def drafter_config_from_dict(data: dict[str, Any]) -> Qwen3Config:
+def config_for_run(target_config: PretrainedConfig, d, target_layer_ids: list[int], mask_token_id: int) -> Qwen3Config:
+    """The drafter config of a training run from its `drafter` config section (`config.DrafterConfig`)."""
+    return make_drafter_config(
+        target_config, num_draft_layers=d.num_draft_layers, block_size=d.block_size, target_layer_ids=target_layer_ids,
+        mask_token_id=mask_token_id, intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
+        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
+    )
+
+
+def drafter_config_from_dict(data: dict[str, Any], architecture: str = "DFlashDraftModel") -> Qwen3Config:
     """Rebuild a drafter config from an exported config.json, checking the DFlash fields."""
     missing = [k for k in ("block_size", "num_target_layers", "dflash_config") if k not in data]
     dflash: Optional[dict] = data.get("dflash_config")
@@ -81,7 +90,7 @@ def drafter_config_from_dict(data: dict[str, Any]) -> Qwen3Config:
         missing += [f"dflash_config.{k}" for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
     if missing:
         raise ValueError(f"not a DFlash drafter config: missing {', '.join(missing)}")
-    if data.get("architectures") != ["DFlashDraftModel"]:
+    if data.get("architectures") != [architecture]:
         raise ValueError(f"not a DFlash drafter config: architectures is {data.get('architectures')!r}")
     fields = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
     cfg = Qwen3Config(**fields)
@@ -94,7 +103,7 @@ def drafter_config_from_dict(data: dict[str, Any]) -> Qwen3Config:
 def drafter_config_json(drafter, dtype: str) -> dict[str, Any]:
     """The exported config.json: the reference DFlash fields, and rope fields old and new loaders read."""
     data = drafter.config.to_dict()
-    data["architectures"] = ["DFlashDraftModel"]
+    data["architectures"] = list(drafter.config.architectures)
     data["model_type"] = "qwen3"
     data["dtype"] = dtype
     data["torch_dtype"] = dtype  # transformers 4.x name

@@ -86,13 +86,18 @@ def chunk_bounds(m: int, chunk_size: int) -> list[tuple[int, int]]:
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, target_hidden, alpha: float, temperature: float, chunk_size: int):
+    def forward(ctx, hidden, weight, labels, target_hidden, alpha: float, temperature: float, chunk_size: int,
+                top_k: int):
         # hidden [M, H] (compute dtype), weight [V, H], labels [M], target_hidden [M, H] or None
         m = hidden.shape[0]
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 in tests
         rows = torch.empty(m, device=hidden.device, dtype=acc_dtype)
         label_logp = torch.empty(m, device=hidden.device, dtype=acc_dtype)
         correct = torch.empty(m, device=hidden.device, dtype=torch.bool)
+        # with top_k: each row's k best logits and their ids, and the label's logit (no gradient)
+        top_values = torch.empty(m, top_k, device=hidden.device, dtype=acc_dtype)
+        top_ids = torch.empty(m, top_k, device=hidden.device, dtype=torch.long)
+        label_logits = torch.empty(m if top_k else 0, device=hidden.device, dtype=acc_dtype)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
         if target_hidden is None:
             ce_chunk = _chunk_fn("ce_chunk", _ce_chunk, hidden.device, eager=_ce_chunk_eager)
@@ -106,16 +111,20 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 target_logits = target_hidden[start:end] @ weight.t()
                 out = soft(logits, target_logits, labels[start:end], alpha, 1.0 / temperature)
             rows[start:end], label_logp[start:end], correct[start:end], grad_logits = out
+            if top_k:
+                top = logits.topk(top_k, dim=-1)
+                top_values[start:end], top_ids[start:end] = top.values, top.indices
+                label_logits[start:end] = logits.gather(1, labels[start:end].unsqueeze(1)).squeeze(1)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_logits @ weight.to(grad_logits.dtype)).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden if grad_hidden is not None else torch.empty(0))
-        ctx.mark_non_differentiable(label_logp, correct)
-        return rows, label_logp, correct
+        ctx.mark_non_differentiable(label_logp, correct, top_values, top_ids, label_logits)
+        return rows, label_logp, correct, top_values, top_ids, label_logits
 
     @staticmethod
-    def backward(ctx, grad_rows, _grad_logp, _grad_correct):
+    def backward(ctx, grad_rows, *_no_gradient):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_rows.unsqueeze(1).to(grad_hidden.dtype), None, None, None, None, None, None
+        return grad_hidden * grad_rows.unsqueeze(1).to(grad_hidden.dtype), None, None, None, None, None, None, None
 
 
 @dataclass
@@ -123,6 +132,9 @@ class RowLoss:
     loss: torch.Tensor  # [M] per-row CE (soft when distilling), differentiable w.r.t. hidden
     label_logp: torch.Tensor  # [M] log-probability of the hard label (no gradient)
     correct: torch.Tensor  # [M] bool: argmax == label
+    top_values: Optional[torch.Tensor] = None  # [M, k] with top_k: each row's k best logits, best first
+    top_ids: Optional[torch.Tensor] = None  # [M, k] their vocabulary ids
+    label_logits: Optional[torch.Tensor] = None  # [M] the label's logit
 
 
 def chunked_ce_rows(
@@ -133,16 +145,20 @@ def chunked_ce_rows(
     target_hidden: Optional[torch.Tensor] = None,
     distill_weight: float = 0.0,
     temperature: float = 1.0,
+    top_k: int = 0,
 ) -> RowLoss:
     """Per-row CE of `lm_head(hidden) [M, V]` against `labels [M]`, mixed with the target's distribution
-    `softmax(lm_head(target_hidden) / temperature)` at share `distill_weight` (`target_hidden [M, H]`)."""
+    `softmax(lm_head(target_hidden) / temperature)` at share `distill_weight` (`target_hidden [M, H]`).
+    `top_k > 0` also returns each row's k best logits (read off the same chunks: no second lm_head pass)."""
     if distill_weight > 0 and target_hidden is None:
         raise ValueError("distill_weight > 0 needs target_hidden (the target's final normed hidden state per row)")
     if distill_weight == 0:
         target_hidden = None  # alpha = 0 is plain CE: skip the target's logits altogether
-    rows, label_logp, correct = _ChunkedLinearCE.apply(hidden, lm_head_weight, labels, target_hidden,
-                                                       float(distill_weight), float(temperature), chunk_size)
-    return RowLoss(rows, label_logp, correct)
+    rows, label_logp, correct, top_values, top_ids, label_logits = _ChunkedLinearCE.apply(
+        hidden, lm_head_weight, labels, target_hidden, float(distill_weight), float(temperature), chunk_size, top_k)
+    if not top_k:
+        return RowLoss(rows, label_logp, correct)
+    return RowLoss(rows, label_logp, correct, top_values, top_ids, label_logits)
 
 
 @dataclass
@@ -151,6 +167,7 @@ class LossOutput:
     correct: torch.Tensor  # [M] bool: argmax == label, per counted row
     weight_sum: torch.Tensor
     weights: torch.Tensor  # [M] the (detached) weights used
+    rows: Optional[RowLoss] = None  # the per-row results (top-k candidates among them when asked for)
 
 
 def chunked_weighted_ce(
@@ -162,13 +179,15 @@ def chunked_weighted_ce(
     target_hidden: Optional[torch.Tensor] = None,
     distill_weight: float = 0.0,
     temperature: float = 1.0,
+    top_k: int = 0,
 ) -> LossOutput:
     """`hidden [M, H]`, `labels [M]` (only rows that count). `weights` is `[M]` (all > 0), or a function of
     the rows' detached label log-probabilities `[M] -> [M]` (weights that depend on the drafter's own
     predictions, from this same forward). Weights never carry gradient."""
-    out = chunked_ce_rows(hidden, lm_head_weight, labels, chunk_size, target_hidden, distill_weight, temperature)
+    out = chunked_ce_rows(hidden, lm_head_weight, labels, chunk_size, target_hidden, distill_weight, temperature,
+                          top_k)
     acc_dtype = out.loss.dtype
     w = (weights(out.label_logp) if callable(weights) else weights).detach().to(acc_dtype)
     weight_sum = w.sum()
     norm = w / weight_sum.clamp_min(1e-12)
-    return LossOutput((out.loss * norm).sum(), out.correct, weight_sum, w)
+    return LossOutput((out.loss * norm).sum(), out.correct, weight_sum, w, out)

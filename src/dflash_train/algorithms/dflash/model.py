@@ -149,6 +149,7 @@ class DFlashDecoderLayer(nn.Module):
 
 class DFlashDrafter(Drafter):
     architecture = "dflash"
+    layer_class: type = DFlashDecoderLayer
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -158,7 +159,7 @@ class DFlashDrafter(Drafter):
         self.mask_token_id: int = dflash["mask_token_id"]
         self.target_layer_ids: list[int] = list(dflash["target_layer_ids"])
         h = config.hidden_size
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.layer_class(config) for _ in range(config.num_hidden_layers)])
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.norm = RMSNorm(h, eps=config.rms_norm_eps)
@@ -175,10 +176,11 @@ class DFlashDrafter(Drafter):
         from ...model.compile import compiled
 
         backend = backend or COMPILE_BACKEND
-        layer = DFlashDecoderLayer
+        layer = self.layer_class
+        prefix = "drafter" if self.architecture == "dflash" else f"{self.architecture}_drafter"  # one per layer class
         self._compiled_parts = (
-            compiled(f"drafter_attention_inputs[{backend}]", layer.attention_inputs, dynamic=True, backend=backend),
-            compiled(f"drafter_output_and_mlp[{backend}]", layer.attention_output_and_mlp, dynamic=True,
+            compiled(f"{prefix}_attention_inputs[{backend}]", layer.attention_inputs, dynamic=True, backend=backend),
+            compiled(f"{prefix}_output_and_mlp[{backend}]", layer.attention_output_and_mlp, dynamic=True,
                      backend=backend),
         )
 

@@ -83,15 +83,26 @@ class DFlashObjective:
 
     def __call__(self, batch: Batch, generator: torch.Generator, call: Optional[Callable] = None,
                  hidden: Optional[torch.Tensor] = None) -> StepStats:
-        drafter, target, backend, o = self.drafter, self.target, self.backend, self.cfg.objective
-        call = call or drafter
-        bs = drafter.block_size
         hidden, final = self.capture(batch, hidden)
         blocks, idx = self.plan_blocks(batch, generator)
+        rows = self.block_rows(batch, hidden, blocks, idx, call or self.drafter)
+        with self.autocast(batch.input_ids.device):
+            return self.rows_loss(rows, blocks, idx, final)
+
+    def autocast(self, device: torch.device):
+        """The compute dtype's autocast around the drafter's forward and the loss (master weights stay float32)."""
+        if self.compute_dtype in (torch.bfloat16, torch.float16):
+            return torch.autocast(device.type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    def block_rows(self, batch: Batch, hidden: torch.Tensor, blocks: Blocks, idx: torch.Tensor,
+                   call: Callable) -> torch.Tensor:
+        """The drafter's final hidden states `[M, H]` of the counted rows (graph kept)."""
+        drafter, backend = self.drafter, self.backend
         device = batch.input_ids.device
         b, s = batch.input_ids.shape
         with torch.no_grad():
-            block_embeds = target.embed_tokens(blocks.block_ids)
+            block_embeds = self.target.embed_tokens(blocks.block_ids)
         if drafter.layers_compiled and torch.is_grad_enabled():
             # Dynamo guards on requires_grad: an input that needs no gradient would give the first layer graphs
             # of its own. One set for all layers costs the first layer's q/k/v input gradient (~0.6% of a step).
@@ -102,30 +113,43 @@ class DFlashObjective:
             s += pad
         context_pos = torch.arange(s, device=device).expand(b, s)
         position_ids = torch.cat([context_pos, blocks.block_positions], dim=1)
-        mask = backend.build_mask(blocks.anchors, blocks.keep, s, bs)
-        autocast = (torch.autocast(device.type, dtype=self.compute_dtype)
-                    if self.compute_dtype in (torch.bfloat16, torch.float16) else contextlib.nullcontext())
-        with autocast:
+        mask = backend.build_mask(blocks.anchors, blocks.keep, s, drafter.block_size)
+        with self.autocast(device):
             out = call(hidden, block_embeds, position_ids, backend.attention, mask,
                        compiled_layers=drafter.layers_compiled)  # [B, N*bs, H]
-            rows = out.reshape(-1, out.shape[-1]).index_select(0, idx)
-            result = chunked_weighted_ce(
-                rows,
-                target.lm_head.weight,
-                blocks.labels.view(-1).index_select(0, idx),
-                row_weights(self.cfg, blocks, idx),
-                o.loss_chunk_size,
-                target_hidden=_distill_rows(final, blocks, idx) if final is not None else None,
-                distill_weight=o.distill_weight,
-                temperature=o.distill_temperature,
-            )
-        correct = torch.zeros_like(blocks.counted).view(-1).index_put((idx,), result.correct)
-        correct = correct.view(blocks.labels.shape)  # [B, N, bs]
-        accept = acceptance_estimate(correct)
-        return StepStats(
-            loss=result.loss,
-            correct_per_slot=correct.sum((0, 1)),
-            counted_per_slot=blocks.counted.sum((0, 1)),
-            accepted_sum=(accept * blocks.keep).sum(),
-            kept_blocks=blocks.keep.sum(),
+            return out.reshape(-1, out.shape[-1]).index_select(0, idx)
+
+    def unary_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, final: Optional[torch.Tensor],
+                   top_k: int = 0):
+        """The slot-weighted CE of the counted rows through the target's lm_head (`loss.LossOutput`)."""
+        o = self.cfg.objective
+        return chunked_weighted_ce(
+            rows,
+            self.target.lm_head.weight,
+            blocks.labels.view(-1).index_select(0, idx),
+            row_weights(self.cfg, blocks, idx),
+            o.loss_chunk_size,
+            target_hidden=_distill_rows(final, blocks, idx) if final is not None else None,
+            distill_weight=o.distill_weight,
+            temperature=o.distill_temperature,
+            top_k=top_k,
         )
+
+    def rows_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor,
+                  final: Optional[torch.Tensor]) -> StepStats:
+        result = self.unary_loss(rows, blocks, idx, final)
+        return block_stats(result.loss, result.correct, blocks, idx)
+
+
+def block_stats(loss: torch.Tensor, correct_rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> StepStats:
+    """The step's sums from the counted rows' hits `[M]` (a draft equal to its label)."""
+    correct = torch.zeros_like(blocks.counted).view(-1).index_put((idx,), correct_rows)
+    correct = correct.view(blocks.labels.shape)  # [B, N, bs]
+    accept = acceptance_estimate(correct)
+    return StepStats(
+        loss=loss,
+        correct_per_slot=correct.sum((0, 1)),
+        counted_per_slot=blocks.counted.sum((0, 1)),
+        accepted_sum=(accept * blocks.keep).sum(),
+        kept_blocks=blocks.keep.sum(),
+    )

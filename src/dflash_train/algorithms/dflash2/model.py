@@ -1,0 +1,100 @@
+"""The DFlash2 drafter: DFlash's layers with a block-local dynamic convolution before and after each attention
+and MLP sublayer (`conv.BlockConv`), and a candidate selector over each slot's top-k logits
+(`selector.CandidateSelector`). Parameter names equal the reference format's tensor names
+(`layers.{i}.attention_conv.base_kernel`, `candidate_selector.predecessor_codebook`, ...)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import Qwen3Config
+
+from ..dflash.model import DFlashDecoderLayer, DFlashDrafter, RopeTables
+from .conv import BlockConv
+from .selector import CandidateSelector
+
+
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        d = config.dflash_config
+        self.block_size = int(config.block_size)
+        shape = (config.hidden_size, int(d["conv_kernel_size"]), int(d["conv_group_size"]))
+        self.attention_conv = BlockConv(*shape)
+        self.mlp_conv = BlockConv(*shape)
+
+    def attention_inputs(self, x: torch.Tensor, context: torch.Tensor, rope: RopeTables, block_len: int):
+        normed = self.input_layernorm(x)
+        taps = self.attention_conv.taps(normed)  # both sides' taps, from the normed input
+        mixed = self.attention_conv(normed, taps, 0, block_len)
+        return (*self.self_attn.project(mixed, context, rope), taps)
+
+    def attention_output_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, taps: torch.Tensor,
+                                 block_len: int) -> torch.Tensor:
+        x = x + self.attention_conv(self.self_attn.output(attn), taps, 1, block_len)
+        normed = self.post_attention_layernorm(x)
+        mlp_taps = self.mlp_conv.taps(normed)
+        return x + self.mlp_conv(self.mlp(self.mlp_conv(normed, mlp_taps, 0, block_len)), mlp_taps, 1, block_len)
+
+    def forward(self, x, context, rope, attention, mask, cache=None, layer_idx=0, parts=None) -> torch.Tensor:
+        """As `DFlashDecoderLayer.forward`; the convolutions need the block length: the trained block size in
+        the packed training layout, and the whole query (one block, possibly a shorter one) when decoding."""
+        inputs, output = parts or (type(self).attention_inputs, type(self).attention_output_and_mlp)
+        block_len = x.shape[1] if cache is not None else self.block_size
+        q, k_ctx, v_ctx, k_blk, v_blk, taps = inputs(self, x, context, rope, block_len)
+        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        if cache is not None:
+            k, v = cache.append(layer_idx, k, v)
+        return output(self, x, attention(q, k, v, mask), taps, block_len)
+
+
+class DFlash2Drafter(DFlashDrafter):
+    architecture = "dflash2"
+    layer_class = DFlash2DecoderLayer
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        d = config.dflash_config
+        self.selector_top_k = int(d["selector_top_k"])
+        self.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size, int(d["selector_rank"]),
+                                                    self.selector_top_k)
+        self.candidate_selector.reset_parameters(config.initializer_range)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        super().reset_parameters()  # every Linear N(0, std), norms 1: then the identity starts
+        for m in self.modules():
+            if isinstance(m, BlockConv):
+                m.reset_parameters()
+        if hasattr(self, "candidate_selector"):  # DFlashDrafter's constructor calls this before the selector exists
+            self.candidate_selector.reset_parameters(self.config.initializer_range)
+
+    def _candidates(self, hidden: torch.Tensor, lm_head: nn.Module):
+        """(unary scores, candidate ids), `[n, bs-1, k]` each, of slots 1.. of blocks `[n, bs, H]`."""
+        logits = self.logits(hidden, lm_head)[:, 1:].float()
+        return logits.topk(min(self.selector_top_k, logits.shape[-1]), dim=-1)
+
+    def draft(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor, temperature: float = 0.0,
+              generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The selector's path (see `Drafter.draft`); when sampling, q is the candidate distribution each draft was
+        drawn from, scattered over the vocabulary (zero outside the k candidates)."""
+        unary, cand = self._candidates(hidden, lm_head)
+        tokens, _, dists = self.candidate_selector.walk(unary, cand, hidden[:, 1:], anchor_ids, temperature, generator)
+        if dists is None:
+            return tokens, None
+        q = dists.new_zeros(*dists.shape[:-1], self.config.vocab_size).scatter_(-1, cand, dists)
+        return tokens, q
+
+    def tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
+                        k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Along the selector's greedy path, each slot's candidates ranked by log softmax(S) given the path's
+        previous token: the tree's first branch is the selector's path, its siblings the next-best candidates."""
+        unary, cand = self._candidates(hidden, lm_head)
+        selector = self.candidate_selector
+        tokens, _, _ = selector.walk(unary, cand, hidden[:, 1:], anchor_ids)
+        previous = torch.cat([anchor_ids.view(-1, 1), tokens[:, :-1]], 1)
+        log_q = torch.log_softmax(selector.scores(unary, hidden[:, 1:], previous, cand), -1)
+        top_lp, order = log_q.topk(min(k, log_q.shape[-1]), dim=-1)
+        return top_lp, cand.gather(-1, order)

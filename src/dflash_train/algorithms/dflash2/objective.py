@@ -1,0 +1,65 @@
+"""The DFlash2 training objective: DFlash's slot-weighted CE on the unary logits, plus a selector loss.
+
+The selector loss, per counted slot: the k best unary logits of the slot are its candidates (read off the same
+lm_head chunks as the unary CE); the slot's label is forced into the set (it replaces the weakest candidate
+when missing), the slot's true previous token is the predecessor (teacher forcing: the label of the slot
+before, the anchor for slot 1), and the loss is the cross-entropy of `softmax(S)` over the k candidates
+against the label, with the unary loss's slot weights:
+
+    loss = CE_unary + selector_loss_weight * sum_rows w_row * CE_k(S_row, label) / sum_rows w_row
+
+The candidates' unary scores enter S detached: the selector loss trains the codebooks, the hidden projection
+and, through the pair term, the drafter's hidden states, but never pushes the unary logits (the unary CE
+does that). Metrics count a slot right when the selector, given the true previous token, picks its label
+from the strict top-k (what greedy decoding along the right path proposes).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..base import StepStats
+from ..dflash.blocks import Blocks
+from ..dflash.objective import DFlashObjective, block_stats
+
+
+def previous_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """`[B, N, bs]` same-position labels -> each slot's true previous token (slot k's is slot k-1's label; slot
+    0's label is the anchor token, so slot 1's predecessor is the anchor)."""
+    return torch.cat([labels[..., :1], labels[..., :-1]], dim=-1)
+
+
+def forced_candidates(top_values: torch.Tensor, top_ids: torch.Tensor, labels: torch.Tensor,
+                      label_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(unary scores `[M, k]`, candidate ids `[M, k]` with the label forced in, the label's index `[M]`, whether the
+    label was among the strict top-k `[M]`). A missing label replaces the last (weakest) candidate."""
+    hit = top_ids == labels.unsqueeze(1)
+    present = hit.any(-1)
+    last = top_ids.shape[1] - 1
+    ids = top_ids.clone()
+    values = top_values.clone()
+    ids[:, last] = torch.where(present, ids[:, last], labels)
+    values[:, last] = torch.where(present, values[:, last], label_logits.to(values.dtype))
+    target = (ids == labels.unsqueeze(1)).to(torch.int8).argmax(-1)
+    return values, ids, target, present
+
+
+class DFlash2Objective(DFlashObjective):
+    def rows_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor,
+                  final: Optional[torch.Tensor]) -> StepStats:
+        selector = self.drafter.candidate_selector
+        result = self.unary_loss(rows, blocks, idx, final, top_k=self.drafter.selector_top_k)
+        r = result.rows
+        labels = blocks.labels.view(-1).index_select(0, idx)
+        unary, cand, target, present = forced_candidates(r.top_values, r.top_ids, labels, r.label_logits)
+        previous = previous_tokens(blocks.labels).view(-1).index_select(0, idx)
+        scores = selector.scores(unary.detach(), rows, previous, cand)  # [M, k] float32
+        selector_ce = F.cross_entropy(scores, target, reduction="none")
+        norm = result.weights / result.weight_sum.clamp_min(1e-12)
+        selector_loss = (selector_ce * norm.to(selector_ce.dtype)).sum()
+        loss = result.loss + self.cfg.objective.selector_loss_weight * selector_loss
+        correct = (scores.argmax(-1) == target) & present
+        return block_stats(loss, correct, blocks, idx)

@@ -1,0 +1,372 @@
+"""DFlash2: the block-local convolution and the candidate selector against float64 references, the identity
+start (an untrained DFlash2 drafter computes what DFlash does), the training objective against a dense
+reference, lossless decoding through the selector's path, exact speculative sampling over its candidates, and
+the reference export format read back by an independent minimal decoder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dflash_train.algorithms import architecture
+from dflash_train.algorithms.base import sdpa_attention
+from dflash_train.algorithms.dflash.attention import resolve_backend
+from dflash_train.algorithms.dflash.blocks import build_blocks, sample_anchors
+from dflash_train.algorithms.dflash.config import make_drafter_config
+from dflash_train.algorithms.dflash.mask import dense_mask
+from dflash_train.algorithms.dflash.model import DFlashDrafter
+from dflash_train.algorithms.dflash2.config import make_dflash2_config
+from dflash_train.algorithms.dflash2.conv import BlockConv
+from dflash_train.algorithms.dflash2.model import DFlash2Drafter
+from dflash_train.algorithms.dflash2.objective import DFlash2Objective
+from dflash_train.config import config_from_dict
+from dflash_train.data.batch import Batch
+from dflash_train.infer.spec_decode import SpeculativeDecoder
+from dflash_train.model.io import load_drafter, save_drafter
+from dflash_train.model.target import TargetCapture, load_target_model
+
+D2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=5)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
+
+
+def dflash2(target, block_size=4, seed=0, perturb=0.0, **kw) -> DFlash2Drafter:
+    torch.manual_seed(seed)
+    cfg = make_dflash2_config(target.config, num_draft_layers=2, block_size=block_size, target_layer_ids=[1, 4],
+                              mask_token_id=16, **{**D2, **kw})
+    d = DFlash2Drafter(cfg)
+    if perturb:  # away from the identity start: every convolution tap and codebook non-trivial
+        with torch.no_grad():
+            for name, p in d.named_parameters():
+                if "conv" in name or "selector" in name:
+                    p.add_(torch.randn_like(p) * perturb)
+    return d.eval()
+
+
+def brute_force_conv(conv: BlockConv, x: torch.Tensor, side: int, block_len: int) -> torch.Tensor:
+    """y_t[c] = sum_o (base[side, o, c] + dyn_t[side, o, c // g]) * x_{t-o}[c], x_{t-o} = 0 before the block."""
+    b, q, h = x.shape
+    dyn = conv.kernel_projection(x).view(b, q, 2, conv.kernel_size, conv.groups)  # taps from x itself here
+    y = torch.zeros_like(x)
+    for i in range(b):
+        for t in range(q):
+            for o in range(conv.kernel_size):
+                if t % block_len - o < 0:
+                    continue
+                for c in range(h):
+                    coef = conv.base_kernel[side, o, c] + dyn[i, t, side, o, c // conv.group_size]
+                    y[i, t, c] += coef * x[i, t - o, c]
+    return y
+
+
+@pytest.mark.parametrize("kernel,block_len", [(2, 4), (3, 4), (3, 2)])
+def test_conv_equals_a_brute_force_loop_and_never_crosses_a_block(kernel, block_len):
+    torch.manual_seed(0)
+    conv = BlockConv(32, kernel, 8).double()
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_(0, 0.3)
+    x = torch.randn(2, 3 * block_len, 32, dtype=torch.float64)
+    taps = conv.taps(x)
+    for side in (0, 1):
+        torch.testing.assert_close(conv(x, taps, side, block_len), brute_force_conv(conv, x, side, block_len))
+    # changing block 1's inputs leaves blocks 0 and 2 untouched (the taps too are per position)
+    y = conv(x, taps, 0, block_len)
+    x2 = x.clone()
+    x2[:, block_len:2 * block_len] += 1.0
+    y2 = conv(x2, conv.taps(x2), 0, block_len)
+    outside = torch.ones(3 * block_len, dtype=torch.bool)
+    outside[block_len:2 * block_len] = False
+    assert torch.equal(y[:, outside], y2[:, outside]) and not torch.equal(y, y2)
+
+
+def test_an_untrained_dflash2_drafter_computes_what_dflash_does(target):
+    """The identity start: with DFlash's weights loaded, the hidden states are DFlash's bit for bit in float64,
+    and the selector's walk is the per-slot argmax."""
+    d2 = dflash2(target).double()
+    torch.manual_seed(1)
+    d1 = DFlashDrafter(make_drafter_config(target.config, num_draft_layers=2, block_size=4, target_layer_ids=[1, 4],
+                                           mask_token_id=16)).double()
+    missing, unexpected = d2.load_state_dict(d1.state_dict(), strict=False)
+    assert not unexpected and all("conv" in k or "selector" in k for k in missing)
+    s, bs = 12, 4
+    hidden = torch.randn(1, s, 128, dtype=torch.float64)
+    anchors, keep = torch.tensor([[2, 7]]), torch.tensor([[True, True]])
+    block = torch.randn(1, 8, 64, dtype=torch.float64)
+    pos = torch.cat([torch.arange(s).view(1, -1), (anchors.unsqueeze(-1) + torch.arange(bs)).view(1, -1)], 1)
+    mask = dense_mask(anchors, keep, s, bs)
+    out1, out2 = d1(hidden, block, pos, sdpa_attention, mask), d2(hidden, block, pos, sdpa_attention, mask)
+    torch.testing.assert_close(out2, out1, rtol=0, atol=1e-12)
+    head = target.get_output_embeddings().double()
+    drafts, _ = d2.draft(out2.view(2, bs, -1), head, torch.tensor([5, 9]))
+    assert torch.equal(drafts, head(out1.view(2, bs, -1))[:, 1:].argmax(-1))
+    # and away from the identity start, the two differ
+    assert not torch.allclose(dflash2(target, perturb=0.1).double()(hidden, block, pos, sdpa_attention, mask), out2)
+
+
+def dense_selector_loss(d: DFlash2Drafter, rows: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor,
+                        previous: torch.Tensor, weights: torch.Tensor, weight: float):
+    """The objective written out densely in float64: full logits, CE, top-k, the label forced in, S, k-way CE."""
+    logits = rows @ head_w.T
+    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    norm = weights.double() / weights.double().sum()
+    k = d.selector_top_k
+    top_v, top_i = logits.detach().topk(k, -1)
+    sel = d.candidate_selector
+    total = (ce * norm).sum()
+    for r in range(rows.shape[0]):
+        ids, vals = top_i[r].clone(), top_v[r].clone()
+        if labels[r] not in ids:
+            ids[-1], vals[-1] = labels[r], logits[r, labels[r]].detach()
+        z = sel.hidden_projection.weight @ rows[r]
+        s = vals + torch.stack([(sel.predecessor_codebook[previous[r]] * z * sel.successor_codebook[i]).sum() for i in ids])
+        target_idx = int((ids == labels[r]).nonzero()[0])
+        total = total + weight * norm[r] * (torch.logsumexp(s, 0) - s[target_idx])
+    return total
+
+
+@pytest.mark.parametrize("selector_weight", [1.0, 0.25])
+def test_the_objective_equals_a_dense_float64_reference(target, selector_weight):
+    d = dflash2(target, perturb=0.1).double().train()
+    capture = TargetCapture.from_model(target.double(), [1, 4])
+    try:
+        cfg = config_from_dict({"drafter": {"architecture": "dflash2", "block_size": 4, "num_draft_layers": 2},
+                                "objective": {"max_anchors": 6, "slot_weighting": "gamma", "gamma": 3.0,
+                                              "selector_loss_weight": selector_weight},
+                                "data": {"max_length": 64, "token_budget": 256}})
+        backend = resolve_backend("sdpa", torch.device("cpu"), 4)
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(3, 400, (2, 30), generator=g)  # a small id range: labels often outside the top-k
+        loss_mask = (torch.rand(2, 30, generator=g) < 0.8).long()
+        batch = Batch(ids, loss_mask, torch.tensor([30, 22]))
+        objective = DFlash2Objective(d, capture, backend, cfg, torch.float64)
+        stats = objective(batch, torch.Generator().manual_seed(7))
+        params = [p for p in d.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
+
+        anchors, keep = sample_anchors(loss_mask, batch.lengths, 4, 6, torch.Generator().manual_seed(7), 1)
+        blocks = build_blocks(ids, loss_mask, batch.lengths, anchors, keep, 4, 16, 3.0)
+        idx = blocks.counted.view(-1).nonzero().squeeze(1)
+        hidden = capture(ids)
+        embeds = capture.embed_tokens(blocks.block_ids)
+        pos = torch.cat([torch.arange(30).expand(2, 30), blocks.block_positions], 1)
+        out = d(hidden, embeds, pos, sdpa_attention, dense_mask(blocks.anchors, blocks.keep, 30, 4))
+        rows = out.reshape(-1, out.shape[-1])[idx]
+        labels = blocks.labels.view(-1)[idx]
+        previous = torch.cat([blocks.labels[..., :1], blocks.labels[..., :-1]], -1).view(-1)[idx]
+        ref = dense_selector_loss(d, rows, capture.lm_head.weight, labels, previous, blocks.weights.view(-1)[idx],
+                                  selector_weight)
+        ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
+        torch.testing.assert_close(stats.loss, ref, rtol=1e-10, atol=1e-12)
+        for p, a, b in zip(params, grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+        assert grads[[n for n, _ in d.named_parameters()].index("candidate_selector.successor_codebook")].abs().sum() > 0
+    finally:
+        target.float()
+
+
+def test_greedy_decoding_through_the_selector_is_lossless(target):
+    """A non-identity DFlash2 drafter: block and DDTree decoding give the target's own greedy tokens (float32)."""
+    dec = SpeculativeDecoder(target, dflash2(target, perturb=0.2), stop_token_ids=[2])
+    g = torch.Generator().manual_seed(0)
+    for n in (5, 17):
+        prompt = torch.randint(3, 49152, (n,), generator=g).tolist()
+        ref = dec.generate_target_only(prompt, 24).tokens
+        assert dec.generate_block(prompt, 24).tokens == ref
+        assert dec.generate_tree(prompt, 24, 12).tokens == ref
+
+
+def test_sampled_drafts_follow_the_returned_candidate_distribution(target):
+    """Speculative sampling is exact when each draft is drawn from the q it reports (the accept rule itself is
+    tested in test_spec_decode): slot 1's draws follow q_1, and slot 2's, given slot 1's token, follow q_2."""
+    d = dflash2(target, perturb=0.3)
+    head = target.get_output_embeddings()
+    torch.manual_seed(3)
+    hidden = torch.randn(1, 4, 64)
+    anchor = torch.tensor([7])
+    g = torch.Generator().manual_seed(0)
+    trials = 4000
+    hidden_n = hidden.expand(trials, 4, 64)
+    drafts, q = d.draft(hidden_n, head, anchor.expand(trials), temperature=1.0, generator=g)
+    assert q.shape == (trials, 3, 49152) and torch.allclose(q.sum(-1), torch.ones(trials, 3))
+    q1 = q[0, 0]
+    assert torch.allclose(q[:, 0], q1.expand(trials, -1))  # slot 1 depends on the anchor only
+    support = q1.nonzero().squeeze(1)
+    assert len(support) == d.selector_top_k
+    counts = torch.stack([(drafts[:, 0] == t).sum() for t in support]).double()
+    expected = q1[support].double() * trials
+    assert float(((counts - expected) ** 2 / expected).sum()) < 18.5  # chi-square, 4 dof, p = 0.001
+    first = drafts[:, 0] == support[q1[support].argmax()]  # slot 2 given the likeliest slot-1 token
+    q2 = q[first][0, 1]
+    assert torch.allclose(q[first][:, 1], q2.expand(int(first.sum()), -1))
+    support2 = q2.nonzero().squeeze(1)
+    counts2 = torch.stack([(drafts[first, 1] == t).sum() for t in support2]).double()
+    expected2 = q2[support2].double() * int(first.sum())
+    assert float(((counts2 - expected2) ** 2 / expected2).sum()) < 18.5
+
+
+def test_sampled_decoding_runs_and_stops(target):
+    dec = SpeculativeDecoder(target, dflash2(target, perturb=0.2), stop_token_ids=[2], temperature=0.8, seed=1)
+    out = dec.generate_block([5, 9, 33, 4], 20)
+    assert 1 <= len(out.tokens) <= 20 and all(1 <= a <= 4 for a in out.accept_lengths)
+
+
+REFERENCE_TENSORS = {
+    "fc.weight", "hidden_norm.weight", "norm.weight", "candidate_selector.hidden_projection.weight",
+    "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+} | {f"layers.{i}.{name}" for i in range(2) for name in (
+    "attention_conv.base_kernel", "attention_conv.kernel_projection.weight", "mlp_conv.base_kernel",
+    "mlp_conv.kernel_projection.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+    "mlp.down_proj.weight")}
+
+
+class MinimalDFlash2:
+    """An independent reading of the reference DFlash2 layout: config.json and safetensors by name, plain tensor
+    math, one block per call, context keys recomputed from all captured features every call (no cache)."""
+
+    def __init__(self, folder):
+        self.cfg = json.loads((folder / "config.json").read_text())
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            self.w = {k: f.get_tensor(k).float() for k in f.keys()}
+        dc = self.cfg["dflash_config"]
+        self.bs, self.k, self.g, self.top_k = dc["block_size"], dc["conv_kernel_size"], dc["conv_group_size"], dc["selector_top_k"]
+        self.mask_id, self.layer_ids = dc["mask_token_id"], dc["target_layer_ids"]
+        self.eps = self.cfg["rms_norm_eps"]
+        self.heads, self.kv, self.hd = self.cfg["num_attention_heads"], self.cfg["num_key_value_heads"], self.cfg["head_dim"]
+        theta = self.cfg.get("rope_theta") or self.cfg["rope_parameters"]["rope_theta"]
+        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.hd, 2).float() / self.hd)
+
+    def rms(self, x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def rope(self, x, pos):
+        f = pos.float()[:, None] * self.inv_freq
+        cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def conv(self, p, x, u, side):
+        n, h = x.shape
+        dyn = (u @ self.w[p + "kernel_projection.weight"].T).view(n, 2, self.k, h // self.g)
+        y = torch.zeros_like(x)
+        for o in range(self.k):
+            coef = self.w[p + "base_kernel"][side, o] + dyn[:, side, o].repeat_interleave(self.g, -1)
+            y[o:] += coef[o:] * x[: n - o]
+        return y
+
+    def propose(self, features, anchor, start, embed, head):
+        """features [start, K*H] of positions 0..start-1; the block anchored at position `start`."""
+        ctx = self.rms(features @ self.w["fc.weight"].T, self.w["hidden_norm.weight"])
+        x = embed(torch.tensor([anchor] + [self.mask_id] * (self.bs - 1)))
+        qpos, kpos = torch.arange(start, start + self.bs), torch.arange(start + self.bs)
+        for i in range(self.cfg["num_hidden_layers"]):
+            p = f"layers.{i}."
+            u = self.rms(x, self.w[p + "input_layernorm.weight"])
+            u = self.conv(p + "attention_conv.", u, u, 0)
+            un = self.rms(x, self.w[p + "input_layernorm.weight"])
+            q = (u @ self.w[p + "self_attn.q_proj.weight"].T).view(self.bs, self.heads, self.hd)
+            kv_in = torch.cat([ctx, u])
+            k = (kv_in @ self.w[p + "self_attn.k_proj.weight"].T).view(-1, self.kv, self.hd)
+            v = (kv_in @ self.w[p + "self_attn.v_proj.weight"].T).view(-1, self.kv, self.hd)
+            q = self.rope(self.rms(q, self.w[p + "self_attn.q_norm.weight"]).transpose(0, 1), qpos)
+            k = self.rope(self.rms(k, self.w[p + "self_attn.k_norm.weight"]).transpose(0, 1), kpos)
+            rep = self.heads // self.kv
+            att = torch.softmax(q @ k.repeat_interleave(rep, 0).transpose(1, 2) / self.hd ** 0.5, -1)
+            o = (att @ v.transpose(0, 1).repeat_interleave(rep, 0)).transpose(0, 1).reshape(self.bs, -1)
+            x = x + self.conv(p + "attention_conv.", o @ self.w[p + "self_attn.o_proj.weight"].T, un, 1)
+            u = self.rms(x, self.w[p + "post_attention_layernorm.weight"])
+            m_in = self.conv(p + "mlp_conv.", u, u, 0)
+            m = (torch.nn.functional.silu(m_in @ self.w[p + "mlp.gate_proj.weight"].T) * (m_in @ self.w[p + "mlp.up_proj.weight"].T))
+            x = x + self.conv(p + "mlp_conv.", m @ self.w[p + "mlp.down_proj.weight"].T, u, 1)
+        self.last_hidden = self.rms(x, self.w["norm.weight"])
+        h = self.last_hidden[1:]
+        logits = head(h)
+        z = h @ self.w["candidate_selector.hidden_projection.weight"].T
+        drafts, prev = [], anchor
+        for t in range(self.bs - 1):
+            vals, ids = logits[t].topk(self.top_k)
+            pair = (self.w["candidate_selector.predecessor_codebook"][prev] * z[t]) @ self.w["candidate_selector.successor_codebook"][ids].T
+            prev = int(ids[(vals + pair).argmax()])
+            drafts.append(prev)
+        return drafts
+
+
+def test_export_is_the_reference_layout_and_an_independent_reader_decodes_the_same(target, tmp_path):
+    d = dflash2(target, perturb=0.2)
+    out = save_drafter(d, tmp_path / "export", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    dc = cfg["dflash_config"]
+    for key in ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                "output_multiplier", "final_logit_softcapping", "mask_token_id", "target_layer_ids"):
+        assert key in dc, key
+    assert (dc["conv_kernel_size"], dc["conv_group_size"], dc["selector_rank"], dc["selector_top_k"]) == (2, 16, 8, 5)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == REFERENCE_TENSORS
+        assert tuple(f.get_slice("layers.0.attention_conv.base_kernel").get_shape()) == (2, 2, 64)
+        assert tuple(f.get_slice("layers.0.attention_conv.kernel_projection.weight").get_shape()) == (2 * 2 * 4, 64)
+        assert tuple(f.get_slice("candidate_selector.predecessor_codebook").get_shape()) == (49152, 8)
+    loaded = load_drafter(out)
+    assert type(loaded) is DFlash2Drafter and loaded.selector_top_k == 5
+    for k, v in d.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+    # decode with the independent reader: the same drafts at every step, hence the same tokens and acceptance
+    ref = MinimalDFlash2(out)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    dec = SpeculativeDecoder(target, loaded, stop_token_ids=[2])
+    prompt = [5, 77, 901, 12, 4, 3000, 18]
+    seen = []
+    original = dec._draft
+
+    def both(context, anchor, start, dcache):
+        drafts, q = original(context, anchor, start, dcache)
+        seen.append((drafts.tolist(), anchor, start))
+        return drafts, q
+
+    dec._draft = both
+    result = dec.generate_block(prompt, 20)
+    # the target's own features of the accepted text, from one full forward
+    text = prompt + result.tokens
+    with torch.no_grad():
+        hs = target(input_ids=torch.tensor([text]), output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i + 1][0] for i in ref.layer_ids], -1)
+    with torch.no_grad():
+        for drafts, anchor, start in seen:
+            assert ref.propose(feats[:start], anchor, start, embed, head) == drafts
+            block = torch.tensor([[anchor] + [ref.mask_id] * 3])
+            ours = loaded(feats[None, :start], embed(block), torch.arange(start + 4).view(1, -1), sdpa_attention, None)
+            torch.testing.assert_close(ours[0], ref.last_hidden, rtol=1e-4, atol=1e-5)  # the numbers, not just argmaxes
+    assert len(seen) == len(result.accept_lengths) and sum(result.accept_lengths) >= len(result.tokens) - 1
+
+
+def test_a_dflash2_run_trains_exports_and_evaluates(tiny_target_dir, counting_jsonl, tmp_path):
+    from dflash_train.train.trainer import train
+
+    cfg = config_from_dict({
+        "target": {"path": str(tiny_target_dir)},
+        "drafter": {"architecture": "dflash2", "num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa",
+                    "selector_rank": 8, "selector_top_k": 4},
+        "data": {"train_files": [str(counting_jsonl)], "max_length": 256, "token_budget": 512, "max_batch_size": 2},
+        "objective": {"max_anchors": 16, "gamma": 4.0},
+        "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.05},
+        "run": {"device": "cpu", "log_every": 1, "save_every": 100, "progress_bar": False, "eval_every": 0},
+    })
+    train(cfg, tmp_path / "R", max_steps=4)
+    status = json.loads((tmp_path / "R" / "status.json").read_text())
+    assert status["phase"] == "done", status
+    records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if "loss" in r)
+    drafter = load_drafter(tmp_path / "R" / "export")
+    assert type(drafter) is DFlash2Drafter
+    assert architecture("dflash2").drafter_class is DFlash2Drafter
+    # training moved the selector away from its identity start
+    assert drafter.candidate_selector.successor_codebook.abs().sum() > 0
