@@ -219,6 +219,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_workload_args(ap)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--architecture", default="dflash", choices=["dflash", "dflash2"],
+                    help="the drafter architecture (full step only; dflash2: reference convolution/selector sizes)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one drafter step")
     ap.add_argument("--cache-dir", default=None, help="inductor cache directory (see --fresh-cache)")
     ap.add_argument("--fresh-cache", action="store_true", help="empty the inductor cache first: a cold compile")
@@ -259,14 +261,23 @@ def main() -> None:
     ids = default_target_layer_ids(shape["num_hidden_layers"], args.layers)
     target = TargetCapture.from_model(model, ids, compile=args.compile_target)
     dshape, dkwargs = drafter_shape(shape, args)
-    dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids, mask_token_id=5,
-                               **dkwargs)
-    drafter = DFlashDrafter(dcfg).cuda()
+    if args.architecture == "dflash2":
+        from dflash_train.algorithms.dflash2.config import make_dflash2_config
+        from dflash_train.algorithms.dflash2.model import DFlash2Drafter
+
+        dcfg = make_dflash2_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
+                                   mask_token_id=5, **dkwargs)
+        drafter = DFlash2Drafter(dcfg).cuda()
+    else:
+        dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
+                                   mask_token_id=5, **dkwargs)
+        drafter = DFlashDrafter(dcfg).cuda()
     if args.compile_drafter:
         drafter.compile_layers()
     build_s = time.perf_counter() - t0
 
-    cfg = config_from_dict({"drafter": {"block_size": args.block, "num_draft_layers": args.layers},
+    cfg = config_from_dict({"drafter": {"architecture": args.architecture, "block_size": args.block,
+                                        "num_draft_layers": args.layers},
                             "objective": {"max_anchors": args.anchors},
                             "data": {"max_length": args.seq, "token_budget": args.seq * args.batch}})
     backend = resolve_backend("flex", torch.device("cuda"), args.block)
@@ -300,7 +311,7 @@ def main() -> None:
         embed_tokens, lm_head = real_target.embed_tokens, real_target.lm_head
         def __call__(self, _ids):
             return hidden
-    step.target = Precomputed()
+    step.target = step.objective.target = Precomputed()  # the objective runs the target it holds
     t_drafter, _ = timed(lambda: step(batch, 3), args.repeat)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -309,7 +320,7 @@ def main() -> None:
             step(batch, 4)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=35, max_name_column_width=70))
-    step.target = real_target
+    step.target = step.objective.target = real_target
 
     from dflash_train.algorithms.dflash.blocks import sample_anchors
     anchors, keep = sample_anchors(batch.loss_mask.cpu(), batch.lengths.cpu(), args.block, args.anchors,
@@ -319,7 +330,7 @@ def main() -> None:
                               int(stats.counted_per_slot.sum()), args.block)
     tokens = sum(lengths)
     result = {
-        "shape": args.shape, "batch": args.batch, "seq": args.seq, "block": args.block, "anchors": args.anchors,
+        "architecture": args.architecture, "shape": args.shape, "batch": args.batch, "seq": args.seq, "block": args.block, "anchors": args.anchors,
         "peak_tflops": round(peak, 1), "build_s": round(build_s, 1), "first_step_s": round(first_step_s, 1),
         "start_to_first_step_s": round(start_to_first_step_s, 1), "fresh_cache": args.fresh_cache,
         "early_compile_workers": not args.late_compile_workers,

@@ -410,6 +410,36 @@ def test_validation_on_real_data_compiles_nothing_after_the_warm_up(tmp_path, qw
     assert "recompiled after the warm-up" not in text, text[-3000:]  # also the last validation's
 
 
+def test_dflash2_on_real_data_compiles_nothing_after_the_warm_up_and_learns(tmp_path, qwen3_target_dir, real_data):
+    """DFlash2 with both compiles and flex on real variable-length data: the convolutions compile inside the
+    layers' graphs, the warm-up covers the plan, no step recompiles, the loss falls and the export reloads as a
+    DFlash2 drafter."""
+    from _harness import run
+
+    from dflash_train.algorithms.dflash2.model import DFlash2Drafter
+    from dflash_train.model.io import load_drafter
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({
+        "target": {"path": str(qwen3_target_dir), "compile": True},
+        "drafter": {"architecture": "dflash2", "num_draft_layers": 2, "block_size": 16, "attention_backend": "flex",
+                    "compile": True, "mask_token_id": 16},
+        "data": {"train_files": [str(real_data)], "max_length": 1024, "token_budget": 16384, "max_batch_size": 16,
+                 "max_samples": 600},
+        "objective": {"max_anchors": 512},
+        "optim": {"lr": 6e-4, "max_steps": 40, "warmup_ratio": 0.04},
+        "run": {"device": "cuda", "log_every": 5, "save_every": 1000, "progress_bar": False, "eval_every": 0,
+                "compile_cache_dir": str(tmp_path / "cache")},
+    }))
+    out, log = tmp_path / "R", tmp_path / "train.out"
+    assert run(["train", str(cfg), "--run-dir", str(out)], log, timeout=600) == 0, log.read_text()[-3000:]
+    status = json.loads((out / "status.json").read_text())
+    assert status["phase"] == "done" and status["recompiles_after_warmup"] == 0, status
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["loss"] == r["loss"] for r in records) and records[-1]["loss"] < records[0]["loss"], records
+    assert isinstance(load_drafter(out / "export"), DFlash2Drafter)
+
+
 def test_preflight_refuses_a_plan_that_cannot_fit():
     from dflash_train.train.preflight import check_gpu
 
