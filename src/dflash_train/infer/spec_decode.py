@@ -197,11 +197,15 @@ class SpeculativeDecoder:
         block[0, 0] = anchor
         positions = torch.arange(dcache.length(), start + bs, device=self.device).view(1, -1)
         dtype = next(self.drafter.parameters()).dtype
-        out = self.drafter(context.unsqueeze(0).to(dtype), self.embed(block).to(dtype), positions, sdpa_attention, None, dcache)
+        # The cache holds the keys of positions 0..start-1 (context) and the block sits at start: masks only
+        # where a layer has a window or in-block causality (None otherwise: every key visible).
+        masks = self.drafter.decode_masks(start, bs, self.device)
+        out = self.drafter(context.unsqueeze(0).to(dtype), self.drafter.embed_block(self.embed, block).to(dtype),
+                           positions, sdpa_attention, masks, dcache)
         dcache.crop(start)  # keep context keys only
         # Every block row through the lm_head, then the anchor's row dropped: on CPU (MKL) a 15-row product
         # with the 49,152-row lm_head takes twice as long as a 16-row one (38 vs 18 ms); free on a GPU.
-        return self.lm_head(out[0].to(self.lm_head.weight.dtype))[1:].float()
+        return self.drafter.logits(out[0], self.lm_head)[1:]
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature <= 0:

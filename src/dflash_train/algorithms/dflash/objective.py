@@ -1,5 +1,6 @@
-"""The DFlash training objective on one micro-batch: target capture -> anchors and blocks -> mask ->
-drafter forward -> chunked slot-weighted CE over the counted slots."""
+"""The DFlash training objective on one micro-batch: target capture -> anchors and blocks -> masks (one per
+layer kind) -> drafter forward -> chunked slot-weighted CE over the counted slots, of the drafter's scores as
+decoding ranks them (`Drafter.embed_block` inputs, `Drafter.logits`' multiplier and softcap)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ class DFlashObjective:
         device = batch.input_ids.device
         b, s = batch.input_ids.shape
         with torch.no_grad():
-            block_embeds = target.embed_tokens(blocks.block_ids)
+            block_embeds = drafter.embed_block(target.embed_tokens, blocks.block_ids)
         if drafter.layers_compiled and torch.is_grad_enabled():
             # Dynamo guards on requires_grad: an input that needs no gradient would give the first layer graphs
             # of its own. One set for all layers costs the first layer's q/k/v input gradient (~0.6% of a step).
@@ -97,7 +98,7 @@ class DFlashObjective:
             s += pad
         context_pos = torch.arange(s, device=device).expand(b, s)
         position_ids = torch.cat([context_pos, blocks.block_positions], dim=1)
-        mask = backend.build_mask(blocks.anchors, blocks.keep, s, bs)
+        mask = drafter.layer_masks(lambda kind: backend.build_mask(blocks.anchors, blocks.keep, s, bs, kind))
         autocast = (torch.autocast(device.type, dtype=self.compute_dtype)
                     if self.compute_dtype in (torch.bfloat16, torch.float16) else contextlib.nullcontext())
         with autocast:
@@ -113,6 +114,8 @@ class DFlashObjective:
                 target_hidden=_distill_rows(final, blocks, idx) if final is not None else None,
                 distill_weight=o.distill_weight,
                 temperature=o.distill_temperature,
+                output_multiplier=drafter.output_multiplier,
+                softcap=drafter.final_logit_softcapping,
             )
         correct = torch.zeros_like(blocks.counted).view(-1).index_put((idx,), result.correct)
         correct = correct.view(blocks.labels.shape)  # [B, N, bs]
