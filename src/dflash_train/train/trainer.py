@@ -227,6 +227,8 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
         target_config, num_draft_layers=d.num_draft_layers, block_size=d.block_size,
         target_layer_ids=plan.layer_ids, mask_token_id=plan.mask_token_id, intermediate_size=d.intermediate_size,
         num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
+        sliding_window=d.sliding_window, causal=d.causal, output_multiplier=d.output_multiplier,
+        final_logit_softcapping=d.final_logit_softcapping,
     )
     provenance = target_provenance(str(plan.target_path), tokenizer, target_config)
     placement = "colocated" if layout is None else f"split {layout.target_ranks}+{layout.drafter_ranks}"
