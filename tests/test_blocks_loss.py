@@ -109,6 +109,40 @@ def test_chunked_loss_and_gradient_equal_unchunked_in_float64(chunk):
     assert torch.equal(out.correct, ref_correct)
 
 
+@pytest.mark.parametrize("multiplier,cap,distill", [(0.2, None, 0.0), (1.0, 3.0, 0.0), (0.19611613513818404, 20.0, 0.0),
+                                                     (2.5, 1.5, 0.0), (0.5, 2.0, 0.4)])
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_chunked_loss_with_multiplier_and_softcap_equals_autograd_on_full_logits_in_float64(multiplier, cap, distill,
+                                                                                            chunk):
+    """The drafter's scores x = cap * tanh(m * z / cap) (x = m * z without a cap): loss, gradient (the chain rule
+    through the transform), hits and the label log-probabilities acceptance weighting reads all equal autograd
+    on the full transformed logits; the target's logits (distillation) stay untransformed."""
+    from dflash_train.algorithms.base import transform_logits
+    from dflash_train.algorithms.dflash.loss import chunked_ce_rows
+
+    g = torch.Generator().manual_seed(chunk)
+    m, h, v = 29, 16, 50
+    hidden = torch.randn(m, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * 2  # logits of a few units: the cap bends them
+    labels = torch.randint(0, v, (m,), generator=g)
+    target_hidden = torch.randn(m, h, generator=g, dtype=torch.float64)
+    weights = torch.rand(m, generator=g, dtype=torch.float64) + 0.1
+    rows = chunked_ce_rows(hidden, weight, labels, chunk, target_hidden, distill, 1.0, multiplier, cap)
+    (grad,) = torch.autograd.grad((rows.loss * weights).sum(), hidden)
+
+    ref_hidden = hidden.detach().clone().requires_grad_(True)
+    x = transform_logits(ref_hidden @ weight.t(), multiplier, cap)
+    q = (1 - distill) * torch.nn.functional.one_hot(labels, v).double() + distill * torch.softmax(target_hidden @ weight.t(), -1)
+    ref_rows = -(q * torch.log_softmax(x, -1)).sum(-1)
+    (ref_grad,) = torch.autograd.grad((ref_rows * weights).sum(), ref_hidden)
+    torch.testing.assert_close(rows.loss, ref_rows, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(rows.label_logp, torch.log_softmax(x, -1).gather(1, labels.view(-1, 1)).view(-1).detach())
+    assert torch.equal(rows.correct, x.argmax(-1) == labels)
+    plain = chunked_ce_rows(hidden, weight, labels, chunk, target_hidden, distill, 1.0)
+    assert not torch.allclose(plain.loss, rows.loss, rtol=1e-3)  # the transform is not a no-op here
+
+
 def test_the_eager_chunk_math_equals_the_compiled_one_in_float64():
     """CPU runs `_ce_chunk_eager` (in place, four passes); CUDA compiles `_ce_chunk`. Same outputs, ties in
     the argmax included (both take the first maximum)."""

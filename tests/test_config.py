@@ -61,10 +61,24 @@ def test_wrong_types_name_the_key(tree, key):
     ({"optim": {"schedule": "wsd", "warmup_ratio": 0.5, "decay_ratio": 0.6}}, "optim.decay_ratio"),
     ({"parallel": {"placement": "split"}, "run": {"eval_every": 0}, "objective": {"distill_weight": 0.5}},
      "objective.distill_weight.*split"),
+    ({"drafter": {"sliding_window": 0}}, "drafter.sliding_window.*>= 1"),
+    ({"drafter": {"sliding_window": 16}}, r"drafter.sliding_window.*> drafter.block_size = 16.*last 1 slot"),
+    ({"drafter": {"block_size": 8, "sliding_window": 5}}, r"drafter.sliding_window.*last 4 slot"),
+    ({"drafter": {"output_multiplier": 0.0}}, "drafter.output_multiplier"),
+    ({"drafter": {"final_logit_softcapping": 0.0}}, "drafter.final_logit_softcapping.*null"),
+    ({"drafter": {"final_logit_softcapping": -3.0}}, "drafter.final_logit_softcapping"),
 ])
 def test_cross_field_checks(tree, key):
     with pytest.raises(ConfigError, match=key):
         config_from_dict(tree)
+
+
+def test_reference_field_keys_default_to_dflash_and_accept_a_window_past_the_block():
+    d = config_from_dict({}).drafter
+    assert (d.sliding_window, d.causal, d.output_multiplier, d.final_logit_softcapping) == (None, False, 1.0, None)
+    d = config_from_dict({}, ["drafter.sliding_window=17", "drafter.causal=true", "drafter.final_logit_softcapping=20",
+                              "drafter.output_multiplier=0.196"]).drafter
+    assert (d.sliding_window, d.causal, d.output_multiplier, d.final_logit_softcapping) == (17, True, 0.196, 20.0)
 
 
 def test_recipe_defaults_are_the_measured_winners_only():

@@ -370,3 +370,18 @@ def test_a_dflash2_run_trains_exports_and_evaluates(tiny_target_dir, counting_js
     assert architecture("dflash2").drafter_class is DFlash2Drafter
     # training moved the selector away from its identity start
     assert drafter.candidate_selector.successor_codebook.abs().sum() > 0
+
+
+def test_dflash2_with_the_newer_fields_stays_lossless_and_exports_them(target, tmp_path):
+    """DFlash2 with a sliding window, in-block causality and a softcap: greedy block and tree decoding equal the
+    target's own output, and the export carries the fields a reference reader needs."""
+    d = dflash2(target, perturb=0.2, sliding_window=6, causal=True, final_logit_softcapping=5.0)
+    assert d.final_logit_softcapping == 5.0 and d.needs_masks
+    dec = SpeculativeDecoder(target, d, stop_token_ids=[2])
+    prompt = [5, 77, 901, 12, 4, 3000, 18, 44, 9]
+    ref = dec.generate_target_only(prompt, 20).tokens
+    assert dec.generate_block(prompt, 20).tokens == ref and dec.generate_tree(prompt, 20, 8).tokens == ref
+    cfg = json.loads((save_drafter(d, tmp_path / "x") / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention"] * 2 and cfg["sliding_window"] == 6 and cfg["is_causal"] is True
+    assert cfg["dflash_config"]["final_logit_softcapping"] == 5.0
+    assert load_drafter(tmp_path / "x").final_logit_softcapping == 5.0

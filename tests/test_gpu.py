@@ -16,7 +16,7 @@ pytestmark = [
 ]
 
 
-def _drafter_and_inputs(block_size=16, s=300, batch=2, max_anchors=40, seed=0):
+def _drafter_and_inputs(block_size=16, s=300, batch=2, max_anchors=40, seed=0, layer_types=None, **keys):
     from transformers import Qwen3Config
 
     from dflash_train.algorithms.dflash.model import DFlashDrafter
@@ -26,7 +26,11 @@ def _drafter_and_inputs(block_size=16, s=300, batch=2, max_anchors=40, seed=0):
     tcfg = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=64, vocab_size=1000)
     torch.manual_seed(seed)
-    dcfg = make_drafter_config(tcfg, num_draft_layers=2, block_size=block_size, target_layer_ids=[1, 4], mask_token_id=5)
+    dcfg = make_drafter_config(tcfg, num_draft_layers=2, block_size=block_size, target_layer_ids=[1, 4], mask_token_id=5,
+                               **keys)
+    if layer_types:  # a reference drafter's mixed layers, is_causal left to the reader's default
+        dcfg.layer_types = layer_types
+        del dcfg.is_causal
     drafter = DFlashDrafter(dcfg).cuda()
     with torch.no_grad():  # peaked attention: near-uniform softmax makes q/k gradients pure rounding noise
         for layer in drafter.layers:
@@ -55,7 +59,7 @@ def _run(drafter, hidden, block, pos, anchors, keep, s, backend_name, dtype, com
     if pad:
         hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
         pos = torch.cat([torch.arange(s + pad, device="cuda").expand(pos.shape[0], -1), pos[:, s:]], 1)
-    mask = backend.build_mask(anchors, keep, s + pad, 16)
+    mask = drafter.layer_masks(lambda kind: backend.build_mask(anchors, keep, s + pad, 16, kind))
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         out = drafter(hidden.to(dtype), block.to(dtype), pos, backend.attention, mask, compiled_layers=compiled_layers)
     live = keep.repeat_interleave(16, dim=1)
@@ -86,6 +90,25 @@ def test_flex_matches_sdpa_outputs_and_gradients(seed):
     assert _rel(f_out, ref_out) < 2 * _rel(s_out, ref_out) + 1e-3
     for k in ref_grads:
         assert _rel(f_grads[k], ref_grads[k]) < 2 * _rel(s_grads[k], ref_grads[k]) + 1e-2, k
+
+
+@pytest.mark.parametrize("case", ["mixed", "window", "causal"])
+def test_flex_matches_sdpa_with_sliding_and_causal_layers(case):
+    """Compiled flex with the window / causal block masks and mask_mods computes what sdpa computes with the dense
+    masks, per layer kind, outputs and gradients (float32); and the kinds change the result."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    keys = {"mixed": {"sliding_window": 40, "layer_types": ["sliding_attention", "full_attention"]},
+            "window": {"sliding_window": 150}, "causal": {"causal": True}}[case]
+    args = _drafter_and_inputs(seed=3, **keys)
+    kinds = args[0].attention_kinds
+    assert any(not k.is_default for k in kinds), kinds
+    ref_out, ref_grads = _run(*args, "sdpa", torch.float32)
+    out, grads = _run(*args, "flex", torch.float32)
+    assert _rel(out, ref_out) < 1e-4
+    for k in ref_grads:
+        assert _rel(grads[k], ref_grads[k]) < 1e-3, k
+    plain_out, _ = _run(*_drafter_and_inputs(seed=3), "flex", torch.float32)
+    assert _rel(plain_out, ref_out) > 1e-2
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -196,6 +219,32 @@ def test_colocated_one_gpu_run_with_flex(tmp_path, tiny_target_dir, counting_jso
     assert records[-1]["loss"] < records[0]["loss"]
     status = json.loads((tmp_path / "R" / "status.json").read_text())
     assert status["phase"] == "done" and status["backend"] == "flex"
+
+
+def test_colocated_one_gpu_run_with_a_sliding_causal_softcapped_drafter(tmp_path, tiny_target_dir, counting_jsonl):
+    """Training with every reference field the keys set, flex and the compiled drafter layers: the loss falls,
+    and the export carries the fields and decodes losslessly."""
+    from dflash_train.cli import main
+    from dflash_train.infer.spec_decode import SpeculativeDecoder
+    from dflash_train.model.io import load_drafter
+    from dflash_train.model.target import load_target_model
+
+    cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, log_every=5)
+    data = json.loads(cfg.read_text())
+    data["drafter"].update(sliding_window=48, causal=True, final_logit_softcapping=15.0, output_multiplier=0.8,
+                           compile=True)
+    cfg.write_text(json.dumps(data))
+    assert main(["train", str(cfg), "--run-dir", str(tmp_path / "R"), "--max-steps", "40"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"]
+    exported = json.loads((tmp_path / "R" / "export" / "config.json").read_text())
+    assert exported["sliding_window"] == 48 and exported["is_causal"] is True
+    assert exported["dflash_config"]["final_logit_softcapping"] == 15.0
+    target = load_target_model(tiny_target_dir, torch.float32, torch.device("cuda"))
+    drafter = load_drafter(tmp_path / "R" / "export", device="cuda", dtype=torch.float32)
+    dec = SpeculativeDecoder(target, drafter, stop_token_ids=[])
+    prompt = list(range(100, 140))
+    assert dec.generate_block(prompt, 32).tokens == dec.generate_target_only(prompt, 32).tokens
 
 
 def test_field_race_replayed_through_our_layer_has_zero_errors():

@@ -88,6 +88,21 @@ class DrafterConfig:
     # dynamic batch and length, compiled in the warm-up): fuses the norms, RoPE, SiLU x mul and residual
     # adds around the matmuls. CUDA only: a CPU device refuses it.
     compile: bool = False
+    # Sliding-window attention in every drafter layer (null = full attention): a block slot at position p
+    # sees the context positions p - sliding_window + 1 .. anchor - 1 (so slot i sees sliding_window - 1 - i
+    # of them), as the reference decoder does. Must exceed block_size (else the last slots see no context).
+    # Exported as top-level layer_types (all sliding_attention), sliding_window and use_sliding_window.
+    sliding_window: Optional[int] = None
+    # Causal attention inside the block (slot i sees slots 0..i) instead of DFlash's bidirectional block.
+    # Exported as an explicit top-level is_causal (true or false): a reader's default when it is absent
+    # is causal for sliding layers, so the file never leaves it to that default. Published DFlash2 drafters
+    # (sliding, window 2048) set is_causal false, as this default does.
+    causal: bool = False
+    # Draft logits = lm_head(h) * output_multiplier, then final_logit_softcapping * tanh(x / cap) when the cap is
+    # set (null = off). The training loss, decoding and the export (dflash_config) all apply them. vLLM's DFlash
+    # (v1) loader does not read them (its DFlash2 one does): keep the defaults for drafters served there.
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
 
 
 @dataclass
@@ -449,6 +464,17 @@ def validate(cfg: Config) -> None:
         need(len(set(d.target_layer_ids)) == len(d.target_layer_ids), "drafter.target_layer_ids", "ids must be distinct")
     if d.mask_token_id is not None:
         need(d.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
+    if d.sliding_window is not None:
+        need(d.sliding_window >= 1, "drafter.sliding_window", f"must be >= 1, or null for full attention "
+             f"(got {d.sliding_window})")
+        need(d.sliding_window > d.block_size, "drafter.sliding_window",
+             f"must be > drafter.block_size = {d.block_size} (or null): block slot i sees the sliding_window - 1 - i "
+             f"context positions before its anchor, so a window of {d.sliding_window} leaves the last "
+             f"{d.block_size - d.sliding_window + 1} slot(s) no context at all")
+    need(d.output_multiplier > 0, "drafter.output_multiplier", f"must be > 0 (got {d.output_multiplier})")
+    if d.final_logit_softcapping is not None:
+        need(d.final_logit_softcapping > 0, "drafter.final_logit_softcapping",
+             f"must be > 0, or null for no softcapping (got {d.final_logit_softcapping})")
     for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
         value = getattr(d, key)
         need(value is None or value >= 1, f"drafter.{key}", f"must be >= 1 or null (got {value})")

@@ -8,6 +8,8 @@ never imports an architecture's package; it asks the registry (`algorithms.archi
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
@@ -97,6 +99,102 @@ class DrafterKVCache:
                 self.values[i] = self.values[i][:, :, :length]
 
 
+# ---------------------------------------------------------------------------- reference config fields
+# Newer reference drafters (z-lab/dflash, DFlash and DFlash2) carry six fields that change what decoding
+# computes. `draft_value` reads the three output/input fields the reference way; `layer_kinds` reads the
+# three attention fields, which the reference reads from the top level of config.json only.
+
+
+def draft_value(config: Any, name: str, default: Any) -> Any:
+    """`config.dflash_config[name]` when that key is present, else the top-level `config.name`, else
+    `default` (the reference's `_draft_value`). A null value reads as `default`."""
+    dflash = getattr(config, "dflash_config", None) or {}
+    value = dflash[name] if name in dflash else getattr(config, name, None)
+    return default if value is None else value
+
+
+def _number(config: Any, name: str, default: float) -> float:
+    value = draft_value(config, name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        where = "dflash_config." + name if name in (getattr(config, "dflash_config", None) or {}) else name
+        raise ValueError(f"drafter config key '{where}' must be a finite number (got {value!r})")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class OutputFields:
+    """What turns the drafter's final hidden states into scores, and what scales its block inputs:
+    `logits = lm_head(h) * output_multiplier`, then `cap * tanh(logits / cap)` when the cap is set;
+    block input embeddings (anchor and mask tokens, never the context features) `* input_embedding_scale`."""
+
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None  # None = off (a file's 0 or null reads as off)
+    input_embedding_scale: float = 1.0
+
+    @staticmethod
+    def of(config: Any) -> "OutputFields":
+        """Read from `dflash_config` first, then the top level, then the defaults; refuses non-numbers."""
+        cap = _number(config, "final_logit_softcapping", 0.0)
+        if cap < 0:
+            raise ValueError(f"drafter config key 'final_logit_softcapping' must be >= 0 (0 or null = off; got {cap})")
+        return OutputFields(_number(config, "output_multiplier", 1.0), cap or None,
+                            _number(config, "input_embedding_scale", 1.0))
+
+
+def transform_logits(logits: torch.Tensor, multiplier: float = 1.0, softcap: Optional[float] = None) -> torch.Tensor:
+    """`logits * multiplier`, then `softcap * tanh(x / softcap)` when `softcap` (the reference's order)."""
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """How one drafter layer attends (masks are built once per forward for each distinct kind).
+
+    Positions are absolute (the context included). A query at position q sees a key at position k when
+    the layout allows it (context before the block's anchor, its own block) and, with `sliding_window` W,
+    `q - k < W` (strict: distance 0..W-1 back), also `k - q < W` when not causal (a symmetric window);
+    `causal` makes attention inside the block causal (k <= q). The default kind, full and non-causal, is
+    DFlash's original attention: the layout alone."""
+
+    sliding_window: Optional[int] = None
+    causal: bool = False
+
+    @property
+    def is_default(self) -> bool:
+        return self.sliding_window is None and not self.causal
+
+
+FULL_ATTENTION = AttentionKind()
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_kinds(config: Any) -> list[AttentionKind]:
+    """Each layer's `AttentionKind`, read the reference way from the TOP LEVEL of the config: `layer_types`
+    (absent: all `full_attention`), `sliding_window` (the window of the sliding layers) and `is_causal`
+    (absent: causal iff the layer is sliding; set: that value for every layer)."""
+    n = int(config.num_hidden_layers)
+    types_ = getattr(config, "layer_types", None) or ["full_attention"] * n
+    if len(types_) != n or any(t not in _LAYER_TYPES for t in types_):
+        raise ValueError(f"drafter config key 'layer_types' must list {n} entries (num_hidden_layers), each one of "
+                         f"{', '.join(_LAYER_TYPES)} (got {types_!r})")
+    causal = getattr(config, "is_causal", None)
+    if causal is not None and not isinstance(causal, bool):
+        raise ValueError(f"drafter config key 'is_causal' must be true, false or absent (got {causal!r})")
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in types_ and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"drafter config key 'sliding_window' must be an integer >= 1: layer_types names "
+                         f"sliding_attention layers (got {window!r})")
+    kinds = []
+    for t in types_:
+        sliding = t == "sliding_attention"
+        kinds.append(AttentionKind(window if sliding else None, sliding if causal is None else causal))
+    return kinds
+
+
 class Drafter(nn.Module):
     """The attributes generic code reads off any architecture's drafter (set by its constructor):
     `config` (the exported config), `block_size`, `mask_token_id`, `target_layer_ids`, `layers` (for a KV
@@ -110,18 +208,93 @@ class Drafter(nn.Module):
     mask_token_id: int
     target_layer_ids: list[int]
     layers: nn.ModuleList
+    # The six reference fields (`read_reference_fields` sets them from the config; these are the defaults).
+    output_fields: OutputFields = OutputFields()
+    layer_attention: list[AttentionKind]  # one per layer
+
+    def read_reference_fields(self, config: Any) -> None:
+        """Set `output_fields` and `layer_attention` from `config` (call in the constructor, before building layers)."""
+        self.output_fields = OutputFields.of(config)
+        self.layer_attention = layer_kinds(config)
+
+    @property
+    def output_multiplier(self) -> float:
+        return self.output_fields.output_multiplier
+
+    @property
+    def final_logit_softcapping(self) -> Optional[float]:
+        return self.output_fields.final_logit_softcapping
+
+    @property
+    def input_embedding_scale(self) -> float:
+        return self.output_fields.input_embedding_scale
+
+    @property
+    def attention_kinds(self) -> list[AttentionKind]:
+        """The distinct kinds of the layers, in layer order: one mask each per forward."""
+        return list(dict.fromkeys(getattr(self, "layer_attention", None) or [FULL_ATTENTION]))
+
+    @property
+    def needs_masks(self) -> bool:
+        """Whether some layer needs a mask beyond the layout (a window or in-block causality): then even
+        decoding with a KV cache, whose layout needs none, must pass masks."""
+        return any(not k.is_default for k in self.attention_kinds)
+
+    def layer_masks(self, build: Callable[[AttentionKind], object]) -> dict[AttentionKind, object]:
+        """`{kind: build(kind)}` for each distinct layer kind: what `forward`'s `mask` takes."""
+        return {kind: build(kind) for kind in self.attention_kinds}
+
+    def mask_of_layer(self, mask: object, layer: int) -> object:
+        """Layer `layer`'s mask from `forward`'s `mask`: None (every key visible, for every layer), a mapping
+        by `AttentionKind` (`layer_masks`), or one mask for all layers, which only a drafter whose layers are
+        all of the default kind accepts (one built for another kind would silently drop a window)."""
+        if mask is None:
+            return None
+        kinds = getattr(self, "layer_attention", None) or [FULL_ATTENTION] * len(self.layers)
+        if isinstance(mask, Mapping):
+            if kinds[layer] not in mask:
+                raise ValueError(f"no mask for drafter layer {layer} ({kinds[layer]}); the masks given are for "
+                                 f"{list(mask)}: build them with drafter.layer_masks")
+            return mask[kinds[layer]]
+        if not kinds[layer].is_default:
+            raise ValueError(f"drafter layer {layer} attends as {kinds[layer]}: pass masks by kind "
+                             "(drafter.layer_masks), not one mask for every layer")
+        return mask
 
     @property
     def layers_compiled(self) -> bool:
         return False
 
-    def dense_mask(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int) -> torch.Tensor:
-        """The training layout's boolean mask `[b, 1, N*bs, S + N*bs]` for blocks at `anchors` `[b, N]`."""
+    def dense_mask(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int,
+                   kind: AttentionKind = FULL_ATTENTION) -> torch.Tensor:
+        """The training layout's boolean mask `[b, 1, N*bs, S + N*bs]` for blocks at `anchors` `[b, N]`,
+        for layers of `kind`."""
         raise NotImplementedError
 
+    def dense_masks(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int) -> dict[AttentionKind, torch.Tensor]:
+        """`dense_mask` for every layer kind (what `forward`'s `mask` takes)."""
+        return self.layer_masks(lambda kind: self.dense_mask(anchors, keep, context_len, kind))
+
+    def decode_masks(self, context_len: int, block_size: int, device: torch.device) -> Optional[dict]:
+        """Masks for decoding with a KV cache (keys: the `context_len` positions before the block, then the
+        block of `block_size` at position `context_len`): None when no layer needs one."""
+        if not self.needs_masks:
+            return None
+        raise NotImplementedError
+
+    def embed_block(self, embed: Callable[[torch.Tensor], torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+        """The block's input embeddings (anchor and mask tokens), through the target's embedding `embed`,
+        times `input_embedding_scale`. Every path that forms block inputs (training, decoding, replay) calls
+        this, so they agree."""
+        out = embed(block_ids)
+        scale = self.input_embedding_scale
+        return out if scale == 1.0 else out * scale
+
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Vocabulary scores of the block's final hidden states, through the target's lm_head."""
-        return lm_head(hidden.to(lm_head.weight.dtype))
+        """Vocabulary scores (float32) of the block's final hidden states, through the target's lm_head:
+        `lm_head(h) * output_multiplier`, then the softcap. Decoding and replay rank these."""
+        out = lm_head(hidden.to(lm_head.weight.dtype)).float()
+        return transform_logits(out, self.output_multiplier, self.final_logit_softcapping)
 
     def draft(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor, temperature: float = 0.0,
               generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -10,7 +10,8 @@ target's bonus token, and the next step is anchored where that ends. So:
 1. generate `y` once per prompt, batched, with the target alone (`greedy_continuations`), a block longer
    than `max_new_tokens` so that the last step can verify past it as real decoding does;
 2. per turn, one target forward over prompt + `y` and one drafter forward with an anchor at every
-   generated position (the training layout, `dense_mask`), giving every possible step's proposals;
+   generated position (the training layout, `dense_masks`: one per layer kind), giving every possible step's
+   proposals (`embed_block` inputs, `logits` scores: what decoding forms);
 3. walk from the first generated token, jumping by each visited anchor's acceptance (`walk`).
 
 The result equals real greedy decoding (`SpeculativeDecoder.generate_block` / `generate_tree`) up to
@@ -141,9 +142,10 @@ def proposals_from_context(drafter: Drafter, embed: Callable, lm_head: torch.nn.
         block[:, 0] = ids_t[anchors]
         positions = (anchors.view(-1, 1) + torch.arange(bs, device=device)).view(1, -1)
         keep = torch.ones(1, n, dtype=torch.bool, device=device)
-        mask = drafter.dense_mask(anchors.view(1, -1), keep, length)
+        masks = drafter.dense_masks(anchors.view(1, -1), keep, length)  # one per layer kind
         position_ids = torch.cat([torch.arange(length, device=device).view(1, -1), positions], 1)
-        out = drafter(context, embed(block.view(1, -1)).to(dtype), position_ids, sdpa_attention, mask)
+        out = drafter(context, drafter.embed_block(embed, block.view(1, -1)).to(dtype), position_ids, sdpa_attention,
+                      masks)
         hidden = out[0].view(n, bs, -1)
         drafts.append(drafter.draft(hidden, lm_head, block[:, 0])[0])  # slots 1..B-1
         if top_k:

@@ -196,7 +196,11 @@ class SpeculativeDecoder:
         block[0, 0] = anchor
         positions = torch.arange(dcache.length(), start + bs, device=self.device).view(1, -1)
         dtype = next(self.drafter.parameters()).dtype
-        out = self.drafter(context.unsqueeze(0).to(dtype), self.embed(block).to(dtype), positions, sdpa_attention, None, dcache)
+        # The cache holds the keys of positions 0..start-1 (context) and the block sits at start: masks only
+        # where a layer has a window or in-block causality (None otherwise: every key visible).
+        masks = self.drafter.decode_masks(start, bs, self.device)
+        out = self.drafter(context.unsqueeze(0).to(dtype), self.drafter.embed_block(self.embed, block).to(dtype),
+                           positions, sdpa_attention, masks, dcache)
         dcache.crop(start)  # keep context keys only
         return out, block[:, 0]
 

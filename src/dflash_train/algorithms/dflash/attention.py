@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ..base import FULL_ATTENTION, AttentionKind
 from .model import AttentionFn, sdpa_attention
 from .mask import dense_mask, flex_block_mask
 
@@ -43,10 +44,14 @@ class AttentionBackend:
     # tiles, flex runs its kernels without bounds checks (under dynamic shapes it cannot prove that itself).
     context_multiple_of: int = 1
 
-    def build_mask(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int) -> object:
+    def build_mask(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int,
+                   kind: AttentionKind = FULL_ATTENTION) -> object:
+        """The mask of layers of `kind` (`drafter.layer_masks(lambda kind: backend.build_mask(..., kind))`
+        builds one per kind)."""
         if self.name == "flex":
-            return flex_block_mask(anchors, keep, context_len, block_size, tile=FLEX_TILE)
-        return dense_mask(anchors, keep, context_len, block_size)
+            return flex_block_mask(anchors, keep, context_len, block_size, tile=FLEX_TILE,
+                                   window=kind.sliding_window, causal=kind.causal)
+        return dense_mask(anchors, keep, context_len, block_size, kind.sliding_window, kind.causal)
 
 
 def resolve_backend(requested: str, device: torch.device, block_size: int, training: bool = True) -> AttentionBackend:

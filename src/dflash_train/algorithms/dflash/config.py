@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from transformers import PretrainedConfig, Qwen3Config
 
 from ...model.hf_config import text_config
+from ..base import OutputFields, layer_kinds
 
 
 def _rope_fields(target: PretrainedConfig) -> dict[str, Any]:
@@ -31,9 +33,18 @@ def make_drafter_config(
     num_attention_heads: Optional[int] = None,
     num_key_value_heads: Optional[int] = None,
     head_dim: Optional[int] = None,
+    sliding_window: Optional[int] = None,
+    causal: bool = False,
+    output_multiplier: float = 1.0,
+    final_logit_softcapping: Optional[float] = None,
 ) -> Qwen3Config:
     """The drafter copies the target's layer shape unless told otherwise; its hidden size is always
-    the target's (it reads the target's embeddings and feeds the target's lm_head)."""
+    the target's (it reads the target's embeddings and feeds the target's lm_head).
+
+    `sliding_window`: every layer `sliding_attention` with that window (None: all `full_attention`);
+    `causal`: in-block causal attention, exported as an explicit top-level `is_causal` either way (a reader's
+    default when it is absent depends on the layer type). `output_multiplier` / `final_logit_softcapping`
+    go into `dflash_config` when they are not the defaults (1.0 / off), where DFlash2 readers look."""
     t = text_config(target_config)
     heads = num_attention_heads or t.num_attention_heads
     head_dim = head_dim or getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
@@ -55,8 +66,11 @@ def make_drafter_config(
         rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
         attention_bias=False,
         tie_word_embeddings=False,
-        use_sliding_window=False,
-        layer_types=["full_attention"] * num_draft_layers,
+        use_sliding_window=sliding_window is not None,
+        sliding_window=sliding_window,
+        # Older (Qwen2-rule) readers slide the layers from max_window_layers on: 0 = all of them.
+        **({"max_window_layers": 0} if sliding_window is not None else {}),
+        layer_types=["sliding_attention" if sliding_window is not None else "full_attention"] * num_draft_layers,
         bos_token_id=getattr(t, "bos_token_id", None),
         eos_token_id=getattr(t, "eos_token_id", None),
         **_rope_fields(t),
@@ -65,11 +79,17 @@ def make_drafter_config(
     cfg.block_size = block_size
     cfg.num_target_layers = t.num_hidden_layers
     cfg.target_model_type = getattr(t, "model_type", None)
+    cfg.is_causal = bool(causal)
     cfg.dflash_config = {
         "mask_token_id": int(mask_token_id),
         "target_layer_ids": [int(i) for i in target_layer_ids],
         "block_size": block_size,
     }
+    if output_multiplier != 1.0:
+        cfg.dflash_config["output_multiplier"] = float(output_multiplier)
+    if final_logit_softcapping:
+        cfg.dflash_config["final_logit_softcapping"] = float(final_logit_softcapping)
+    OutputFields.of(cfg), layer_kinds(cfg)  # the checks a reader makes
     return cfg
 
 
@@ -78,8 +98,14 @@ def config_for_run(target_config: PretrainedConfig, d, target_layer_ids: list[in
     return make_drafter_config(
         target_config, num_draft_layers=d.num_draft_layers, block_size=d.block_size, target_layer_ids=target_layer_ids,
         mask_token_id=mask_token_id, intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
-        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
+        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, **reference_fields(d),
     )
+
+
+def reference_fields(d) -> dict[str, Any]:
+    """The newer reference fields of the run's `drafter` section, as `make_drafter_config` takes them."""
+    return {"sliding_window": d.sliding_window, "causal": d.causal, "output_multiplier": d.output_multiplier,
+            "final_logit_softcapping": d.final_logit_softcapping}
 
 
 def drafter_config_from_dict(data: dict[str, Any], architecture: str = "DFlashDraftModel") -> Qwen3Config:
@@ -93,10 +119,17 @@ def drafter_config_from_dict(data: dict[str, Any], architecture: str = "DFlashDr
     if data.get("architectures") != [architecture]:
         raise ValueError(f"not a DFlash drafter config: architectures is {data.get('architectures')!r}")
     fields = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
+    if "num_hidden_layers" in data:  # the attention fields checked as written, before Qwen3Config's own checks
+        layer_kinds(SimpleNamespace(**data))
     cfg = Qwen3Config(**fields)
+    if "sliding_attention" in (data.get("layer_types") or []):
+        # The file's window as written: Qwen3Config drops it unless use_sliding_window is set, but layer_types
+        # naming sliding layers is what the reference decoder acts on.
+        cfg.sliding_window = data.get("sliding_window")
     cfg.block_size = int(data["block_size"])
     cfg.num_target_layers = int(data["num_target_layers"])
     cfg.dflash_config = dict(dflash)
+    OutputFields.of(cfg), layer_kinds(cfg)  # refuse unreadable fields here, where the file is named
     return cfg
 
 
@@ -110,6 +143,16 @@ def drafter_config_json(drafter, dtype: str) -> dict[str, Any]:
     data["block_size"] = drafter.block_size
     data["num_target_layers"] = int(drafter.config.num_target_layers)
     data["dflash_config"] = dict(drafter.config.dflash_config)
+    # The attention fields at the top level, where the reference reads them: is_causal explicitly whenever one
+    # value holds for every layer (absent, a reader's default depends on the layer type).
+    kinds = layer_kinds(drafter.config)
+    data["layer_types"] = ["sliding_attention" if k.sliding_window is not None else "full_attention" for k in kinds]
+    windows = {k.sliding_window for k in kinds} - {None}
+    data["use_sliding_window"] = bool(windows)
+    data["sliding_window"] = windows.pop() if windows else None
+    causal = {k.causal for k in kinds}
+    if len(causal) == 1:
+        data["is_causal"] = causal.pop()
     # Older loaders read rope_theta / rope_scaling; newer ones read rope_parameters.
     rope = data.get("rope_parameters") or {}
     if "rope_theta" not in data and "rope_theta" in rope:

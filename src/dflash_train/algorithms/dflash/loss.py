@@ -9,6 +9,11 @@ can do.
 The target q is the one-hot label, or with distillation `(1 - alpha) * onehot + alpha * p_target` with
 `p_target = softmax(lm_head(target_hidden) / T)`, its logits also formed one chunk at a time (one more
 matmul per row). Either way d(CE)/d(logits) = softmax(logits) - q.
+
+The drafter's scores may be transformed (`output_multiplier` m, `final_logit_softcapping` c, as decoding ranks
+them): x = c * tanh(m * z / c) of the lm_head's z (x = m * z without a cap). The CE is then of x, and the chain
+rule gives d(CE)/dz = (softmax(x) - q) * m * (1 - (x / c)^2) (times m alone without a cap). The target's logits
+(distillation) are the target's own and are never transformed.
 """
 
 from __future__ import annotations
@@ -84,10 +89,21 @@ def chunk_bounds(m: int, chunk_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _transformed(logits: torch.Tensor, multiplier: float, softcap: Optional[float]) -> tuple[torch.Tensor, object]:
+    """(x, dx/dz) for x = softcap * tanh(multiplier * z / softcap) (or multiplier * z), computed at float32 or
+    wider; dx/dz is a tensor with a cap, the number `multiplier` without."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    x = z * multiplier
+    if not softcap:
+        return x, multiplier
+    t = torch.tanh(x / softcap)
+    return t * softcap, (1.0 - t * t) * multiplier
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, target_hidden, alpha: float, temperature: float, chunk_size: int,
-                top_k: int):
+                top_k: int = 0, multiplier: float = 1.0, softcap: Optional[float] = None):
         # hidden [M, H] (compute dtype), weight [V, H], labels [M], target_hidden [M, H] or None
         m = hidden.shape[0]
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 in tests
@@ -103,18 +119,22 @@ class _ChunkedLinearCE(torch.autograd.Function):
             ce_chunk = _chunk_fn("ce_chunk", _ce_chunk, hidden.device, eager=_ce_chunk_eager)
         else:
             soft = _chunk_fn("soft_ce_chunk", _soft_ce_chunk, hidden.device)
+        transform = multiplier != 1.0 or bool(softcap)
         for start, end in chunk_bounds(m, chunk_size):
             logits = hidden[start:end] @ weight.t()  # [c, V], compute dtype (bf16 under autocast)
+            scores, slope = _transformed(logits, multiplier, softcap) if transform else (logits, None)
             if target_hidden is None:
-                out = ce_chunk(logits, labels[start:end])
+                out = ce_chunk(scores, labels[start:end])
             else:
                 target_logits = target_hidden[start:end] @ weight.t()
-                out = soft(logits, target_logits, labels[start:end], alpha, 1.0 / temperature)
+                out = soft(scores, target_logits, labels[start:end], alpha, 1.0 / temperature)
             rows[start:end], label_logp[start:end], correct[start:end], grad_logits = out
-            if top_k:
-                top = logits.topk(top_k, dim=-1)
+            if top_k:  # of the transformed scores (the drafter's unary scores)
+                top = scores.topk(top_k, dim=-1)
                 top_values[start:end], top_ids[start:end] = top.values, top.indices
-                label_logits[start:end] = logits.gather(1, labels[start:end].unsqueeze(1)).squeeze(1)
+                label_logits[start:end] = scores.gather(1, labels[start:end].unsqueeze(1)).squeeze(1)
+            if transform:  # chain rule through the transform, back in the logits' dtype for the matmul
+                grad_logits = (grad_logits * slope).to(logits.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_logits @ weight.to(grad_logits.dtype)).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden if grad_hidden is not None else torch.empty(0))
@@ -124,7 +144,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows, *_no_gradient):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_rows.unsqueeze(1).to(grad_hidden.dtype), None, None, None, None, None, None, None
+        return (grad_hidden * grad_rows.unsqueeze(1).to(grad_hidden.dtype),) + (None,) * 9
 
 
 @dataclass
@@ -145,17 +165,21 @@ def chunked_ce_rows(
     target_hidden: Optional[torch.Tensor] = None,
     distill_weight: float = 0.0,
     temperature: float = 1.0,
+    output_multiplier: float = 1.0,
+    softcap: Optional[float] = None,
     top_k: int = 0,
 ) -> RowLoss:
-    """Per-row CE of `lm_head(hidden) [M, V]` against `labels [M]`, mixed with the target's distribution
-    `softmax(lm_head(target_hidden) / temperature)` at share `distill_weight` (`target_hidden [M, H]`).
-    `top_k > 0` also returns each row's k best logits (read off the same chunks: no second lm_head pass)."""
+    """Per-row CE of `lm_head(hidden) [M, V]` (times `output_multiplier`, then softcapped at `softcap`)
+    against `labels [M]`, mixed with the target's distribution `softmax(lm_head(target_hidden) / temperature)`
+    at share `distill_weight` (`target_hidden [M, H]`). `top_k > 0` also returns each row's k best (transformed)
+    scores (read off the same chunks: no second lm_head pass)."""
     if distill_weight > 0 and target_hidden is None:
         raise ValueError("distill_weight > 0 needs target_hidden (the target's final normed hidden state per row)")
     if distill_weight == 0:
         target_hidden = None  # alpha = 0 is plain CE: skip the target's logits altogether
     rows, label_logp, correct, top_values, top_ids, label_logits = _ChunkedLinearCE.apply(
-        hidden, lm_head_weight, labels, target_hidden, float(distill_weight), float(temperature), chunk_size, top_k)
+        hidden, lm_head_weight, labels, target_hidden, float(distill_weight), float(temperature), chunk_size, top_k,
+        float(output_multiplier), float(softcap) if softcap else None)
     if not top_k:
         return RowLoss(rows, label_logp, correct)
     return RowLoss(rows, label_logp, correct, top_values, top_ids, label_logits)
@@ -179,13 +203,16 @@ def chunked_weighted_ce(
     target_hidden: Optional[torch.Tensor] = None,
     distill_weight: float = 0.0,
     temperature: float = 1.0,
+    output_multiplier: float = 1.0,
+    softcap: Optional[float] = None,
     top_k: int = 0,
 ) -> LossOutput:
     """`hidden [M, H]`, `labels [M]` (only rows that count). `weights` is `[M]` (all > 0), or a function of
     the rows' detached label log-probabilities `[M] -> [M]` (weights that depend on the drafter's own
-    predictions, from this same forward). Weights never carry gradient."""
+    predictions, from this same forward). Weights never carry gradient. `output_multiplier`/`softcap`: the
+    drafter's score transform (`Drafter.logits`), applied before the CE."""
     out = chunked_ce_rows(hidden, lm_head_weight, labels, chunk_size, target_hidden, distill_weight, temperature,
-                          top_k)
+                          output_multiplier, softcap, top_k)
     acc_dtype = out.loss.dtype
     w = (weights(out.label_logp) if callable(weights) else weights).detach().to(acc_dtype)
     weight_sum = w.sum()

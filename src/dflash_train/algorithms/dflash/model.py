@@ -19,7 +19,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
 
-from ..base import AttentionFn, Drafter, DrafterKVCache, sdpa_attention  # noqa: F401 (re-exported)
+from ..base import FULL_ATTENTION, AttentionFn, AttentionKind, Drafter, DrafterKVCache, sdpa_attention  # noqa: F401
 from .mask import dense_mask
 
 
@@ -158,6 +158,7 @@ class DFlashDrafter(Drafter):
         self.block_size: int = config.block_size
         self.mask_token_id: int = dflash["mask_token_id"]
         self.target_layer_ids: list[int] = list(dflash["target_layer_ids"])
+        self.read_reference_fields(config)  # output multiplier, softcap, input scale; each layer's attention kind
         h = config.hidden_size
         self.layers = nn.ModuleList([self.layer_class(config) for _ in range(config.num_hidden_layers)])
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
@@ -188,9 +189,22 @@ class DFlashDrafter(Drafter):
     def layers_compiled(self) -> bool:
         return self._compiled_parts is not None
 
-    def dense_mask(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int) -> torch.Tensor:
-        """The training layout's boolean mask `[b, 1, N*bs, S + N*bs]` for blocks at `anchors`."""
-        return dense_mask(anchors, keep, context_len, self.block_size)
+    def dense_mask(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int,
+                   kind: AttentionKind = FULL_ATTENTION) -> torch.Tensor:
+        """The training layout's boolean mask `[b, 1, N*bs, S + N*bs]` for blocks at `anchors`, for layers
+        of `kind`."""
+        return dense_mask(anchors, keep, context_len, self.block_size, kind.sliding_window, kind.causal)
+
+    def decode_masks(self, context_len: int, block_size: int, device: torch.device) -> Optional[dict]:
+        """Masks `[1, 1, bs, S + bs]` per layer kind for decoding with a KV cache (keys: positions 0..S-1 of
+        the context, then the block at S): the training layout with one block anchored at S. None when every
+        layer is full and non-causal (the layout alone: every key visible)."""
+        if not self.needs_masks:
+            return None
+        anchors = torch.tensor([[context_len]], device=device)
+        keep = torch.ones(1, 1, dtype=torch.bool, device=device)
+        return self.layer_masks(lambda kind: dense_mask(anchors, keep, context_len, block_size,
+                                                        kind.sliding_window, kind.causal))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -213,9 +227,12 @@ class DFlashDrafter(Drafter):
         cache: Optional[DrafterKVCache] = None,
         compiled_layers: bool = False,
     ) -> torch.Tensor:
-        """target_hidden `[b, S, K*H]`, block_embeds `[b, Q, H]`, position_ids `[b, S + Q]` (positions of
-        the new keys: context then block). Returns the normed hidden states of the block `[b, Q, H]`.
-        `compiled_layers`: run the layers' compiled parts (the training step, after `compile_layers`)."""
+        """target_hidden `[b, S, K*H]`, block_embeds `[b, Q, H]` (`embed_block`), position_ids `[b, S + Q]`
+        (positions of the new keys: context then block). `mask`: None (every key visible), masks by layer
+        kind (`layer_masks`, `dense_masks`, `decode_masks`; built once per forward, each layer takes its
+        kind's), or one mask when every layer is of the default kind. Returns the normed hidden states of the
+        block `[b, Q, H]`. `compiled_layers`: run the layers' compiled parts (the training step, after
+        `compile_layers`)."""
         if compiled_layers and (self._compiled_parts is None or cache is not None):
             raise ValueError("compiled_layers=True needs compile_layers() first and no KV cache (training only)")
         parts = self._compiled_parts if compiled_layers else None
@@ -224,5 +241,5 @@ class DFlashDrafter(Drafter):
         s = context.shape[1]
         rope = RopeTables(*self.rotary(position_ids[:, :s], x.dtype), *self.rotary(position_ids[:, s:], x.dtype))
         for i, layer in enumerate(self.layers):
-            x = layer(x, context, rope, attention, mask, cache, i, parts)
+            x = layer(x, context, rope, attention, self.mask_of_layer(mask, i), cache, i, parts)
         return self.norm(x)

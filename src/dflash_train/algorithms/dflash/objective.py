@@ -1,5 +1,6 @@
-"""The DFlash training objective on one micro-batch: target capture -> anchors and blocks -> mask ->
-drafter forward -> chunked slot-weighted CE over the counted slots."""
+"""The DFlash training objective on one micro-batch: target capture -> anchors and blocks -> masks (one per
+layer kind) -> drafter forward -> chunked slot-weighted CE over the counted slots, of the drafter's scores as
+decoding ranks them (`Drafter.embed_block` inputs, `Drafter.logits`' multiplier and softcap)."""
 
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ class DFlashObjective:
         device = batch.input_ids.device
         b, s = batch.input_ids.shape
         with torch.no_grad():
-            block_embeds = self.target.embed_tokens(blocks.block_ids)
+            block_embeds = drafter.embed_block(self.target.embed_tokens, blocks.block_ids)
         if drafter.layers_compiled and torch.is_grad_enabled():
             # Dynamo guards on requires_grad: an input that needs no gradient would give the first layer graphs
             # of its own. One set for all layers costs the first layer's q/k/v input gradient (~0.6% of a step).
@@ -113,7 +114,8 @@ class DFlashObjective:
             s += pad
         context_pos = torch.arange(s, device=device).expand(b, s)
         position_ids = torch.cat([context_pos, blocks.block_positions], dim=1)
-        mask = backend.build_mask(blocks.anchors, blocks.keep, s, drafter.block_size)
+        bs = drafter.block_size
+        mask = drafter.layer_masks(lambda kind: backend.build_mask(blocks.anchors, blocks.keep, s, bs, kind))
         with self.autocast(device):
             out = call(hidden, block_embeds, position_ids, backend.attention, mask,
                        compiled_layers=drafter.layers_compiled)  # [B, N*bs, H]
@@ -133,6 +135,8 @@ class DFlashObjective:
             distill_weight=o.distill_weight,
             temperature=o.distill_temperature,
             top_k=top_k,
+            output_multiplier=self.drafter.output_multiplier,
+            softcap=self.drafter.final_logit_softcapping,
         )
 
     def rows_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor,

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from transformers import PretrainedConfig, Qwen3Config
 
 from ...errors import ConfigError
-from ..dflash.config import drafter_config_from_dict, drafter_config_json, make_drafter_config
+from ..dflash.config import drafter_config_from_dict, drafter_config_json, make_drafter_config, reference_fields
 
 HF_ARCHITECTURE = "DFlash2DraftModel"
 FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # the reference requires them
 
 
 def make_dflash2_config(target_config: PretrainedConfig, *, conv_kernel_size: int = 2, conv_group_size: int = 16,
-                        selector_rank: int = 256, selector_top_k: int = 16, output_multiplier: float = 1.0,
-                        final_logit_softcapping: Optional[float] = None, **dflash: Any) -> Qwen3Config:
+                        selector_rank: int = 256, selector_top_k: int = 16, **dflash: Any) -> Qwen3Config:
+    """DFlash's config (`make_drafter_config`, whose keyword arguments pass through) with the DFlash2 fields."""
     cfg = make_drafter_config(target_config, **dflash)
     cfg.architectures = [HF_ARCHITECTURE]
     cfg.dflash_config.update(conv_kernel_size=int(conv_kernel_size), conv_group_size=int(conv_group_size),
-                             selector_rank=int(selector_rank), selector_top_k=int(selector_top_k),
-                             output_multiplier=float(output_multiplier), final_logit_softcapping=final_logit_softcapping)
+                             selector_rank=int(selector_rank), selector_top_k=int(selector_top_k))
     return cfg
 
 
@@ -32,7 +31,7 @@ def config_for_run(target_config: PretrainedConfig, d, target_layer_ids: list[in
         selector_rank=d.selector_rank, selector_top_k=d.selector_top_k, num_draft_layers=d.num_draft_layers,
         block_size=d.block_size, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
         intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
-        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
+        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, **reference_fields(d),
     )
     if cfg.hidden_size % d.conv_group_size:
         raise ConfigError(f"config key 'drafter.conv_group_size': {d.conv_group_size} does not divide the target's "
@@ -61,6 +60,6 @@ def dflash2_config_json(drafter, dtype: str) -> dict[str, Any]:
     `dflash_config` (block_size included: published DFlash2 loaders read it there)."""
     data = drafter_config_json(drafter, dtype)
     data["architectures"] = [HF_ARCHITECTURE]
-    data["dflash_config"] = {"block_size": drafter.block_size, "output_multiplier": 1.0,
-                             "final_logit_softcapping": None, **data["dflash_config"]}
+    data["dflash_config"] = {"block_size": drafter.block_size, "output_multiplier": drafter.output_multiplier,
+                             "final_logit_softcapping": drafter.final_logit_softcapping, **data["dflash_config"]}
     return data
