@@ -17,7 +17,7 @@ NAMES = tuple(_PACKAGES)
 
 
 class UnknownArchitecture(ValueError):
-    pass
+    """A `drafter.architecture` or an exported `architectures` that no registered package provides."""
 
 
 def architecture(name: str) -> "Architecture":

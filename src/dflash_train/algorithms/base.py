@@ -8,6 +8,7 @@ never imports an architecture's package; it asks the registry (`algorithms.archi
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -195,7 +196,7 @@ def layer_kinds(config: Any) -> list[AttentionKind]:
     return kinds
 
 
-class Drafter(nn.Module):
+class Drafter(nn.Module, metaclass=abc.ABCMeta):
     """The attributes generic code reads off any architecture's drafter (set by its constructor):
     `config` (the exported config), `block_size`, `mask_token_id`, `target_layer_ids`, `layers` (for a KV
     cache per layer) and `layers_compiled`. Its forward maps (target features `[b, S, K*H]`, block
@@ -265,22 +266,21 @@ class Drafter(nn.Module):
     def layers_compiled(self) -> bool:
         return False
 
+    @abc.abstractmethod
     def dense_mask(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int,
                    kind: AttentionKind = FULL_ATTENTION) -> torch.Tensor:
         """The training layout's boolean mask `[b, 1, N*bs, S + N*bs]` for blocks at `anchors` `[b, N]`,
-        for layers of `kind`."""
-        raise NotImplementedError
+        for layers of `kind` (each architecture's, from its mask predicate)."""
 
     def dense_masks(self, anchors: torch.Tensor, keep: torch.Tensor, context_len: int) -> dict[AttentionKind, torch.Tensor]:
         """`dense_mask` for every layer kind (what `forward`'s `mask` takes)."""
         return self.layer_masks(lambda kind: self.dense_mask(anchors, keep, context_len, kind))
 
+    @abc.abstractmethod
     def decode_masks(self, context_len: int, block_size: int, device: torch.device) -> Optional[dict]:
         """Masks for decoding with a KV cache (keys: the `context_len` positions before the block, then the
-        block of `block_size` at position `context_len`): None when no layer needs one."""
-        if not self.needs_masks:
-            return None
-        raise NotImplementedError
+        block of `block_size` at position `context_len`): None when no layer needs one (each architecture's:
+        `DFlashDrafter.decode_masks`)."""
 
     def embed_block(self, embed: Callable[[torch.Tensor], torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
         """The block's input embeddings (anchor and mask tokens), through the target's embedding `embed`,
