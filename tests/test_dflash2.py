@@ -365,6 +365,11 @@ def test_a_dflash2_run_trains_exports_and_evaluates(tiny_target_dir, counting_js
     assert status["phase"] == "done", status
     records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if "loss" in r)
+    steps = [r for r in records if "selector_loss" in r]
+    assert len(steps) == 4 and all(0 <= r["unary_accuracy"] <= 1 and 0 <= r["candidate_coverage"] <= 1 for r in steps)
+    assert steps[-1]["candidate_coverage"] > 0
+    # the selector picks from the strict candidates: its hits never exceed the label's presence among them
+    assert all(r["accuracy"] <= r["candidate_coverage"] + 1e-9 and r["selector_loss"] > 0 for r in steps)
     drafter = load_drafter(tmp_path / "R" / "export")
     assert type(drafter) is DFlash2Drafter
     assert architecture("dflash2").drafter_class is DFlash2Drafter

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
@@ -35,16 +35,22 @@ class StepStats:
     accepted_sum: torch.Tensor  # sum over kept blocks of the acceptance-length estimate
     kept_blocks: torch.Tensor
     grad_norm: torch.Tensor | None = None
+    # An architecture's own metrics: `*_loss` values (averaged over micro-batches, logged as they are) and
+    # counts of counted slots (summed, logged as a share of the counted slots), e.g. DFlash2's selector loss.
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def sum(parts: "list[StepStats]") -> "StepStats":
-        """Counts add up over micro-batches; the loss is their mean."""
+        """Counts add up over micro-batches; the losses are their mean."""
+        extra = {k: (torch.stack([p.extra[k] for p in parts]).mean() if k.endswith("_loss")
+                     else sum(p.extra[k] for p in parts)) for k in parts[0].extra}
         return StepStats(
             loss=torch.stack([p.loss for p in parts]).mean(),
             correct_per_slot=sum(p.correct_per_slot for p in parts),
             counted_per_slot=sum(p.counted_per_slot for p in parts),
             accepted_sum=sum(p.accepted_sum for p in parts),
             kept_blocks=sum(p.kept_blocks for p in parts),
+            extra=extra,
         )
 
 

@@ -214,6 +214,8 @@ def step_record(stats: StepStats, step: int, epoch: float, tokens: int, seconds:
         "recompiles": compile_layer.recompiles(),
         "recompiles_after_warmup": compile_layer.recompiles_after_warmup(),
         "time": time.time(),
+        **{k: float(v) if k.endswith("_loss") else float(v) / max(float(counted.sum()), 1.0)
+           for k, v in stats.extra.items()},
     }
 
 

@@ -11,7 +11,9 @@ against the label, with the unary loss's slot weights:
 The candidates' unary scores enter S detached: the selector loss trains the codebooks, the hidden projection
 and, through the pair term, the drafter's hidden states, but never pushes the unary logits (the unary CE
 does that). Metrics count a slot right when the selector, given the true previous token, picks its label
-from the strict top-k (what greedy decoding along the right path proposes).
+from the strict top-k (what greedy decoding along the right path proposes); the records also carry the unary
+argmax's accuracy (`unary_accuracy`, DFlash's `accuracy`), the share of counted slots whose label is among the
+candidates (`candidate_coverage`) and `selector_loss`.
 """
 
 from __future__ import annotations
@@ -62,4 +64,9 @@ class DFlash2Objective(DFlashObjective):
         selector_loss = (selector_ce * norm.to(selector_ce.dtype)).sum()
         loss = result.loss + self.cfg.objective.selector_loss_weight * selector_loss
         correct = (scores.argmax(-1) == target) & present
-        return block_stats(loss, correct, blocks, idx)
+        stats = block_stats(loss, correct, blocks, idx)
+        # beside the selector's hits (`accuracy`): the unary argmax's (DFlash's accuracy, comparable across
+        # architectures), how often the label is among the candidates at all, and the selector's loss
+        stats.extra = {"unary_accuracy": result.correct.sum(), "candidate_coverage": present.sum(),
+                       "selector_loss": selector_loss.detach()}
+        return stats
