@@ -45,6 +45,7 @@ def test_a_run_directory_of_the_demo_before_the_stage_runner_resumes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_demo_runs_the_whole_path_and_a_second_run_reuses_it(tmp_path, smollm2_dir, capsys):
     root = tmp_path / "demo"
     assert run_demo(root, [], SMALL) == 0

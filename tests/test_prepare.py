@@ -357,6 +357,7 @@ def _synthetic(path: Path, n: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_memory_stays_bounded_on_a_large_input(tok, tmp_path):
     if not _reset_peak_rss():
         pytest.skip("needs /proc/self/clear_refs (Linux) to measure peak RSS")

@@ -439,6 +439,7 @@ def test_copy_out_brings_back_summary_drafter_and_logs_within_the_limits(tmp_pat
 # --------------------------------------------------------------------------- --drafter: evaluate a given drafter
 
 
+@pytest.mark.long
 def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair, tiny_target_dir):
     from dflash_train.model.io import save_drafter
 

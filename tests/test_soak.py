@@ -115,6 +115,7 @@ def _check_files(run_dir: Path, steps: int) -> None:
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.long
 def test_soak_mini_open_files_stay_flat(tmp_path, tiny_target_dir, counting_jsonl):
     steps = 150
     result = _soak(tmp_path, tiny_target_dir, counting_jsonl, steps, interval=0.3)

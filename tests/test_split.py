@@ -192,6 +192,7 @@ def test_two_targets_one_drafter_log_the_losses_of_one_process(setup, single):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_one_target_two_compiled_drafters_log_the_losses_of_colocated_data_parallel(setup):
     """The field's shape of run (split, several drafter ranks under DDP, `drafter.compile`), with the CPU
     standing in for the GPUs: hidden states from the transport reuse the warm-up's graphs on both drafter
@@ -210,6 +211,7 @@ def test_one_target_two_compiled_drafters_log_the_losses_of_colocated_data_paral
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,limit", [(2, 12), (3, 20)])
+@pytest.mark.long
 def test_a_target_rank_near_its_recompile_limit_stops_the_run_with_a_checkpoint_and_resume_finishes(setup, nproc,
                                                                                                    limit):
     """`target.compile` on the target rank with recompiles forced (its layers compiled with static shapes: every
@@ -254,6 +256,7 @@ def test_a_target_rank_near_its_recompile_limit_stops_the_run_with_a_checkpoint_
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sigterm_stops_the_split_with_a_checkpoint_and_resume_is_exact(setup, single, capsys):
     root, cfg = setup
     out, log = root / "term", root / "term.log"

@@ -118,6 +118,7 @@ def _mount_tmpfs(path: Path, size: int) -> None:
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
 
 
+@pytest.mark.long
 def test_disk_full_mid_write_fails_clearly_and_resume_after_growing_the_disk(setup):
     """A real ENOSPC: RUN/checkpoints is a tmpfs with room for one and a half checkpoints. The second
     checkpoint fills it mid-write; after the disk grows (remount), --resume continues exactly."""
