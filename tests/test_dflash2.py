@@ -16,6 +16,7 @@ from dflash_train.algorithms.base import sdpa_attention
 from dflash_train.algorithms.dflash.attention import resolve_backend
 from dflash_train.algorithms.dflash.blocks import build_blocks, sample_anchors
 from dflash_train.algorithms.dflash.config import make_drafter_config
+from dflash_train.algorithms.dflash.loss import grouped_topk
 from dflash_train.algorithms.dflash.mask import dense_mask
 from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.algorithms.dflash2.config import make_dflash2_config
@@ -84,6 +85,25 @@ def test_conv_equals_a_brute_force_loop_and_never_crosses_a_block(kernel, block_
     outside = torch.ones(3 * block_len, dtype=torch.bool)
     outside[block_len:2 * block_len] = False
     assert torch.equal(y[:, outside], y2[:, outside]) and not torch.equal(y, y2)
+
+
+@pytest.mark.parametrize("vocab,k,group", [(8192, 16, 128), (5000, 16, 64), (4099, 5, 32), (1000, 4, 16), (300, 16, 32)])
+def test_grouped_topk_is_topk(vocab, k, group):
+    gen = torch.Generator().manual_seed(vocab + k)
+    scores = torch.randn(33, vocab, generator=gen, dtype=torch.float64)
+    # plant the best entries together in one group and spread over the last (partial) group: the hard cases
+    scores[0, :k] += 10.0
+    scores[1, -min(k, vocab % group or group):] += 10.0
+    values, ids = grouped_topk(scores, k, group)
+    expect = scores.topk(k, dim=-1)
+    assert torch.equal(values, expect.values)
+    assert torch.equal(ids, expect.indices)
+    # with ties (bf16 logits): the same values, and the ids point at them
+    coarse = (scores * 4).round().to(torch.bfloat16)
+    values, ids = grouped_topk(coarse, k, group)
+    assert torch.equal(values, coarse.topk(k, dim=-1).values)
+    assert torch.equal(coarse.gather(1, ids), values)
+    assert all(len(set(row.tolist())) == k for row in ids)
 
 
 def test_an_untrained_dflash2_drafter_computes_what_dflash_does(target):

@@ -89,6 +89,26 @@ def chunk_bounds(m: int, chunk_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def grouped_topk(scores: torch.Tensor, k: int, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scores.topk(k, dim=-1)` of `[c, V]` rows (values, best first, and their ids), found in two small steps:
+    the k groups of `group` columns with the largest maxima hold every row's k best entries (an entry among the
+    k best lies in a group whose maximum is at least as large, and at most k groups reach the k-th value), so
+    one max-pass over the row, a top-k of the `V / group` group maxima and one of the `k * group` gathered
+    entries replace a top-k over all V columns (a radix select over 152K columns per row on the GPU). With
+    ties the set of values is the same; which of the tied ids comes first may differ from `topk`'s."""
+    c, v = scores.shape
+    if k * group >= v:
+        return scores.topk(k, dim=-1)
+    pad = (-v) % group
+    padded = torch.nn.functional.pad(scores, (0, pad), value=float("-inf")) if pad else scores
+    groups = padded.view(c, -1, group)
+    best_groups = groups.amax(-1).topk(k, dim=-1).indices  # [c, k]
+    picked = groups.gather(1, best_groups.unsqueeze(-1).expand(c, k, group))  # [c, k, group]
+    values, where = picked.view(c, k * group).topk(k, dim=-1)
+    ids = best_groups.gather(1, where // group) * group + where % group
+    return values, ids
+
+
 def _transformed(logits: torch.Tensor, multiplier: float, softcap: Optional[float]) -> tuple[torch.Tensor, object]:
     """(x, dx/dz) for x = softcap * tanh(multiplier * z / softcap) (or multiplier * z), computed at float32 or
     wider; dx/dz is a tensor with a cap, the number `multiplier` without."""
@@ -130,8 +150,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 out = soft(scores, target_logits, labels[start:end], alpha, 1.0 / temperature)
             rows[start:end], label_logp[start:end], correct[start:end], grad_logits = out
             if top_k:  # of the transformed scores (the drafter's unary scores)
-                top = scores.topk(top_k, dim=-1)
-                top_values[start:end], top_ids[start:end] = top.values, top.indices
+                top_values[start:end], top_ids[start:end] = grouped_topk(scores, top_k)
                 label_logits[start:end] = scores.gather(1, labels[start:end].unsqueeze(1)).squeeze(1)
             if transform:  # chain rule through the transform, back in the logits' dtype for the matmul
                 grad_logits = (grad_logits * slope).to(logits.dtype)
