@@ -39,14 +39,18 @@ class BlockConv(nn.Module):
 
     def forward(self, x: torch.Tensor, taps: torch.Tensor, side: int, block_len: int) -> torch.Tensor:
         """`x [b, Q, H]`, Q a whole number of blocks of `block_len`; `taps` from `taps()`; side 0 (before the
-        sublayer) or 1 (after it)."""
+        sublayer) or 1 (after it). The block boundary is a mask on the position within its block, not a view
+        into `[blocks, block_len]`: with the length dynamic under torch.compile, `Q // block_len` in every
+        index made inductor's backward several times slower to compile (and to guard)."""
         b, q, h = x.shape
-        bs, g, groups = block_len, self.group_size, self.groups
-        xb = x.view(b, q // bs, bs, groups, g)
-        dyn = taps[:, :, side].reshape(b, q // bs, bs, self.kernel_size, groups, 1)
-        base = self.base_kernel[side].view(self.kernel_size, groups, g).to(x.dtype)
-        out = xb * (base[0] + dyn[:, :, :, 0]).to(x.dtype)
-        for o in range(1, min(self.kernel_size, bs)):
-            shifted = torch.nn.functional.pad(xb[:, :, : bs - o], (0, 0, 0, 0, o, 0))  # zeros before the block
-            out = out + shifted * (base[o] + dyn[:, :, :, o]).to(x.dtype)
+        xg = x.view(b, q, self.groups, self.group_size)
+        dyn = taps[:, :, side].unsqueeze(-1)  # [b, Q, K, G, 1]
+        base = self.base_kernel[side].view(self.kernel_size, self.groups, self.group_size).to(x.dtype)
+        out = xg * (base[0] + dyn[:, :, 0]).to(x.dtype)
+        if self.kernel_size > 1 and block_len > 1:
+            offset = torch.arange(q, device=x.device) % block_len  # each position's place in its block
+        for o in range(1, min(self.kernel_size, block_len)):
+            shifted = torch.nn.functional.pad(xg[:, : q - o], (0, 0, 0, 0, o, 0))
+            inside = (offset >= o).view(1, q, 1, 1)  # x_{t-o} lies in t's block
+            out = out + torch.where(inside, shifted, 0) * (base[o] + dyn[:, :, o]).to(x.dtype)
         return out.view(b, q, h)
