@@ -323,7 +323,7 @@ def memorised(target64):
 
 def test_block_and_tree_decoding_stay_lossless_and_replay_agrees(target64, memorised):
     prompts, conts, drafter, left_out = memorised
-    bs, max_new = drafter.block_size, 20
+    max_new = 20
     dec = SpeculativeDecoder(target64, drafter, stop_token_ids=STOPS)
     taus = []
     for i, (p, c) in enumerate(zip(prompts, conts)):
