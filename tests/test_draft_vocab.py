@@ -383,6 +383,12 @@ def test_the_export_is_what_vllm_reads_and_loads_back(target64, memorised, tmp_p
     assert torch.equal(head, drafter.lm_head.weight.to(torch.bfloat16))
     back = load_drafter(out)
     assert back.draft_vocab_size == n and torch.equal(back.vocabulary_ids(), drafter.vocabulary_ids())
+    full = DFlashDrafter(make_drafter_config(target64.config, num_draft_layers=1, block_size=4,
+                                             target_layer_ids=[1, 4], mask_token_id=16))
+    save_drafter(full, tmp_path / "full")  # the target's vocabulary: nothing of the above in the files
+    assert "draft_vocab_size" not in json.loads((tmp_path / "full" / "config.json").read_text())
+    with safe_open(str(tmp_path / "full" / "model.safetensors"), framework="pt") as f:
+        assert not {"d2t", "lm_head.weight"} & set(f.keys())
 
 
 def test_a_d2t_that_maps_outside_the_vocabulary_is_refused(memorised, tmp_path):
@@ -429,3 +435,21 @@ def test_train_export_and_eval_a_reduced_vocabulary_drafter(prepared, tiny_targe
     result = json.loads(out.read_text())
     assert "lossless" in capsys.readouterr().out
     assert result["datasets"][str(prompts)]["modes"]["block"]["tokens"] > 0
+
+
+@pytest.mark.long
+def test_two_ranks_train_the_head_together_and_resume_exactly(prepared, tiny_target_dir, tmp_path):
+    """Two colocated gloo ranks (the head trained outside DDP's forward still all-reduces), stopped after a
+    checkpoint and resumed: the resumed run logs the uninterrupted run's losses and keeps its vocabulary. A
+    constant learning rate, so that the shorter first run's schedule is the longer one's."""
+    from _harness import assert_same_losses, losses, write_config
+
+    cfg = write_config(tmp_path / "c.yaml", tiny_target_dir, prepared, drafter__draft_vocab_size=40,
+                       run__save_every=3, run__eval_every=0, optim__warmup_ratio=0.0, optim__min_lr_ratio=1.0)
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert main(["train", str(cfg), "--run-dir", str(whole), "--max-steps", "6", "--nproc", "2"]) == 0
+    assert main(["train", str(cfg), "--run-dir", str(parts), "--max-steps", "3", "--nproc", "2"]) == 0
+    assert main(["train", "--resume", "--run-dir", str(parts), "optim.max_steps=6", "--nproc", "2"]) == 0
+    assert_same_losses(losses(whole), losses(parts), 6)
+    a, b = load_drafter(whole / "export"), load_drafter(parts / "export")
+    assert torch.equal(a.d2t, b.d2t) and torch.equal(a.lm_head.weight, b.lm_head.weight)
