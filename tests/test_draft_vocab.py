@@ -453,3 +453,14 @@ def test_two_ranks_train_the_head_together_and_resume_exactly(prepared, tiny_tar
     assert_same_losses(losses(whole), losses(parts), 6)
     a, b = load_drafter(whole / "export"), load_drafter(parts / "export")
     assert torch.equal(a.d2t, b.d2t) and torch.equal(a.lm_head.weight, b.lm_head.weight)
+
+
+def test_the_index_check_sizes_the_loss_chunk_by_the_draft_vocabulary(target64):
+    from dflash_train.train.indexing import compiled_widths
+
+    dcfg = make_drafter_config(target64.config, num_draft_layers=1, block_size=4, target_layer_ids=[1, 4],
+                               mask_token_id=16, draft_vocab_size=300)
+    backend = resolve_backend("sdpa", torch.device("cpu"), 4)
+    for n, width in ((300, 300), (0, 49152)):
+        cfg = config_from_dict({}, [f"drafter.draft_vocab_size={n}"])
+        assert compiled_widths(cfg, dcfg, target64.config, backend, on_gpu=True).loss_row == width

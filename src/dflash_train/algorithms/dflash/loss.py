@@ -218,7 +218,8 @@ def chunked_ce_rows(
     `unscored`: labels may be -1, a row whose label is no class of this head (a label outside a reduced draft
     vocabulary): its loss and gradient are 0, it is never correct, its label log-probability is -inf.
     A `lm_head_weight` that requires grad (the drafter's own head) gets its gradient: the backward forms each
-    chunk's logits again (one more matmul per row) instead of keeping `[M, V]` from the forward."""
+    chunk's logits again (two more matmuls per row, with the weight gradient's) instead of keeping `[M, V]` from
+    the forward."""
     if distill_weight > 0 and target_hidden is None:
         raise ValueError("distill_weight > 0 needs target_hidden (the target's final normed hidden state per row)")
     if distill_weight == 0:
