@@ -24,7 +24,7 @@ from dflash_train.cli import main
 from dflash_train.config import config_from_dict, validate_against_target
 from dflash_train.data.batch import Batch
 from dflash_train.data.label_counts import COUNTS_FILE, draft_vocabulary
-from dflash_train.data.prepare import PrepareConfig, prepare
+from dflash_train.data.prepare import PrepareConfig, prepare, summary
 from dflash_train.data.source import open_training_data, require_label_counts
 from dflash_train.data.store import PreparedDataset, read_label_counts
 from dflash_train.errors import ConfigError
@@ -76,6 +76,7 @@ def test_prepare_counts_the_train_split_labels_and_gives_the_same_bytes(prepared
     assert len(counts) == len(load_tokenizer(tiny_target_dir))
     val = manifest["splits"]["val"]
     assert val["rows"] > 0 and manifest["label_counts"]["labels"] == manifest["splits"]["train"]["supervised_tokens"]
+    assert f"labels: {len(brute)} distinct tokens" in summary(manifest, prepared)
     again = tmp_path / "again"
     prepare(load_tokenizer(tiny_target_dir), str(tiny_target_dir), [str(counting_jsonl)], again,
             PrepareConfig(max_length=256, block_size=4, val_fraction=0.2, shard_rows=16))

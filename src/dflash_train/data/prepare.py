@@ -184,6 +184,10 @@ def summary(manifest: dict, out: Path) -> str:
         f"  val:   {s['val']['rows']} rows, {s['val']['tokens']} tokens ({s['val']['supervised_tokens']} supervised), "
         f"{len(s['val']['shards'])} shard(s)",
     ]
+    counts = manifest.get("label_counts")
+    if counts:
+        lines.append(f"  labels: {counts['distinct']} distinct tokens among the train split's {counts['labels']} "
+                     f"(counted in {counts['file']}, for drafter.draft_vocab_size)")
     if c["rejected_total"]:
         lines.append(f"  rejected {c['rejected_total']} rows:")
         for reason, n in sorted(c["rejected"].items(), key=lambda kv: (-kv[1], kv[0])):
