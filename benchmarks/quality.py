@@ -595,6 +595,7 @@ def prepare_training_data(cfg, data: str, val_fraction: float, prepared: Path, l
     Returns the seconds spent preparing (None: reused)."""
     from dflash_train import assets
     from dflash_train.data.prepare import PrepareConfig, prepare, summary
+    from dflash_train.data.store import has_label_counts
     from dflash_train.model.target import load_tokenizer
 
     data = str(Path(data).resolve())
@@ -603,10 +604,11 @@ def prepare_training_data(cfg, data: str, val_fraction: float, prepared: Path, l
     if manifest_path.is_file():
         m = json.loads(manifest_path.read_text())
         have = {k: m[k] for k in want}
-        if have == want and [s["data"] for s in m["sources"]] == [data]:
+        if have == want and [s["data"] for s in m["sources"]] == [data] and has_label_counts(m):
             log(f"prepare: reusing {prepared} ({m['counts']['kept']} rows)")
             return None
-        log(f"prepare: {prepared} was made with {have} from {[s['data'] for s in m['sources']]}; redoing")
+        why = "" if has_label_counts(m) else " without label counts (drafter.draft_vocab_size)"
+        log(f"prepare: {prepared} was made with {have} from {[s['data'] for s in m['sources']]}{why}; redoing")
     t0 = time.time()
     target = assets.resolve_target(cfg.target.path)
     manifest = prepare(load_tokenizer(target), cfg.target.path, [data], prepared, PrepareConfig(overwrite=True, **want))
@@ -712,6 +714,8 @@ class Driver:
 
         prepare_key = {"data": self.args.data, "max_length": self.cfg.data.max_length,
                        "block_size": self.cfg.drafter.block_size, "val_fraction": self.args.val_fraction}
+        if self.needs_label_counts():  # only then: an older work directory's stages stay done otherwise
+            prepare_key["label_counts"] = True
         all_stages = [
             Stage("prepare", self.stage_prepare, outputs=(self.prepared / "manifest.json",), key=prepare_key),
             Stage("train", self.stage_train, outputs=tuple(run / "export" / "model.safetensors"
@@ -721,6 +725,14 @@ class Driver:
                   key=self.eval_key, reuse=self.print_summary, min_remaining_s=self.args.eval_stop_margin_s + 60),
         ]
         return [s for s in all_stages if s.name in names]
+
+    def needs_label_counts(self) -> bool:
+        """Whether a run trains a reduced draft vocabulary (`drafter.draft_vocab_size`), chosen from the prepared
+        data's label counts (a directory prepared before they existed has none)."""
+        from dflash_train.config import load_config
+
+        return any(load_config(self.args.config, overrides).drafter.draft_vocab_size
+                   for _, overrides in self.runs().values())
 
     def eval_key(self) -> dict:
         """Everything the summary depends on besides the stages before it: the arguments, the drafter's weights."""

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from throughput import (SHAPES, add_workload_args, drafter_flops, drafter_shape, matmul_peak_tflops,  # noqa: E402
-                        target_flops)
+from throughput import (SHAPES, add_workload_args, benchmark_vocabulary, drafter_flops, drafter_section,  # noqa: E402
+                        drafter_shape, matmul_peak_tflops, target_flops)
 
 
 def main() -> None:
@@ -106,9 +106,10 @@ def main() -> None:
         dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
                                    mask_token_id=5, **dkwargs)
         drafter = DFlashDrafter(dcfg).to(device)
+        benchmark_vocabulary(drafter, head.lm_head.weight)
         if args.compile_drafter:
             drafter.compile_layers()
-        cfg = config_from_dict({"drafter": {"block_size": args.block, "num_draft_layers": args.layers},
+        cfg = config_from_dict({"drafter": drafter_section(args),
                                 "objective": {"max_anchors": args.anchors},
                                 "data": {"max_length": args.seq, "token_budget": tokens, "max_batch_size": args.batch}})
         backend = resolve_backend("flex" if cuda else "sdpa", device, args.block)

@@ -6,7 +6,11 @@
 Reports tokens/s (target tokens), time per part, MFU against a measured bf16 matmul peak, and peak
 memory. FLOP accounting (see BENCHMARKS.md): matmuls + attention over unmasked entries; target
 layers up to the last captured one; drafter forward + backward (weights and inputs), lm_head
-forward + input gradient on counted rows; no weight gradient for frozen parts.
+forward + input gradient on counted rows; no weight gradient for frozen parts. With `--draft-vocab N` the
+drafter's own trained lm_head [N, hidden] instead: forward, input and weight gradient (its backward also forms
+the logits again, which counts as no useful FLOP).
+
+    PYTHONPATH=src python benchmarks/throughput.py --shape qwen3-8b --compile-target --compile-drafter --draft-vocab 32768
 """
 
 from __future__ import annotations
@@ -62,8 +66,8 @@ def target_flops(c: dict, lengths: list[int], last_layer: int) -> float:
 def drafter_flops(c: dict, lengths: list[int], n_layers: int, k: int, keep: torch.Tensor,
                   anchors: torch.Tensor, counted_rows: int, block_size: int) -> float:
     """Forward FLOPs x 3 (backward = 2 x forward) for trainable matmuls; lm_head: forward + input grad."""
-    h, nh, nkv, hd, i, v = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
-                            c["intermediate_size"], c["vocab_size"])
+    h, nh, nkv, hd, i = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+                         c["intermediate_size"])
     fwd = 0.0
     for s, n_kept in zip(lengths, keep.sum(1).tolist()):
         q = n_kept * block_size
@@ -72,7 +76,8 @@ def drafter_flops(c: dict, lengths: list[int], n_layers: int, k: int, keep: torc
         fwd += per_layer * n_layers
     visible = ((anchors * keep).sum() + keep.sum() * block_size) * block_size  # keys seen per query, summed
     fwd += 4 * nh * hd * float(visible) * n_layers
-    lm_head = 2 * counted_rows * h * v * 2
+    draft_vocab = c.get("draft_vocab_size")  # a trained head: forward, input and weight gradient
+    lm_head = 2 * counted_rows * h * (draft_vocab or c["vocab_size"]) * (3 if draft_vocab else 2)
     return 3 * fwd + lm_head
 
 
@@ -94,6 +99,8 @@ def add_drafter_shape_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft-intermediate", type=int, default=None, help="drafter MLP width (default: the target's)")
     ap.add_argument("--draft-heads", type=int, default=None, help="drafter query heads (default: the target's)")
     ap.add_argument("--draft-kv-heads", type=int, default=None, help="drafter key/value heads (default: the target's)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="drafter.draft_vocab_size: the drafter's own lm_head over this many tokens (0: the target's)")
 
 
 def drafter_shape(shape: dict, args) -> tuple[dict, dict]:
@@ -104,7 +111,22 @@ def drafter_shape(shape: dict, args) -> tuple[dict, dict]:
     for key, value in kwargs.items():
         if value:
             merged[key] = value
+    if args.draft_vocab:
+        kwargs["draft_vocab_size"] = merged["draft_vocab_size"] = args.draft_vocab
     return merged, kwargs
+
+
+def benchmark_vocabulary(drafter, target_lm_head: torch.Tensor) -> None:
+    """A reduced draft vocabulary for a benchmark drafter: the first N target ids (the data is random, so which
+    tokens make no difference to the cost), the head initialised from the target's rows as training does."""
+    if drafter.draft_vocab_size:
+        drafter.set_draft_vocabulary(torch.arange(drafter.draft_vocab_size), target_lm_head)
+
+
+def drafter_section(args) -> dict:
+    """The benchmark config's `drafter` section."""
+    return {"architecture": getattr(args, "architecture", "dflash"), "block_size": args.block,
+            "num_draft_layers": args.layers, "draft_vocab_size": args.draft_vocab}
 
 
 def back_to_back(fn, repeat: int) -> float:
@@ -192,10 +214,11 @@ def measure_one_side(args) -> None:
         drafter = DFlashDrafter(dcfg).cuda()
         if args.compile_drafter:
             drafter.compile_layers()
-        result["compile_drafter"] = args.compile_drafter
+        result.update(compile_drafter=args.compile_drafter, draft_vocab=args.draft_vocab)
         hidden = torch.randn(args.batch, args.seq, len(ids) * shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
         frozen = _Frozen(shape, hidden)
-        cfg = config_from_dict({"drafter": {"block_size": args.block, "num_draft_layers": args.layers},
+        benchmark_vocabulary(drafter, frozen.lm_head.weight)
+        cfg = config_from_dict({"drafter": drafter_section(args),
                                 "objective": {"max_anchors": args.anchors},
                                 "data": {"max_length": args.seq, "token_budget": args.seq * args.batch}})
         backend = resolve_backend("flex", torch.device("cuda"), args.block)
@@ -231,6 +254,8 @@ def main() -> None:
     ap.add_argument("--compile-target", action="store_true",
                     help="target.compile: the target's decoder layers compiled (warmed up before timing)")
     args = ap.parse_args()
+    if args.draft_vocab and args.architecture != "dflash":
+        ap.error("--draft-vocab: a reduced draft vocabulary is implemented for --architecture dflash only")
     if args.part != "both":
         return measure_one_side(args)
 
@@ -272,12 +297,12 @@ def main() -> None:
         dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
                                    mask_token_id=5, **dkwargs)
         drafter = DFlashDrafter(dcfg).cuda()
+    benchmark_vocabulary(drafter, target.lm_head.weight)
     if args.compile_drafter:
         drafter.compile_layers()
     build_s = time.perf_counter() - t0
 
-    cfg = config_from_dict({"drafter": {"architecture": args.architecture, "block_size": args.block,
-                                        "num_draft_layers": args.layers},
+    cfg = config_from_dict({"drafter": drafter_section(args),
                             "objective": {"max_anchors": args.anchors},
                             "data": {"max_length": args.seq, "token_budget": args.seq * args.batch}})
     backend = resolve_backend("flex", torch.device("cuda"), args.block)
@@ -330,7 +355,7 @@ def main() -> None:
                               int(stats.counted_per_slot.sum()), args.block)
     tokens = sum(lengths)
     result = {
-        "architecture": args.architecture, "shape": args.shape, "batch": args.batch, "seq": args.seq, "block": args.block, "anchors": args.anchors,
+        "architecture": args.architecture, "draft_vocab": args.draft_vocab, "shape": args.shape, "batch": args.batch, "seq": args.seq, "block": args.block, "anchors": args.anchors,
         "peak_tflops": round(peak, 1), "build_s": round(build_s, 1), "first_step_s": round(first_step_s, 1),
         "start_to_first_step_s": round(start_to_first_step_s, 1), "fresh_cache": args.fresh_cache,
         "early_compile_workers": not args.late_compile_workers,

@@ -492,3 +492,28 @@ def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair,
     s = json.loads((out / "summary.json").read_text())
     assert s["eval"]["datasets"]["set"]["prompts_done"] == 3 and s["eval"]["settings"]["overlap_filter_data"] is None
     assert "NOT filtered against training prompts" in (out / "summary.md").read_text()
+
+
+def test_prepared_data_carries_label_counts_for_a_reduced_vocabulary_variant(tmp_path, tiny_target_dir, counting_jsonl):
+    """A `--variant` with drafter.draft_vocab_size is a valid override, and the prepared data it trains on holds the
+    label counts: a work directory's older prepared data without them is prepared again, not reused."""
+    from dflash_train.config import load_config
+    from dflash_train.data.store import has_label_counts
+    from dflash_train.errors import ConfigError
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"target:\n  path: {tiny_target_dir}\ndrafter:\n  block_size: 4\ndata:\n  max_length: 256\n")
+    variants = Q.parse_variants(["small=drafter.draft_vocab_size=64"], str(config), [])
+    assert variants == {"small": ["drafter.draft_vocab_size=64"]}
+    cfg = load_config(config)
+    prepared, log = tmp_path / "prepared", []
+    assert Q.prepare_training_data(cfg, str(counting_jsonl), 0.1, prepared, log.append) is not None
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert has_label_counts(manifest)
+    assert Q.prepare_training_data(cfg, str(counting_jsonl), 0.1, prepared, log.append) is None  # reused
+    del manifest["label_counts"]  # as an older dflash-train prepared it
+    (prepared / "manifest.json").write_text(json.dumps(manifest))
+    assert Q.prepare_training_data(cfg, str(counting_jsonl), 0.1, prepared, log.append) is not None
+    assert "without label counts" in log[-2] and has_label_counts(json.loads((prepared / "manifest.json").read_text()))
+    with pytest.raises(ConfigError, match="dflash only"):
+        Q.parse_variants(["dflash2=drafter.architecture=dflash2,drafter.draft_vocab_size=64"], str(config), [])

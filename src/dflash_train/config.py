@@ -103,6 +103,11 @@ class DrafterConfig:
     # (v1) loader does not read them (its DFlash2 one does): keep the defaults for drafters served there.
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
+    # drafter.architecture dflash only. 0 = the target's vocabulary through the target's frozen lm_head. N > 0:
+    # the drafter scores only the N most frequent label tokens of the training data (counted by `prepare`) with
+    # its own trainable lm_head [N, hidden], initialised from the target's rows of those tokens; exported with
+    # `draft_vocab_size` and the `d2t` offsets vLLM reads. Labels outside it count as misses.
+    draft_vocab_size: int = 0
 
 
 @dataclass
@@ -471,6 +476,17 @@ def validate(cfg: Config) -> None:
              f"must be > drafter.block_size = {d.block_size} (or null): block slot i sees the sliding_window - 1 - i "
              f"context positions before its anchor, so a window of {d.sliding_window} leaves the last "
              f"{d.block_size - d.sliding_window + 1} slot(s) no context at all")
+    need(d.draft_vocab_size >= 0, "drafter.draft_vocab_size",
+         f"must be 0 (the target's vocabulary) or the number of draft tokens >= 1 (got {d.draft_vocab_size})")
+    if d.draft_vocab_size:
+        need(d.architecture == "dflash", "drafter.draft_vocab_size",
+             f"a reduced draft vocabulary is implemented for drafter.architecture=dflash only; {d.architecture} "
+             "scores the target's whole vocabulary (its candidate selector's codebooks are [vocab, rank]): set "
+             "drafter.draft_vocab_size=0 or drafter.architecture=dflash")
+        need(o.distill_weight == 0, "drafter.draft_vocab_size",
+             "distillation (objective.distill_weight > 0) mixes in the target's distribution over its whole "
+             "vocabulary, which a reduced draft vocabulary cannot express: set objective.distill_weight=0 or "
+             "drafter.draft_vocab_size=0")
     need(d.output_multiplier > 0, "drafter.output_multiplier", f"must be > 0 (got {d.output_multiplier})")
     if d.final_logit_softcapping is not None:
         need(d.final_logit_softcapping > 0, "drafter.final_logit_softcapping",
@@ -571,6 +587,12 @@ def validate_against_target(cfg: Config, num_target_layers: int, vocab_size: int
         raise ConfigError(
             f"config key 'drafter.target_layer_ids': {ids} names layer {max(ids)}, but the target has "
             f"{num_target_layers} decoder layers (valid ids 0..{num_target_layers - 1})"
+        )
+    n = cfg.drafter.draft_vocab_size
+    if n > vocab_size:
+        raise ConfigError(
+            f"config key 'drafter.draft_vocab_size': {n} is larger than the target's vocabulary ({vocab_size} "
+            f"tokens); give 1..{vocab_size}, or 0 for the target's whole vocabulary"
         )
     mask = cfg.drafter.mask_token_id
     if mask is not None and mask >= vocab_size:

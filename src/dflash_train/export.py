@@ -26,6 +26,9 @@ def parity_check(source, exported, dtype: torch.dtype, seed: int = 0) -> None:
         b = exported(hidden, block, pos, sdpa_attention, None)
     if not torch.equal(a, b):
         raise RuntimeError(f"export parity check failed: max difference {(a - b).abs().max().item():.3g}")
+    if source.draft_vocab_size != exported.draft_vocab_size or (source.draft_vocab_size and not (
+            torch.equal(source.d2t, exported.d2t) and torch.equal(source.lm_head.weight, exported.lm_head.weight))):
+        raise RuntimeError("export parity check failed: the draft vocabulary (d2t, lm_head.weight) differs")
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> Path:

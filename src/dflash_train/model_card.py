@@ -25,7 +25,10 @@ def training_card(cfg_yaml: str, target_path: Path, layer_ids: list[int], mask_t
         f"- steps: {summary.get('step')}, final loss {summary.get('loss', float('nan')):.4f}, "
         f"accuracy {summary.get('accuracy', float('nan')):.3f}, tau estimate {summary.get('tau_estimate', float('nan')):.3f}\n\n"
         f"{_LOADING} "
-        "(config.json + model.safetensors, no embedding or lm_head: those are the target's).\n\n"
+        "(config.json + model.safetensors, no embedding: the target's; the lm_head is the target's too, unless "
+        "config.json has a `draft_vocab_size`: then the drafter scores that many target tokens with its own "
+        "`lm_head.weight` and maps them back through `d2t` (target id = draft id + d2t[draft id]), which vLLM "
+        "loads and SGLang's DFlash, using the target's head, does not).\n\n"
         "## Training config\n\n```yaml\n" + cfg_yaml + "```\n"
     )
 

@@ -157,6 +157,27 @@ def transform_logits(logits: torch.Tensor, multiplier: float = 1.0, softcap: Opt
     return logits
 
 
+def draft_vocab_size_of(config: Any) -> int:
+    """The top-level `draft_vocab_size` of a drafter config (vLLM's reduced draft vocabulary): 0 when absent or
+    null (the target's vocabulary, through the target's lm_head), else an integer in 1..vocab_size."""
+    n = getattr(config, "draft_vocab_size", None)
+    if n is None:
+        return 0
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (isinstance(vocab, int) and n > vocab):
+        raise ValueError(f"drafter config key 'draft_vocab_size' must be an integer in 1..vocab_size ({vocab}), or "
+                         f"absent for the target's vocabulary (got {n!r})")
+    return n
+
+
+def target_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`[vocab_size]` long: the draft id of each target token, -1 for a token outside the draft vocabulary
+    (from the offsets `d2t`: target id = draft id + d2t[draft id])."""
+    draft_ids = torch.arange(d2t.shape[0], device=d2t.device)
+    out = torch.full((vocab_size,), -1, dtype=torch.long, device=d2t.device)
+    return out.index_put_((draft_ids + d2t,), draft_ids)
+
+
 @dataclass(frozen=True)
 class AttentionKind:
     """How one drafter layer attends (masks are built once per forward for each distinct kind).
@@ -296,32 +317,65 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
         scale = self.input_embedding_scale
         return out if scale == 1.0 else out * scale
 
+    # ------------------------------------------------------------ the drafter's vocabulary
+    # With a reduced draft vocabulary (`draft_vocab_size` N > 0) the drafter owns `lm_head` [N, H] and the buffer
+    # `d2t` [N] (target id = draft id + d2t[draft id]); its scores are over draft ids, and what leaves the drafter
+    # (drafts, tree candidates, sampling distributions) is mapped back to target ids here, so decoding, replay
+    # and validation see target tokens only.
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """0: the target's vocabulary through the target's lm_head; N: the drafter's own head over N tokens."""
+        head = self._modules.get("lm_head")
+        return 0 if head is None else head.out_features
+
+    def vocabulary_head(self, lm_head: nn.Module) -> nn.Module:
+        """The head that scores the drafter's vocabulary: its own with a reduced vocabulary, else `lm_head`."""
+        head = self._modules.get("lm_head")
+        return lm_head if head is None else head
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids -> target ids (the identity without a reduced vocabulary)."""
+        if not self.draft_vocab_size:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def vocabulary_ids(self) -> torch.Tensor:
+        """The target ids of the draft vocabulary, by draft id (`[N]`; needs a reduced vocabulary)."""
+        return self.target_ids(torch.arange(self.draft_vocab_size, device=self.d2t.device))
+
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Vocabulary scores (float32) of the block's final hidden states, through the target's lm_head:
-        `lm_head(h) * output_multiplier`, then the softcap. Decoding and replay rank these."""
-        out = lm_head(hidden.to(lm_head.weight.dtype)).float()
+        """Scores (float32) of the block's final hidden states over the drafter's vocabulary: through the
+        target's `lm_head` (target ids), or the drafter's own head (draft ids, with a reduced vocabulary):
+        `head(h) * output_multiplier`, then the softcap."""
+        head = self.vocabulary_head(lm_head)
+        out = head(hidden.to(head.weight.dtype)).float()
         return transform_logits(out, self.output_multiplier, self.final_logit_softcapping)
 
     def draft(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor, temperature: float = 0.0,
               generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The drafts `[n, bs-1]` for slots 1.. of `n` blocks, from their final hidden states `[n, bs, H]` (slot 0
-        is the anchor, `anchor_ids [n]`): the argmax of each slot, or with `temperature > 0` a sample from
-        `q = softmax(logits / temperature)`, returned too (`[n, bs-1, V]`) for speculative sampling. Every row
-        goes through the lm_head and the anchor's is dropped (on CPU a 15-row product with a large lm_head
-        costs twice a 16-row one)."""
+        """The drafts `[n, bs-1]` (target ids) for slots 1.. of `n` blocks, from their final hidden states
+        `[n, bs, H]` (slot 0 is the anchor, `anchor_ids [n]`): the argmax of each slot, or with `temperature > 0` a
+        sample from `q = softmax(logits / temperature)`, returned too over the target's vocabulary (`[n, bs-1, V]`,
+        0 outside a reduced draft vocabulary) for speculative sampling. Every row goes through the head and the
+        anchor's is dropped (on CPU a 15-row product with a large lm_head costs twice a 16-row one)."""
         logits = self.logits(hidden, lm_head)[:, 1:].float()
         if temperature <= 0:
-            return logits.argmax(-1), None
+            return self.target_ids(logits.argmax(-1)), None
         q = torch.softmax(logits / temperature, -1)
         drafts = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator).view(q.shape[:-1])
-        return drafts, q
+        if self.draft_vocab_size:
+            full = q.new_zeros(*q.shape[:-1], lm_head.weight.shape[0])
+            q = full.index_copy_(-1, self.vocabulary_ids(), q)
+        return self.target_ids(drafts), q
 
     def tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
                         k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each slot's `k` best next tokens and their log-probabilities, best first (`[n, bs-1, k]` each), for a
-        DDTree over the block: here the slots' own distributions."""
+        """Each slot's `k` best next tokens (target ids) and their log-probabilities, best first (`[n, bs-1, k]`
+        each), for a DDTree over the block: here the slots' own distributions."""
         log_probs = torch.log_softmax(self.logits(hidden, lm_head)[:, 1:].float(), -1)
-        return log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+        top_lp, top = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+        return top_lp, self.target_ids(top)
 
 
 class Objective(Protocol):

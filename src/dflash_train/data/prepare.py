@@ -23,6 +23,7 @@ from ..model.fingerprints import chat_template_fingerprint, chat_template_text, 
 from . import store
 from .dataset import tokenize_row
 from .formats import RowError, builtin_file, expand_source, iter_source
+from .label_counts import COUNTS_FILE, LabelCounter, write_counts
 from .rejects import Rejects
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
         rejects_file = open(tmp / store.REJECTS, "w", encoding="utf-8")
         rejects = Rejects(sink=rejects_file)
         writers = {s: store.ShardWriter(tmp, s, cfg.shard_rows) for s in store.SPLITS}
+        labels = LabelCounter(len(tokenizer))  # the train split's label tokens (drafter.draft_vocab_size)
         rows_read = kept = truncated = 0
         bar = None
         if progress:
@@ -126,6 +128,8 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
                 kept += 1
                 held_out = cfg.val_fraction > 0 and holdout_key(messages) < cfg.val_fraction
                 writers["val" if held_out else "train"].add(tok)
+                if not held_out:
+                    labels.add(tok)
             if cfg.max_samples and kept >= cfg.max_samples:
                 break
         if bar is not None:
@@ -139,6 +143,8 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
                 + "). First rejects: " + "; ".join(rejects.first_lines())
                 + ". Give conversations with assistant turns (run `dflash-train regen` on prompt-only data)"
             )
+        counts = labels.result()
+        write_counts(tmp / COUNTS_FILE, counts)
         manifest = {
             "format": store.FORMAT,
             "format_version": store.FORMAT_VERSION,
@@ -157,6 +163,9 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
                        "rejected": dict(sorted(rejects.counts.items())), "rejected_total": sum(rejects.counts.values())},
             "splits": splits,
             "rejects_file": store.REJECTS,
+            # how often each token id is a label of the train split (the draft vocabulary is chosen from it)
+            "label_counts": {"file": COUNTS_FILE, "split": "train", "size": len(counts), "labels": int(counts.sum()),
+                             "distinct": int((counts > 0).sum())},
         }
         store.write_json(tmp / store.MANIFEST, manifest)  # last: a directory with a manifest is complete
         store.publish_dir(tmp, out, cfg.overwrite)
@@ -175,6 +184,10 @@ def summary(manifest: dict, out: Path) -> str:
         f"  val:   {s['val']['rows']} rows, {s['val']['tokens']} tokens ({s['val']['supervised_tokens']} supervised), "
         f"{len(s['val']['shards'])} shard(s)",
     ]
+    counts = manifest.get("label_counts")
+    if counts:
+        lines.append(f"  labels: {counts['distinct']} distinct tokens among the train split's {counts['labels']} "
+                     f"(counted in {counts['file']}, for drafter.draft_vocab_size)")
     if c["rejected_total"]:
         lines.append(f"  rejected {c['rejected_total']} rows:")
         for reason, n in sorted(c["rejected"].items(), key=lambda kv: (-kv[1], kv[0])):

@@ -18,8 +18,10 @@ import numpy as np
 
 from .chat import Tokenized
 from .dataset import TOO_FEW, read_sources, require_examples
+from .label_counts import count_labels, padded
 from .rejects import Rejects
-from .store import PreparedDataset, check_fingerprints, is_prepared
+from .store import (PreparedDataset, check_fingerprints, has_label_counts, is_prepared, no_label_counts_message,
+                    read_label_counts, read_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,11 @@ class _Prepared:
         self.anchor_positions = np.minimum(self.ds.num_supervised[rows], self.lengths - block_size + 1)
         self.description = f"{path} ({split} split: {len(rows)} rows, {int(self.lengths.sum())} tokens)"
 
+    def label_counts(self) -> np.ndarray:
+        """The label token counts `prepare` stored: of the whole train split as prepared (what max_samples, a
+        larger block_size or a shorter max_length leave out of this run counts too)."""
+        return read_label_counts(self.ds.path, self.ds.manifest)
+
     def example(self, j: int) -> Tokenized:
         ex = self.ds.example(int(self.rows[j]))
         if len(ex.input_ids) > self.max_length:
@@ -72,6 +79,9 @@ class _InMemory:
         self.anchor_positions = np.array([int(np.count_nonzero(e.loss_mask[:len(e.input_ids) - block_size + 1]))
                                           for e in ds.examples], dtype=np.int64)
         self.description = f"{source} (tokenised on the fly: {len(ds)} rows, {int(self.lengths.sum())} tokens)"
+
+    def label_counts(self) -> np.ndarray:
+        return count_labels(self.examples, 0)
 
     def example(self, j: int) -> Tokenized:
         return self.examples[j]
@@ -105,6 +115,14 @@ class TrainingData:
     def example(self, i: int) -> Tokenized:
         k = int(np.searchsorted(self._starts, i, side="right")) - 1
         return self.parts[k].example(i - int(self._starts[k]))
+
+    def label_counts(self, vocab_size: int) -> np.ndarray:
+        """How often each target token id is a label (supervised) in these rows, `[vocab_size]` int64: a prepared
+        directory's stored counts, a raw entry's counted now."""
+        total = np.zeros(vocab_size, dtype=np.int64)
+        for part in self.parts:
+            total += padded(part.label_counts(), vocab_size, part.description)
+        return total
 
     def describe(self) -> str:
         parts = "; ".join(p.description for p in self.parts)
@@ -151,6 +169,16 @@ def open_training_data(cfg, tokenizer, rejects_path: Optional[Path] = None) -> T
     if not len(lengths):
         raise ValueError(f"no training rows in {files} (rejected: {dict(rejected)})")
     return TrainingData(parts, lengths, rejected)
+
+
+def require_label_counts(cfg) -> None:
+    """With `drafter.draft_vocab_size` > 0, every prepared `data.train_files` entry must hold the label counts
+    the draft vocabulary is chosen from (checked before anything loads or is written)."""
+    if not cfg.drafter.draft_vocab_size:
+        return
+    for entry in cfg.data.train_files:
+        if is_prepared(entry) and not has_label_counts(read_manifest(entry)):
+            raise ValueError(f"config key 'drafter.draft_vocab_size': {no_label_counts_message(entry)}")
 
 
 def open_validation_data(cfg, tokenizer, rejects_path: Optional[Path] = None) -> Optional[TrainingData]:

@@ -3,6 +3,7 @@
     DIR/
       manifest.json        format version, tokenizer + chat-template fingerprints, config, counts, sources
       rejects.jsonl        one line per rejected row: {"where": "file:line", "reason": ..., "detail": ...}
+      label_counts.npy     how often each token id is a label (supervised) in the train split (`label_counts.py`)
       train/shard-00000.arrow ...
       val/shard-00000.arrow ...
 
@@ -25,6 +26,7 @@ import pyarrow as pa
 from ..model.fingerprints import chat_template_fingerprint, tokenizer_fingerprint
 from ..runtime import replace_dir
 from .chat import Tokenized
+from .label_counts import read_counts
 
 FORMAT = "dflash-train/prepared"
 FORMAT_VERSION = 1
@@ -171,6 +173,24 @@ def check_fingerprints(manifest: dict, tokenizer, dataset: str, target: str) -> 
                 f"wrong for this target: re-run `dflash-train prepare --target {target} --data ... --out DIR` "
                 "with this target and train on that directory"
             )
+
+
+def no_label_counts_message(path: str | Path) -> str:
+    return (f"prepared dataset {path} holds no label token counts (it was prepared by a dflash-train older than "
+            "drafter.draft_vocab_size), and the reduced draft vocabulary is chosen from them: re-run `dflash-train "
+            f"prepare --target ... --data ... --out {path} --overwrite` with the same inputs (it gives the same rows "
+            "and adds the counts), or train with drafter.draft_vocab_size=0")
+
+
+def has_label_counts(manifest: dict) -> bool:
+    return isinstance(manifest.get("label_counts"), dict) and "file" in manifest["label_counts"]
+
+
+def read_label_counts(path: str | Path, manifest: dict) -> np.ndarray:
+    """The train split's label token counts stored by `prepare`; a clear error for a directory without them."""
+    if not has_label_counts(manifest):
+        raise ValueError(no_label_counts_message(path))
+    return read_counts(Path(path) / manifest["label_counts"]["file"])
 
 
 class PreparedDataset:

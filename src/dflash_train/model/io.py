@@ -29,7 +29,9 @@ def save_drafter(
     out = Path(out_dir)
     tmp = temp_dir_beside(out)
     try:
-        tensors = {k: v.detach().to("cpu", dtype_named(dtype)).contiguous() for k, v in drafter.state_dict().items()}
+        # Weights in `dtype`; integer tensors (a reduced vocabulary's `d2t` offsets, int64 as vLLM reads them) as they are.
+        tensors = {k: v.detach().to("cpu", dtype_named(dtype) if v.is_floating_point() else v.dtype).contiguous()
+                   for k, v in drafter.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(architecture(drafter.architecture).config_json(drafter, dtype), indent=2, sort_keys=True))
         for name, text in (extra_files or {}).items():
@@ -57,6 +59,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: Op
     with torch.device("meta"):
         drafter = arch.drafter_class(config)
     expected = {k: v.shape for k, v in drafter.state_dict().items()}
+    expected_dtypes = {k: v.dtype for k, v in drafter.state_dict().items()}
     with safe_open(str(weights), framework="pt") as f:
         names = set(f.keys())
         missing = sorted(set(expected) - names)
@@ -69,7 +72,21 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: Op
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name]):
             raise ValueError(f"{weights}: tensor {name} has shape {tuple(tensor.shape)}, config expects {tuple(expected[name])}")
-    file_dtype = next(iter(state.values())).dtype
+        if not expected_dtypes[name].is_floating_point and tensor.dtype != expected_dtypes[name]:
+            raise ValueError(f"{weights}: tensor {name} is {tensor.dtype}, config expects {expected_dtypes[name]}")
+    file_dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     drafter = arch.drafter_class(config).to(device=device, dtype=dtype or file_dtype)
     drafter.load_state_dict(state, strict=True)
+    if drafter.draft_vocab_size:
+        check_draft_vocabulary(drafter, weights)
     return drafter
+
+
+def check_draft_vocabulary(drafter: Drafter, weights: Path) -> None:
+    """A reduced vocabulary's `d2t` must map the draft ids to distinct target ids inside the vocabulary."""
+    ids = drafter.vocabulary_ids()
+    vocab = int(drafter.config.vocab_size)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(torch.unique(ids)) != len(ids):
+        raise ValueError(f"{weights}: tensor d2t maps the {len(ids)} draft ids to target ids "
+                         f"{int(ids.min())}..{int(ids.max())} ({len(torch.unique(ids))} distinct): they must be "
+                         f"distinct and in 0..{vocab - 1} (target id = draft id + d2t[draft id])")

@@ -82,7 +82,7 @@ def compiled_widths(cfg, drafter_config, target_config, backend, on_gpu: bool) -
         if cfg.drafter.compile else 0,
         attention_query=d.num_attention_heads * d_head if flex else 0,
         attention_key=d.num_key_value_heads * d_head if flex else 0,
-        loss_row=t.vocab_size if on_gpu else 0,
+        loss_row=(cfg.drafter.draft_vocab_size or t.vocab_size) if on_gpu else 0,  # the drafter's vocabulary
         loss_chunk=cfg.objective.loss_chunk_size,
         block_size=cfg.drafter.block_size,
         context_multiple=backend.context_multiple_of,

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..algorithms import architecture
+
 log = logging.getLogger(__name__)
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -29,6 +31,14 @@ def checkpoint_parameters(path: Path) -> int:
                     n *= dim
                 total += n
     return total
+
+
+def drafter_parameters(architecture_name: str, drafter_config) -> int:
+    """The trainable parameters of the drafter `drafter_config` describes (built on the meta device: no memory),
+    a reduced draft vocabulary's own lm_head included."""
+    with torch.device("meta"):
+        drafter = architecture(architecture_name).drafter_class(drafter_config)
+    return sum(p.numel() for p in drafter.parameters() if p.requires_grad)
 
 
 def needed_bytes(target_params: int, target_dtype: torch.dtype, drafter_params: int, role: str) -> int:

@@ -22,7 +22,8 @@ from .. import assets
 from ..config import Config, dump_config, validate_against_target, validate_compile_device, validate_world
 from ..data.batch import Batch, collate
 from ..data.dataset import plan_batches
-from ..data.source import open_training_data, open_validation_data
+from ..data.label_counts import coverage, draft_vocabulary
+from ..data.source import open_training_data, open_validation_data, require_label_counts
 from ..errors import UserError, debug_enabled, is_user_error
 from ..model import compile as compile_layer
 from ..algorithms import architecture
@@ -228,6 +229,7 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
     layout = SplitLayout(world, cfg.parallel.target_ranks, cfg.optim.grad_accum) \
         if cfg.parallel.placement == "split" else None
     plan, tokenizer = plan_run(cfg)
+    require_label_counts(cfg)  # a reduced draft vocabulary is chosen from the prepared data's label counts
     target_config = read_target_config(plan.target_path, cfg.target.trust_remote_code)
     d = cfg.drafter
     dcfg = architecture(d.architecture).config_for_run(target_config, d, plan.layer_ids, plan.mask_token_id)
@@ -364,8 +366,7 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
     log.info("rank %d/%d (%s): target %s, layers %s, mask token %d, device %s", ctx.rank, ctx.world, role,
              plan.target_path, plan.layer_ids, plan.mask_token_id, device)
     if device.type == "cuda":
-        with torch.device("meta"):
-            drafter_params = sum(p.numel() for p in architecture(cfg.drafter.architecture).drafter_class(a.dcfg).parameters())
+        drafter_params = preflight.drafter_parameters(cfg.drafter.architecture, a.dcfg)  # its own lm_head included
         if role == "drafter" and a.layout is not None:  # plus the target's embedding and lm_head
             drafter_params += a.target_config.vocab_size * a.target_config.hidden_size // 4
         need_role = "colocated" if a.layout is None else role
@@ -454,6 +455,8 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
     drafter = arch.drafter_class(a.dcfg)
     if cfg.drafter.init_from_target and not resume:  # a resume loads the checkpoint's weights over it
         init_drafter_from_target(drafter, plan.target_path)
+    if drafter.draft_vocab_size and not resume:  # a resume loads the checkpoint's vocabulary and head
+        rep.report(**choose_draft_vocabulary(drafter, r.data, target.lm_head.weight))
     drafter = drafter.to(r.device)
     if cfg.drafter.compile:  # compiled by the warm-up
         drafter.compile_layers()
@@ -488,6 +491,21 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
                    lambda cfg_yaml, record: training_card(cfg_yaml, plan.target_path, plan.layer_ids, plan.mask_token_id,
                                                           record),
                    inbox, val, stop_ids)
+
+
+def choose_draft_vocabulary(drafter, data, target_lm_head: torch.Tensor) -> dict:
+    """The reduced draft vocabulary: the `drafter.draft_vocab_size` most frequent label tokens of the training
+    data (ties: the lower id), the drafter's head initialised from the target's rows of them. Returns what
+    status.json records."""
+    counts = data.label_counts(target_lm_head.shape[0])
+    ids = draft_vocabulary(counts, drafter.draft_vocab_size)
+    drafter.set_draft_vocabulary(torch.from_numpy(ids), target_lm_head)
+    share = coverage(counts, ids)
+    seen = int((counts > 0).sum())
+    log.info("draft vocabulary: %d of the target's %d tokens, covering %.2f%% of the %d training labels (%d distinct "
+             "label tokens%s)", len(ids), len(counts), 100 * share, int(counts.sum()), seen,
+             "; the rest of the vocabulary are tokens the labels never hold, by id" if seen < len(ids) else "")
+    return {"draft_vocab_size": len(ids), "draft_vocab_label_coverage": round(share, 6)}
 
 
 def warm_up_drafter_rank(s: Session, a: Admitted, r: RankSetup, rep: Reporter) -> dict:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from transformers import PretrainedConfig, Qwen3Config
 
 from ...model.hf_config import text_config
-from ..base import OutputFields, layer_kinds
+from ..base import OutputFields, draft_vocab_size_of, layer_kinds
 
 
 def _rope_fields(target: PretrainedConfig) -> dict[str, Any]:
@@ -37,6 +37,7 @@ def make_drafter_config(
     causal: bool = False,
     output_multiplier: float = 1.0,
     final_logit_softcapping: Optional[float] = None,
+    draft_vocab_size: int = 0,
 ) -> Qwen3Config:
     """The drafter copies the target's layer shape unless told otherwise; its hidden size is always
     the target's (it reads the target's embeddings and feeds the target's lm_head).
@@ -44,7 +45,9 @@ def make_drafter_config(
     `sliding_window`: every layer `sliding_attention` with that window (None: all `full_attention`);
     `causal`: in-block causal attention, exported as an explicit top-level `is_causal` either way (a reader's
     default when it is absent depends on the layer type). `output_multiplier` / `final_logit_softcapping`
-    go into `dflash_config` when they are not the defaults (1.0 / off), where DFlash2 readers look."""
+    go into `dflash_config` when they are not the defaults (1.0 / off), where DFlash2 readers look.
+    `draft_vocab_size` > 0: the drafter's own lm_head over that many target tokens (top-level `draft_vocab_size`,
+    as vLLM reads it; 0 leaves it out: the target's vocabulary and lm_head)."""
     t = text_config(target_config)
     heads = num_attention_heads or t.num_attention_heads
     head_dim = head_dim or getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
@@ -89,7 +92,9 @@ def make_drafter_config(
         cfg.dflash_config["output_multiplier"] = float(output_multiplier)
     if final_logit_softcapping:
         cfg.dflash_config["final_logit_softcapping"] = float(final_logit_softcapping)
-    OutputFields.of(cfg), layer_kinds(cfg)  # the checks a reader makes
+    if draft_vocab_size:
+        cfg.draft_vocab_size = int(draft_vocab_size)
+    OutputFields.of(cfg), layer_kinds(cfg), draft_vocab_size_of(cfg)  # the checks a reader makes
     return cfg
 
 
@@ -98,7 +103,8 @@ def config_for_run(target_config: PretrainedConfig, d, target_layer_ids: list[in
     return make_drafter_config(
         target_config, num_draft_layers=d.num_draft_layers, block_size=d.block_size, target_layer_ids=target_layer_ids,
         mask_token_id=mask_token_id, intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
-        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, **reference_fields(d),
+        num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, draft_vocab_size=d.draft_vocab_size,
+        **reference_fields(d),
     )
 
 
@@ -129,7 +135,7 @@ def drafter_config_from_dict(data: dict[str, Any], architecture: str = "DFlashDr
     cfg.block_size = int(data["block_size"])
     cfg.num_target_layers = int(data["num_target_layers"])
     cfg.dflash_config = dict(dflash)
-    OutputFields.of(cfg), layer_kinds(cfg)  # refuse unreadable fields here, where the file is named
+    OutputFields.of(cfg), layer_kinds(cfg), draft_vocab_size_of(cfg)  # refuse unreadable fields here, where the file is named
     return cfg
 
 

@@ -1,10 +1,12 @@
-"""Weighted cross-entropy through the frozen lm_head, in chunks: full logits never exist.
+"""Weighted cross-entropy through an lm_head (the target's frozen one, or a reduced draft vocabulary's own
+trained head), in chunks: full logits never exist.
 
 Forward computes, chunk by chunk, the logits, the per-row CE, the label's log-probability, the argmax and
 the gradient of each row's CE with respect to its hidden state, (softmax - q) @ W; backward only scales
-those stored rows by the incoming per-row gradient (the caller's weights). The lm_head weight is frozen, so
-no weight gradient is ever formed. Two matmuls per row: the least an lm_head + CE with an input gradient
-can do.
+those stored rows by the incoming per-row gradient (the caller's weights). The target's lm_head weight is frozen,
+so no weight gradient is formed for it: two matmuls per row, the least an lm_head + CE with an input gradient
+can do. A trained head (a reduced draft vocabulary's) also gets its weight gradient in backward, from the logits
+formed again chunk by chunk (two more matmuls per row, over the reduced vocabulary).
 
 The target q is the one-hot label, or with distillation `(1 - alpha) * onehot + alpha * p_target` with
 `p_target = softmax(lm_head(target_hidden) / T)`, its logits also formed one chunk at a time (one more
@@ -123,8 +125,9 @@ def _transformed(logits: torch.Tensor, multiplier: float, softcap: Optional[floa
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, target_hidden, alpha: float, temperature: float, chunk_size: int,
-                top_k: int = 0, multiplier: float = 1.0, softcap: Optional[float] = None):
-        # hidden [M, H] (compute dtype), weight [V, H], labels [M], target_hidden [M, H] or None
+                top_k: int = 0, multiplier: float = 1.0, softcap: Optional[float] = None, unscored: bool = False):
+        # hidden [M, H] (compute dtype), weight [V, H], labels [M] (with `unscored`, -1 marks a row without a
+        # class: see chunked_ce_rows), target_hidden [M, H] or None
         m = hidden.shape[0]
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 in tests
         rows = torch.empty(m, device=hidden.device, dtype=acc_dtype)
@@ -135,35 +138,72 @@ class _ChunkedLinearCE(torch.autograd.Function):
         top_ids = torch.empty(m, top_k, device=hidden.device, dtype=torch.long)
         label_logits = torch.empty(m if top_k else 0, device=hidden.device, dtype=acc_dtype)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        train_weight = weight.requires_grad
+        if train_weight and target_hidden is not None:
+            raise ValueError("a trained lm_head (a reduced draft vocabulary) takes hard labels only, no distillation")
+        # One cast of a trained head's float32 master weight to the compute dtype, not one per chunk.
+        w = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+        scored = labels >= 0 if unscored else None
+        safe_labels = labels.clamp_min(0) if unscored else labels  # a row without a class reads column 0, then is reset
         if target_hidden is None:
             ce_chunk = _chunk_fn("ce_chunk", _ce_chunk, hidden.device, eager=_ce_chunk_eager)
         else:
             soft = _chunk_fn("soft_ce_chunk", _soft_ce_chunk, hidden.device)
         transform = multiplier != 1.0 or bool(softcap)
         for start, end in chunk_bounds(m, chunk_size):
-            logits = hidden[start:end] @ weight.t()  # [c, V], compute dtype (bf16 under autocast)
+            logits = hidden[start:end] @ w.t()  # [c, V], compute dtype (bf16 under autocast)
             scores, slope = _transformed(logits, multiplier, softcap) if transform else (logits, None)
             if target_hidden is None:
-                out = ce_chunk(scores, labels[start:end])
+                out = ce_chunk(scores, safe_labels[start:end])
             else:
-                target_logits = target_hidden[start:end] @ weight.t()
-                out = soft(scores, target_logits, labels[start:end], alpha, 1.0 / temperature)
+                target_logits = target_hidden[start:end] @ w.t()
+                out = soft(scores, target_logits, safe_labels[start:end], alpha, 1.0 / temperature)
             rows[start:end], label_logp[start:end], correct[start:end], grad_logits = out
             if top_k:  # of the transformed scores (the drafter's unary scores)
                 top_values[start:end], top_ids[start:end] = grouped_topk(scores, top_k)
-                label_logits[start:end] = scores.gather(1, labels[start:end].unsqueeze(1)).squeeze(1)
+                label_logits[start:end] = scores.gather(1, safe_labels[start:end].unsqueeze(1)).squeeze(1)
             if transform:  # chain rule through the transform, back in the logits' dtype for the matmul
                 grad_logits = (grad_logits * slope).to(logits.dtype)
             if grad_hidden is not None:
-                grad_hidden[start:end] = (grad_logits @ weight.to(grad_logits.dtype)).to(hidden.dtype)
-        ctx.save_for_backward(grad_hidden if grad_hidden is not None else torch.empty(0))
+                grad_hidden[start:end] = (grad_logits @ w.to(grad_logits.dtype)).to(hidden.dtype)
+        if unscored:  # a row without a class has no loss, no gradient, no hit, and probability 0 of its label
+            rows.masked_fill_(~scored, 0.0)
+            label_logp.masked_fill_(~scored, float("-inf"))
+            correct &= scored
+            if grad_hidden is not None:
+                grad_hidden.mul_(scored.unsqueeze(1).to(grad_hidden.dtype))
+        ctx.save_for_backward(grad_hidden if grad_hidden is not None else torch.empty(0),
+                              *((hidden, w, safe_labels) if train_weight else ()))
+        ctx.scored = scored
+        ctx.recompute = (chunk_size, multiplier, softcap, weight.dtype) if train_weight else None
         ctx.mark_non_differentiable(label_logp, correct, top_values, top_ids, label_logits)
         return rows, label_logp, correct, top_values, top_ids, label_logits
 
     @staticmethod
     def backward(ctx, grad_rows, *_no_gradient):
-        (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_rows.unsqueeze(1).to(grad_hidden.dtype),) + (None,) * 9
+        grad_hidden, *saved = ctx.saved_tensors
+        grad_in = grad_hidden * grad_rows.unsqueeze(1).to(grad_hidden.dtype) if grad_hidden.numel() else None
+        grad_weight = _weight_gradient(grad_rows, *saved, ctx.scored, *ctx.recompute) if ctx.recompute else None
+        return (grad_in, grad_weight) + (None,) * 9
+
+
+def _weight_gradient(grad_rows: torch.Tensor, hidden: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
+                     scored: Optional[torch.Tensor], chunk_size: int, multiplier: float, softcap: Optional[float],
+                     dtype: torch.dtype) -> torch.Tensor:
+    """d(sum_i grad_rows_i CE_i)/dW of a trained head, chunk by chunk: the logits are formed again (the forward
+    keeps no `[M, V]` tensor), then `sum_i g_i (softmax_i - onehot_i) h_i^T`, in `dtype` (the master weight's)."""
+    ce_chunk = _chunk_fn("ce_chunk", _ce_chunk, hidden.device, eager=_ce_chunk_eager)
+    transform = multiplier != 1.0 or bool(softcap)
+    g = grad_rows if scored is None else grad_rows * scored.to(grad_rows.dtype)
+    out = torch.zeros(w.shape, dtype=dtype, device=w.device)
+    for start, end in chunk_bounds(hidden.shape[0], chunk_size):
+        logits = hidden[start:end] @ w.t()
+        scores, slope = _transformed(logits, multiplier, softcap) if transform else (logits, None)
+        grad_logits = ce_chunk(scores, labels[start:end])[3]
+        scale = g[start:end].unsqueeze(1)
+        grad_logits = grad_logits * (slope * scale if transform else scale)
+        out += (grad_logits.to(w.dtype).t() @ hidden[start:end]).to(dtype)
+    return out
 
 
 @dataclass
@@ -187,18 +227,25 @@ def chunked_ce_rows(
     output_multiplier: float = 1.0,
     softcap: Optional[float] = None,
     top_k: int = 0,
+    unscored: bool = False,
 ) -> RowLoss:
     """Per-row CE of `lm_head(hidden) [M, V]` (times `output_multiplier`, then softcapped at `softcap`)
     against `labels [M]`, mixed with the target's distribution `softmax(lm_head(target_hidden) / temperature)`
     at share `distill_weight` (`target_hidden [M, H]`). `top_k > 0` also returns each row's k best (transformed)
-    scores (read off the same chunks: no second lm_head pass)."""
+    scores (read off the same chunks: no second lm_head pass).
+
+    `unscored`: labels may be -1, a row whose label is no class of this head (a label outside a reduced draft
+    vocabulary): its loss and gradient are 0, it is never correct, its label log-probability is -inf.
+    A `lm_head_weight` that requires grad (the drafter's own head) gets its gradient: the backward forms each
+    chunk's logits again (two more matmuls per row, with the weight gradient's) instead of keeping `[M, V]` from
+    the forward."""
     if distill_weight > 0 and target_hidden is None:
         raise ValueError("distill_weight > 0 needs target_hidden (the target's final normed hidden state per row)")
     if distill_weight == 0:
         target_hidden = None  # alpha = 0 is plain CE: skip the target's logits altogether
     rows, label_logp, correct, top_values, top_ids, label_logits = _ChunkedLinearCE.apply(
         hidden, lm_head_weight, labels, target_hidden, float(distill_weight), float(temperature), chunk_size, top_k,
-        float(output_multiplier), float(softcap) if softcap else None)
+        float(output_multiplier), float(softcap) if softcap else None, unscored)
     if not top_k:
         return RowLoss(rows, label_logp, correct)
     return RowLoss(rows, label_logp, correct, top_values, top_ids, label_logits)
@@ -225,15 +272,19 @@ def chunked_weighted_ce(
     output_multiplier: float = 1.0,
     softcap: Optional[float] = None,
     top_k: int = 0,
+    unscored: bool = False,
 ) -> LossOutput:
     """`hidden [M, H]`, `labels [M]` (only rows that count). `weights` is `[M]` (all > 0), or a function of
     the rows' detached label log-probabilities `[M] -> [M]` (weights that depend on the drafter's own
     predictions, from this same forward). Weights never carry gradient. `output_multiplier`/`softcap`: the
-    drafter's score transform (`Drafter.logits`), applied before the CE."""
+    drafter's score transform (`Drafter.logits`), applied before the CE. `unscored`: rows labelled -1 (no class,
+    `chunked_ce_rows`) weigh 0, so the loss is normalised over the scored rows alone."""
     out = chunked_ce_rows(hidden, lm_head_weight, labels, chunk_size, target_hidden, distill_weight, temperature,
-                          output_multiplier, softcap, top_k)
+                          output_multiplier, softcap, top_k, unscored)
     acc_dtype = out.loss.dtype
     w = (weights(out.label_logp) if callable(weights) else weights).detach().to(acc_dtype)
+    if unscored:
+        w = w * (labels >= 0).to(acc_dtype)
     weight_sum = w.sum()
     norm = w / weight_sum.clamp_min(1e-12)
     return LossOutput((out.loss * norm).sum(), out.correct, weight_sum, w, out)

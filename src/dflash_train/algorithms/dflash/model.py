@@ -19,7 +19,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
 
-from ..base import FULL_ATTENTION, AttentionFn, AttentionKind, Drafter, DrafterKVCache, sdpa_attention  # noqa: F401
+from ..base import (FULL_ATTENTION, AttentionFn, AttentionKind, Drafter, DrafterKVCache,  # noqa: F401
+                    draft_vocab_size_of, sdpa_attention)
 from .mask import dense_mask
 
 
@@ -164,6 +165,13 @@ class DFlashDrafter(Drafter):
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.norm = RMSNorm(h, eps=config.rms_norm_eps)
+        draft_vocab = draft_vocab_size_of(config)
+        if draft_vocab:  # a reduced draft vocabulary: its own head and the offsets to target ids (vLLM's names)
+            if self.architecture != "dflash":
+                raise ValueError(f"a reduced draft vocabulary (draft_vocab_size {draft_vocab}) is implemented for the "
+                                 f"dflash architecture only, not {self.architecture}")
+            self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+            self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.rotary = Rotary(config)
         self._compiled_parts: Optional[tuple[Callable, Callable]] = None
         self.reset_parameters()
@@ -205,6 +213,19 @@ class DFlashDrafter(Drafter):
         keep = torch.ones(1, 1, dtype=torch.bool, device=device)
         return self.layer_masks(lambda kind: dense_mask(anchors, keep, context_len, block_size,
                                                         kind.sliding_window, kind.causal))
+
+    @torch.no_grad()
+    def set_draft_vocabulary(self, target_ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:
+        """Make the draft vocabulary the target tokens `target_ids` (`[N]`, ascending): `d2t` their offsets from
+        the draft ids, and the drafter's own lm_head their rows of the target's lm_head weight `[V, H]`."""
+        n = self.draft_vocab_size
+        ids = torch.as_tensor(target_ids, dtype=torch.long).to(self.d2t.device) if n else None
+        if ids is None or ids.shape != (n,) or bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < 0 \
+                or int(ids[-1]) >= target_lm_head.shape[0]:
+            raise ValueError(f"a draft vocabulary needs {n or 'draft_vocab_size > 0'} distinct ascending target ids "
+                             f"in 0..{target_lm_head.shape[0] - 1}")
+        self.d2t.copy_(ids - torch.arange(n, device=ids.device))
+        self.lm_head.weight.copy_(target_lm_head.index_select(0, ids.to(target_lm_head.device)))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -13,7 +13,7 @@ import torch
 from ...config import Config
 from ...data.batch import Batch
 from ...runtime import to_device
-from ..base import StepStats, acceptance_estimate
+from ..base import StepStats, acceptance_estimate, target_to_draft
 from .attention import AttentionBackend
 from .blocks import Blocks, acceptance_weights, build_blocks, dpace_weights, sample_anchors
 from .loss import chunked_weighted_ce
@@ -121,14 +121,27 @@ class DFlashObjective:
                        compiled_layers=drafter.layers_compiled)  # [B, N*bs, H]
             return out.reshape(-1, out.shape[-1]).index_select(0, idx)
 
+    def scored_labels(self, blocks: Blocks, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(the counted rows' labels as the head's classes, the head's weight, whether some may be -1): the
+        target's ids and lm_head, or with a reduced draft vocabulary the draft ids (-1 outside it) and the
+        drafter's own head."""
+        labels = blocks.labels.view(-1).index_select(0, idx)
+        head = self.target.lm_head.weight
+        if not self.drafter.draft_vocab_size:
+            return labels, head, False
+        return target_to_draft(self.drafter.d2t, head.shape[0])[labels], self.drafter.lm_head.weight, True
+
     def unary_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, final: Optional[torch.Tensor],
                    top_k: int = 0):
-        """The slot-weighted CE of the counted rows through the target's lm_head (`loss.LossOutput`)."""
+        """The slot-weighted CE of the counted rows through the drafter's vocabulary head (`loss.LossOutput`):
+        the target's lm_head, or the drafter's own over a reduced vocabulary, where a label outside it is a miss
+        that adds no loss."""
         o = self.cfg.objective
+        labels, head, unscored = self.scored_labels(blocks, idx)
         return chunked_weighted_ce(
             rows,
-            self.target.lm_head.weight,
-            blocks.labels.view(-1).index_select(0, idx),
+            head,
+            labels,
             row_weights(self.cfg, blocks, idx),
             o.loss_chunk_size,
             target_hidden=_distill_rows(final, blocks, idx) if final is not None else None,
@@ -137,12 +150,16 @@ class DFlashObjective:
             top_k=top_k,
             output_multiplier=self.drafter.output_multiplier,
             softcap=self.drafter.final_logit_softcapping,
+            unscored=unscored,
         )
 
     def rows_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor,
                   final: Optional[torch.Tensor]) -> StepStats:
         result = self.unary_loss(rows, blocks, idx, final)
-        return block_stats(result.loss, result.correct, blocks, idx)
+        stats = block_stats(result.loss, result.correct, blocks, idx)
+        if self.drafter.draft_vocab_size:  # logged as a share of the counted slots
+            stats.extra["label_outside_draft_vocab"] = (self.scored_labels(blocks, idx)[0] < 0).sum()
+        return stats
 
 
 def block_stats(loss: torch.Tensor, correct_rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> StepStats:
