@@ -46,3 +46,21 @@ def test_multimodal_target_captures_its_language_model(tmp_path, build):
     head = load_target_head(tmp_path, torch.float32, torch.device("cpu"))  # a split drafter rank's view
     assert torch.equal(head.embed_tokens.weight, mm.get_input_embeddings().weight)
     assert torch.equal(head.lm_head.weight, mm.lm_head.weight)
+
+
+def test_a_checkpoint_without_its_lm_head_is_a_user_error_naming_the_tensor(tmp_path):
+    """The split placement's drafter ranks read the head from safetensors: a checkpoint that lacks it (and does
+    not tie it to the embedding) is the user's to fix: one message (exit 2), not a KeyError traceback."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_train.errors import ModelError, is_user_error
+
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**TEXT, tie_word_embeddings=False)).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"lm_head \(lm_head.weight\) is not in .*safetensors") as err:
+        load_target_head(tmp_path, torch.float32, torch.device("cpu"))
+    assert is_user_error(err.value)

@@ -24,6 +24,11 @@ class ConfigError(UserError):
     model code that finds a config value its model cannot honour."""
 
 
+class ModelError(UserError):
+    """A model folder, checkpoint or exported drafter that cannot be used as asked (a missing or mismatched
+    tensor, an unreadable config.json); raised by model/, the message names the file and what to do."""
+
+
 # ValueError and FileNotFoundError raised by our own checks name the bad input and what to do; the
 # CLI prints them as one line. Anything else is a failure and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError)

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from ..algorithms import UnknownArchitecture, architecture, architecture_of_export
 from ..algorithms.base import Drafter
+from ..errors import ModelError
 from ..runtime import dtype_named, replace_dir, temp_dir_beside
 
 WEIGHTS_NAME = "model.safetensors"
@@ -55,7 +56,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: Op
         arch = architecture_of_export(data)
         config = arch.config_from_dict(data)
     except (UnknownArchitecture, ValueError, json.JSONDecodeError) as e:
-        raise ValueError(f"{cfg_file}: {e}") from e
+        raise ModelError(f"{cfg_file}: {e}") from e
     with torch.device("meta"):
         drafter = arch.drafter_class(config)
     expected = {k: v.shape for k, v in drafter.state_dict().items()}
@@ -65,15 +66,15 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: Op
         missing = sorted(set(expected) - names)
         unexpected = sorted(names - set(expected))
         if missing or unexpected:
-            raise ValueError(
+            raise ModelError(
                 f"{weights} does not match {cfg_file}: missing tensors {missing[:8]}, unexpected tensors {unexpected[:8]}"
             )
         state = {name: f.get_tensor(name) for name in sorted(names)}
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name]):
-            raise ValueError(f"{weights}: tensor {name} has shape {tuple(tensor.shape)}, config expects {tuple(expected[name])}")
+            raise ModelError(f"{weights}: tensor {name} has shape {tuple(tensor.shape)}, config expects {tuple(expected[name])}")
         if not expected_dtypes[name].is_floating_point and tensor.dtype != expected_dtypes[name]:
-            raise ValueError(f"{weights}: tensor {name} is {tensor.dtype}, config expects {expected_dtypes[name]}")
+            raise ModelError(f"{weights}: tensor {name} is {tensor.dtype}, config expects {expected_dtypes[name]}")
     file_dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     drafter = arch.drafter_class(config).to(device=device, dtype=dtype or file_dtype)
     drafter.load_state_dict(state, strict=True)
@@ -87,6 +88,6 @@ def check_draft_vocabulary(drafter: Drafter, weights: Path) -> None:
     ids = drafter.vocabulary_ids()
     vocab = int(drafter.config.vocab_size)
     if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(torch.unique(ids)) != len(ids):
-        raise ValueError(f"{weights}: tensor d2t maps the {len(ids)} draft ids to target ids "
+        raise ModelError(f"{weights}: tensor d2t maps the {len(ids)} draft ids to target ids "
                          f"{int(ids.min())}..{int(ids.max())} ({len(torch.unique(ids))} distinct): they must be "
                          f"distinct and in 0..{vocab - 1} (target id = draft id + d2t[draft id])")

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelError
 from .hf_config import text_config
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def decoder_of(model: PreTrainedModel) -> nn.Module:
     for c in candidates:
         if c is not None and isinstance(getattr(c, "layers", None), nn.ModuleList):
             return c
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (looked for `.layers` on its decoder)")
+    raise ModelError(f"cannot find the decoder layers of {type(model).__name__} (looked for `.layers` on its decoder)")
 
 
 class _CaptureDone(Exception):
@@ -152,7 +152,8 @@ class TargetCapture:
         decoder = decoder_of(model)
         num_layers = len(decoder.layers)
         if max(layer_ids) >= num_layers:
-            raise ValueError(f"target_layer_ids {layer_ids} exceed the target's {num_layers} layers")
+            raise ConfigError(f"config key 'drafter.target_layer_ids': {layer_ids} exceed the target's {num_layers} layers "
+                              f"(ids run from 0 to {num_layers - 1})")
         forwards = []
         if compile:
             device = model.get_input_embeddings().weight.device
@@ -165,8 +166,8 @@ class TargetCapture:
             by_class: dict[type, Callable] = {}
             for i, layer in enumerate(decoder.layers):
                 if "forward" in vars(layer):
-                    raise ValueError(
-                        f"target.compile: decoder layer {i} ({type(layer).__name__}) already has its own forward "
+                    raise ConfigError(
+                        f"config key 'target.compile': decoder layer {i} ({type(layer).__name__}) already has its own forward "
                         "(e.g. accelerate hooks from a device_map load); load the target on one device without "
                         "hooks, or set target.compile=false"
                     )
@@ -268,7 +269,7 @@ def default_mask_token_id(tokenizer, suggestion: Optional[int] = None) -> int:
     for name in ("<|MASK|>", "<mask>", "<|mask|>", "[MASK]"):
         if name in vocab:
             return int(vocab[name])
-    raise ValueError(
+    raise ConfigError(
         "no mask token found in the target's tokenizer (looked for <|MASK|>, <mask>, [MASK]); set "
         "drafter.mask_token_id to a special token the model never emits in normal text (not pad or eos)"
     )
@@ -336,11 +337,11 @@ def load_target_head(path: str | Path, dtype: torch.dtype, device: torch.device,
 
     embed = read(embed_name)
     if embed is None:
-        raise KeyError(f"the target's input embedding ({embed_name}) is not in {path}'s safetensors")
+        raise ModelError(f"the target's input embedding ({embed_name}) is not in {path}'s safetensors")
     head = read(head_name) if head_name != embed_name else None
     if head is None:
         if not getattr(tc, "tie_word_embeddings", False):
-            raise KeyError(f"the target's lm_head ({head_name}) is not in {path}'s safetensors and its config does "
+            raise ModelError(f"the target's lm_head ({head_name}) is not in {path}'s safetensors and its config does "
                            "not tie it to the embedding")
         head = embed
     embed_tokens = nn.Embedding(embed.shape[0], embed.shape[1], device="meta")
