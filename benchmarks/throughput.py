@@ -230,7 +230,12 @@ def main() -> None:
                     help="measure one side alone (the per-GPU rates of a split placement)")
     ap.add_argument("--compile-target", action="store_true",
                     help="target.compile: the target's decoder layers compiled (warmed up before timing)")
+    ap.add_argument("--no-cold-compile-levers", action="store_true",
+                    help="the A/B of the cold-compile levers: DFLASH_TRAIN_COLD_COMPILE_LEVERS=0 (inductor's own FX "
+                         "pattern passes, cache keys hashed at the first compile)")
     args = ap.parse_args()
+    if args.no_cold_compile_levers:
+        os.environ["DFLASH_TRAIN_COLD_COMPILE_LEVERS"] = "0"
     if args.part != "both":
         return measure_one_side(args)
 
@@ -334,6 +339,7 @@ def main() -> None:
         "peak_tflops": round(peak, 1), "build_s": round(build_s, 1), "first_step_s": round(first_step_s, 1),
         "start_to_first_step_s": round(start_to_first_step_s, 1), "fresh_cache": args.fresh_cache,
         "early_compile_workers": not args.late_compile_workers,
+        "cold_compile_levers": compile_layer.cold_compile_levers_on(), **compile_layer.compile_phase_totals(),
         **compile_layer.cache_stats(), "compile_target": args.compile_target,
         "compile_drafter": args.compile_drafter, **target_warm,
         "target_s": round(t_target, 4), "drafter_s": round(t_drafter, 4), "step_s": round(t_step, 4),
