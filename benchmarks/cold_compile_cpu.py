@@ -47,8 +47,7 @@ def main() -> None:
     if args.cold_compile_levers:
         os.environ["DFLASH_TRAIN_COLD_COMPILE_LEVERS"] = "1" if args.cold_compile_levers == "on" else "0"
 
-    import ast
-
+    from throughput import add_inductor_options
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from dflash_train.algorithms.base import default_target_layer_ids
@@ -62,9 +61,7 @@ def main() -> None:
     from dflash_train.model import target as target_mod
     from dflash_train.train.step import TrainStep
 
-    for item in args.inductor_option:
-        key, _, value = item.partition("=")
-        compile_layer.INDUCTOR_OPTIONS[key] = ast.literal_eval(value)
+    add_inductor_options(args.inductor_option)
     target_mod._COMPILE_DEVICES = ("cuda", "cpu")  # the GPU's compiled functions, compiled for the CPU
     loss_mod._chunk_fn = lambda name, fn, device, eager=None: compile_layer.compiled(name, fn, dynamic=True)
 
