@@ -17,6 +17,8 @@ Rules (see compile-safety.md in the design notes):
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -51,8 +53,6 @@ def _guard_dense_flex() -> None:
     reaches them: inductor generates its own kernels, and tracing runs on fake tensors. Every eager route does
     (`flex_attention` outside torch.compile, a compile with the eager backends, the debug flag), whatever
     torch's once-per-process warning already showed. Idempotent."""
-    import importlib
-
     from torch._C import DispatchKey
 
     hops = importlib.import_module("torch._higher_order_ops.flex_attention")  # the package exports the op itself
@@ -154,12 +154,16 @@ def prefetch_cache_keys() -> None:
         if _prefetch["thread"] is not None or _prefetch["done"]:
             return
         # Imported here, in the main thread, so that the thread imports nothing (two threads importing at once
-        # can meet a partly initialised module).
-        keys = [codecache.torch_key]
+        # can meet a partly initialised module). A torch without one of the keys skips it.
+        keys = [getattr(codecache, "torch_key", None)]
         if has_triton_package():
-            import torch._inductor.runtime.triton_compat  # noqa: F401  (imports triton)
-
-            keys.append(codecache.triton_key)
+            importlib.import_module("triton")
+            if importlib.util.find_spec("torch._inductor.runtime.triton_compat") is not None:
+                importlib.import_module("torch._inductor.runtime.triton_compat")  # what triton_key imports
+            keys.append(getattr(codecache, "triton_key", None))
+        keys = [key for key in keys if callable(key)]
+        if not keys:
+            return
 
         def hash_files() -> None:
             for key in keys:
