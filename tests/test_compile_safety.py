@@ -300,23 +300,28 @@ def test_the_cache_keys_hash_in_a_thread_joined_by_the_first_compiled_call(monke
     """`start_compile_workers` starts hashing inductor's cache keys in a background thread (levers on); the first
     compiled call waits for it, so nothing compiles while it runs, and the key is then computed; levers off:
     no thread."""
+    import torch._inductor.config as inductor_config
     from torch._inductor import codecache
 
     monkeypatch.setenv("TORCH_WARM_POOL", "0")
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
     monkeypatch.setattr(compile_layer, "_prefetch", {"thread": None, "done": False})
-    monkeypatch.setenv(compile_layer.COLD_COMPILE_LEVERS_ENV, "0")
-    compile_layer.start_compile_workers()
-    assert compile_layer._prefetch["thread"] is None
-    monkeypatch.setenv(compile_layer.COLD_COMPILE_LEVERS_ENV, "1")
-    compile_layer.start_compile_workers()
+    threads = inductor_config.compile_threads  # restored by assignment: pytest's undo breaks this config entry
+    try:
+        monkeypatch.setenv(compile_layer.COLD_COMPILE_LEVERS_ENV, "0")
+        compile_layer.start_compile_workers()
+        assert compile_layer._prefetch["thread"] is None
+        monkeypatch.setenv(compile_layer.COLD_COMPILE_LEVERS_ENV, "1")
+        compile_layer.start_compile_workers()
+    finally:
+        inductor_config.compile_threads = threads
     thread = compile_layer._prefetch["thread"]
     assert thread is not None and thread.name == "dflash-prefetch-cache-keys"
     double = compile_layer.compiled("test_double_after_prefetch", lambda x: x * 2, backend="eager")
     assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
     assert not thread.is_alive() and compile_layer._prefetch == {"thread": None, "done": True}
     assert isinstance(codecache.torch_key(), bytes)
-    compile_layer.start_compile_workers()  # once per process
+    compile_layer.prefetch_cache_keys()  # once per process
     assert compile_layer._prefetch["thread"] is None
 
 
