@@ -142,7 +142,7 @@ def start_compile_workers(local_ranks: int = 1) -> int:
 
 def prefetch_cache_keys() -> None:
     """Start hashing the installed torch and Triton files in a background thread: inductor's cache keys
-    (`torch_key`, `triton_key`: every .py file of torch, Triton's files and its multi-hundred-MB libtriton),
+    (`torch_key`, `triton_key`: every .py file of torch; Triton's files and its compiled library),
     which the first compile of every process otherwise computes in the main thread, cold cache or warm, and
     from cold disks on a fresh machine. The thread only reads and hashes files: nothing in it compiles or
     traces (compile-safety.md, rule 1), and the first compiled call joins it (`_join_prefetch`) before
