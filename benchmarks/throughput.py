@@ -129,6 +129,19 @@ def drafter_section(args) -> dict:
             "num_draft_layers": args.layers, "draft_vocab_size": args.draft_vocab}
 
 
+def add_inductor_options(items: list[str]) -> None:
+    """`--inductor-option KEY=VALUE`: into the compile layer's options of every inductor compile."""
+    import ast
+
+    from dflash_train.model import compile as compile_layer
+
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--inductor-option {item!r}: write KEY=VALUE, e.g. loop_ordering_after_fusion=False")
+        compile_layer.INDUCTOR_OPTIONS[key] = ast.literal_eval(value)
+
+
 def back_to_back(fn, repeat: int) -> float:
     """Seconds per call over `repeat` calls with one synchronisation at the end, as the training loop runs
     them: the host queues the next step while the GPU finishes the last one."""
@@ -253,9 +266,18 @@ def main() -> None:
                     help="measure one side alone (the per-GPU rates of a split placement)")
     ap.add_argument("--compile-target", action="store_true",
                     help="target.compile: the target's decoder layers compiled (warmed up before timing)")
+    ap.add_argument("--cold-compile-levers", choices=("on", "off"), default=None,
+                    help="the A/B of the cold-compile levers (DFLASH_TRAIN_COLD_COMPILE_LEVERS=1/0; default: the "
+                         "environment's, else off): inductor's FX pattern passes off, cache keys hashed early")
+    ap.add_argument("--inductor-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="add an inductor option (a Python literal) to every compile, e.g. "
+                         "loop_ordering_after_fusion=False: a compile-time lever on trial (repeatable)")
     args = ap.parse_args()
     if args.draft_vocab and args.architecture != "dflash":
         ap.error("--draft-vocab: a reduced draft vocabulary is implemented for --architecture dflash only")
+    if args.cold_compile_levers:
+        os.environ["DFLASH_TRAIN_COLD_COMPILE_LEVERS"] = "1" if args.cold_compile_levers == "on" else "0"
+    add_inductor_options(args.inductor_option)
     if args.part != "both":
         return measure_one_side(args)
 
@@ -359,6 +381,8 @@ def main() -> None:
         "peak_tflops": round(peak, 1), "build_s": round(build_s, 1), "first_step_s": round(first_step_s, 1),
         "start_to_first_step_s": round(start_to_first_step_s, 1), "fresh_cache": args.fresh_cache,
         "early_compile_workers": not args.late_compile_workers,
+        "cold_compile_levers": compile_layer.cold_compile_levers_on(), "inductor_options": args.inductor_option,
+        **compile_layer.compile_phase_totals(),
         **compile_layer.cache_stats(), "compile_target": args.compile_target,
         "compile_drafter": args.compile_drafter, **target_warm,
         "target_s": round(t_target, 4), "drafter_s": round(t_drafter, 4), "step_s": round(t_step, 4),

@@ -242,6 +242,7 @@ def test_inductor_compiles_get_the_layer_options_and_other_backends_none(monkeyp
     aot_eager) takes no inductor options."""
     seen = {}
     real_compile = torch.compile
+    monkeypatch.setenv(compile_layer.COLD_COMPILE_LEVERS_ENV, "1")  # on trial: off by default
 
     def spy(fn, **kwargs):
         seen[kwargs.get("backend")] = kwargs.get("options")
@@ -255,10 +256,76 @@ def test_inductor_compiles_get_the_layer_options_and_other_backends_none(monkeyp
     compile_layer.compiled("test_double_inductor_own", lambda x: x * 2, backend="inductor",
                            options={"triton.autotune_pointwise": True, "max_autotune": False})
     assert seen["eager"] is None
-    assert seen[None] == compile_layer.INDUCTOR_OPTIONS == {"triton.autotune_pointwise": False,
-                                                            "triton.mix_order_reduction_non_strict_mode": True}
-    assert seen["inductor"] == {"triton.autotune_pointwise": True, "max_autotune": False,
+    assert compile_layer.INDUCTOR_OPTIONS == {"triton.autotune_pointwise": False,
+                                              "triton.mix_order_reduction_non_strict_mode": True}
+    assert seen[None] == {**compile_layer.INDUCTOR_OPTIONS, "pattern_matcher": False}  # the cold-compile levers
+    assert seen["inductor"] == {"triton.autotune_pointwise": True, "max_autotune": False, "pattern_matcher": False,
                                 "triton.mix_order_reduction_non_strict_mode": True}
+    monkeypatch.setenv(compile_layer.COLD_COMPILE_LEVERS_ENV, "0")  # the A/B switch: inductor's own passes
+    compile_layer.compiled("test_double_inductor_levers_off", lambda x: x * 2, dynamic=True)
+    assert seen[None] == compile_layer.INDUCTOR_OPTIONS
+    monkeypatch.delenv(compile_layer.COLD_COMPILE_LEVERS_ENV)  # the default: off
+    compile_layer.compiled("test_double_inductor_default", lambda x: x * 2, dynamic=True)
+    assert seen[None] == compile_layer.INDUCTOR_OPTIONS
+    monkeypatch.setenv(compile_layer.COLD_COMPILE_LEVERS_ENV, "off")
+    with pytest.raises(ValueError, match="DFLASH_TRAIN_COLD_COMPILE_LEVERS='off': set 1"):
+        compile_layer.compiled("test_double_inductor_bad_switch", lambda x: x * 2, dynamic=True)
+
+
+def test_the_cold_compile_options_hold_inside_the_compile_and_are_restored_after(monkeypatch):
+    """A real inductor compile (CPU) through the compile layer sees the levers in inductor's config, forward and
+    backward graph alike (a post-grad pass of our own records them), computes what eager does, and leaves the
+    process's config as it was."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(compile_layer, "_compiled", {})
+    monkeypatch.setenv(compile_layer.COLD_COMPILE_LEVERS_ENV, "1")
+    seen = []
+
+    def record(graph):
+        seen.append(inductor_config.pattern_matcher)
+
+    before = inductor_config.pattern_matcher
+    fn = compile_layer.compiled("test_levers_inside", lambda x: (x * 2 + 1).sin(), dynamic=True,
+                                options={"post_grad_custom_post_pass": record})
+    x = torch.randn(5, 3, requires_grad=True)
+    out = fn(x)
+    out.sum().backward()
+    assert seen == [False, False]  # forward and backward graph
+    assert inductor_config.pattern_matcher is before is True
+    reference = x.detach().clone().requires_grad_()
+    torch.testing.assert_close(out, (reference * 2 + 1).sin())
+    (reference * 2 + 1).sin().sum().backward()
+    torch.testing.assert_close(x.grad, reference.grad)
+
+
+def test_the_cache_keys_hash_in_a_thread_joined_by_the_first_compiled_call(monkeypatch):
+    """`start_compile_workers` starts hashing inductor's cache keys in a background thread (levers on); the first
+    compiled call waits for it, so nothing compiles while it runs, and the key is then computed; levers off:
+    no thread."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import codecache
+
+    monkeypatch.setenv("TORCH_WARM_POOL", "0")
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    monkeypatch.setattr(compile_layer, "_prefetch", {"thread": None, "done": False})
+    threads = inductor_config.compile_threads  # restored by assignment: pytest's undo breaks this config entry
+    try:
+        monkeypatch.setenv(compile_layer.COLD_COMPILE_LEVERS_ENV, "0")
+        compile_layer.start_compile_workers()
+        assert compile_layer._prefetch["thread"] is None
+        monkeypatch.setenv(compile_layer.COLD_COMPILE_LEVERS_ENV, "1")
+        compile_layer.start_compile_workers()
+    finally:
+        inductor_config.compile_threads = threads
+    thread = compile_layer._prefetch["thread"]
+    assert thread is not None and thread.name == "dflash-prefetch-cache-keys"
+    double = compile_layer.compiled("test_double_after_prefetch", lambda x: x * 2, backend="eager")
+    assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
+    assert not thread.is_alive() and compile_layer._prefetch == {"thread": None, "done": True}
+    assert isinstance(codecache.torch_key(), bytes)
+    compile_layer.prefetch_cache_keys()  # once per process
+    assert compile_layer._prefetch["thread"] is None
 
 
 def test_compile_workers_share_the_cores_between_the_ranks_of_a_machine(monkeypatch):

@@ -17,6 +17,8 @@ Rules (see compile-safety.md in the design notes):
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -38,6 +40,7 @@ _codes: dict[str, object] = {}  # name -> the code object Dynamo compiles (its c
 RECOMPILE_LIMIT = 64
 _state = {"sealed": False, "warming": False, "recompiles": 0, "watching": False, "flex_guard": False,
           "eager_flex_allowed": 0, "recompiles_at_seal": 0, "last_recompile": None}
+_prefetch: dict = {"thread": None, "done": False}  # prefetch_cache_keys' thread, until the first compiled call
 
 
 class UncompiledFlexAttention(RuntimeError):
@@ -50,8 +53,6 @@ def _guard_dense_flex() -> None:
     reaches them: inductor generates its own kernels, and tracing runs on fake tensors. Every eager route does
     (`flex_attention` outside torch.compile, a compile with the eager backends, the debug flag), whatever
     torch's once-per-process warning already showed. Idempotent."""
-    import importlib
-
     from torch._C import DispatchKey
 
     hops = importlib.import_module("torch._higher_order_ops.flex_attention")  # the package exports the op itself
@@ -134,7 +135,52 @@ def start_compile_workers(local_ranks: int = 1) -> int:
 
     inductor_config.compile_threads = compile_workers_per_rank(local_ranks)
     maybe_warm_pool()
+    if cold_compile_levers_on():
+        prefetch_cache_keys()
     return get_compile_threads()
+
+
+def prefetch_cache_keys() -> None:
+    """Start hashing the installed torch and Triton files in a background thread: inductor's cache keys
+    (`torch_key`, `triton_key`: every .py file of torch; Triton's files and its compiled library),
+    which the first compile of every process otherwise computes in the main thread, cold cache or warm, and
+    from cold disks on a fresh machine. The thread only reads and hashes files: nothing in it compiles or
+    traces (compile-safety.md, rule 1), and the first compiled call joins it (`_join_prefetch`) before
+    anything compiles. Called by `start_compile_workers`, so it overlaps the model build. Idempotent."""
+    from torch._inductor import codecache
+    from torch.utils._triton import has_triton_package
+
+    with _LOCK:
+        if _prefetch["thread"] is not None or _prefetch["done"]:
+            return
+        # Imported here, in the main thread, so that the thread imports nothing (two threads importing at once
+        # can meet a partly initialised module). A torch without one of the keys skips it.
+        keys = [getattr(codecache, "torch_key", None)]
+        if has_triton_package():
+            importlib.import_module("triton")
+            if importlib.util.find_spec("torch._inductor.runtime.triton_compat") is not None:
+                importlib.import_module("torch._inductor.runtime.triton_compat")  # what triton_key imports
+            keys.append(getattr(codecache, "triton_key", None))
+        keys = [key for key in keys if callable(key)]
+        if not keys:
+            return
+
+        def hash_files() -> None:
+            for key in keys:
+                key()
+
+        thread = threading.Thread(target=hash_files, name="dflash-prefetch-cache-keys", daemon=True)
+        _prefetch["thread"] = thread
+        thread.start()
+
+
+def _join_prefetch() -> None:
+    """Wait for `prefetch_cache_keys`' thread (at the first compiled call): from here on only the main thread
+    touches the compiler."""
+    thread = _prefetch["thread"]
+    if thread is not None:
+        thread.join()
+        _prefetch["thread"], _prefetch["done"] = None, True
 
 
 def usable_cores() -> int:
@@ -156,6 +202,37 @@ def cache_stats() -> dict[str, int]:
     inductor = counters["inductor"]
     return {"fxgraph_cache_hit": int(inductor.get("fxgraph_cache_hit", 0)),
             "fxgraph_cache_miss": int(inductor.get("fxgraph_cache_miss", 0))}
+
+
+# Dynamo's timed phases (`torch._dynamo.utils.compile_times`) summed into the parts of a cold compile.
+_PHASES = {
+    "compile_s": ("_compile.compile_inner",),
+    "dynamo_tracing_s": ("bytecode_tracing",),
+    "aot_s": ("aot_collect_metadata", "aot_trace_joint_graph", "min_cut_rematerialization_partition"),
+    "fx_passes_s": ("_recursive_pre_grad_passes", "_recursive_joint_graph_passes", "_recursive_post_grad_passes"),
+    "lowering_s": ("GraphLowering.run",),
+    "scheduling_s": ("Scheduler.__init__",),
+    "codegen_s": ("GraphLowering.codegen",),
+    "kernel_build_wait_s": ("async_compile.wait",),
+    "cache_keys_s": ("inductor_codecache_torch_key", "CacheBase.get_system.triton_key"),
+}
+
+
+def compile_phase_totals() -> dict[str, object]:
+    """Seconds this process spent in each part of compiling (all functions, forward and backward; the
+    phases nest: `compile_s` holds the others but `cache_keys_s`, which a prefetch thread may spend), the
+    rewrites inductor's FX pattern passes made (`pattern_matches`) and, with TORCHINDUCTOR_PATTERN_MATCH_DEBUG=1,
+    their count per pattern (`pattern_rewrites`)."""
+    from torch._dynamo.utils import compile_times, counters
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    seconds = {name: float(value) for name, value in zip(names, values)}
+    totals: dict[str, object] = {part: round(sum(seconds.get(k, 0.0) for k in keys), 2)
+                                 for part, keys in _PHASES.items()}
+    totals["pattern_matches"] = int(counters["inductor"].get("pattern_matcher_count", 0))
+    if counters["inductor_pattern_matcher_per_pattern"]:
+        totals["pattern_rewrites"] = dict(counters["inductor_pattern_matcher_per_pattern"])
+    return totals
 
 
 class RecompileLimitNear(RuntimeError):
@@ -286,12 +363,49 @@ def _threshold_free_options() -> dict:
 
 INDUCTOR_OPTIONS = {"triton.autotune_pointwise": False, **_threshold_free_options()}
 
+# The cold-compile levers (issue 20, part e): `cold_compile_options` and `prefetch_cache_keys`, off unless
+# DFLASH_TRAIN_COLD_COMPILE_LEVERS=1 (benchmarks/throughput.py --cold-compile-levers on|off, the A/B). Off by default
+# until an A/B on the GPU shows that the step time is unchanged: on the CPU they save ~1 s of a cold compile, and
+# some of inductor's pattern passes exist on CUDA only. They cut compile time only: they add no guard (inductor
+# options are no part of Dynamo's guards) and no compile.
+COLD_COMPILE_LEVERS_ENV = "DFLASH_TRAIN_COLD_COMPILE_LEVERS"
+
+
+def cold_compile_levers_on() -> bool:
+    value = os.environ.get(COLD_COMPILE_LEVERS_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{COLD_COMPILE_LEVERS_ENV}={value!r}: set 1 (the compile-time levers on, on trial) or 0 "
+                         "(the default: inductor's own passes)")
+    return value == "1"
+
+
+def cold_compile_options() -> dict:
+    """Inductor options that cost compile time and change no generated kernel of this project's graphs:
+    - `pattern_matcher: False`: inductor's FX pattern passes, their one-time registration in each process
+      (hundreds of patterns traced or loaded at the first compile: decomposed attention, matmul padding,
+      mm + bias, int8/int4 and mkldnn matmuls, split/cat chains, online softmax) and a match attempt per
+      pattern over every graph. On our graphs they only fold layout no-ops: view of view, permute of permute,
+      cast of cast (CPU, the 8B benchmark's functions at a small width: 101 such rewrites, and the kernels
+      inductor generated with and without them identical, the kernel names apart). On a GPU some patterns
+      are CUDA-only (matmul padding for sizes not a multiple of 8 or 16, online softmax): the throughput
+      benchmark's A/B (`--cold-compile-levers on|off`) reports the rewrites made (`pattern_matches`) and the step
+      time beside the compile time."""
+    import torch._inductor.config as inductor_config
+
+    return {"pattern_matcher": False} if hasattr(inductor_config, "pattern_matcher") else {}
+
+
+def inductor_options() -> dict:
+    """The options of every inductor compile: `INDUCTOR_OPTIONS`, plus `cold_compile_options` while the
+    cold-compile levers are on. Read when a function is first compiled (torch.compile fixes its options)."""
+    return {**INDUCTOR_OPTIONS, **(cold_compile_options() if cold_compile_levers_on() else {})}
+
 
 def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
-    """`torch.compile(fn, fullgraph=True, ...)` once per process (with `INDUCTOR_OPTIONS` when the backend
+    """`torch.compile(fn, fullgraph=True, ...)` once per process (with `inductor_options()` when the backend
     is inductor), called under the process lock with `_compile_settings`."""
     if compile_kwargs.get("backend") in (None, "inductor"):
-        compile_kwargs = {**compile_kwargs, "options": {**INDUCTOR_OPTIONS, **(compile_kwargs.get("options") or {})}}
+        compile_kwargs = {**compile_kwargs, "options": {**inductor_options(), **(compile_kwargs.get("options") or {})}}
     with _LOCK:
         inner = _compiled.get(name)
         if inner is None:
@@ -303,6 +417,8 @@ def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
 
     def call(*args, **kwargs):
         with _LOCK, _compile_settings():
+            if _prefetch["thread"] is not None:
+                _join_prefetch()
             return inner(*args, **kwargs)
 
     call.__name__ = f"compiled_{name}"
