@@ -17,8 +17,7 @@ from safetensors import safe_open
 
 from dflash_train.algorithms.dflash.attention import resolve_backend
 from dflash_train.algorithms.dflash.config import drafter_config_from_dict, make_drafter_config
-from dflash_train.algorithms.dflash.mask import dense_mask
-from dflash_train.algorithms.dflash.model import DFlashDrafter, sdpa_attention
+from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.algorithms.dflash.objective import DFlashObjective
 from dflash_train.cli import main
 from dflash_train.config import config_from_dict, validate_against_target
@@ -35,6 +34,8 @@ from dflash_train.model.io import load_drafter, save_drafter
 from dflash_train.model.target import TargetCapture, load_target_model, load_tokenizer
 from dflash_train.train import preflight
 from dflash_train.train.trainer import choose_draft_vocabulary
+from _memorise import memorise
+
 
 STOPS = [2]
 
@@ -275,38 +276,6 @@ def test_a_training_step_trains_the_head_and_keeps_the_vocabulary(target64):
 # ------------------------------------------------------------------------------------------ decoding
 
 
-def _memorise(drafter: DFlashDrafter, target, sequences: list[list[int]], steps: int = 12) -> DFlashDrafter:
-    """Train on every block of these sequences (labels outside the vocabulary left out) until it is often right."""
-    bs = drafter.block_size
-    t2d = {int(t): i for i, t in enumerate(drafter.vocabulary_ids())}
-    opt = torch.optim.Adam(drafter.parameters(), lr=1e-2)
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    batches = []
-    for ids in sequences:
-        with torch.no_grad():
-            hs = target(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
-        context = torch.cat([hs[i + 1] for i in drafter.target_layer_ids], -1)
-        anchors = torch.arange(1, len(ids) - bs + 1)
-        block = torch.tensor(ids)[anchors.view(-1, 1) + torch.arange(bs)]
-        inputs = torch.full_like(block, drafter.mask_token_id)
-        inputs[:, 0] = block[:, 0]
-        positions = torch.cat([torch.arange(len(ids)), (anchors.view(-1, 1) + torch.arange(bs)).view(-1)]).view(1, -1)
-        mask = dense_mask(anchors.view(1, -1), torch.ones(1, len(anchors), dtype=torch.bool), len(ids), bs)
-        labels = torch.tensor([[t2d.get(int(t), -100) for t in row] for row in block[:, 1:]])
-        batches.append((context, embed(inputs.view(1, -1)).detach(), positions, mask, labels))
-    drafter.train()
-    for _ in range(steps):
-        for context, block_embeds, positions, mask, labels in batches:
-            out = drafter(context, block_embeds, positions, sdpa_attention, mask)
-            logits = drafter.logits(out[0], head).view(labels.shape[0], bs, -1)[:, 1:]
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                     ignore_index=-100)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return drafter.eval()
-
-
 @pytest.fixture(scope="module")
 def memorised(target64):
     """(prompts, greedy continuations, a reduced-vocabulary drafter that knows most of them). Its vocabulary holds
@@ -318,7 +287,7 @@ def memorised(target64):
     seen = sorted({t for p, c in zip(prompts, conts) for t in p + c})
     left_out = set(sorted({t for c in conts for t in c[2:]})[::4])
     vocab = torch.tensor([t for t in seen if t not in left_out] + list(range(40000, 40010))).sort().values
-    drafter = _memorise(_drafter(target64, bs, vocab), target64, [p + c for p, c in zip(prompts, conts)])
+    drafter = memorise(_drafter(target64, bs, vocab), target64, [p + c for p, c in zip(prompts, conts)], steps=12)
     return prompts, conts, drafter, left_out
 
 

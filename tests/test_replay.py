@@ -6,10 +6,11 @@ import torch
 
 from dflash_train.infer.replay import ReplayTurn, greedy_continuations, replay_turn, walk
 from dflash_train.infer.spec_decode import SpeculativeDecoder
-from dflash_train.algorithms.dflash.model import DFlashDrafter, sdpa_attention
+from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.algorithms.dflash.config import make_drafter_config
-from dflash_train.algorithms.dflash.mask import dense_mask
 from dflash_train.model.target import load_target_model
+from _memorise import memorise
+
 
 STOPS = [2]
 
@@ -29,36 +30,6 @@ def _drafter(target, block_size: int) -> DFlashDrafter:
     cfg = make_drafter_config(target.config, num_draft_layers=1, block_size=block_size, target_layer_ids=[1, 4],
                               mask_token_id=16)
     return DFlashDrafter(cfg).double()
-
-
-def _memorise(drafter: DFlashDrafter, target, sequences: list[list[int]], steps: int = 20) -> DFlashDrafter:
-    """Train the drafter on blocks of these exact sequences (every anchor) until it predicts much of them:
-    a drafter that is often right, so that acceptance lengths vary and the comparison means something."""
-    bs = drafter.block_size
-    opt = torch.optim.Adam(drafter.parameters(), lr=1e-2)
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    batches = []
-    for ids in sequences:
-        with torch.no_grad():
-            hs = target(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
-        context = torch.cat([hs[i + 1] for i in drafter.target_layer_ids], -1)
-        anchors = torch.arange(1, len(ids) - bs + 1)
-        block = torch.tensor(ids)[anchors.view(-1, 1) + torch.arange(bs)]
-        inputs = torch.full_like(block, drafter.mask_token_id)
-        inputs[:, 0] = block[:, 0]
-        positions = torch.cat([torch.arange(len(ids)), (anchors.view(-1, 1) + torch.arange(bs)).view(-1)]).view(1, -1)
-        mask = dense_mask(anchors.view(1, -1), torch.ones(1, len(anchors), dtype=torch.bool), len(ids), bs)
-        batches.append((context, embed(inputs.view(1, -1)).detach(), positions, mask, block[:, 1:]))
-    drafter.train()
-    for _ in range(steps):
-        for context, block_embeds, positions, mask, labels in batches:
-            out = drafter(context, block_embeds, positions, sdpa_attention, mask)
-            logits = head(out[0]).view(labels.shape[0], bs, -1)[:, 1:]
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return drafter.eval()
 
 
 def test_batched_greedy_continuations_equal_one_prompt_at_a_time(target):
@@ -111,7 +82,7 @@ def test_replay_equals_real_decoding_for_block_and_tree(target):
     bs, max_new = 5, 20
     prompts = _prompts()
     conts = greedy_continuations(target, prompts, max_new + bs - 1)
-    drafter = _memorise(_drafter(target, bs), target, [p + c for p, c in zip(prompts, conts)])
+    drafter = memorise(_drafter(target, bs), target, [p + c for p, c in zip(prompts, conts)])
     dec = SpeculativeDecoder(target, drafter, stop_token_ids=STOPS)
     taus = []
     for i, (p, c) in enumerate(zip(prompts, conts)):
@@ -149,7 +120,7 @@ def test_eval_by_replay_reports_what_decoding_reports_multi_turn(target, tiny_ta
     bs, max_new = 4, 14
     corpus = build_corpus(target, tok, [{"dataset": str(data), **r} for r in rows], max_new, bs, STOPS)
     assert [(t.id, t.turn) for t in corpus] == [("a", 0), ("b", 0), ("a", 1)]
-    drafter = _memorise(_drafter(target, bs), target, [t.prompt + t.continuation for t in corpus])
+    drafter = memorise(_drafter(target, bs), target, [t.prompt + t.continuation for t in corpus])
     kwargs = dict(max_new_tokens=max_new, tree_budgets=(4,), stop_token_ids=STOPS)
     decoded = evaluate(target, tok, drafter, [str(data)], measure_speedup=False, **kwargs)
     replayed = evaluate_by_replay(target, tok, drafter, [str(data)], **kwargs)
@@ -179,7 +150,7 @@ def test_teacher_forced_walk_along_greedy_text_is_real_decoding(target):
     bs, n = 5, 20
     prompts = _prompts()
     conts = greedy_continuations(target, prompts, n)
-    drafter = _memorise(_drafter(target, bs), target, [p + c for p, c in zip(prompts, conts)])
+    drafter = memorise(_drafter(target, bs), target, [p + c for p, c in zip(prompts, conts)])
     dec = SpeculativeDecoder(target, drafter, stop_token_ids=[])
     lengths = []
     for p, c in zip(prompts, conts):
