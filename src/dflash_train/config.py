@@ -54,6 +54,13 @@ class TargetConfig:
     # batch and length, compiled in the warm-up): fuses the memory-bound pieces around the matmuls.
     # CUDA only: a CPU device refuses it.
     compile: bool = False
+    # none: every rank holds the whole target. fsdp: the ranks of a shard group each hold a slice of every
+    # decoder layer (FSDP2) and read only that slice from the checkpoint; a capture all-gathers one layer at a
+    # time. For targets that do not fit one GPU (colocated placement). `tp` is not built yet.
+    sharding: str = "none"
+    # fsdp: how many ranks share one copy of the target (consecutive ranks; it must divide the ranks). Several
+    # groups each hold the whole target (HSDP). null = every rank in one group.
+    shard_group_size: Optional[int] = None
 
 
 @dataclass
@@ -521,6 +528,7 @@ def validate(cfg: Config) -> None:
     need(op.grad_accum >= 1, "optim.grad_accum", f"must be >= 1 (got {op.grad_accum})")
     if r.device == "cpu":
         validate_compile_device(cfg, "cpu")
+    validate_sharding(cfg)
     need(cfg.parallel.target_ranks >= 1, "parallel.target_ranks", f"must be >= 1 (got {cfg.parallel.target_ranks})")
     if cfg.parallel.placement == "split":
         need(r.eval_every == 0, "run.eval_every",
@@ -529,6 +537,34 @@ def validate(cfg: Config) -> None:
         need(o.distill_weight == 0, "objective.distill_weight",
              "distillation needs the target's final hidden states, which the split placement does not send to the "
              "drafter ranks yet; use parallel.placement=colocated or set objective.distill_weight=0")
+
+
+SHARDINGS = ("none", "fsdp")
+
+
+def validate_sharding(cfg: Config) -> None:
+    """`target.sharding` and `target.shard_group_size`, and what a sharded target does not support yet."""
+    t = cfg.target
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key '{key}': {msg}")
+
+    need(t.sharding != "tp", "target.sharding", "tensor parallel sharding is not built yet; use target.sharding=fsdp")
+    need(t.sharding in SHARDINGS, "target.sharding", f"must be one of {', '.join(SHARDINGS)} (got {t.sharding!r})")
+    if t.sharding == "none":
+        need(t.shard_group_size is None, "target.shard_group_size",
+             "applies to a sharded target only; set target.sharding=fsdp or remove target.shard_group_size")
+        return
+    need(t.shard_group_size is None or t.shard_group_size >= 1, "target.shard_group_size",
+         f"must be >= 1, or null for all ranks (got {t.shard_group_size})")
+    need(cfg.parallel.placement == "colocated", "target.sharding",
+         "fsdp is built for parallel.placement=colocated only so far (the split placement's shard groups are not)")
+    need(not t.compile, "target.compile", "not built for a sharded target yet (target.sharding=fsdp); set "
+         "target.compile=false")
+    need(cfg.run.eval_every == 0, "run.eval_every",
+         "validation runs on rank 0 alone, and a sharded target needs every rank of its group for each forward; "
+         "with target.sharding=fsdp set run.eval_every=0 and evaluate checkpoints with `dflash-train eval`")
 
 
 def validate_compile_device(cfg: Config, device_type: str) -> None:
@@ -556,6 +592,12 @@ def validate_trackers(cfg: Config) -> None:
 def validate_world(cfg: Config, world: int) -> None:
     """Checks at start-up, before any model loads: the number of ranks, and the trackers' packages."""
     validate_trackers(cfg)
+    group = cfg.target.shard_group_size
+    if cfg.target.sharding == "fsdp" and group is not None and (group > world or world % group):
+        raise ConfigError(
+            f"config key 'target.shard_group_size': {group} does not divide the run's {world} rank(s) into shard "
+            f"groups; give a divisor of {world}, or null for one group of all ranks"
+        )
     if cfg.parallel.placement == "split" and not 1 <= cfg.parallel.target_ranks < world:
         raise ConfigError(
             f"config key 'parallel.target_ranks': {cfg.parallel.target_ranks} target rank(s) do not fit {world} "

@@ -29,6 +29,7 @@ from ..algorithms import architecture
 from ..algorithms.base import default_target_layer_ids
 from ..model.drafter_init import init_drafter_from_target
 from ..model.provenance import target_provenance, write_provenance
+from ..model.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
 from ..model.target import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
                             read_target_config)
 from ..model_card import training_card
@@ -342,10 +343,15 @@ class RankSetup:
                      self.state.epoch + math.ceil((self.total - self.state.step) / self.steps_per_epoch) + 1)
 
 
+def shard_group_size(cfg: Config, world: int) -> int:
+    """The ranks that share one copy of a sharded target (`target.shard_group_size`, null = all)."""
+    return cfg.target.shard_group_size or world
+
+
 def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh_compile_cache: bool) -> RankSetup:
     plan = a.plan
     device = ctx.device(plan.device)
-    ctx.init(device)
+    ctx.init(device, alone_too=cfg.target.sharding != "none")
     drafter_group, drafters = None, ctx.world
     if a.layout is not None:
         # Every rank takes part in creating the group; only drafter ranks use it.
@@ -369,9 +375,13 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
         if role == "drafter" and a.layout is not None:  # plus the target's embedding and lm_head
             drafter_params += a.target_config.vocab_size * a.target_config.hidden_size // 4
         need_role = "colocated" if a.layout is None else role
+        share = preflight.TargetShare.of(plan.target_path, shard_group_size(cfg, ctx.world)) \
+            if cfg.target.sharding == "fsdp" else None
+        what = f"the {need_role} rank's weights and optimizer state" + (
+            f" (a 1/{share.parts} shard of the target's layers, {share.GATHERED_LAYERS} layers gathered)" if share else "")
         preflight.check_gpu(device, preflight.needed_bytes(preflight.checkpoint_parameters(plan.target_path),
-                                                           plan.target_dtype, drafter_params, need_role),
-                            ctx.rank, f"the {need_role} rank's weights and optimizer state")
+                                                           plan.target_dtype, drafter_params, need_role, share),
+                            ctx.rank, what)
     data = open_training_data(cfg, a.tokenizer, run.root / "rejects.jsonl" if ctx.is_main else None)
     log.info("data: %s", data.describe())
     batching = (data.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed)
@@ -443,7 +453,15 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
     continue from the checkpoint on resume, open validation data: the loop's Session."""
     plan = a.plan
     if a.layout is None:
-        model = load_target_model(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
+        if cfg.target.sharding == "fsdp":  # every rank of a shard group reads and holds its slice of the layers
+            mesh = shard_mesh(r.device, ctx.world, shard_group_size(cfg, ctx.world))
+            model = load_sharded_target(plan.target_path, plan.target_dtype, r.device, mesh,
+                                        cfg.target.trust_remote_code)
+            rep.beat_fields["host_peak_gib"] = round(peak_host_gib(), 2)  # each rank's, in its heartbeat
+            rep.report(target_sharding="fsdp", target_shard_ranks=mesh[SHARD_DIM].size(),
+                       host_peak_gib=rep.beat_fields["host_peak_gib"])
+        else:
+            model = load_target_model(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
         target = TargetCapture.from_model(model, plan.layer_ids, compile=cfg.target.compile)
     else:  # a split drafter rank: the target's embedding and lm_head, never its decoder
         target = load_target_head(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)

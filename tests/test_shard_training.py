@@ -1,0 +1,107 @@
+"""Training against a sharded target (`target.sharding: fsdp`), colocated, on CPU over gloo in real processes:
+the losses equal the unsharded run's (the captures are bit-identical, so the steps are too), dense and MoE,
+one rank and two; plus the config's refusals, before anything loads."""
+
+import shutil
+
+import pytest
+import torch
+
+from _harness import assert_same_losses, beat, losses, run, status, write_config
+from conftest import TOKENIZER_FILES
+from test_moe_target import qwen3_moe
+
+from dflash_train.cli import main
+from dflash_train.config import ConfigError, config_from_dict, validate_world
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def moe_target_dir(tmp_path_factory, tokenizer_dir):
+    """A tiny Qwen3-MoE with SmolLM2's tokenizer (its vocabulary size) and random routers."""
+    out = tmp_path_factory.mktemp("moe-target")
+    torch.manual_seed(0)
+    model = qwen3_moe(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def _train(tmp_path, target, data, name, nproc, *extra):
+    cfg = write_config(tmp_path / f"{name}.yaml", target, data, run__eval_every=0)
+    out = tmp_path / name
+    rc = run(["train", str(cfg), *extra, "--run-dir", str(out), "--max-steps", str(STEPS), "--nproc", str(nproc)],
+             tmp_path / f"{name}.log", timeout=300)
+    assert rc == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    return out
+
+
+def test_one_rank_fsdp_trains_the_losses_of_none(tmp_path, tiny_target_dir, counting_jsonl):
+    """World size 1: a shard group of one (its own process group on an in-memory store) is the plain run."""
+    base = write_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, run__eval_every=0)
+    plain, sharded = tmp_path / "none", tmp_path / "fsdp"
+    assert main(["train", str(base), "--run-dir", str(plain), "--max-steps", str(STEPS)]) == 0
+    assert main(["train", str(base), "target.sharding=fsdp", "--run-dir", str(sharded), "--max-steps", str(STEPS)]) == 0
+    assert_same_losses(losses(plain), losses(sharded), STEPS)
+    assert losses(plain) == losses(sharded)  # bit-identical captures: bit-identical steps
+    st = status(sharded)
+    assert st["phase"] == "done" and st["target_sharding"] == "fsdp" and st["target_shard_ranks"] == 1
+    assert st["host_peak_gib"] > 0
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("target", ["dense", "moe"])
+def test_two_ranks_sharded_train_the_losses_of_unsharded(tmp_path, request, counting_jsonl, target):
+    target_dir = request.getfixturevalue("tiny_target_dir" if target == "dense" else "moe_target_dir")
+    plain = _train(tmp_path, target_dir, counting_jsonl, "none", 2)
+    sharded = _train(tmp_path, target_dir, counting_jsonl, "fsdp", 2, "target.sharding=fsdp")
+    assert_same_losses(losses(plain), losses(sharded), STEPS)
+    assert losses(plain) == losses(sharded)  # bit-identical captures: bit-identical steps
+    assert status(sharded)["target_shard_ranks"] == 2
+    assert all(beat(sharded, r)["host_peak_gib"] > 0 for r in range(2))
+
+
+@pytest.mark.long
+def test_four_ranks_in_two_shard_groups_train_the_losses_of_unsharded(tmp_path, moe_target_dir, counting_jsonl):
+    plain = _train(tmp_path, moe_target_dir, counting_jsonl, "none", 4)
+    sharded = _train(tmp_path, moe_target_dir, counting_jsonl, "hsdp", 4, "target.sharding=fsdp",
+                     "target.shard_group_size=2")
+    assert_same_losses(losses(plain), losses(sharded), STEPS)
+    assert losses(plain) == losses(sharded)  # bit-identical captures: bit-identical steps
+    assert status(sharded)["target_shard_ranks"] == 2
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"target": {"sharding": "tp"}}, r"'target.sharding': tensor parallel sharding is not built yet; use "
+                                     r"target.sharding=fsdp"),
+    ({"target": {"sharding": "zero3"}}, r"'target.sharding': must be one of none, fsdp \(got 'zero3'\)"),
+    ({"target": {"shard_group_size": 2}}, r"'target.shard_group_size': applies to a sharded target only"),
+    ({"target": {"sharding": "fsdp", "shard_group_size": 0}, "run": {"eval_every": 0}},
+     r"'target.shard_group_size': must be >= 1"),
+    ({"target": {"sharding": "fsdp"}}, r"'run.eval_every': validation runs on rank 0 alone"),
+    ({"target": {"sharding": "fsdp"}, "run": {"eval_every": 0}, "parallel": {"placement": "split"}},
+     r"'target.sharding': fsdp is built for parallel.placement=colocated only"),
+    ({"target": {"sharding": "fsdp", "compile": True}, "run": {"eval_every": 0, "device": "cuda"}},
+     r"'target.compile': not built for a sharded target yet"),
+])
+def test_bad_sharding_configs_are_refused_at_load(over, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(over)
+
+
+def test_defaults_and_group_size_must_divide_the_ranks():
+    cfg = config_from_dict({})
+    assert cfg.target.sharding == "none" and cfg.target.shard_group_size is None
+    cfg = config_from_dict({"target": {"sharding": "fsdp", "shard_group_size": 2}, "run": {"eval_every": 0}})
+    validate_world(cfg, 4)
+    with pytest.raises(ConfigError, match=r"'target.shard_group_size': 2 does not divide the run's 3 rank\(s\)"):
+        validate_world(cfg, 3)
+    with pytest.raises(ConfigError, match=r"'target.shard_group_size': 2 does not divide the run's 1 rank\(s\)"):
+        validate_world(cfg, 1)
