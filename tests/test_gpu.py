@@ -704,3 +704,35 @@ def test_inductor_recompiles_a_kernel_whose_elements_cross_two_to_the_31(caplog)
     assert "2147483647" in caplog.text, caplog.text  # the failed guard: numel <= 2^31 - 1
     del big
     torch._dynamo.reset()
+
+
+def test_fsdp_with_one_rank_trains_the_losses_of_none(tmp_path, tiny_target_dir, counting_jsonl):
+    """`target.sharding: fsdp` on one GPU (a shard group of one over NCCL): the losses of the unsharded run (the
+    same weights, kernels and shapes; bit-identical on CPU, here within 1e-3 should a gathered buffer's alignment
+    pick another matmul kernel)."""
+    from _harness import losses, run
+
+    cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl)
+    plain, sharded = tmp_path / "none", tmp_path / "fsdp"
+    assert run(["train", str(cfg), "--run-dir", str(plain), "--max-steps", "12"], tmp_path / "none.log") == 0
+    assert run(["train", str(cfg), "target.sharding=fsdp", "--run-dir", str(sharded), "--max-steps", "12"],
+               tmp_path / "fsdp.log") == 0, (tmp_path / "fsdp.log").read_text()[-3000:]
+    ref, got = losses(plain), losses(sharded)
+    assert sorted(got) == list(range(1, 13)) and all(abs(got[s] - ref[s]) <= 1e-3 * abs(ref[s]) for s in ref), (ref, got)
+    assert json.loads((sharded / "status.json").read_text())["target_shard_ranks"] == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp_over_two_gpus_trains_the_losses_of_unsharded(tmp_path, tiny_target_dir, counting_jsonl):
+    """Two colocated ranks, the target sharded over both (NCCL all-gathers, prefetched): the losses of the same
+    two ranks with the whole target on each."""
+    from _harness import losses, run
+
+    cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl)
+    plain, sharded = tmp_path / "none", tmp_path / "fsdp"
+    assert run(["train", str(cfg), "--run-dir", str(plain), "--max-steps", "12", "--nproc", "2"],
+               tmp_path / "none.log") == 0
+    assert run(["train", str(cfg), "target.sharding=fsdp", "--run-dir", str(sharded), "--max-steps", "12",
+                "--nproc", "2"], tmp_path / "fsdp.log") == 0, (tmp_path / "fsdp.log").read_text()[-3000:]
+    ref, got = losses(plain), losses(sharded)
+    assert sorted(got) == list(range(1, 13)) and all(abs(got[s] - ref[s]) <= 1e-3 * abs(ref[s]) for s in ref), (ref, got)

@@ -95,3 +95,22 @@ def test_each_rank_reads_only_its_share_of_a_target_larger_than_it(tmp_path, mon
         assert got["load_peak_gib"] < got["resident_gib"] + 0.1 * model_gib, (got, model_gib)
         # Measured 4.1 layers on gloo: two layers gathered at once (the prefetch), the all-gather's staging copies.
         assert got["forward_peak_gib"] < 5 * got["layer_gib"], got
+
+
+@pytest.mark.parametrize("build", [dense, qwen3_5_moe], ids=["dense", "qwen3.5-moe (multimodal checkpoint)"])
+def test_preflight_counts_a_rank_s_shard_the_whole_rest_and_the_gathered_layers(tmp_path, build):
+    """From the checkpoint's headers: the decoder layers (a vision tower's blocks are not among them), the
+    largest one, and a rank's need: its 1/parts of the layers, everything else whole, 3 gathered layers."""
+    from dflash_train.train.preflight import TargetShare, checkpoint_parameters, needed_bytes
+
+    torch.manual_seed(0)
+    model = build()
+    path = save(build, tmp_path)
+    decoder = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in decoder.layers]
+    total = checkpoint_parameters(path)
+    share = TargetShare.of(path, 4)
+    assert (share.layer_params, share.largest_layer) == (sum(per_layer), max(per_layer))
+    assert share.parameters(total) == total - sum(per_layer) + -(-sum(per_layer) // 4) + 3 * max(per_layer)
+    assert needed_bytes(total, torch.bfloat16, 10, "colocated", share) == (
+        needed_bytes(0, torch.bfloat16, 10, "colocated") + 2 * share.parameters(total))
