@@ -2,12 +2,15 @@
 the losses equal the unsharded run's (the captures are bit-identical, so the steps are too), dense and MoE,
 one rank and two; plus the config's refusals, before anything loads."""
 
+import os
 import shutil
+import signal
+import time
 
 import pytest
 import torch
 
-from _harness import assert_same_losses, beat, losses, run, status, write_config
+from _harness import assert_same_losses, beat, launch, losses, run, status, stop, wait_for_step, write_config
 from conftest import TOKENIZER_FILES
 from test_moe_target import qwen3_moe
 
@@ -34,13 +37,17 @@ def moe_target_dir(tmp_path_factory, tokenizer_dir):
     return out
 
 
-def _train(tmp_path, target, data, name, nproc, *extra):
+def _args(tmp_path, target, data, name, nproc, *extra, steps=STEPS):
     cfg = write_config(tmp_path / f"{name}.yaml", target, data, run__eval_every=0)
-    out = tmp_path / name
-    rc = run(["train", str(cfg), *extra, "--run-dir", str(out), "--max-steps", str(STEPS), "--nproc", str(nproc)],
+    return ["train", str(cfg), *extra, "--run-dir", str(tmp_path / name), "--max-steps", str(steps), "--nproc",
+            str(nproc)]
+
+
+def _train(tmp_path, target, data, name, nproc, *extra, steps=STEPS, resume=False):
+    rc = run(_args(tmp_path, target, data, name, nproc, *extra, steps=steps) + ["--resume"] * resume,
              tmp_path / f"{name}.log", timeout=300)
     assert rc == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
-    return out
+    return tmp_path / name
 
 
 def test_one_rank_fsdp_trains_the_losses_of_none(tmp_path, tiny_target_dir, counting_jsonl):
@@ -105,3 +112,27 @@ def test_defaults_and_group_size_must_divide_the_ranks():
         validate_world(cfg, 3)
     with pytest.raises(ConfigError, match=r"'target.shard_group_size': 2 does not divide the run's 1 rank\(s\)"):
         validate_world(cfg, 1)
+
+
+@pytest.mark.long
+def test_a_killed_rank_stops_a_sharded_run_fast_and_resume_is_exact(tmp_path, moe_target_dir, counting_jsonl):
+    """Rank 1 of a sharded MoE run killed mid-run (rank 0 then waits in an all-gather that never completes): the
+    run fails within seconds naming it; --resume continues from the step-4 checkpoint with the losses of the
+    uninterrupted unsharded run."""
+    steps = 10
+    plain = _train(tmp_path, moe_target_dir, counting_jsonl, "none", 2, steps=steps)
+    args = _args(tmp_path, moe_target_dir, counting_jsonl, "killed", 2, "target.sharding=fsdp", steps=steps)
+    run_dir = tmp_path / "killed"
+    proc = launch(args, tmp_path / "killed.log")
+    try:
+        wait_for_step(run_dir, 1, 6, proc, timeout=240)
+        os.kill(beat(run_dir, 1)["pid"], signal.SIGKILL)
+        t0 = time.time()
+        rc = proc.wait(timeout=60)
+        took = time.time() - t0
+    finally:
+        stop(proc)
+    st = status(run_dir)
+    assert rc != 0 and took < 15 and st["phase"] == "failed" and st["failed_rank"] == 1, (rc, took, st)
+    _train(tmp_path, moe_target_dir, counting_jsonl, "killed", 2, "target.sharding=fsdp", steps=steps, resume=True)
+    assert losses(plain) == losses(run_dir)
