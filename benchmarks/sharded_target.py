@@ -63,7 +63,7 @@ def main() -> None:
     result = {"shape": args.shape, "world": ctx.world, "batch": args.batch, "seq": args.seq, "peak_tflops": round(peak, 1)}
 
     t = time.perf_counter()
-    mesh = shard_mesh(device, ctx.world, ctx.world)
+    mesh = shard_mesh(device, list(range(ctx.world)), ctx.world)
     sharded = TargetCapture.from_model(load_sharded_target(path, torch.bfloat16, device, mesh), ids)
     result.update(sharded_load_s=round(time.perf_counter() - t, 1), host_peak_gib=round(peak_host_gib(), 2),
                   shard_ranks=mesh[SHARD_DIM].size())

@@ -93,14 +93,18 @@ def test_four_ranks_in_two_shard_groups_train_the_losses_of_unsharded(tmp_path, 
     ({"target": {"sharding": "fsdp", "shard_group_size": 0}, "run": {"eval_every": 0}},
      r"'target.shard_group_size': must be >= 1"),
     ({"target": {"sharding": "fsdp"}}, r"'run.eval_every': validation runs on rank 0 alone"),
-    ({"target": {"sharding": "fsdp"}, "run": {"eval_every": 0}, "parallel": {"placement": "split"}},
-     r"'target.sharding': fsdp is built for parallel.placement=colocated only"),
     ({"target": {"sharding": "fsdp", "compile": True}, "run": {"eval_every": 0, "device": "cuda"}},
      r"'target.compile': not built for a sharded target yet"),
 ])
 def test_bad_sharding_configs_are_refused_at_load(over, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict(over)
+
+
+def _as_dict(cfg):
+    import dataclasses
+
+    return dataclasses.asdict(cfg)
 
 
 def test_defaults_and_group_size_must_divide_the_ranks():
@@ -112,6 +116,14 @@ def test_defaults_and_group_size_must_divide_the_ranks():
         validate_world(cfg, 3)
     with pytest.raises(ConfigError, match=r"'target.shard_group_size': 2 does not divide the run's 1 rank\(s\)"):
         validate_world(cfg, 1)
+    split = config_from_dict({"target": {"sharding": "fsdp"}, "run": {"eval_every": 0},
+                              "parallel": {"placement": "split", "target_ranks": 2}})
+    validate_world(split, 4)  # 2 drafter ranks: one micro-batch per target rank and step
+    with pytest.raises(ConfigError, match=r"'parallel.target_ranks': .* each step's 1 micro-batches .* over the 2 "
+                                          r"target ranks"):
+        validate_world(split, 3)
+    with pytest.raises(ConfigError, match=r"'target.shard_group_size': 4 does not divide the 2 target rank\(s\)"):
+        validate_world(config_from_dict({**_as_dict(split), "target": {"sharding": "fsdp", "shard_group_size": 4}}), 4)
 
 
 @pytest.mark.long
@@ -136,3 +148,16 @@ def test_a_killed_rank_stops_a_sharded_run_fast_and_resume_is_exact(tmp_path, mo
     assert rc != 0 and took < 15 and st["phase"] == "failed" and st["failed_rank"] == 1, (rc, took, st)
     _train(tmp_path, moe_target_dir, counting_jsonl, "killed", 2, "target.sharding=fsdp", steps=steps, resume=True)
     assert losses(plain) == losses(run_dir)
+
+
+@pytest.mark.long
+def test_split_target_ranks_in_a_shard_group_train_the_losses_of_colocated(tmp_path, moe_target_dir, counting_jsonl):
+    """Split 2 + 2: the two target ranks hold one sharded copy of the MoE target between them and each captures
+    its own micro-batches through the deterministic schedule (in lockstep, all-gathering each layer together);
+    the drafter ranks train the losses of two colocated ranks with the whole target."""
+    plain = _train(tmp_path, moe_target_dir, counting_jsonl, "colocated", 2)
+    split = _train(tmp_path, moe_target_dir, counting_jsonl, "split", 4, "target.sharding=fsdp",
+                   "parallel.placement=split", "parallel.target_ranks=2")
+    assert losses(plain) == losses(split)
+    assert status(split)["placement"] == "split 2+2"
+    assert all(beat(split, r)["host_peak_gib"] > 0 for r in (2, 3))

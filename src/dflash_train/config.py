@@ -56,10 +56,10 @@ class TargetConfig:
     compile: bool = False
     # none: every rank holds the whole target. fsdp: the ranks of a shard group each hold a slice of every
     # decoder layer (FSDP2) and read only that slice from the checkpoint; a capture all-gathers one layer at a
-    # time. For targets that do not fit one GPU (colocated placement). `tp` is not built yet.
+    # time. For targets that do not fit one GPU (colocated or split placement). `tp` is not built yet.
     sharding: str = "none"
-    # fsdp: how many ranks share one copy of the target (consecutive ranks; it must divide the ranks). Several
-    # groups each hold the whole target (HSDP). null = every rank in one group.
+    # fsdp: how many ranks share one copy of the target (consecutive target ranks; it must divide them: all ranks
+    # colocated, parallel.target_ranks split). Several groups each hold the whole target (HSDP). null = one group.
     shard_group_size: Optional[int] = None
 
 
@@ -558,8 +558,6 @@ def validate_sharding(cfg: Config) -> None:
         return
     need(t.shard_group_size is None or t.shard_group_size >= 1, "target.shard_group_size",
          f"must be >= 1, or null for all ranks (got {t.shard_group_size})")
-    need(cfg.parallel.placement == "colocated", "target.sharding",
-         "fsdp is built for parallel.placement=colocated only so far (the split placement's shard groups are not)")
     need(not t.compile, "target.compile", "not built for a sharded target yet (target.sharding=fsdp); set "
          "target.compile=false")
     need(cfg.run.eval_every == 0, "run.eval_every",
@@ -592,17 +590,35 @@ def validate_trackers(cfg: Config) -> None:
 def validate_world(cfg: Config, world: int) -> None:
     """Checks at start-up, before any model loads: the number of ranks, and the trackers' packages."""
     validate_trackers(cfg)
-    group = cfg.target.shard_group_size
-    if cfg.target.sharding == "fsdp" and group is not None and (group > world or world % group):
-        raise ConfigError(
-            f"config key 'target.shard_group_size': {group} does not divide the run's {world} rank(s) into shard "
-            f"groups; give a divisor of {world}, or null for one group of all ranks"
-        )
     if cfg.parallel.placement == "split" and not 1 <= cfg.parallel.target_ranks < world:
         raise ConfigError(
             f"config key 'parallel.target_ranks': {cfg.parallel.target_ranks} target rank(s) do not fit {world} "
             f"rank(s); the split placement needs at least one target and one drafter rank "
             f"(start more ranks with --nproc, or use parallel.placement=colocated)"
+        )
+    if cfg.target.sharding == "fsdp":
+        validate_shard_groups(cfg, world)
+
+
+def validate_shard_groups(cfg: Config, world: int) -> None:
+    """A sharded target's groups must divide its ranks (all, or the split placement's target ranks); in the split
+    placement every target rank captures as many micro-batches per step as its group peers (they all-gather each
+    layer together, so they must capture in lockstep)."""
+    split = cfg.parallel.placement == "split"
+    targets = cfg.parallel.target_ranks if split else world
+    what = f"the {targets} target rank(s) (parallel.target_ranks)" if split else f"the run's {world} rank(s)"
+    group = cfg.target.shard_group_size
+    if group is not None and (group > targets or targets % group):
+        raise ConfigError(
+            f"config key 'target.shard_group_size': {group} does not divide {what} into shard groups; give a divisor "
+            f"of {targets}, or null for one group of all of them"
+        )
+    per_step = (world - targets) * cfg.optim.grad_accum
+    if split and (group or targets) > 1 and per_step % targets:
+        raise ConfigError(
+            f"config key 'parallel.target_ranks': a sharded target's ranks capture in lockstep, so each step's "
+            f"{per_step} micro-batches (drafter ranks x optim.grad_accum) must split evenly over the {targets} target "
+            "ranks; change optim.grad_accum or the number of ranks, or set target.shard_group_size=1"
         )
 
 

@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 import torch
 from accelerate import init_empty_weights
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, PreTrainedModel
@@ -37,14 +37,15 @@ _FUSED_EXPERTS = {
 }
 
 
-def shard_mesh(device: torch.device, world: int, group_size: int) -> DeviceMesh:
-    """Ranks in shard groups of `group_size` consecutive ranks: one group (plain FSDP) or several that each
-    hold the whole target (HSDP: replicated across groups, sharded within)."""
-    if world % group_size:
-        raise ValueError(f"target.shard_group_size={group_size} does not divide the {world} ranks")
-    if group_size == world:
-        return init_device_mesh(device.type, (world,), mesh_dim_names=(SHARD_DIM,))
-    return init_device_mesh(device.type, (world // group_size, group_size), mesh_dim_names=("replicate", SHARD_DIM))
+def shard_mesh(device: torch.device, ranks: list[int], group_size: int) -> DeviceMesh:
+    """`ranks` (the ranks that run the target) in shard groups of `group_size` consecutive ranks: one group (plain
+    FSDP) or several that each hold the whole target (HSDP: replicated across groups, sharded within). Every rank
+    of the run calls it (its process groups are made collectively), also a rank outside `ranks`."""
+    if len(ranks) % group_size:
+        raise ValueError(f"target.shard_group_size={group_size} does not divide the {len(ranks)} target ranks")
+    if group_size == len(ranks):
+        return DeviceMesh(device.type, torch.tensor(ranks), mesh_dim_names=(SHARD_DIM,))
+    return DeviceMesh(device.type, torch.tensor(ranks).view(-1, group_size), mesh_dim_names=("replicate", SHARD_DIM))
 
 
 def rows_of(total: int, parts: int, index: int) -> tuple[int, int]:

@@ -336,6 +336,7 @@ class RankSetup:
     steps_per_epoch: int
     total: int
     state: RunState
+    target_mesh: object = None  # target.sharding=fsdp: the target ranks' shard groups (model/shard.py)
 
     def epochs_left(self) -> range:
         """The epochs whose plans the rest of the run reaches (from the current one, one more for a partial)."""
@@ -343,9 +344,14 @@ class RankSetup:
                      self.state.epoch + math.ceil((self.total - self.state.step) / self.steps_per_epoch) + 1)
 
 
-def shard_group_size(cfg: Config, world: int) -> int:
-    """The ranks that share one copy of a sharded target (`target.shard_group_size`, null = all)."""
-    return cfg.target.shard_group_size or world
+def target_rank_ids(layout: Optional[SplitLayout], world: int) -> list[int]:
+    """The ranks that run the target: all (colocated), or the split placement's last ones."""
+    return list(range(world)) if layout is None else list(range(layout.drafter_ranks, world))
+
+
+def shard_group_size(cfg: Config, layout: Optional[SplitLayout], world: int) -> int:
+    """The target ranks that share one copy of a sharded target (`target.shard_group_size`, null = all of them)."""
+    return cfg.target.shard_group_size or len(target_rank_ids(layout, world))
 
 
 def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh_compile_cache: bool) -> RankSetup:
@@ -359,6 +365,9 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
             if a.layout.drafter_ranks > 1 else None
         drafters = a.layout.drafter_ranks
     role = "target" if a.layout is not None and a.layout.is_target(ctx.rank) else "drafter"
+    mesh = None
+    if cfg.target.sharding == "fsdp":  # made by every rank (collectively), used by the target ranks
+        mesh = shard_mesh(device, target_rank_ids(a.layout, ctx.world), shard_group_size(cfg, a.layout, ctx.world))
     compile_cache = compile_layer.configure_cache(cfg.run.compile_cache_dir, fresh=fresh_compile_cache)
     compile_layer.watch_recompiles()
     # A drafter's attention and loss always compile on a GPU: the workers start while the weights load.
@@ -375,8 +384,8 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
         if role == "drafter" and a.layout is not None:  # plus the target's embedding and lm_head
             drafter_params += a.target_config.vocab_size * a.target_config.hidden_size // 4
         need_role = "colocated" if a.layout is None else role
-        share = preflight.TargetShare.of(plan.target_path, shard_group_size(cfg, ctx.world)) \
-            if cfg.target.sharding == "fsdp" else None
+        share = preflight.TargetShare.of(plan.target_path, shard_group_size(cfg, a.layout, ctx.world)) \
+            if cfg.target.sharding == "fsdp" and need_role != "drafter" else None
         what = f"the {need_role} rank's weights and optimizer state" + (
             f" (a 1/{share.parts} shard of the target's layers, {share.GATHERED_LAYERS} layers gathered)" if share else "")
         preflight.check_gpu(device, preflight.needed_bytes(preflight.checkpoint_parameters(plan.target_path),
@@ -402,7 +411,7 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
             raise UserError(f"--resume: the run is at step {state.step}, past the {total} steps its config now asks "
                             "for (optim.max_steps / optim.epochs); give a larger optim.max_steps")
     setup = RankSetup(device, role, drafter_group, drafters, compile_cache, data, batching, per_step, epoch0,
-                      steps_per_epoch, total, state)
+                      steps_per_epoch, total, state, mesh)
     check_indexing(cfg, a, setup, rep)
     return setup
 
@@ -426,10 +435,22 @@ def check_indexing(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter) -> Non
                index_64bit_kernels=warning is not None)
 
 
+def load_target(cfg: Config, plan: Plan, r: RankSetup, rep: Reporter):
+    """This rank's target model: whole, or (`target.sharding: fsdp`) its shard, read alone from the checkpoint;
+    then each rank's peak host memory goes to its heartbeat."""
+    if r.target_mesh is None:
+        return load_target_model(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
+    model = load_sharded_target(plan.target_path, plan.target_dtype, r.device, r.target_mesh,
+                                cfg.target.trust_remote_code)
+    rep.beat_fields["host_peak_gib"] = round(peak_host_gib(), 2)
+    rep.report(target_sharding="fsdp", target_shard_ranks=r.target_mesh[SHARD_DIM].size(),
+               host_peak_gib=rep.beat_fields["host_peak_gib"])
+    return model
+
+
 def run_target_rank(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter, stop: StopRequest) -> None:
     """A split placement's target rank: load and (optionally) compile the target, then serve every step."""
-    model = load_target_model(a.plan.target_path, a.plan.target_dtype, r.device, cfg.target.trust_remote_code)
-    target = TargetCapture.from_model(model, a.plan.layer_ids, compile=cfg.target.compile)
+    target = TargetCapture.from_model(load_target(cfg, a.plan, r, rep), a.plan.layer_ids, compile=cfg.target.compile)
     if target.compile:  # this rank's only compiled code: warm it before serving any step
         rep.report(phase="warmup")
         target.warm_up(cfg.data.max_length, *batch_kinds(r.epoch0))
@@ -453,16 +474,7 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
     continue from the checkpoint on resume, open validation data: the loop's Session."""
     plan = a.plan
     if a.layout is None:
-        if cfg.target.sharding == "fsdp":  # every rank of a shard group reads and holds its slice of the layers
-            mesh = shard_mesh(r.device, ctx.world, shard_group_size(cfg, ctx.world))
-            model = load_sharded_target(plan.target_path, plan.target_dtype, r.device, mesh,
-                                        cfg.target.trust_remote_code)
-            rep.beat_fields["host_peak_gib"] = round(peak_host_gib(), 2)  # each rank's, in its heartbeat
-            rep.report(target_sharding="fsdp", target_shard_ranks=mesh[SHARD_DIM].size(),
-                       host_peak_gib=rep.beat_fields["host_peak_gib"])
-        else:
-            model = load_target_model(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
-        target = TargetCapture.from_model(model, plan.layer_ids, compile=cfg.target.compile)
+        target = TargetCapture.from_model(load_target(cfg, plan, r, rep), plan.layer_ids, compile=cfg.target.compile)
     else:  # a split drafter rank: the target's embedding and lm_head, never its decoder
         target = load_target_head(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
     if ctx.is_main:
