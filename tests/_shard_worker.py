@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 
 def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, group: int, layer_ids: list[int],
-                         out_dir: str) -> None:
+                         out_dir: str, compile: bool = False) -> None:
+    """`compile`: the sharded capture through `target.compile`'s wiring, Dynamo's eager backend on the CPU."""
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
@@ -20,6 +21,13 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    warm = {}
+    if compile:
+        from dflash_train.model import compile as compile_layer
+        from dflash_train.model import target as target_mod
+
+        target_mod._COMPILE_DEVICES, target_mod._COMPILE_BACKEND = ("cuda", "cpu"), "eager"
+        compile_layer.watch_recompiles()
     cpu = torch.device("cpu")
     mesh = shard_mesh(cpu, list(range(world)), group)
     model = load_sharded_target(target, torch.float32, cpu, mesh)
@@ -39,7 +47,8 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
             mismatched.append(name)
     ids = torch.randint(0, whole.config.vocab_size, (2 + rank, 9 + 2 * rank),
                         generator=torch.Generator().manual_seed(rank))
-    cap, ref = TargetCapture.from_model(model, layer_ids), TargetCapture.from_model(whole, layer_ids)
+    cap, ref = TargetCapture.from_model(model, layer_ids, compile=compile), TargetCapture.from_model(whole, layer_ids)
+    warm = cap.warm_up(length=29)
     got, want = cap(ids), ref(ids)
     got_final, want_final = cap.capture(ids, with_final=True), ref.capture(ids, with_final=True)
     again = cap(ids)  # after a full forward, a cut one again
@@ -48,7 +57,7 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
         "equal": torch.equal(got, want), "max_diff": float((got - want).abs().max()),
         "equal_with_final": torch.equal(got_final[0], want_final[0]) and torch.equal(got_final[1], want_final[1]),
         "equal_again": torch.equal(again, want), "lm_head_equal": torch.equal(cap.lm_head.weight, ref.lm_head.weight),
-        "tied": cap.lm_head.weight is cap.embed_tokens.weight,
+        "tied": cap.lm_head.weight is cap.embed_tokens.weight, **warm,
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

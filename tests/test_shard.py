@@ -30,11 +30,11 @@ def moe_six_experts():
     return qwen3_moe(num_experts=6)
 
 
-def _run(tmp_path, build, world, group):
+def _run(tmp_path, build, world, group, compile=False):
     target = save(build, tmp_path / "target")
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(sharded_capture_rank, args=(world, str(out / "init"), str(target), group, [0, 1, 2], str(out)),
+    mp.spawn(sharded_capture_rank, args=(world, str(out / "init"), str(target), group, [0, 1, 2], str(out), compile),
              nprocs=world, join=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -61,6 +61,15 @@ def test_sharded_target_loads_its_rows_and_captures_exactly(tmp_path, build, wor
         assert got["equal"], (r, got["max_diff"])
         assert got["equal_with_final"] and got["equal_again"] and got["lm_head_equal"]
         assert got["tied"] == (build is dense)
+
+
+@pytest.mark.long
+def test_compiled_sharded_capture_equals_the_eager_whole_one(tmp_path):
+    """`target.compile` on a sharded target: the layers' compiled forward runs between FSDP's hooks (the gathered
+    weights are its inputs), one graph per batch kind, none after the warm-up, the capture unchanged."""
+    for got in _run(tmp_path, dense, 2, 2, compile=True):
+        assert got["equal"] and got["equal_with_final"] and got["equal_again"], got
+        assert got["target_compiled_graphs"] == 2 and got["target_recompiled_after_warmup"] == 0, got
 
 
 def _big_dense():

@@ -93,8 +93,6 @@ def test_four_ranks_in_two_shard_groups_train_the_losses_of_unsharded(tmp_path, 
     ({"target": {"sharding": "fsdp", "shard_group_size": 0}, "run": {"eval_every": 0}},
      r"'target.shard_group_size': must be >= 1"),
     ({"target": {"sharding": "fsdp"}}, r"'run.eval_every': validation runs on rank 0 alone"),
-    ({"target": {"sharding": "fsdp", "compile": True}, "run": {"eval_every": 0, "device": "cuda"}},
-     r"'target.compile': not built for a sharded target yet"),
 ])
 def test_bad_sharding_configs_are_refused_at_load(over, message):
     with pytest.raises(ConfigError, match=message):

@@ -179,9 +179,6 @@ class TargetCapture:
                 forwards.append(functools.partial(by_class[type(layer)], layer))
         sharded = isinstance(decoder, FSDPModule)
         if sharded:
-            if compile:
-                raise ConfigError("config key 'target.compile': not built for a sharded target yet "
-                                  "(target.sharding=fsdp); set target.compile=false")
             from .shard import prepare_capture
 
             prepare_capture(decoder, max(layer_ids))
