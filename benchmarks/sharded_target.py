@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=5, help="drafter layers: which target layers are captured")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--compile-target", action="store_true", help="target.compile for both (warmed up first)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ctx = DistContext.from_env()
@@ -64,8 +65,10 @@ def main() -> None:
 
     t = time.perf_counter()
     mesh = shard_mesh(device, list(range(ctx.world)), ctx.world)
-    sharded = TargetCapture.from_model(load_sharded_target(path, torch.bfloat16, device, mesh), ids)
-    result.update(sharded_load_s=round(time.perf_counter() - t, 1), host_peak_gib=round(peak_host_gib(), 2),
+    sharded = TargetCapture.from_model(load_sharded_target(path, torch.bfloat16, device, mesh), ids,
+                                       compile=args.compile_target)
+    sharded.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1)
+    result.update(compile_target=args.compile_target, sharded_load_s=round(time.perf_counter() - t, 1), host_peak_gib=round(peak_host_gib(), 2),
                   shard_ranks=mesh[SHARD_DIM].size())
     sharded(input_ids)
     t_sharded, got = timed(lambda: sharded(input_ids), args.repeat)
@@ -73,7 +76,9 @@ def main() -> None:
                   sharded_mfu=round(flops / t_sharded / 1e12 / peak, 3),
                   peak_gpu_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1))
     if ctx.world == 1:
-        whole = TargetCapture.from_model(load_target_model(path, torch.bfloat16, device), ids)
+        whole = TargetCapture.from_model(load_target_model(path, torch.bfloat16, device), ids,
+                                         compile=args.compile_target)
+        whole.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1)
         whole(input_ids)
         t_whole, want = timed(lambda: whole(input_ids), args.repeat)
         result.update(whole_s=round(t_whole, 4), whole_mfu=round(flops / t_whole / 1e12 / peak, 3),
