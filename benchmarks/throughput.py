@@ -26,6 +26,8 @@ SHAPES = {
                  intermediate_size=128, vocab_size=1000),  # CPU smoke runs of the benchmark code
     "qwen3-27b-class": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
                             head_dim=128, intermediate_size=25600, vocab_size=151936),
+    "llama3-70b-class": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                             head_dim=128, intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False),
     # Qwen3-30B-A3B's config.json: every layer a 128-expert MoE, 8 experts per token, 768 wide; untied lm_head.
     # `intermediate_size` (the config's dense MLP width, used by no layer here) is the drafter's default MLP.
     "qwen3-30b-a3b-class": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
@@ -72,6 +74,15 @@ def layer_matmul_params(c: dict) -> int:
     if "num_experts" in c:
         return attention + h * c["num_experts"] + c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
     return attention + 3 * h * c["intermediate_size"]
+
+
+def layer_resident_params(c: dict) -> int:
+    """Matmul weights one layer holds (every expert of a MoE layer): what a sharded target gathers per layer."""
+    if "num_experts" not in c:
+        return layer_matmul_params(c)
+    h = c["hidden_size"]
+    attention = layer_matmul_params({**c, "num_experts_per_tok": 0}) - h * c["num_experts"]
+    return attention + h * c["num_experts"] + c["num_experts"] * 3 * h * c["moe_intermediate_size"]
 
 
 def target_flops(c: dict, lengths: list[int], last_layer: int) -> float:
