@@ -52,11 +52,16 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
     got, want = cap(ids), ref(ids)
     got_final, want_final = cap.capture(ids, with_final=True), ref.capture(ids, with_final=True)
     again = cap(ids)  # after a full forward, a cut one again
+    with torch.no_grad():  # the HF way (speculative decoding reads it): every layer's output, the final norm's
+        hf_got = model(input_ids=ids, output_hidden_states=True).hidden_states
+        hf_want = whole(input_ids=ids, output_hidden_states=True).hidden_states
     result = {
         "mismatched": mismatched, "sharded_params": sharded, "peak_host_gib": peak,
         "equal": torch.equal(got, want), "max_diff": float((got - want).abs().max()),
         "equal_with_final": torch.equal(got_final[0], want_final[0]) and torch.equal(got_final[1], want_final[1]),
-        "equal_again": torch.equal(again, want), "lm_head_equal": torch.equal(cap.lm_head.weight, ref.lm_head.weight),
+        "equal_again": torch.equal(again, want),
+        "hf_hidden_states_equal": hf_got is not None and len(hf_got) == len(hf_want)
+        and all(torch.equal(a, b) for a, b in zip(hf_got, hf_want)), "lm_head_equal": torch.equal(cap.lm_head.weight, ref.lm_head.weight),
         "tied": cap.lm_head.weight is cap.embed_tokens.weight, **warm,
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))

@@ -60,6 +60,7 @@ def test_sharded_target_loads_its_rows_and_captures_exactly(tmp_path, build, wor
         assert got["sharded_params"] > 0
         assert got["equal"], (r, got["max_diff"])
         assert got["equal_with_final"] and got["equal_again"] and got["lm_head_equal"]
+        assert got["hf_hidden_states_equal"]
         assert got["tied"] == (build is dense)
 
 

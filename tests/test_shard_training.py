@@ -90,9 +90,8 @@ def test_four_ranks_in_two_shard_groups_train_the_losses_of_unsharded(tmp_path, 
                                      r"target.sharding=fsdp"),
     ({"target": {"sharding": "zero3"}}, r"'target.sharding': must be one of none, fsdp \(got 'zero3'\)"),
     ({"target": {"shard_group_size": 2}}, r"'target.shard_group_size': applies to a sharded target only"),
-    ({"target": {"sharding": "fsdp", "shard_group_size": 0}, "run": {"eval_every": 0}},
+    ({"target": {"sharding": "fsdp", "shard_group_size": 0}},
      r"'target.shard_group_size': must be >= 1"),
-    ({"target": {"sharding": "fsdp"}}, r"'run.eval_every': validation runs on rank 0 alone"),
 ])
 def test_bad_sharding_configs_are_refused_at_load(over, message):
     with pytest.raises(ConfigError, match=message):
@@ -159,3 +158,34 @@ def test_split_target_ranks_in_a_shard_group_train_the_losses_of_colocated(tmp_p
     assert losses(plain) == losses(split)
     assert status(split)["placement"] == "split 2+2"
     assert all(beat(split, r)["host_peak_gib"] > 0 for r in (2, 3))
+
+
+@pytest.mark.long
+def test_every_rank_validates_with_a_sharded_target_and_rank_0_records_the_unsharded_numbers(
+        tmp_path, moe_target_dir, counting_jsonl):
+    """Validation during training with a sharded colocated target: every rank runs the same validation (each
+    capture and each decoding step needs the whole shard group), rank 0 alone records it; the validation
+    records and the losses are those of the unsharded run, whose rank 0 validates alone."""
+    from dflash_train.rundir import read_metrics
+
+    def train(name, *extra):
+        cfg = write_config(tmp_path / f"{name}.yaml", moe_target_dir, counting_jsonl, run__eval_every=3,
+                           data__val_files=[str(counting_jsonl)], run__eval_batches=2, run__eval_prompts=1,
+                           run__eval_max_new_tokens=16)
+        out = tmp_path / name
+        rc = run(["train", str(cfg), *extra, "--run-dir", str(out), "--max-steps", str(STEPS), "--nproc", "2"],
+                 tmp_path / f"{name}.log", timeout=300)
+        assert rc == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        return out
+
+    plain, sharded = train("none"), train("fsdp", "target.sharding=fsdp")
+    assert losses(plain) == losses(sharded)
+
+    def validations(out):
+        return [{k: v for k, v in r.items() if k != "val_seconds"} for r in read_metrics(out)
+                if r.get("kind") == "validation"]
+
+    want = validations(plain)
+    assert [r["step"] for r in want] == [3, 6] and all("val_tau" in r and "val_tau_walk" in r for r in want)
+    assert validations(sharded) == want
+    assert (sharded / "checkpoints" / "best").is_dir()

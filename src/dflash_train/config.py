@@ -558,9 +558,6 @@ def validate_sharding(cfg: Config) -> None:
         return
     need(t.shard_group_size is None or t.shard_group_size >= 1, "target.shard_group_size",
          f"must be >= 1, or null for all ranks (got {t.shard_group_size})")
-    need(cfg.run.eval_every == 0, "run.eval_every",
-         "validation runs on rank 0 alone, and a sharded target needs every rank of its group for each forward; "
-         "with target.sharding=fsdp set run.eval_every=0 and evaluate checkpoints with `dflash-train eval`")
 
 
 def validate_compile_device(cfg: Config, device_type: str) -> None:

@@ -160,6 +160,18 @@ def _skeleton(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[
     return model.eval().requires_grad_(False), build_config is not config
 
 
+def _keep_output_recording(module: nn.Module) -> None:
+    """transformers 5 looks up what a model can record (`output_hidden_states`, which speculative decoding reads)
+    by the name of its class, and `fully_shard` gives the module a class of its own: register it under that one
+    too, as the model's constructor did under the first. Older transformers collect hidden states in the forward
+    itself and have no such registry."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:
+        return
+    _CAN_RECORD_REGISTRY[module] = getattr(module, "_can_record_outputs", None)
+
+
 def peak_host_gib() -> float:
     """This process's peak resident memory so far (Linux reports kilobytes)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -177,6 +189,7 @@ def load_sharded_target(path: str | Path, dtype: torch.dtype, device: torch.devi
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     whole = {p for n, p in decoder.named_parameters() if not n.startswith("layers.")}
     fully_shard(decoder, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
+    _keep_output_recording(decoder)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
     with torch.no_grad():

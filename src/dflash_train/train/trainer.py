@@ -508,8 +508,11 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
         if state.step < r.total:
             inbox.ask(state.step)  # the target ranks compute the first step while this rank compiles
     rep.open_metrics(cfg.run.report_to, flatten(cfg))  # rank 0: metrics, TensorBoard, run.report_to
-    val = open_validation_data(cfg, a.tokenizer, run.root / "rejects-val.jsonl") \
-        if ctx.is_main and cfg.run.eval_every else None
+    # A sharded colocated target: every rank validates (the same batches and prompts, so the same captures, which
+    # each needs its whole shard group); rank 0 alone records it.
+    every_rank = r.target_mesh is not None and a.layout is None
+    val = open_validation_data(cfg, a.tokenizer, run.root / "rejects-val.jsonl" if ctx.is_main else None) \
+        if (ctx.is_main or every_rank) and cfg.run.eval_every else None
     if ctx.is_main and cfg.run.eval_every and val is None:
         log.info("no validation data (prepared val split or data.val_files): validation is off")
     stop_ids = stop_token_ids(plan.target_path, a.tokenizer)
