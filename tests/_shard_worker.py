@@ -14,7 +14,6 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
                          out_dir: str, compile: bool = False) -> None:
     """`compile`: the sharded capture through `target.compile`'s wiring, Dynamo's eager backend on the CPU."""
     from torch.distributed.tensor import DTensor
-    from transformers import AutoModelForCausalLM
 
     from dflash_train.model.shard import SHARD_DIM, load_sharded_target, peak_host_gib, rows_of, shard_mesh
     from dflash_train.model.target import TargetCapture, load_target_model

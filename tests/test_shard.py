@@ -4,7 +4,6 @@ the unsharded one bit for bit (the all-gathered weights are the same numbers and
 kernels on the same shapes). Dense and MoE targets, 2 and 4 ranks, one shard group and two."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

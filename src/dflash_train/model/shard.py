@@ -12,7 +12,7 @@ import re
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from accelerate import init_empty_weights
