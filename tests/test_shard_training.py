@@ -189,3 +189,29 @@ def test_every_rank_validates_with_a_sharded_target_and_rank_0_records_the_unsha
     assert [r["step"] for r in want] == [3, 6] and all("val_tau" in r and "val_tau_walk" in r for r in want)
     assert validations(sharded) == want
     assert (sharded / "checkpoints" / "best").is_dir()
+
+
+@pytest.mark.long
+def test_a_killed_target_rank_of_a_sharded_split_fails_fast_and_resume_is_exact(tmp_path, moe_target_dir,
+                                                                                 counting_jsonl):
+    """Split 2 + 2 with the two target ranks sharing the sharded target: one target rank killed mid-run (its
+    peer then waits in an all-gather, the drafter ranks for captures) fails the run within seconds naming it;
+    --resume replays the schedule from the checkpoint and gives the colocated losses exactly."""
+    steps = 10
+    plain = _train(tmp_path, moe_target_dir, counting_jsonl, "colocated", 2, steps=steps)
+    extra = ("target.sharding=fsdp", "parallel.placement=split", "parallel.target_ranks=2")
+    run_dir = tmp_path / "killed"
+    proc = launch(_args(tmp_path, moe_target_dir, counting_jsonl, "killed", 4, *extra, steps=steps),
+                  tmp_path / "killed.log")
+    try:
+        wait_for_step(run_dir, 0, 6, proc, timeout=240)
+        os.kill(beat(run_dir, 3)["pid"], signal.SIGKILL)
+        t0 = time.time()
+        rc = proc.wait(timeout=60)
+        took = time.time() - t0
+    finally:
+        stop(proc)
+    st = status(run_dir)
+    assert rc != 0 and took < 15 and st["phase"] == "failed" and st["failed_rank"] == 3, (rc, took, st)
+    _train(tmp_path, moe_target_dir, counting_jsonl, "killed", 4, *extra, steps=steps, resume=True)
+    assert losses(plain) == losses(run_dir)
