@@ -63,6 +63,22 @@ def test_one_rank_fsdp_trains_the_losses_of_none(tmp_path, tiny_target_dir, coun
     assert st["host_peak_gib"] > 0
 
 
+def test_a_run_resumes_sharded_with_the_losses_it_would_have_had(tmp_path, tiny_target_dir, counting_jsonl):
+    """`target.sharding` may change on --resume (the captures are the same numbers): a run stopped at step 3
+    continues sharded and logs the uninterrupted unsharded run's losses."""
+    base = write_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, run__eval_every=0, run__save_every=3)
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert main(["train", str(base), "--run-dir", str(whole), "--max-steps", str(STEPS)]) == 0
+    shutil.copytree(whole, resumed)  # the run as a kill at step 4 leaves it: no later checkpoint, export, status
+    for later in [p for p in (resumed / "checkpoints").iterdir() if p.name != "step-00000003"] + [resumed / "export"]:
+        shutil.rmtree(later)
+    (resumed / "status.json").unlink()
+    assert main(["train", "--resume", "--run-dir", str(resumed), "target.sharding=fsdp"]) == 0
+    assert losses(whole) == losses(resumed)
+    assert status(resumed)["target_sharding"] == "fsdp"
+    assert "target.sharding" in (resumed / "resumes.jsonl").read_text()
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("target", ["dense", "moe"])
 def test_two_ranks_sharded_train_the_losses_of_unsharded(tmp_path, request, counting_jsonl, target):
