@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from throughput import (SHAPES, add_workload_args, benchmark_vocabulary, drafter_flops, drafter_section,  # noqa: E402
-                        drafter_shape, matmul_peak_tflops, target_flops)
+                        drafter_shape, matmul_peak_tflops, target_config, target_flops)
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
 
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     from dflash_train.config import config_from_dict
     from dflash_train.algorithms.dflash.attention import resolve_backend
@@ -63,7 +63,7 @@ def main() -> None:
     layout = SplitLayout(world, args.targets)
     drafter_group = dist.new_group(list(range(layout.drafter_ranks))) if layout.drafter_ranks > 1 else None
     shape = SHAPES[args.shape]
-    tcfg = Qwen3Config(**shape, max_position_embeddings=40960)
+    tcfg = target_config(shape)
     ids = default_target_layer_ids(shape["num_hidden_layers"], args.layers)
     width = len(ids) * shape["hidden_size"]
     tokens = args.batch * args.seq

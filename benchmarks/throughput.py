@@ -30,7 +30,26 @@ SHAPES = {
                  intermediate_size=128, vocab_size=1000),  # CPU smoke runs of the benchmark code
     "qwen3-27b-class": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
                             head_dim=128, intermediate_size=25600, vocab_size=151936),
+    "llama3-70b-class": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                             head_dim=128, intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False),
+    # Qwen3-30B-A3B's config.json: every layer a 128-expert MoE, 8 experts per token, 768 wide; untied lm_head.
+    # `intermediate_size` (the config's dense MLP width, used by no layer here) is the drafter's default MLP.
+    "qwen3-30b-a3b-class": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                head_dim=128, intermediate_size=6144, vocab_size=151936, num_experts=128,
+                                num_experts_per_tok=8, moe_intermediate_size=768, tie_word_embeddings=False),
+    "tiny-moe": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     intermediate_size=128, vocab_size=1000, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32),  # CPU smoke runs of the MoE path
 }
+
+
+def target_config(shape: dict):
+    """The HF config of a shape: Qwen3-MoE when it has experts, else Qwen3."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    if "num_experts" in shape:
+        return Qwen3MoeConfig(**shape, max_position_embeddings=40960, decoder_sparse_step=1, mlp_only_layers=[])
+    return Qwen3Config(**shape, max_position_embeddings=40960)
 
 
 def matmul_peak_tflops() -> float:
@@ -52,8 +71,22 @@ def matmul_peak_tflops() -> float:
 
 
 def layer_matmul_params(c: dict) -> int:
-    h, nh, nkv, hd, i = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["intermediate_size"]
-    return h * nh * hd * 2 + h * nkv * hd * 2 + 3 * h * i
+    """Matmul weights one token goes through in one layer: for a MoE layer the router and its active experts
+    only (so the target's MFU counts active parameters, not the resident ones)."""
+    h, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    attention = h * nh * hd * 2 + h * nkv * hd * 2
+    if "num_experts" in c:
+        return attention + h * c["num_experts"] + c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
+    return attention + 3 * h * c["intermediate_size"]
+
+
+def layer_resident_params(c: dict) -> int:
+    """Matmul weights one layer holds (every expert of a MoE layer): what a sharded target gathers per layer."""
+    if "num_experts" not in c:
+        return layer_matmul_params(c)
+    h = c["hidden_size"]
+    attention = layer_matmul_params({**c, "num_experts_per_tok": 0}) - h * c["num_experts"]
+    return attention + h * c["num_experts"] + c["num_experts"] * 3 * h * c["moe_intermediate_size"]
 
 
 def target_flops(c: dict, lengths: list[int], last_layer: int) -> float:
@@ -179,7 +212,7 @@ class _Frozen:
 
 
 def measure_one_side(args) -> None:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     from dflash_train.config import config_from_dict
     from dflash_train.algorithms.dflash.attention import resolve_backend
@@ -197,7 +230,7 @@ def measure_one_side(args) -> None:
     compile_layer.watch_recompiles()
     peak = matmul_peak_tflops()
     shape = SHAPES[args.shape]
-    tcfg = Qwen3Config(**shape, max_position_embeddings=40960)
+    tcfg = target_config(shape)
     ids = default_target_layer_ids(shape["num_hidden_layers"], args.layers)
     g = torch.Generator().manual_seed(0)
     input_ids = torch.randint(10, shape["vocab_size"], (args.batch, args.seq), generator=g)
@@ -281,7 +314,7 @@ def main() -> None:
     if args.part != "both":
         return measure_one_side(args)
 
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     from dflash_train.config import config_from_dict
     from dflash_train.algorithms.dflash.attention import resolve_backend
@@ -301,7 +334,7 @@ def main() -> None:
     peak = matmul_peak_tflops()
     shape = SHAPES[args.shape]
     t0 = time.perf_counter()
-    tcfg = Qwen3Config(**shape, max_position_embeddings=40960)
+    tcfg = target_config(shape)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(tcfg, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)

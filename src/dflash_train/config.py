@@ -54,6 +54,13 @@ class TargetConfig:
     # batch and length, compiled in the warm-up): fuses the memory-bound pieces around the matmuls.
     # CUDA only: a CPU device refuses it.
     compile: bool = False
+    # none: every rank holds the whole target. fsdp: the ranks of a shard group each hold a slice of every
+    # decoder layer (FSDP2) and read only that slice from the checkpoint; a capture all-gathers one layer at a
+    # time. For targets that do not fit one GPU (colocated or split placement). `tp` is not built yet.
+    sharding: str = "none"
+    # fsdp: how many ranks share one copy of the target (consecutive target ranks; it must divide them: all ranks
+    # colocated, parallel.target_ranks split). Several groups each hold the whole target (HSDP). null = one group.
+    shard_group_size: Optional[int] = None
 
 
 @dataclass
@@ -537,6 +544,7 @@ def validate(cfg: Config) -> None:
     need(op.grad_accum >= 1, "optim.grad_accum", f"must be >= 1 (got {op.grad_accum})")
     if r.device == "cpu":
         validate_compile_device(cfg, "cpu")
+    validate_sharding(cfg)
     need(cfg.parallel.target_ranks >= 1, "parallel.target_ranks", f"must be >= 1 (got {cfg.parallel.target_ranks})")
     if cfg.parallel.placement == "split":
         need(r.eval_every == 0, "run.eval_every",
@@ -545,6 +553,27 @@ def validate(cfg: Config) -> None:
         need(o.distill_weight == 0, "objective.distill_weight",
              "distillation needs the target's final hidden states, which the split placement does not send to the "
              "drafter ranks yet; use parallel.placement=colocated or set objective.distill_weight=0")
+
+
+SHARDINGS = ("none", "fsdp")
+
+
+def validate_sharding(cfg: Config) -> None:
+    """`target.sharding` and `target.shard_group_size`, and what a sharded target does not support yet."""
+    t = cfg.target
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key '{key}': {msg}")
+
+    need(t.sharding != "tp", "target.sharding", "tensor parallel sharding is not built yet; use target.sharding=fsdp")
+    need(t.sharding in SHARDINGS, "target.sharding", f"must be one of {', '.join(SHARDINGS)} (got {t.sharding!r})")
+    if t.sharding == "none":
+        need(t.shard_group_size is None, "target.shard_group_size",
+             "applies to a sharded target only; set target.sharding=fsdp or remove target.shard_group_size")
+        return
+    need(t.shard_group_size is None or t.shard_group_size >= 1, "target.shard_group_size",
+         f"must be >= 1, or null for all ranks (got {t.shard_group_size})")
 
 
 def validate_compile_device(cfg: Config, device_type: str) -> None:
@@ -577,6 +606,30 @@ def validate_world(cfg: Config, world: int) -> None:
             f"config key 'parallel.target_ranks': {cfg.parallel.target_ranks} target rank(s) do not fit {world} "
             f"rank(s); the split placement needs at least one target and one drafter rank "
             f"(start more ranks with --nproc, or use parallel.placement=colocated)"
+        )
+    if cfg.target.sharding == "fsdp":
+        validate_shard_groups(cfg, world)
+
+
+def validate_shard_groups(cfg: Config, world: int) -> None:
+    """A sharded target's groups must divide its ranks (all, or the split placement's target ranks); in the split
+    placement every target rank captures as many micro-batches per step as its group peers (they all-gather each
+    layer together, so they must capture in lockstep)."""
+    split = cfg.parallel.placement == "split"
+    targets = cfg.parallel.target_ranks if split else world
+    what = f"the {targets} target rank(s) (parallel.target_ranks)" if split else f"the run's {world} rank(s)"
+    group = cfg.target.shard_group_size
+    if group is not None and (group > targets or targets % group):
+        raise ConfigError(
+            f"config key 'target.shard_group_size': {group} does not divide {what} into shard groups; give a divisor "
+            f"of {targets}, or null for one group of all of them"
+        )
+    per_step = (world - targets) * cfg.optim.grad_accum
+    if split and (group or targets) > 1 and per_step % targets:
+        raise ConfigError(
+            f"config key 'parallel.target_ranks': a sharded target's ranks capture in lockstep, so each step's "
+            f"{per_step} micro-batches (drafter ranks x optim.grad_accum) must split evenly over the {targets} target "
+            "ranks; change optim.grad_accum or the number of ranks, or set target.shard_group_size=1"
         )
 
 

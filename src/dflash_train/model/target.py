@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from ..errors import ConfigError, ModelError
@@ -145,6 +146,9 @@ class TargetCapture:
     hidden_size: int
     compile: bool = False
     _forwards: list = field(default_factory=list, repr=False)  # per layer: its compiled forward, bound
+    # The decoder is an FSDP2 root (`target.sharding: fsdp`, model/shard.py): a capture runs a decoder cut
+    # after the last captured layer instead of stopping it by an exception (every FSDP post-forward must run).
+    sharded: bool = False
 
     @classmethod
     def from_model(cls, model: PreTrainedModel, layer_ids: list[int], compile: bool = False) -> "TargetCapture":
@@ -174,8 +178,13 @@ class TargetCapture:
                 if type(layer) not in by_class:
                     by_class[type(layer)] = compiled_layer_forward(type(layer))
                 forwards.append(functools.partial(by_class[type(layer)], layer))
+        sharded = isinstance(decoder, FSDPModule)
+        if sharded:
+            from .shard import prepare_capture
+
+            prepare_capture(decoder, max(layer_ids))
         return cls(model, list(layer_ids), model.get_input_embeddings(), model.get_output_embeddings(),
-                   num_layers, tc.hidden_size, compile, forwards)
+                   num_layers, tc.hidden_size, compile, forwards, sharded)
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.capture(input_ids)[0]
@@ -188,6 +197,9 @@ class TargetCapture:
         captured: dict[int, torch.Tensor] = {}
         decoder = decoder_of(self.model)
         stop_at = None if with_final else max(self.layer_ids)
+        layers = decoder.layers
+        if self.sharded and stop_at is not None:
+            decoder.layers, stop_at = layers[: stop_at + 1], None  # the cut decoder ends at the last captured layer
         hooks = []
         for lid in self.layer_ids:
             def hook(_m, _inp, out, lid=lid):
@@ -205,6 +217,7 @@ class TargetCapture:
         except _CaptureDone:
             pass
         finally:
+            decoder.layers = layers
             for h in hooks:
                 h.remove()
             for layer in decoder.layers[: len(self._forwards)]:

@@ -34,11 +34,18 @@ class DistContext:
             return torch.device("cuda", self.local_rank)
         return requested
 
-    def init(self, device: torch.device, timeout_s: float = 600) -> None:
-        if self.world > 1 and not torch_dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            torch_dist.init_process_group(backend, rank=self.rank, world_size=self.world,
+    def init(self, device: torch.device, timeout_s: float = 600, alone_too: bool = False) -> None:
+        """The process group of the run's ranks. `alone_too`: a group of one as well (a sharded target's
+        device mesh needs one at world size 1), on an in-memory store: no address, no port."""
+        if torch_dist.is_initialized() or (self.world == 1 and not alone_too):
+            return
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if self.world == 1:
+            torch_dist.init_process_group(backend, store=torch_dist.HashStore(), rank=0, world_size=1,
                                           timeout=timedelta(seconds=timeout_s))
+            return
+        torch_dist.init_process_group(backend, rank=self.rank, world_size=self.world,
+                                      timeout=timedelta(seconds=timeout_s))
 
     def close(self) -> None:
         if torch_dist.is_initialized():

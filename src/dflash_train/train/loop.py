@@ -68,7 +68,7 @@ class Session:
     identity: dict  # what a checkpoint records it was made for
     model_card: Any  # (config yaml, last log record) -> the export's README.md
     inbox: Optional[DrafterInbox] = None  # split placement: captures arrive from the target ranks
-    val: Any = None  # validation data, rank 0 only
+    val: Any = None  # validation data: rank 0 only (every rank with a sharded colocated target)
     stop_ids: list[int] = field(default_factory=list)
     t_start: float = field(default_factory=time.time)
 
@@ -261,8 +261,8 @@ def _stop_before_the_recompile_limit(s: Session, state: RunState, rep: Reporter,
 
 
 def run_validation(s: Session, state: RunState, rep: Reporter) -> None:
-    """Validation at this step (rank 0): the record goes to the metrics and status; a best tau keeps
-    checkpoints/best."""
+    """Validation at this step (rank 0; every rank with a sharded target, whose captures need them all): rank 0's
+    record goes to the metrics and status; a best tau keeps checkpoints/best."""
     t0 = time.time()
     cfg = s.cfg
     result = validate(s.train_step, s.val, s.pad_id, s.device, batches=cfg.run.eval_batches,
@@ -273,8 +273,11 @@ def run_validation(s: Session, state: RunState, rep: Reporter) -> None:
     record = {"step": state.step, "kind": "validation", **result, "val_seconds": round(time.time() - t0, 2)}
     if score is not None and (state.best_val is None or score > state.best_val):
         state.best_val = score
-        save(s, state, name="best")
         record["best"] = True
+        if s.is_main:
+            save(s, state, name="best")
+    if not s.is_main:
+        return
     rep.write_metrics(record)
     rep.report(**{k: v for k, v in record.items() if k not in ("step", "kind")}, best_val_tau=state.best_val)
     log.info("validation at step %d: %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in result.items()))

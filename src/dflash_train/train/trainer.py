@@ -30,6 +30,7 @@ from ..algorithms import architecture
 from ..algorithms.base import default_target_layer_ids
 from ..model.drafter_init import init_drafter_from_target
 from ..model.provenance import target_provenance, write_provenance
+from ..model.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
 from ..model.target import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
                             read_target_config)
 from ..model_card import training_card
@@ -337,6 +338,7 @@ class RankSetup:
     steps_per_epoch: int
     total: int
     state: RunState
+    target_mesh: object = None  # target.sharding=fsdp: the target ranks' shard groups (model/shard.py)
 
     def epochs_left(self) -> range:
         """The epochs whose plans the rest of the run reaches (from the current one, one more for a partial)."""
@@ -344,10 +346,20 @@ class RankSetup:
                      self.state.epoch + math.ceil((self.total - self.state.step) / self.steps_per_epoch) + 1)
 
 
+def target_rank_ids(layout: Optional[SplitLayout], world: int) -> list[int]:
+    """The ranks that run the target: all (colocated), or the split placement's last ones."""
+    return list(range(world)) if layout is None else list(range(layout.drafter_ranks, world))
+
+
+def shard_group_size(cfg: Config, layout: Optional[SplitLayout], world: int) -> int:
+    """The target ranks that share one copy of a sharded target (`target.shard_group_size`, null = all of them)."""
+    return cfg.target.shard_group_size or len(target_rank_ids(layout, world))
+
+
 def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh_compile_cache: bool) -> RankSetup:
     plan = a.plan
     device = ctx.device(plan.device)
-    ctx.init(device)
+    ctx.init(device, alone_too=cfg.target.sharding != "none")
     drafter_group, drafters = None, ctx.world
     if a.layout is not None:
         # Every rank takes part in creating the group; only drafter ranks use it.
@@ -355,6 +367,9 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
             if a.layout.drafter_ranks > 1 else None
         drafters = a.layout.drafter_ranks
     role = "target" if a.layout is not None and a.layout.is_target(ctx.rank) else "drafter"
+    mesh = None
+    if cfg.target.sharding == "fsdp":  # made by every rank (collectively), used by the target ranks
+        mesh = shard_mesh(device, target_rank_ids(a.layout, ctx.world), shard_group_size(cfg, a.layout, ctx.world))
     compile_cache = compile_layer.configure_cache(cfg.run.compile_cache_dir, fresh=fresh_compile_cache)
     compile_layer.watch_recompiles()
     # A drafter's attention and loss always compile on a GPU: the workers start while the weights load.
@@ -370,9 +385,13 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
         if role == "drafter" and a.layout is not None:  # plus the target's embedding and lm_head
             drafter_params += a.target_config.vocab_size * a.target_config.hidden_size // 4
         need_role = "colocated" if a.layout is None else role
+        share = preflight.TargetShare.of(plan.target_path, shard_group_size(cfg, a.layout, ctx.world)) \
+            if cfg.target.sharding == "fsdp" and need_role != "drafter" else None
+        what = f"the {need_role} rank's weights and optimizer state" + (
+            f" (a 1/{share.parts} shard of the target's layers, {share.GATHERED_LAYERS} layers gathered)" if share else "")
         preflight.check_gpu(device, preflight.needed_bytes(preflight.checkpoint_parameters(plan.target_path),
-                                                           plan.target_dtype, drafter_params, need_role),
-                            ctx.rank, f"the {need_role} rank's weights and optimizer state")
+                                                           plan.target_dtype, drafter_params, need_role, share),
+                            ctx.rank, what)
     data = open_training_data(cfg, a.tokenizer, run.root / "rejects.jsonl" if ctx.is_main else None)
     log.info("data: %s", data.describe())
     batching = (data.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed)
@@ -393,7 +412,7 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
             raise UserError(f"--resume: the run is at step {state.step}, past the {total} steps its config now asks "
                             "for (optim.max_steps / optim.epochs); give a larger optim.max_steps")
     setup = RankSetup(device, role, drafter_group, drafters, compile_cache, data, batching, per_step, epoch0,
-                      steps_per_epoch, total, state)
+                      steps_per_epoch, total, state, mesh)
     check_indexing(cfg, a, setup, rep)
     return setup
 
@@ -417,10 +436,22 @@ def check_indexing(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter) -> Non
                index_64bit_kernels=warning is not None)
 
 
+def load_target(cfg: Config, plan: Plan, r: RankSetup, rep: Reporter):
+    """This rank's target model: whole, or (`target.sharding: fsdp`) its shard, read alone from the checkpoint;
+    then each rank's peak host memory goes to its heartbeat."""
+    if r.target_mesh is None:
+        return load_target_model(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
+    model = load_sharded_target(plan.target_path, plan.target_dtype, r.device, r.target_mesh,
+                                cfg.target.trust_remote_code)
+    rep.beat_fields["host_peak_gib"] = round(peak_host_gib(), 2)
+    rep.report(target_sharding="fsdp", target_shard_ranks=r.target_mesh[SHARD_DIM].size(),
+               host_peak_gib=rep.beat_fields["host_peak_gib"])
+    return model
+
+
 def run_target_rank(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter, stop: StopRequest) -> None:
     """A split placement's target rank: load and (optionally) compile the target, then serve every step."""
-    model = load_target_model(a.plan.target_path, a.plan.target_dtype, r.device, cfg.target.trust_remote_code)
-    target = TargetCapture.from_model(model, a.plan.layer_ids, compile=cfg.target.compile)
+    target = TargetCapture.from_model(load_target(cfg, a.plan, r, rep), a.plan.layer_ids, compile=cfg.target.compile)
     if target.compile:  # this rank's only compiled code: warm it before serving any step
         rep.report(phase="warmup")
         target.warm_up(cfg.data.max_length, *batch_kinds(r.epoch0))
@@ -444,8 +475,7 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
     continue from the checkpoint on resume, open validation data: the loop's Session."""
     plan = a.plan
     if a.layout is None:
-        model = load_target_model(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
-        target = TargetCapture.from_model(model, plan.layer_ids, compile=cfg.target.compile)
+        target = TargetCapture.from_model(load_target(cfg, plan, r, rep), plan.layer_ids, compile=cfg.target.compile)
     else:  # a split drafter rank: the target's embedding and lm_head, never its decoder
         target = load_target_head(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
     if ctx.is_main:
@@ -481,8 +511,11 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
         if state.step < r.total:
             inbox.ask(state.step)  # the target ranks compute the first step while this rank compiles
     rep.open_metrics(cfg.run.report_to, flatten(cfg))  # rank 0: metrics, TensorBoard, run.report_to
-    val = open_validation_data(cfg, a.tokenizer, run.root / "rejects-val.jsonl") \
-        if ctx.is_main and cfg.run.eval_every else None
+    # A sharded colocated target: every rank validates (the same batches and prompts, so the same captures, which
+    # each needs its whole shard group); rank 0 alone records it.
+    every_rank = r.target_mesh is not None and a.layout is None
+    val = open_validation_data(cfg, a.tokenizer, run.root / "rejects-val.jsonl" if ctx.is_main else None) \
+        if (ctx.is_main or every_rank) and cfg.run.eval_every else None
     if ctx.is_main and cfg.run.eval_every and val is None:
         log.info("no validation data (prepared val split or data.val_files): validation is off")
     stop_ids = stop_token_ids(plan.target_path, a.tokenizer)

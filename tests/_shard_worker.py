@@ -1,0 +1,98 @@
+"""One rank of the sharded-target tests (tests/test_shard.py), started by torch.multiprocessing over gloo: load
+the target sharded, check each local shard against transformers' own full load, and capture. Not a test module."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, group: int, layer_ids: list[int],
+                         out_dir: str, compile: bool = False) -> None:
+    """`compile`: the sharded capture through `target.compile`'s wiring, Dynamo's eager backend on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    from dflash_train.model.shard import SHARD_DIM, load_sharded_target, peak_host_gib, rows_of, shard_mesh
+    from dflash_train.model.target import TargetCapture, load_target_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    warm = {}
+    if compile:
+        from dflash_train.model import compile as compile_layer
+        from dflash_train.model import target as target_mod
+
+        target_mod._COMPILE_DEVICES, target_mod._COMPILE_BACKEND = ("cuda", "cpu"), "eager"
+        compile_layer.watch_recompiles()
+    cpu = torch.device("cpu")
+    mesh = shard_mesh(cpu, list(range(world)), group)
+    model = load_sharded_target(target, torch.float32, cpu, mesh)
+    peak = peak_host_gib()
+    whole = load_target_model(target, torch.float32, cpu)
+    full = dict(whole.named_parameters())
+    index, parts = mesh[SHARD_DIM].get_local_rank(), mesh[SHARD_DIM].size()
+    mismatched, sharded = [], 0
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            sharded += 1
+            start, end = rows_of(p.shape[0], parts, index)
+            ok = torch.equal(p.to_local(), full[name][start:end]) and torch.equal(p.full_tensor(), full[name])
+        else:
+            ok = torch.equal(p, full[name])
+        if not ok:
+            mismatched.append(name)
+    ids = torch.randint(0, whole.config.vocab_size, (2 + rank, 9 + 2 * rank),
+                        generator=torch.Generator().manual_seed(rank))
+    cap, ref = TargetCapture.from_model(model, layer_ids, compile=compile), TargetCapture.from_model(whole, layer_ids)
+    warm = cap.warm_up(length=29)
+    got, want = cap(ids), ref(ids)
+    got_final, want_final = cap.capture(ids, with_final=True), ref.capture(ids, with_final=True)
+    again = cap(ids)  # after a full forward, a cut one again
+    with torch.no_grad():  # the HF way (speculative decoding reads it): every layer's output, the final norm's
+        hf_got = model(input_ids=ids, output_hidden_states=True).hidden_states
+        hf_want = whole(input_ids=ids, output_hidden_states=True).hidden_states
+    result = {
+        "mismatched": mismatched, "sharded_params": sharded, "peak_host_gib": peak,
+        "equal": torch.equal(got, want), "max_diff": float((got - want).abs().max()),
+        "equal_with_final": torch.equal(got_final[0], want_final[0]) and torch.equal(got_final[1], want_final[1]),
+        "equal_again": torch.equal(again, want),
+        "hf_hidden_states_equal": hf_got is not None and len(hf_got) == len(hf_want)
+        and all(torch.equal(a, b) for a, b in zip(hf_got, hf_want)), "lm_head_equal": torch.equal(cap.lm_head.weight, ref.lm_head.weight),
+        "tied": cap.lm_head.weight is cap.embed_tokens.weight, **warm,
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _status_gib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 2**20  # kB
+    raise KeyError(field)
+
+
+def sharded_load_memory_rank(rank: int, world: int, init_file: str, target: str, out_dir: str) -> None:
+    """How far a sharded load alone raises this process's resident memory at its peak: Linux's peak (VmHWM)
+    reset to the current size just before (`clear_refs` 5), so imports and start-up do not hide it."""
+    from dflash_train.model.shard import load_sharded_target, resident_bytes, shard_mesh
+    from dflash_train.model.target import TargetCapture
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    cpu = torch.device("cpu")
+    mesh = shard_mesh(cpu, list(range(world)), world)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_gib("VmRSS")
+    model = load_sharded_target(target, torch.float32, cpu, mesh)
+    loaded = _status_gib("VmHWM") - before
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_gib("VmRSS")
+    TargetCapture.from_model(model, [len(model.model.layers) - 1])  # its first forward gathers every layer
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())  # whole, not the shard
+    result = {"load_peak_gib": loaded, "forward_peak_gib": _status_gib("VmHWM") - before,
+              "resident_gib": resident_bytes(model) / 2**30, "layer_gib": layer / 2**30}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
