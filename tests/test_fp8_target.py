@@ -217,16 +217,20 @@ def test_a_gpu_without_fp8_or_a_non_bf16_dtype_is_refused(monkeypatch):
 
 
 @pytest.fixture
-def eager_backend(monkeypatch):
+def cpu_compile(monkeypatch, request):
+    """`target.compile` allowed on the CPU with the parametrised backend; fresh Dynamo caches around."""
     monkeypatch.setattr(target_mod, "_COMPILE_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(target_mod, "_COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(target_mod, "_COMPILE_BACKEND", request.param)
     compile_layer.watch_recompiles()
     torch._dynamo.reset()
-    yield
+    yield request.param
     torch._dynamo.reset()
 
 
-def test_the_quantised_layers_trace_in_one_graph_and_equal_eager(eager_backend):
+@pytest.mark.parametrize("cpu_compile", ["eager", pytest.param("inductor", marks=pytest.mark.slow)], indirect=True)
+def test_the_quantised_layers_compile_in_one_graph_and_equal_eager(cpu_compile):
+    """Dynamo's "eager" backend: the FP8 linear traces without a graph break (fullgraph); inductor on the CPU
+    compiles it with the activation quantisation fused (slow)."""
     model = _qwen3(layers=4)
     quantize_decoder_layers(model.model.layers, 4, torch.device("cpu"))
     eager = TargetCapture.from_model(model, [1, 3])
@@ -234,7 +238,11 @@ def test_the_quantised_layers_trace_in_one_graph_and_equal_eager(eager_backend):
     info = comp.warm_up(length=40)  # fullgraph: a graph break in the FP8 linear would raise
     assert info["target_compiled_graphs"] == 2 and info["target_recompiled_after_warmup"] == 0
     ids = torch.randint(0, 1000, (2, 23))
-    torch.testing.assert_close(comp(ids), eager(ids), rtol=1e-5, atol=1e-5)
+    got, ref = comp(ids), eager(ids)
+    if cpu_compile == "eager":
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    else:  # fused norms round differently, so some activations land on the next e4m3 value (1% of elements)
+        assert max(_layer_errors(got, ref, 128)) < 0.01  # against FP8's own 0.07
 
 
 def test_a_cpu_run_with_an_fp8_target_learns_and_exports(tmp_path, tiny_target_dir, counting_jsonl, caplog):
