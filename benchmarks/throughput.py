@@ -11,6 +11,11 @@ drafter's own trained lm_head [N, hidden] instead: forward, input and weight gra
 the logits again, which counts as no useful FLOP).
 
     PYTHONPATH=src python benchmarks/throughput.py --shape qwen3-8b --compile-target --compile-drafter --draft-vocab 32768
+
+`--target-fp8` (target.quantize=fp8) and `--drafter-fp8` (drafter.fp8) run those matmuls in FP8: the target's
+decoder linears up to the last captured layer; the drafter's q/k/v/o, MLP and fc, forward and both gradients.
+The attention products and the lm_head stay bf16. MFU stays against the measured bf16 peak (so an FP8 run can
+pass 1); the result names the FP8 matmuls, their share of the FLOPs, and the measured FP8 peak beside it.
 """
 
 from __future__ import annotations
@@ -70,6 +75,22 @@ def matmul_peak_tflops() -> float:
     return 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
 
 
+def fp8_matmul_peak_tflops() -> float:
+    """`torch._scaled_mm` (e4m3, row-wise scales, bf16 out) on 8192^3: the ceiling of the FP8 matmuls."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    sa, sb = torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda")
+
+    def mm():
+        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+    for _ in range(3):
+        mm()
+    t = back_to_back(mm, 20)
+    return 2 * n**3 / t / 1e12
+
+
 def layer_matmul_params(c: dict) -> int:
     """Matmul weights one token goes through in one layer: for a MoE layer the router and its active experts
     only (so the target's MFU counts active parameters, not the resident ones)."""
@@ -89,29 +110,73 @@ def layer_resident_params(c: dict) -> int:
     return attention + h * c["num_experts"] + c["num_experts"] * 3 * h * c["moe_intermediate_size"]
 
 
-def target_flops(c: dict, lengths: list[int], last_layer: int) -> float:
+def target_flop_parts(c: dict, lengths: list[int], last_layer: int) -> dict[str, float]:
+    """The target's FLOPs by kind: `linears` (q/k/v/o and the MLP: FP8 with --target-fp8) and `attention`."""
     layers = last_layer + 1
     per_token = 2 * layer_matmul_params(c) * layers
     attn = sum(4 * c["num_attention_heads"] * c["head_dim"] * (s * (s + 1) / 2) for s in lengths) * layers
-    return per_token * sum(lengths) + attn
+    return {"linears": per_token * sum(lengths), "attention": attn}
+
+
+def target_flops(c: dict, lengths: list[int], last_layer: int) -> float:
+    return sum(target_flop_parts(c, lengths, last_layer).values())
 
 
 def drafter_flops(c: dict, lengths: list[int], n_layers: int, k: int, keep: torch.Tensor,
                   anchors: torch.Tensor, counted_rows: int, block_size: int) -> float:
-    """Forward FLOPs x 3 (backward = 2 x forward) for trainable matmuls; lm_head: forward + input grad."""
+    return sum(drafter_flop_parts(c, lengths, n_layers, k, keep, anchors, counted_rows, block_size).values())
+
+
+def drafter_flop_parts(c: dict, lengths: list[int], n_layers: int, k: int, keep: torch.Tensor,
+                       anchors: torch.Tensor, counted_rows: int, block_size: int) -> dict[str, float]:
+    """Forward FLOPs x 3 (backward = 2 x forward) for trainable matmuls; lm_head: forward + input grad. By kind:
+    `linears` (fc, q/k/v/o, MLP: FP8 with --drafter-fp8), `attention`, `lm_head`."""
     h, nh, nkv, hd, i = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
                          c["intermediate_size"])
-    fwd = 0.0
+    linears = 0.0
     for s, n_kept in zip(lengths, keep.sum(1).tolist()):
         q = n_kept * block_size
-        fwd += 2 * s * k * h * h  # fc
+        linears += 2 * s * k * h * h  # fc
         per_layer = 2 * q * (h * nh * hd * 2 + 3 * h * i) + 2 * (s + q) * h * nkv * hd * 2
-        fwd += per_layer * n_layers
+        linears += per_layer * n_layers
     visible = ((anchors * keep).sum() + keep.sum() * block_size) * block_size  # keys seen per query, summed
-    fwd += 4 * nh * hd * float(visible) * n_layers
+    attention = 4 * nh * hd * float(visible) * n_layers
     draft_vocab = c.get("draft_vocab_size")  # a trained head: forward, input and weight gradient
     lm_head = 2 * counted_rows * h * (draft_vocab or c["vocab_size"]) * (3 if draft_vocab else 2)
-    return 3 * fwd + lm_head
+    return {"linears": 3 * linears, "attention": 3 * attention, "lm_head": lm_head}
+
+
+def fp8_accounting(args, target_parts: dict, drafter_parts: dict, peak_bf16: float) -> dict:
+    """Which matmuls ran in FP8 and their share of the counted FLOPs; MFU stays against the bf16 peak."""
+    fp8 = []
+    fp8_flops = 0.0
+    if args.target_fp8:
+        fp8.append("target decoder linears q/k/v/o, gate/up/down (layers 0..last captured), forward")
+        fp8_flops += target_parts.get("linears", 0.0)
+    if args.drafter_fp8:
+        fp8.append("drafter fc, q/k/v/o, gate/up/down: forward, grad input, grad weight")
+        fp8_flops += drafter_parts.get("linears", 0.0)
+    total = sum(target_parts.values()) + sum(drafter_parts.values())
+    out = {"target_fp8": args.target_fp8, "drafter_fp8": args.drafter_fp8, "fp8_matmuls": fp8,
+           "fp8_flop_share": round(fp8_flops / total, 3) if total else 0.0,
+           "mfu_against": f"measured bf16 matmul peak ({peak_bf16:.0f} TFLOP/s); attention and lm_head stay bf16"}
+    if fp8:
+        out["fp8_peak_tflops"] = round(fp8_matmul_peak_tflops(), 1)
+    return out
+
+
+def use_fp8(args, target, drafter) -> None:
+    """--target-fp8 / --drafter-fp8: what target.quantize=fp8 and drafter.fp8 do in training."""
+    from dflash_train.model.fp8 import quantize_decoder_layers
+    from dflash_train.model.fp8_training import use_fp8_training
+    from dflash_train.model.target import decoder_of
+
+    if args.target_fp8 and target is not None:
+        quantize_decoder_layers(decoder_of(target.model).layers, max(target.layer_ids) + 1,
+                                target.embed_tokens.weight.device)
+        torch.cuda.empty_cache()
+    if args.drafter_fp8 and drafter is not None:
+        use_fp8_training(drafter)
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -245,12 +310,15 @@ def measure_one_side(args) -> None:
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(tcfg, dtype=torch.bfloat16)
         target = TargetCapture.from_model(model.eval().requires_grad_(False), ids, compile=args.compile_target)
+        use_fp8(args, target, None)
         result.update(compile_target=args.compile_target, **target.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1))
         target(batch.input_ids)
         before = compile_layer.recompiles(), compile_layer.graphs_compiled()
         t, _ = timed(lambda: target(batch.input_ids), args.repeat)
+        parts = target_flop_parts(shape, lengths, max(ids))
+        result.update(fp8_accounting(args, parts, {}, peak))
         result.update(seconds=round(t, 4), tokens_per_s=round(tokens / t),
-                      mfu=round(target_flops(shape, lengths, max(ids)) / t / 1e12 / peak, 3),
+                      mfu=round(sum(parts.values()) / t / 1e12 / peak, 3),
                       recompiles_measured=compile_layer.recompiles() - before[0],
                       graphs_compiled_measured=compile_layer.graphs_compiled() - before[1])
     else:
@@ -258,6 +326,7 @@ def measure_one_side(args) -> None:
         dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
                                    mask_token_id=5, **dkwargs)
         drafter = DFlashDrafter(dcfg).cuda()
+        use_fp8(args, None, drafter)
         if args.compile_drafter:
             drafter.compile_layers()
         result.update(compile_drafter=args.compile_drafter, draft_vocab=args.draft_vocab)
@@ -274,9 +343,11 @@ def measure_one_side(args) -> None:
         t, stats = timed(lambda: step(batch, 2), args.repeat)
         anchors, keep = sample_anchors(batch.loss_mask.cpu(), batch.lengths.cpu(), args.block, args.anchors,
                                        torch.Generator().manual_seed(2), backend.blocks_multiple_of)
-        flops = drafter_flops(dshape, lengths, args.layers, len(ids), keep, anchors,
-                              int(stats.counted_per_slot.sum()), args.block)
-        result.update(seconds=round(t, 4), tokens_per_s=round(tokens / t), mfu=round(flops / t / 1e12 / peak, 3))
+        parts = drafter_flop_parts(dshape, lengths, args.layers, len(ids), keep, anchors,
+                                   int(stats.counted_per_slot.sum()), args.block)
+        result.update(fp8_accounting(args, {}, parts, peak))
+        result.update(seconds=round(t, 4), tokens_per_s=round(tokens / t),
+                      mfu=round(sum(parts.values()) / t / 1e12 / peak, 3))
     result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     print(json.dumps(result))
     if args.json:
@@ -305,6 +376,10 @@ def main() -> None:
     ap.add_argument("--inductor-option", action="append", default=[], metavar="KEY=VALUE",
                     help="add an inductor option (a Python literal) to every compile, e.g. "
                          "loop_ordering_after_fusion=False: a compile-time lever on trial (repeatable)")
+    ap.add_argument("--target-fp8", action="store_true",
+                    help="target.quantize=fp8: the target's decoder linears up to the last captured layer in FP8")
+    ap.add_argument("--drafter-fp8", action="store_true",
+                    help="drafter.fp8: the drafter's q/k/v/o, MLP and fc trained with FP8 matmuls")
     args = ap.parse_args()
     if args.draft_vocab and args.architecture != "dflash":
         ap.error("--draft-vocab: a reduced draft vocabulary is implemented for --architecture dflash only")
@@ -353,6 +428,7 @@ def main() -> None:
                                    mask_token_id=5, **dkwargs)
         drafter = DFlashDrafter(dcfg).cuda()
     benchmark_vocabulary(drafter, target.lm_head.weight)
+    use_fp8(args, target, drafter)
     if args.compile_drafter:
         drafter.compile_layers()
     build_s = time.perf_counter() - t0
@@ -405,9 +481,10 @@ def main() -> None:
     from dflash_train.algorithms.dflash.blocks import sample_anchors
     anchors, keep = sample_anchors(batch.loss_mask.cpu(), batch.lengths.cpu(), args.block, args.anchors,
                                    torch.Generator().manual_seed(2), backend.blocks_multiple_of)
-    f_target = target_flops(shape, lengths, max(ids))
-    f_drafter = drafter_flops(dshape, lengths, args.layers, len(ids), keep, anchors,
-                              int(stats.counted_per_slot.sum()), args.block)
+    target_parts = target_flop_parts(shape, lengths, max(ids))
+    drafter_parts = drafter_flop_parts(dshape, lengths, args.layers, len(ids), keep, anchors,
+                                       int(stats.counted_per_slot.sum()), args.block)
+    f_target, f_drafter = sum(target_parts.values()), sum(drafter_parts.values())
     tokens = sum(lengths)
     result = {
         "architecture": args.architecture, "draft_vocab": args.draft_vocab, "shape": args.shape, "batch": args.batch, "seq": args.seq, "block": args.block, "anchors": args.anchors,
@@ -424,6 +501,7 @@ def main() -> None:
         "drafter_mfu": round(f_drafter / t_drafter / 1e12 / peak, 3),
         "step_mfu": round((f_target + f_drafter) / t_step / 1e12 / peak, 3),
         "peak_mem_gib": round(peak_mem, 1),
+        **fp8_accounting(args, target_parts, drafter_parts, peak),
     }
     print(json.dumps(result))
     if args.json:

@@ -21,11 +21,12 @@ def smollm2_dir() -> Path:
     return resolve_target("smollm2")
 
 
-def make_tiny_target(out: Path, tokenizer_dir: Path, *, layers: int = 6, seed: int = 0) -> Path:
+def make_tiny_target(out: Path, tokenizer_dir: Path, *, layers: int = 6, seed: int = 0, **shape) -> Path:
+    """`shape`: LlamaConfig fields that replace the defaults below (e.g. intermediate_size)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    fields = dict(
         vocab_size=49152,
         hidden_size=64,
         intermediate_size=128,
@@ -42,6 +43,7 @@ def make_tiny_target(out: Path, tokenizer_dir: Path, *, layers: int = 6, seed: i
         # Large enough that the shared lm_head gives logits with real spread (std 0.02 gives ~uniform).
         initializer_range=0.5,
     )
+    cfg = LlamaConfig(**{**fields, **shape})
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(out)
     for name in TOKENIZER_FILES:

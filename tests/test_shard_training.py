@@ -108,6 +108,7 @@ def test_four_ranks_in_two_shard_groups_train_the_losses_of_unsharded(tmp_path, 
     ({"target": {"shard_group_size": 2}}, r"'target.shard_group_size': applies to a sharded target only"),
     ({"target": {"sharding": "fsdp", "shard_group_size": 0}},
      r"'target.shard_group_size': must be >= 1"),
+    ({"target": {"sharding": "fsdp", "quantize": "fp8"}}, r"'target.quantize': an FP8 target cannot be sharded yet"),
 ])
 def test_bad_sharding_configs_are_refused_at_load(over, message):
     with pytest.raises(ConfigError, match=message):

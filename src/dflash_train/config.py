@@ -61,6 +61,11 @@ class TargetConfig:
     # fsdp: how many ranks share one copy of the target (consecutive target ranks; it must divide them: all ranks
     # colocated, parallel.target_ranks split). Several groups each hold the whole target (HSDP). null = one group.
     shard_group_size: Optional[int] = None
+    # fp8: the linears of the decoder layers the capture runs (up to the last captured one; all of them with
+    # distillation) quantised once at load to float8 e4m3 with one scale per output channel, each token's
+    # activations quantised on the fly; torch._scaled_mm matmuls. For a target served in FP8: the drafter then
+    # learns the hidden states the served target computes. The embedding and lm_head stay in target.dtype.
+    quantize: Literal["none", "fp8"] = "none"
 
 
 @dataclass
@@ -115,6 +120,10 @@ class DrafterConfig:
     # its own trainable lm_head [N, hidden], initialised from the target's rows of those tokens; exported with
     # `draft_vocab_size` and the `d2t` offsets vLLM reads. Labels outside it count as misses.
     draft_vocab_size: int = 0
+    # Train the drafter's attention and MLP projections and fc with FP8 matmuls (e4m3, row-wise power-of-two
+    # scales, forward and both gradients, as torchao's "rowwise" recipe); master weights stay float32, the
+    # lm_head, norms and attention stay in run.dtype. Needs an FP8 GPU (compute capability 8.9+) or the CPU.
+    fp8: bool = False
 
 
 @dataclass
@@ -574,6 +583,8 @@ def validate_sharding(cfg: Config) -> None:
         return
     need(t.shard_group_size is None or t.shard_group_size >= 1, "target.shard_group_size",
          f"must be >= 1, or null for all ranks (got {t.shard_group_size})")
+    need(t.quantize == "none", "target.quantize",
+         "an FP8 target cannot be sharded yet (target.sharding=fsdp); set target.quantize=none or target.sharding=none")
 
 
 def validate_compile_device(cfg: Config, device_type: str) -> None:

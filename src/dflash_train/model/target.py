@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from ..errors import ConfigError, ModelError
+from .fp8 import quantize_decoder_layers
 from .hf_config import text_config
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,24 @@ def _model_class(config: PretrainedConfig) -> tuple[type, PretrainedConfig]:
     return AutoModelForImageTextToText, config
 
 
+def target_skeleton(path: str | Path, trust_remote_code: bool = False) -> nn.Module:
+    """The target's module tree on the meta device (no weights, no memory): its parameter names and shapes."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model_cls, build_config = _model_class(config)
+    with torch.device("meta"):
+        if issubclass(model_cls, PreTrainedModel):  # a concrete text-model class
+            return model_cls(build_config)
+        return model_cls.from_config(build_config, trust_remote_code=trust_remote_code)  # an Auto class
+
+
 def load_target_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
+    path: str | Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
+    fp8_layers: int = 0,
 ) -> PreTrainedModel:
     """Load the causal LM of `path`, frozen and in eval mode. A multimodal checkpoint loads its text
-    model class (never the vision wrapper), mapping the checkpoint's prefixed weight names."""
+    model class (never the vision wrapper), mapping the checkpoint's prefixed weight names. `fp8_layers`
+    (`target.quantize=fp8`): the linears of the first that many decoder layers are quantised to FP8 on their
+    way to `device` (`fp8.quantize_decoder_layers`); the rest of the model keeps `dtype`."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     kwargs: dict = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     model_cls, build_config = _model_class(config)
@@ -72,9 +86,13 @@ def load_target_model(
             log.info("target %s is multimodal (%s) with no text-only class; loading it whole (vision weights unused)",
                      path, type(config).__name__)
         model = model_cls.from_pretrained(path, **kwargs)
-    model.to(device)
     model.eval()
     model.requires_grad_(False)
+    if fp8_layers:
+        done = quantize_decoder_layers(decoder_of(model).layers, fp8_layers, device)
+        log.info("target.quantize=fp8: %d linears of decoder layers 0..%d in FP8 (row-wise scales); the other "
+                 "layers, the embedding and the lm_head stay %s", len(done.quantized), fp8_layers - 1, dtype)
+    model.to(device)
     return model
 
 
@@ -327,14 +345,8 @@ def load_target_head(path: str | Path, dtype: torch.dtype, device: torch.device,
     """The target's embedding and lm_head alone, read from its safetensors: a 27B target's decoder
     never touches a drafter rank's memory."""
     path = Path(path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    tc = text_config(config)
-    model_cls, build_config = _model_class(config)
-    with torch.device("meta"):  # the module tree names the two tensors; no weights are made
-        if issubclass(model_cls, PreTrainedModel):  # a concrete text-model class
-            skeleton = model_cls(build_config)
-        else:  # an Auto class
-            skeleton = model_cls.from_config(build_config, trust_remote_code=trust_remote_code)
+    tc = text_config(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+    skeleton = target_skeleton(path, trust_remote_code)  # the module tree names the two tensors
     embed_param, head_param = skeleton.get_input_embeddings().weight, skeleton.get_output_embeddings().weight
     named = list(skeleton.named_parameters(remove_duplicate=False))
     embed_name = next(n for n, p in named if p is embed_param and "embed" in n)

@@ -77,13 +77,15 @@ def drafter_parameters(architecture_name: str, drafter_config) -> int:
 
 
 def needed_bytes(target_params: int, target_dtype: torch.dtype, drafter_params: int, role: str,
-                 share: Optional[TargetShare] = None) -> int:
+                 share: Optional[TargetShare] = None, target_bytes_saved: int = 0) -> int:
     """Weights that must be resident: the frozen target (target and colocated ranks; with `share`, a sharded
     target's part) and the drafter with float32 master weights, gradients and AdamW moments (16 bytes a
-    parameter; drafter ranks)."""
+    parameter; drafter ranks). `target_bytes_saved`: what `target.quantize=fp8` saves (its linears at 1 byte a
+    weight plus a float32 scale per output channel: `fp8.quantized_bytes_saved`)."""
     need = MARGIN
     if role in ("target", "colocated"):
         need += (target_params if share is None else share.parameters(target_params)) * _BYTES[target_dtype]
+        need -= target_bytes_saved
     if role in ("drafter", "colocated"):
         need += drafter_params * 16
     return need

@@ -29,6 +29,7 @@ from ..model import compile as compile_layer
 from ..algorithms import architecture
 from ..algorithms.base import default_target_layer_ids
 from ..model.drafter_init import init_drafter_from_target
+from ..model.fp8_training import use_fp8_training
 from ..model.provenance import target_provenance, write_provenance
 from ..model.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
 from ..model.target import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
@@ -40,6 +41,7 @@ from . import checkpoint as checkpoints
 from . import indexing, preflight, size_classes
 from .admission import flatten, holds_run_message, with_step_cap
 from .dist import DistContext
+from .fp8_plan import check_fp8_device, check_fp8_shapes, fp8_target_layers
 from .launch import LAUNCH_TIME_ENV
 from .loop import RunState, Session, memory_gib, micro_batch_groups, train_loop
 from .step import TrainStep
@@ -58,6 +60,7 @@ class Plan:
     device: torch.device
     target_dtype: torch.dtype
     compute_dtype: torch.dtype
+    target_fp8_layers: int = 0  # target.quantize=fp8: decoder layers 0..n-1 load in FP8
 
 
 def plan_run(cfg: Config) -> tuple[Plan, object]:
@@ -82,7 +85,9 @@ def plan_run(cfg: Config) -> tuple[Plan, object]:
     validate_compile_device(cfg, device.type)  # target/drafter.compile: CUDA only (auto may resolve to cpu)
     target_dtype = resolve_dtype(cfg.target.dtype, device)
     compute_dtype = resolve_dtype(cfg.run.dtype, device)
-    return Plan(target_path, layer_ids, int(mask), device, target_dtype, compute_dtype), tokenizer
+    check_fp8_device(cfg, device, target_dtype, compute_dtype)
+    fp8_layers = fp8_target_layers(cfg, layer_ids, tcfg.num_hidden_layers)
+    return Plan(target_path, layer_ids, int(mask), device, target_dtype, compute_dtype, fp8_layers), tokenizer
 
 
 def _other_batch_size(batch: Batch, hidden: Optional[torch.Tensor]) -> tuple[Batch, Optional[torch.Tensor]]:
@@ -215,6 +220,7 @@ class Admitted:
     identity: dict
     placement: str
     resume_from: Optional[tuple[Path, dict]]
+    target_fp8_saved_bytes: int = 0  # target.quantize=fp8: what the quantised linears save (preflight)
 
 
 DRAFTER_SHAPE = ("num_hidden_layers", "hidden_size", "intermediate_size", "block_size", "num_attention_heads",
@@ -234,6 +240,7 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
     target_config = read_target_config(plan.target_path, cfg.target.trust_remote_code)
     d = cfg.drafter
     dcfg = architecture(d.architecture).config_for_run(target_config, d, plan.layer_ids, plan.mask_token_id)
+    fp8_saved = check_fp8_shapes(cfg, plan.target_path, plan.target_fp8_layers, plan.target_dtype, dcfg)
     provenance = target_provenance(str(plan.target_path), tokenizer, target_config)
     placement = "colocated" if layout is None else f"split {layout.target_ranks}+{layout.drafter_ranks}"
     identity = {"world_size": world, "placement": placement, "grad_accum": cfg.optim.grad_accum,
@@ -249,7 +256,8 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
         state = checkpoints.read_state(ckpt)
         checkpoints.check_compatible(ckpt, state, identity, {"drafter_shape": DRAFTER_SHAPE})
         resume_from = (ckpt, state)
-    return Admitted(layout, plan, tokenizer, target_config, dcfg, provenance, identity, placement, resume_from)
+    return Admitted(layout, plan, tokenizer, target_config, dcfg, provenance, identity, placement, resume_from,
+                    fp8_saved)
 
 
 def take_over(run: RunDir, cfg: Config, changes: Optional[dict], since: float) -> None:
@@ -390,7 +398,8 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
         what = f"the {need_role} rank's weights and optimizer state" + (
             f" (a 1/{share.parts} shard of the target's layers, {share.GATHERED_LAYERS} layers gathered)" if share else "")
         preflight.check_gpu(device, preflight.needed_bytes(preflight.checkpoint_parameters(plan.target_path),
-                                                           plan.target_dtype, drafter_params, need_role, share),
+                                                           plan.target_dtype, drafter_params, need_role, share,
+                                                           a.target_fp8_saved_bytes),
                             ctx.rank, what)
     data = open_training_data(cfg, a.tokenizer, run.root / "rejects.jsonl" if ctx.is_main else None)
     log.info("data: %s", data.describe())
@@ -440,7 +449,8 @@ def load_target(cfg: Config, plan: Plan, r: RankSetup, rep: Reporter):
     """This rank's target model: whole, or (`target.sharding: fsdp`) its shard, read alone from the checkpoint;
     then each rank's peak host memory goes to its heartbeat."""
     if r.target_mesh is None:
-        return load_target_model(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
+        return load_target_model(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code,
+                                 plan.target_fp8_layers)
     model = load_sharded_target(plan.target_path, plan.target_dtype, r.device, r.target_mesh,
                                 cfg.target.trust_remote_code)
     rep.beat_fields["host_peak_gib"] = round(peak_host_gib(), 2)
@@ -487,6 +497,10 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
         init_drafter_from_target(drafter, plan.target_path)
     if drafter.draft_vocab_size and not resume:  # a resume loads the checkpoint's vocabulary and head
         rep.report(**choose_draft_vocabulary(drafter, r.data, target.lm_head.weight))
+    if cfg.drafter.fp8:  # the same parameters, FP8 matmuls; before the compile and the optimizer
+        names = use_fp8_training(drafter)
+        log.info("drafter.fp8: %d linears train with FP8 matmuls (%s); the lm_head, norms and attention stay %s",
+                 len(names), ", ".join(sorted({n.rpartition(".")[2] for n in names})), plan.compute_dtype)
     drafter = drafter.to(r.device)
     if cfg.drafter.compile:  # compiled by the warm-up
         drafter.compile_layers()

@@ -1,0 +1,109 @@
+"""`drafter.fp8`: the drafter's linear layers trained with FP8 matmuls, row-wise scaled as torchao's float8
+training recipe "rowwise" does (every operand e4m3, scales per row of the contracted operand, rounded up to a
+power of two). The parameters stay float32 master weights: the optimizer never sees an FP8 tensor.
+
+For `y = x @ W^T` (`x [M, K]`, `W [N, K]`) the three matmuls each quantise their operands along the dimension
+they contract, so that every scale factors out of its dot products:
+    forward      y  = x  @ W^T   x per token (over K),            W per output channel (over K)
+    grad input   dx = dy @ W     dy per token (over N),           W per input channel (over N)
+    grad weight  dW = dy^T @ x   dy per output channel (over M),  x per input channel (over M)
+The grad-weight matmul contracts the token dimension, which `_scaled_mm` on CUDA needs to be a multiple of
+16: both operands get zero rows up to the next multiple (zeros add nothing to the sum).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fp8 import SCALED_MM_MULTIPLE, named_linears, quantize, scaled_mm
+
+# The drafter's linears that drafter.fp8 trains in FP8: attention and MLP projections of its layers, and fc.
+# Not the lm_head (the loss's chunked head), nor an architecture's other small projections.
+FP8_LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8_TOP_LINEARS = ("fc",)
+
+
+def _rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [R, C]` quantised per row, as a row-major e4m3 tensor and its power-of-two scales `[R, 1]`."""
+    q, scale = quantize(x, dim=-1, power_of_2=True)
+    return q.contiguous(), scale
+
+
+def _columns_first(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [R, C]` quantised per column, as `_scaled_mm`'s second operand: the transpose of a row-major `[C, R]`
+    (column-major) and the scales `[1, C]`."""
+    q, scale = _rowwise(x.t())
+    return q.t(), scale.reshape(1, -1)
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """Zero rows up to a multiple of 16 (always through F.pad, also by 0: no branch on a dynamic size)."""
+    return F.pad(x, (0, 0, 0, (-x.shape[0]) % SCALED_MM_MULTIPLE))
+
+
+class Fp8Matmul(torch.autograd.Function):
+    """`x [M, K] @ weight [N, K]^T` with FP8 matmuls forward and backward, each into `out_dtype` (the compute
+    dtype); the gradients return in the dtypes of `x` and `weight`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        x_q, x_scale = _rowwise(x)
+        w_q, w_scale = _rowwise(weight)
+        ctx.save_for_backward(x, weight)
+        ctx.out_dtype = out_dtype
+        return scaled_mm(x_q, x_scale, w_q.t(), w_scale.reshape(1, -1), out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            g_q, g_scale = _rowwise(grad_out)
+            wt_q, wt_scale = _columns_first(weight)  # W [N, K] per input channel: contracted over N
+            grad_x = scaled_mm(g_q, g_scale, wt_q, wt_scale, ctx.out_dtype).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            gt_q, gt_scale = _rowwise(_pad_rows(grad_out).t())  # dy^T [N, M] per output channel
+            xt_q, xt_scale = _columns_first(_pad_rows(x))  # x [M, K] per input channel: contracted over M
+            grad_w = scaled_mm(gt_q, gt_scale, xt_q, xt_scale, ctx.out_dtype).to(weight.dtype)
+        return grad_x, grad_w, None
+
+
+def compute_dtype_of(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear's output has here: autocast's when it is on, else the input's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class Fp8TrainingLinear(nn.Linear):
+    """An `nn.Linear` (same parameters, same names) whose matmul runs through `Fp8Matmul`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = compute_dtype_of(x)
+        out = Fp8Matmul.apply(x.reshape(-1, self.in_features), self.weight, out_dtype)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias.to(out_dtype)
+
+
+def fp8_drafter_linears(drafter: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of the drafter linears `drafter.fp8` trains in FP8."""
+    found = []
+    for name, m in named_linears(drafter):
+        leaf = name.rpartition(".")[2]
+        if name in FP8_TOP_LINEARS or (name.startswith("layers.") and leaf in FP8_LAYER_LINEARS):
+            found.append((name, m))
+    return found
+
+
+def use_fp8_training(drafter: nn.Module) -> list[str]:
+    """Swap the drafter's `fp8_drafter_linears` for `Fp8TrainingLinear`s holding the same Parameter objects (an
+    optimizer, DDP or a checkpoint sees no change); returns their names. Call before `compile_layers`."""
+    names = []
+    for name, m in fp8_drafter_linears(drafter):
+        new = Fp8TrainingLinear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+        new.weight, new.bias = m.weight, m.bias
+        parent, _, child = name.rpartition(".")
+        setattr(drafter.get_submodule(parent) if parent else drafter, child, new)
+        names.append(name)
+    return names

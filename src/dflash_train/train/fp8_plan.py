@@ -1,0 +1,77 @@
+"""What `target.quantize=fp8` and `drafter.fp8` need, checked before any weights load: a device and dtypes the
+FP8 matmuls run with, and linear shapes `torch._scaled_mm` takes; and which target layers get quantised."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..algorithms import architecture
+from ..config import Config
+from ..errors import ConfigError
+from ..model.fp8 import SCALED_MM_MULTIPLE, named_linears, quantized_bytes_saved, unsupported_shapes
+from ..model.fp8_training import fp8_drafter_linears
+from ..model.target import decoder_of, target_skeleton
+
+# FP8 tensor-core matmuls: Ada (8.9), Hopper (9.0) and later.
+FP8_COMPUTE_CAPABILITY = (8, 9)
+_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+def fp8_target_layers(cfg: Config, layer_ids: list[int], num_layers: int) -> int:
+    """How many decoder layers (from the first) `target.quantize=fp8` quantises: those the capture runs, up to
+    the last captured layer, or every layer when distillation reads the target's final hidden state. 0: off."""
+    if cfg.target.quantize != "fp8":
+        return 0
+    return num_layers if cfg.objective.distill_weight > 0 else max(layer_ids) + 1
+
+
+def check_fp8_device(cfg: Config, device: torch.device, target_dtype: torch.dtype,
+                     compute_dtype: torch.dtype) -> None:
+    """On a GPU: FP8 tensor cores, and bfloat16 where the FP8 matmuls write (row-wise scaled `_scaled_mm` on
+    CUDA writes bfloat16). The CPU runs either dtype (slowly: for tests)."""
+    wanted = [(key, dtype, dtype_key) for key, on, dtype, dtype_key in (
+        ("target.quantize", cfg.target.quantize == "fp8", target_dtype, "target.dtype"),
+        ("drafter.fp8", cfg.drafter.fp8, compute_dtype, "run.dtype")) if on]
+    if not wanted or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    for key, dtype, dtype_key in wanted:
+        if capability < FP8_COMPUTE_CAPABILITY:
+            raise ConfigError(f"config key '{key}': FP8 matmuls need a GPU of compute capability 8.9 or later (Ada, "
+                              f"Hopper, Blackwell); this one is {capability[0]}.{capability[1]}. Turn the option off")
+        if dtype != torch.bfloat16:
+            raise ConfigError(f"config key '{key}': on a GPU the FP8 matmuls (torch._scaled_mm, row-wise scales) "
+                              f"write bfloat16, so {dtype_key} must be bfloat16 or auto (it is "
+                              f"{str(dtype).removeprefix('torch.')}); or turn {key} off")
+
+
+def target_fp8_linears(path: Path, trust_remote_code: bool, count: int) -> list[tuple[str, nn.Module]]:
+    """The linears of the target's first `count` decoder layers, from its module tree on the meta device."""
+    layers = decoder_of(target_skeleton(path, trust_remote_code)).layers
+    return [(f"layers.{i}.{name}", m) for i in range(count) for name, m in named_linears(layers[i])]
+
+
+def _refuse_shapes(key: str, what: str, bad: list[str]) -> None:
+    if bad:
+        shown = ", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+        raise ConfigError(f"config key '{key}': FP8 matmuls (torch._scaled_mm on CUDA) need both dimensions of "
+                          f"every {what} linear to be multiples of {SCALED_MM_MULTIPLE}; these are not: {shown}. "
+                          f"Turn {key} off")
+
+
+def check_fp8_shapes(cfg: Config, target_path: Path, fp8_layers: int, target_dtype: torch.dtype, dcfg) -> int:
+    """Refuse linears `_scaled_mm` cannot run (before any weights load); returns the bytes that quantising the
+    target saves (for the memory preflight; 0 when target.quantize is none)."""
+    saved = 0
+    if fp8_layers:
+        linears = target_fp8_linears(target_path, cfg.target.trust_remote_code, fp8_layers)
+        _refuse_shapes("target.quantize", "quantised target", unsupported_shapes(linears))
+        saved = quantized_bytes_saved(linears, _BYTES[target_dtype])
+    if cfg.drafter.fp8:
+        with torch.device("meta"):
+            drafter = architecture(cfg.drafter.architecture).drafter_class(dcfg)
+        _refuse_shapes("drafter.fp8", "FP8 drafter", unsupported_shapes(fp8_drafter_linears(drafter)))
+    return saved
