@@ -165,7 +165,7 @@ def test_preflight_counts_one_byte_a_quantised_weight_plus_its_scales(tiny_targe
     resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
                    if t.dtype != torch.float32 or t.ndim == 2)  # weights and scales (not the rotary buffer)
     params = preflight.checkpoint_parameters(tiny_target_dir)
-    assert preflight.needed_bytes(params, torch.bfloat16, 0, "target", saved) - preflight.MARGIN == resident
+    assert preflight.needed_bytes(params, torch.bfloat16, 0, "target", target_bytes_saved=saved) - preflight.MARGIN == resident
     linears = target_fp8_linears(tiny_target_dir, False, 5)
     assert len(linears) == 35 and saved == quantized_bytes_saved(linears, 2) > 0
 

@@ -77,7 +77,7 @@ def drafter_parameters(architecture_name: str, drafter_config) -> int:
 
 
 def needed_bytes(target_params: int, target_dtype: torch.dtype, drafter_params: int, role: str,
-                 share: Optional[TargetShare] = None, target_bytes_saved: int = 0) -> int:
+                 share: Optional[TargetShare] = None, *, target_bytes_saved: int = 0) -> int:
     """Weights that must be resident: the frozen target (target and colocated ranks; with `share`, a sharded
     target's part) and the drafter with float32 master weights, gradients and AdamW moments (16 bytes a
     parameter; drafter ranks). `target_bytes_saved`: what `target.quantize=fp8` saves (its linears at 1 byte a

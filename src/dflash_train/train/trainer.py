@@ -399,7 +399,7 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
             f" (a 1/{share.parts} shard of the target's layers, {share.GATHERED_LAYERS} layers gathered)" if share else "")
         preflight.check_gpu(device, preflight.needed_bytes(preflight.checkpoint_parameters(plan.target_path),
                                                            plan.target_dtype, drafter_params, need_role, share,
-                                                           a.target_fp8_saved_bytes),
+                                                           target_bytes_saved=a.target_fp8_saved_bytes),
                             ctx.rank, what)
     data = open_training_data(cfg, a.tokenizer, run.root / "rejects.jsonl" if ctx.is_main else None)
     log.info("data: %s", data.describe())
