@@ -335,13 +335,18 @@ def test_compile_workers_share_the_cores_between_the_ranks_of_a_machine(monkeypa
 
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
+    # Restored by assignment: monkeypatch's undo of a torch config entry deletes it ("compile_threads does not
+    # exist" in every later inductor compile of the session).
+    threads = inductor_config.compile_threads
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     monkeypatch.setenv("TORCH_WARM_POOL", "0")  # sizes only: no worker processes in this test
-    assert compile_layer.start_compile_workers(local_ranks=8) == 8
-    assert compile_layer.start_compile_workers(local_ranks=1) == 32
-    assert compile_layer.start_compile_workers(local_ranks=128) == 1
-    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
-    inductor_config.compile_threads = None  # decided again, from the environment
-    assert compile_layer.start_compile_workers(local_ranks=8) == 3
+    try:
+        assert compile_layer.start_compile_workers(local_ranks=8) == 8
+        assert compile_layer.start_compile_workers(local_ranks=1) == 32
+        assert compile_layer.start_compile_workers(local_ranks=128) == 1
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+        inductor_config.compile_threads = None  # decided again, from the environment
+        assert compile_layer.start_compile_workers(local_ranks=8) == 3
+    finally:
+        inductor_config.compile_threads = threads

@@ -171,7 +171,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.long)])
 def test_compiled_fp8_layers_equal_the_eager_ones(fresh_dynamo, backend):
     """aot_eager: Dynamo's graph of the FP8 autograd.Function through AOTAutograd's joint forward/backward (what
     inductor gets), fullgraph; inductor on the CPU compiles the fused quantisation (slow)."""

@@ -227,7 +227,7 @@ def cpu_compile(monkeypatch, request):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("cpu_compile", ["eager", pytest.param("inductor", marks=pytest.mark.slow)], indirect=True)
+@pytest.mark.parametrize("cpu_compile", ["eager", pytest.param("inductor", marks=pytest.mark.long)], indirect=True)
 def test_the_quantised_layers_compile_in_one_graph_and_equal_eager(cpu_compile):
     """Dynamo's "eager" backend: the FP8 linear traces without a graph break (fullgraph); inductor on the CPU
     compiles it with the activation quantisation fused (slow)."""
