@@ -146,3 +146,19 @@ def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+def kill_rank_and_time(run_dir: Path, args: list[str], log: Path, wait_rank: int, kill_rank: int,
+                       at_step: int = 6, timeout: float = 240) -> tuple[int, float, dict]:
+    """Start a run, SIGKILL `kill_rank` once `wait_rank` trains step `at_step`: (the launcher's exit code, seconds
+    from the kill to its exit, the run's status)."""
+    proc = launch(args, log)
+    try:
+        wait_for_step(run_dir, wait_rank, at_step, proc, timeout=timeout)
+        os.kill(beat(run_dir, kill_rank)["pid"], signal.SIGKILL)
+        t0 = time.time()
+        rc = proc.wait(timeout=60)
+        took = time.time() - t0
+    finally:
+        stop(proc)
+    return rc, took, status(run_dir)

@@ -103,3 +103,14 @@ def counting_jsonl(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "counting.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in counting_conversations(64)))
     return path
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo reset before and after (cold caches, no compiled variants left over), recompiles watched."""
+    from dflash_train.model import compile as compile_layer
+
+    compile_layer.watch_recompiles()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -44,14 +44,6 @@ def _inputs(b: int, s: int, n_blocks: int, seed: int = 0):
     return hidden, embeds, position_ids, dense_mask(anchors, keep, s, BS)
 
 
-@pytest.fixture
-def fresh_dynamo():
-    compile_layer.watch_recompiles()
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _loss_and_grads(drafter, inputs, compiled: bool, dtype=None):
     drafter.zero_grad(set_to_none=True)
     ctx = torch.autocast("cpu", dtype=dtype) if dtype else torch.autocast("cpu", enabled=False)

@@ -163,14 +163,6 @@ def _loss_and_grads(drafter, inputs, compiled: bool):
     return out.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
 
 
-@pytest.fixture
-def fresh_dynamo():
-    compile_layer.watch_recompiles()
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.long)])
 def test_compiled_fp8_layers_equal_the_eager_ones(fresh_dynamo, backend):
     """aot_eager: Dynamo's graph of the FP8 autograd.Function through AOTAutograd's joint forward/backward (what

@@ -2,15 +2,12 @@
 the losses equal the unsharded run's (the captures are bit-identical, so the steps are too), dense and MoE,
 one rank and two; plus the config's refusals, before anything loads."""
 
-import os
 import shutil
-import signal
-import time
 
 import pytest
 import torch
 
-from _harness import assert_same_losses, beat, launch, losses, run, status, stop, wait_for_step, write_config
+from _harness import assert_same_losses, beat, kill_rank_and_time, losses, run, status, write_config
 from conftest import TOKENIZER_FILES
 from test_moe_target import qwen3_moe
 
@@ -149,16 +146,7 @@ def test_a_killed_rank_stops_a_sharded_run_fast_and_resume_is_exact(tmp_path, mo
     plain = _train(tmp_path, moe_target_dir, counting_jsonl, "none", 2, steps=steps)
     args = _args(tmp_path, moe_target_dir, counting_jsonl, "killed", 2, "target.sharding=fsdp", steps=steps)
     run_dir = tmp_path / "killed"
-    proc = launch(args, tmp_path / "killed.log")
-    try:
-        wait_for_step(run_dir, 1, 6, proc, timeout=240)
-        os.kill(beat(run_dir, 1)["pid"], signal.SIGKILL)
-        t0 = time.time()
-        rc = proc.wait(timeout=60)
-        took = time.time() - t0
-    finally:
-        stop(proc)
-    st = status(run_dir)
+    rc, took, st = kill_rank_and_time(run_dir, args, tmp_path / "killed.log", wait_rank=1, kill_rank=1)
     assert rc != 0 and took < 15 and st["phase"] == "failed" and st["failed_rank"] == 1, (rc, took, st)
     _train(tmp_path, moe_target_dir, counting_jsonl, "killed", 2, "target.sharding=fsdp", steps=steps, resume=True)
     assert losses(plain) == losses(run_dir)
@@ -218,17 +206,8 @@ def test_a_killed_target_rank_of_a_sharded_split_fails_fast_and_resume_is_exact(
     plain = _train(tmp_path, moe_target_dir, counting_jsonl, "colocated", 2, steps=steps)
     extra = ("target.sharding=fsdp", "parallel.placement=split", "parallel.target_ranks=2")
     run_dir = tmp_path / "killed"
-    proc = launch(_args(tmp_path, moe_target_dir, counting_jsonl, "killed", 4, *extra, steps=steps),
-                  tmp_path / "killed.log")
-    try:
-        wait_for_step(run_dir, 0, 6, proc, timeout=240)
-        os.kill(beat(run_dir, 3)["pid"], signal.SIGKILL)
-        t0 = time.time()
-        rc = proc.wait(timeout=60)
-        took = time.time() - t0
-    finally:
-        stop(proc)
-    st = status(run_dir)
+    rc, took, st = kill_rank_and_time(run_dir, _args(tmp_path, moe_target_dir, counting_jsonl, "killed", 4, *extra,
+                                                     steps=steps), tmp_path / "killed.log", wait_rank=0, kill_rank=3)
     assert rc != 0 and took < 15 and st["phase"] == "failed" and st["failed_rank"] == 3, (rc, took, st)
     _train(tmp_path, moe_target_dir, counting_jsonl, "killed", 4, *extra, steps=steps, resume=True)
     assert losses(plain) == losses(run_dir)
