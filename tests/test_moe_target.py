@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from dflash_train.model import compile as compile_layer
-from dflash_train.model import target as target_mod
 from dflash_train.model.target import TargetCapture, load_target_model, read_target_config
 
 VOCAB = 1000
@@ -85,16 +84,6 @@ def test_moe_target_loads_and_captures_its_hidden_states(tmp_path, build):
     router = next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp.gate"))
     chosen = router(_language_model(model).embed_tokens(ids).reshape(-1, 64))[-1]
     assert chosen.unique().numel() > 4
-
-
-@pytest.fixture
-def eager_backend(monkeypatch):
-    monkeypatch.setattr(target_mod, "_COMPILE_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(target_mod, "_COMPILE_BACKEND", "eager")
-    compile_layer.watch_recompiles()
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def test_moe_target_compiled_capture_equals_eager(tmp_path, eager_backend):

@@ -12,7 +12,6 @@ import yaml
 
 from dflash_train.config import ConfigError, config_from_dict, load_config
 from dflash_train.model import compile as compile_layer
-from dflash_train.model import target as target_mod
 from dflash_train.model.target import TargetCapture, _warm_up_lengths
 
 
@@ -27,18 +26,6 @@ def _qwen3(layers=6, seed=0):
 
 def _ids(b, s, seed=0):
     return torch.randint(0, 1000, (b, s), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture
-def eager_backend(monkeypatch):
-    """Compile through Dynamo with its "eager" backend and allow the CPU: the wiring, guards and
-    recompiles of `target.compile` without inductor. Fresh Dynamo caches before and after."""
-    monkeypatch.setattr(target_mod, "_COMPILE_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(target_mod, "_COMPILE_BACKEND", "eager")
-    compile_layer.watch_recompiles()
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _no_instance_forward(model) -> bool:
