@@ -341,33 +341,73 @@ def corpus_main(argv: list[str]) -> int:
 
 
 def replay_main(argv: list[str]) -> int:
-    """Tau by replay of the corpus for each `--drafter NAME=PATH`: records to OUT_DIR/NAME.jsonl."""
+    """Tau by replay of the corpus for each `--drafter NAME=PATH`: each turn's record appended to
+    `--partial NAME=FILE` as it is done (a call the deadline stopped resumes there), then the prompt records to
+    OUT_DIR/NAME.jsonl."""
     p = argparse.ArgumentParser(prog="quality.py replay")
     p.add_argument("--target", required=True)
     p.add_argument("--corpus", required=True)
     p.add_argument("--drafter", action="append", required=True, metavar="NAME=PATH")
+    p.add_argument("--partial", action="append", required=True, metavar="NAME=FILE")
     p.add_argument("--settings", required=True)
     p.add_argument("--out-dir", required=True)
     args = p.parse_args(argv)
     from dflash_train.infer.evaluate import check_pair
-    from dflash_train.infer.replay import ReplayTurn, replay_records
+    from dflash_train.infer.replay import ReplayTurn, prompt_records, turn_records
     from dflash_train.model.io import load_drafter
     from dflash_train.runtime import write_text_atomic
 
     settings = EvalSettings(**json.loads(args.settings))
     target, tokenizer, stops, device = _load_target(args.target, settings)
     corpus = [ReplayTurn(**json.loads(line)) for line in Path(args.corpus).read_text(encoding="utf-8").splitlines()]
-    drafters = {}
+    partial = {name: Path(path) for name, _, path in (spec.partition("=") for spec in args.partial)}
+    drafters, done = {}, {}
     for spec in args.drafter:
         name, _, path = spec.partition("=")
         drafters[name] = load_drafter(path, device=device, dtype=next(target.parameters()).dtype).eval()
         check_pair(target.config, drafters[name])
+        drop_torn_tail(partial[name])
+        done[name] = {(r["dataset"], r["id"], r["turn"]) for r in read_turn_records(partial[name])}
+    resumed = sum(len(d) for d in done.values())
     t0 = time.time()
-    records = replay_records(target, tokenizer, drafters, corpus, settings.max_new_tokens, settings.tree_budgets, stops)
-    for name, recs in records.items():
-        write_text_atomic(Path(args.out_dir) / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in recs))
-    print(f"replay: {len(drafters)} drafter(s) x {len(corpus)} turns in {time.time() - t0:.1f} s", flush=True)
+    files = {name: partial[name].open("a", encoding="utf-8") for name in drafters}
+    try:
+        for name, rec in turn_records(target, tokenizer, drafters, corpus, settings.max_new_tokens,
+                                      settings.tree_budgets, stops,
+                                      done=lambda n, t: (t.dataset, t.id, t.turn) in done[n]):
+            files[name].write(json.dumps(rec) + "\n")
+            files[name].flush()
+    finally:
+        for f in files.values():
+            f.close()
+    for name in drafters:
+        records = prompt_records(read_turn_records(partial[name]))
+        write_text_atomic(Path(args.out_dir) / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    print(f"replay: {len(drafters)} drafter(s) x {len(corpus)} turns in {time.time() - t0:.1f} s"
+          + (f" ({resumed} turn records of an earlier call kept)" if resumed else ""), flush=True)
     return 0
+
+
+def drop_torn_tail(path: Path) -> None:
+    """Cut what follows the last newline (a line a stopped process left half-written), so that appending
+    starts on a line of its own."""
+    if path.is_file():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            path.write_bytes(data[:data.rfind(b"\n") + 1])
+
+
+def read_turn_records(path: Path) -> list[dict]:
+    """The complete lines of a partial replay file (a process stopped mid-write leaves at most one cut line)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 # --------------------------------------------------------------------------- replay summaries
@@ -948,6 +988,7 @@ class Driver:
         greedy continuations (the corpus) are made once and shared."""
         rdir = self.out / "replay"
         rdir.mkdir(parents=True, exist_ok=True)
+        (rdir / "partial").mkdir(exist_ok=True)
         drafters = self.replay_drafters()
         block = max(drafter_block_size(d) for d in drafters.values())
         settings = EvalSettings(**{**self.settings.__dict__, "baseline": False})
@@ -971,19 +1012,26 @@ class Driver:
         known = json.loads((rdir / "keys.json").read_text()) if (rdir / "keys.json").is_file() else {}
         todo = [n for n in drafters if known.get(n) != keys[n] or not (rdir / f"{n}.jsonl").is_file()]
         if todo:
-            # one process per drafter (each writes its records when done): the walk is host-bound Python, so
+            # one process per drafter (each appends its records turn by turn): the walk is host-bound Python, so
             # processes overlap well on a GPU; on CPU one process for all (the target pass is shared)
             shards = [[n] for n in todo] if visible_gpus(self.args.device) else [todo]
             self.log(f"replay: {len(todo)} drafter(s) over {len(shards)} process(es): {', '.join(todo)}")
             t1 = time.time()
             run_helpers([[sys.executable, me, "replay", "--target", self.cfg.target.path, "--corpus", str(corpus),
                           "--settings", settings_json, "--out-dir", str(rdir)]
-                         + [a for n in shard for a in ("--drafter", f"{n}={drafters[n]}")] for shard in shards],
+                         + [a for n in shard for a in ("--drafter", f"{n}={drafters[n]}",
+                                                       "--partial", f"{n}={self.replay_partial(n, keys[n])}")]
+                         for shard in shards],
                         rdir, "replay", self.runner, self.args.device, self.log)
             self.runner.add_time("replay_s", time.time() - t1)
             known.update({n: keys[n] for n in todo})
             (rdir / "keys.json").write_text(json.dumps(known, indent=1))
         return {name: read_records([rdir / f"{name}.jsonl"]) for name in drafters}
+
+    def replay_partial(self, name: str, key: str) -> Path:
+        """Where drafter `name`'s replay appends its turn records (`key`: the drafter, corpus and settings, so a
+        changed drafter starts afresh)."""
+        return self.out / "replay" / "partial" / f"{name}-{key[:16]}.jsonl"
 
     def eval_by_replay(self, items: list[dict], info: dict) -> tuple[bool, dict, dict]:
         """Replay every drafter on every eval prompt; with --check-decode, decode some prompts for real too.
@@ -1095,15 +1143,20 @@ class Driver:
                    (self.eval_dir / "plan.json", "eval_plan.json"),
                    (self.out / "eval-decode" / "report.json", "decode_check_report.json")]
         members += [(p, f"replay/{p.name}") for p in sorted((self.out / "replay").glob("*.log"))]
+        for name, (run, _) in self.runs().items():  # each variant's training record, also when the call ran out
+            if run != self.run:
+                members += [(run / f, f"variants/{name}/{f}") for f in ("metrics.jsonl", "train.log", "status.json")]
         attempts = sorted(self.eval_dir.glob("attempt-*"))
         if attempts:
             members += [(p, f"workers/{p.name}") for p in sorted(attempts[-1].glob("worker-*.log"))]
         if self.given_drafter is not None:
             self.log(f"copy-to: the drafter was given (--drafter {self.given_drafter}): not copied back")
-        try:  # the eval report (every output's tokens and text) is the first to go when the logs do not fit
+        try:  # the eval report (every output's tokens and text), then replay's turn records go first when the logs do not fit
             gpu_pack.bring_back(Path(self.args.copy_to), files=[self.out / "summary.json", self.out / "summary.md"],
                                 drafter=None if self.given_drafter is not None else self.drafter_dir, logs=members,
-                                optional_logs=[(self.eval_dir / "report.json", "eval_report.json")], say=self.log,
+                                optional_logs=[(p, f"replay/{p.relative_to(self.out / 'replay')}")
+                                               for p in sorted((self.out / "replay").glob("partial/*.jsonl"))]
+                                + [(self.eval_dir / "report.json", "eval_report.json")], say=self.log,
                                 limits=limits or gpu_pack.OUT_LIMITS, part_bytes=part_bytes)
         except Exception as e:  # noqa: BLE001
             self.log(f"copy-to: failed: {type(e).__name__}: {e}")

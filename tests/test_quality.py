@@ -229,6 +229,48 @@ def test_run_shard_skips_done_prompts_and_stops_at_the_deadline(tmp_path, tiny_p
     assert settings.mode_names() == ["block"]
 
 
+def test_replay_worker_resumes_from_its_turn_records(tmp_path, tiny_pair, tiny_target_dir):
+    """The replay subprocess appends each turn's record as it goes; a call the deadline stopped (here: the file
+    cut to its first turns and a torn line) resumes there, keeps those records (a planted mark survives) and
+    writes exactly the prompt records of a run that was never stopped."""
+    import dataclasses
+
+    from dflash_train.infer.replay import build_corpus
+    from dflash_train.model.io import save_drafter
+
+    target, tok, drafter = tiny_pair
+    items = [{"dataset": "s", "id": "a", "turns": ["Name a river.", "Another one."]},
+             {"dataset": "s", "id": "b", "turns": ["Say hello."]}, {"dataset": "s", "id": "c", "turns": ["Count."]}]
+    with torch.no_grad():
+        corpus = build_corpus(target, tok, items, 6, drafter.block_size, [2])
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(dataclasses.asdict(t)) + "\n" for t in corpus))
+    path = save_drafter(drafter, tmp_path / "d", dtype="float32")
+    settings = json.dumps(Q.EvalSettings(max_new_tokens=6, tree_budgets=(4,), device="cpu").__dict__, default=list)
+
+    def replay(out: Path, partial: Path) -> list[dict]:
+        out.mkdir(exist_ok=True)
+        assert Q.replay_main(["--target", str(tiny_target_dir), "--corpus", str(tmp_path / "corpus.jsonl"),
+                              "--drafter", f"d={path}", "--partial", f"d={partial}", "--settings", settings,
+                              "--out-dir", str(out)]) == 0
+        return [json.loads(line) for line in (out / "d.jsonl").read_text().splitlines()]
+
+    whole = replay(tmp_path / "whole", tmp_path / "whole.partial.jsonl")
+    assert [r["id"] for r in whole] == ["a", "b", "c"] and [len(r["modes"]["block"]) for r in whole] == [2, 1, 1]
+    lines = (tmp_path / "whole.partial.jsonl").read_text().splitlines()
+    assert len(lines) == len(corpus) == 4
+    kept = [json.loads(line) for line in lines[:2]]
+    kept[0]["modes"]["block"]["text"] += " [kept]"
+    cut = tmp_path / "cut.partial.jsonl"
+    cut.write_text("".join(json.dumps(r) + "\n" for r in kept) + lines[2][:17])
+    resumed = replay(tmp_path / "resumed", cut)
+    marked = next(r for r in resumed if r["id"] == kept[0]["id"])["modes"]["block"][kept[0]["turn"]]
+    assert marked["text"].endswith(" [kept]")  # reused, not replayed again
+    marked["text"] = marked["text"][:-len(" [kept]")]
+    assert resumed == whole
+    turns = Q.read_turn_records(cut)
+    assert sorted((r["id"], r["turn"]) for r in turns) == sorted((t.id, t.turn) for t in corpus)  # each once
+
+
 # --------------------------------------------------------------------------- summary
 
 
@@ -394,8 +436,12 @@ def test_copy_out_brings_back_summary_drafter_and_logs_within_the_limits(tmp_pat
     import tarfile
 
     limits = {"limits": gpu_pack.OutLimits(files=8, file_bytes=16_000, total_bytes=64_000), "part_bytes": 15_000}
-    drv = _driver(tmp_path)
+    drv = _driver(tmp_path, ["--variant", "v=drafter.num_draft_layers=2"])
     export = _fake_export(drv.run / "export", 40_000)  # random: does not compress, 3 parts
+    (drv.out / "variants" / "v").mkdir(parents=True)  # a variant's record and replay's turns: back even unfinished
+    (drv.out / "variants" / "v" / "metrics.jsonl").write_text('{"step": 2}\n')
+    (drv.out / "replay" / "partial").mkdir(parents=True)
+    (drv.out / "replay" / "partial" / "v-0123.jsonl").write_text('{"turn": 0}\n')
     (drv.run / "metrics.jsonl").write_text('{"step": 1}\n')
     (drv.run / "train.log").write_text("done: 1 steps in 1 s\n")
     (drv.out / "summary.json").write_text("{}")
@@ -417,6 +463,7 @@ def test_copy_out_brings_back_summary_drafter_and_logs_within_the_limits(tmp_pat
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = tar.getnames()
     assert "metrics.jsonl" in names and "workers/worker-00.log" in names and "eval_report.json" not in names
+    assert "variants/v/metrics.jsonl" in names and "replay/partial/v-0123.jsonl" in names
     assert _join(out / "drafter", tmp_path / "back").returncode == 0
     assert _same_tree(export, tmp_path / "back")
 

@@ -172,7 +172,7 @@ def bring_back(dest: Path, *, files: list[Path], drafter: Optional[Path], logs: 
     """Into `dest` (the GPU machine's $OUT), within `limits`: each of `files` (that exists) under its own
     name; the exported `drafter` folder (None: none to bring) as drafter/{drafter.tar.gz.part-*, SHA256SUMS}
     or nothing of it; logs.tar.gz with `logs` and `optional_logs` ((path, name in the archive); the optional
-    ones are left out when the whole does not fit). What an earlier call left there is replaced; what did
+    ones, in priority order, are left out from the last when the whole does not fit). What an earlier call left there is replaced; what did
     not fit is said."""
     dest.mkdir(parents=True, exist_ok=True)
     for src in files:
@@ -214,7 +214,8 @@ def _bring_drafter(export: Path, dest: Path, budget: _OutBudget, say: Callable[[
 def _bring_logs(out: Path, logs: list[tuple[Path, str]], optional_logs: list[tuple[Path, str]], budget: _OutBudget,
                 say: Callable[[str], None]) -> None:
     size = 0
-    for members in (list(logs) + list(optional_logs), list(logs)):
+    optional_logs = list(optional_logs)  # in priority order: the last ones go first when the archive is too big
+    for members in (list(logs) + optional_logs[:k] for k in range(len(optional_logs), -1, -1)):
         names = pack_logs(members, out)
         size = out.stat().st_size
         if budget.fits(1, size, size):

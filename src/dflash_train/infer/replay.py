@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -275,24 +275,49 @@ def build_corpus(target, tokenizer, items: list[dict], max_new: int, block_size:
     return corpus
 
 
+def turn_records(target, tokenizer, drafters: dict[str, Drafter], corpus: list[ReplayTurn], max_new: int,
+                 tree_budgets: Sequence[int], stops: Iterable[int],
+                 done: Callable[[str, ReplayTurn], bool] = lambda name, turn: False) -> Iterator[tuple[str, dict]]:
+    """(drafter name, record of one turn) for each turn and drafter, in corpus order, skipping the pairs `done`
+    says are done (a resumed replay). A turn's record: `{"dataset", "id", "turn", "argmax_mismatches",
+    "modes": {mode: output}}`. The target runs once per turn for all drafters that need it."""
+    stops = list(stops)
+    for turn in corpus:
+        todo = [name for name in drafters if not done(name, turn)]
+        shared = target_pass(target, turn.prompt + turn.continuation) if todo else None
+        for name in todo:
+            rep = replay_turn(target, drafters[name], turn, max_new, tree_budgets, stops, shared)
+            yield name, {"dataset": turn.dataset, "id": turn.id, "turn": turn.turn,
+                         "argmax_mismatches": rep.argmax_mismatches,
+                         "modes": {mode: {"token_ids": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True),
+                                          "tau": sum(accepts) / max(len(accepts), 1), "accept_lengths": accepts,
+                                          "decode_s": 0.0}
+                                   for mode, (tokens, accepts) in rep.modes.items()}}
+
+
+def prompt_records(turns: Iterable[dict]) -> list[dict]:
+    """Turn records (`turn_records`) -> one record per prompt in `run_prompt`'s shape (`{"dataset", "id",
+    "modes": {mode: [output per turn]}}`, decode_s 0: nothing was timed), plus `"replay": {"argmax_mismatches":
+    n}`; prompts in the order of their first turn, turns in order."""
+    by_prompt: dict[tuple, list[dict]] = {}
+    for rec in turns:
+        by_prompt.setdefault((rec["dataset"], rec["id"]), []).append(rec)
+    out = []
+    for (dataset, pid), recs in by_prompt.items():
+        recs = sorted(recs, key=lambda r: r["turn"])
+        modes: dict[str, list] = {}
+        for rec in recs:
+            for mode, output in rec["modes"].items():
+                modes.setdefault(mode, []).append(output)
+        out.append({"dataset": dataset, "id": pid, "modes": modes,
+                    "replay": {"argmax_mismatches": sum(r["argmax_mismatches"] for r in recs)}})
+    return out
+
+
 def replay_records(target, tokenizer, drafters: dict[str, Drafter], corpus: list[ReplayTurn], max_new: int,
                    tree_budgets: Sequence[int], stops: Iterable[int]) -> dict[str, list[dict]]:
-    """Per drafter: one record per prompt in `run_prompt`'s shape (`{"dataset", "id", "modes": {mode: [output
-    per turn]}}`, decode_s 0: nothing was timed), plus `"replay": {"argmax_mismatches": n}`. The target runs
-    once per turn for all drafters."""
-    stops = list(stops)
-    out: dict[str, dict[tuple, dict]] = {name: {} for name in drafters}
-    for turn in corpus:
-        shared = None
-        for name, drafter in drafters.items():
-            if shared is None:
-                shared = target_pass(target, turn.prompt + turn.continuation)
-            rep = replay_turn(target, drafter, turn, max_new, tree_budgets, stops, shared)
-            rec = out[name].setdefault((turn.dataset, turn.id), {"dataset": turn.dataset, "id": turn.id, "modes": {},
-                                                                 "replay": {"argmax_mismatches": 0}})
-            rec["replay"]["argmax_mismatches"] += rep.argmax_mismatches
-            for mode, (tokens, accepts) in rep.modes.items():
-                rec["modes"].setdefault(mode, []).append({
-                    "token_ids": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True),
-                    "tau": sum(accepts) / max(len(accepts), 1), "accept_lengths": accepts, "decode_s": 0.0})
-    return {name: list(recs.values()) for name, recs in out.items()}
+    """Per drafter: one record per prompt (`prompt_records`) of every turn of `corpus`."""
+    turns: dict[str, list[dict]] = {name: [] for name in drafters}
+    for name, rec in turn_records(target, tokenizer, drafters, corpus, max_new, tree_budgets, stops):
+        turns[name].append(rec)
+    return {name: prompt_records(recs) for name, recs in turns.items()}
