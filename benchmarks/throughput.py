@@ -87,7 +87,7 @@ def fp8_matmul_peak_tflops() -> float:
 
     for _ in range(3):
         mm()
-    t = back_to_back(mm, 20)
+    t, _ = back_to_back(mm, 20)
     return 2 * n**3 / t / 1e12
 
 
@@ -240,15 +240,20 @@ def add_inductor_options(items: list[str]) -> None:
         compile_layer.INDUCTOR_OPTIONS[key] = ast.literal_eval(value)
 
 
-def back_to_back(fn, repeat: int) -> float:
+def back_to_back(fn, repeat: int) -> tuple[float, list[float]]:
     """Seconds per call over `repeat` calls with one synchronisation at the end, as the training loop runs
-    them: the host queues the next step while the GPU finishes the last one."""
+    them (the host queues the next step while the GPU finishes the last one), and each call's seconds on the
+    GPU's timeline (CUDA events between calls: no synchronisation in between), so that one slow call shows."""
     torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(repeat + 1)]
     t = time.perf_counter()
-    for _ in range(repeat):
+    events[0].record()
+    for k in range(repeat):
         fn()
+        events[k + 1].record()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t) / repeat
+    mean = (time.perf_counter() - t) / repeat
+    return mean, [events[k].elapsed_time(events[k + 1]) / 1e3 for k in range(repeat)]
 
 
 def timed(fn, repeat: int) -> tuple[float, object]:
@@ -457,7 +462,7 @@ def main() -> None:
 
     t_target, _ = timed(lambda: target(batch.input_ids), args.repeat)
     t_step, stats = timed(lambda: step(batch, 2), args.repeat)
-    t_loop = back_to_back(lambda: step(batch, 2), args.repeat)
+    t_loop, loop_steps = back_to_back(lambda: step(batch, 2), args.repeat)
     peak_mem = torch.cuda.max_memory_allocated() / 2**30
 
     # Drafter alone: the same step with the target's output precomputed.
@@ -496,7 +501,7 @@ def main() -> None:
         **compile_layer.cache_stats(), "compile_target": args.compile_target,
         "compile_drafter": args.compile_drafter, **target_warm,
         "target_s": round(t_target, 4), "drafter_s": round(t_drafter, 4), "step_s": round(t_step, 4),
-        "loop_step_s": round(t_loop, 4),
+        "loop_step_s": round(t_loop, 4), "loop_steps_s": [round(x, 4) for x in loop_steps],
         "tokens_per_s": round(tokens / t_step), "target_mfu": round(f_target / t_target / 1e12 / peak, 3),
         "drafter_mfu": round(f_drafter / t_drafter / 1e12 / peak, 3),
         "step_mfu": round((f_target + f_drafter) / t_step / 1e12 / peak, 3),
