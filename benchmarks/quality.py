@@ -242,6 +242,7 @@ class EvalSettings:
     baseline: bool = False
     dtype: str = "float32"
     device: str = "auto"
+    target_quantize: str = "none"  # fp8: decode with the target as it is served in FP8 (every decoder layer)
 
     def mode_names(self) -> list[str]:
         from dflash_train.infer.evaluate import make_modes
@@ -292,7 +293,8 @@ def worker_main(argv: list[str]) -> int:
     settings = EvalSettings(**json.loads(args.settings))
     device = resolve_device(settings.device)
     target, tokenizer, drafter, stops = load_eval_models(args.target, args.drafter, device,
-                                                         resolve_dtype(settings.dtype, device))
+                                                         resolve_dtype(settings.dtype, device),
+                                                         target_quantize=settings.target_quantize)
     items = [json.loads(line) for line in Path(args.items).read_text(encoding="utf-8").splitlines() if line.strip()]
     n = run_shard(target, tokenizer, drafter, stops, items, Path(args.out), settings, args.deadline)
     print(f"worker: {n} of {len(items)} prompts decoded", flush=True)
@@ -305,14 +307,16 @@ def worker_main(argv: list[str]) -> int:
 def _load_target(path: str, settings: EvalSettings):
     """(target, tokenizer, stop ids, device) for replay, without a drafter."""
     from dflash_train import assets
-    from dflash_train.model.target import load_target_model, load_tokenizer
+    from dflash_train.infer.evaluate import load_eval_target
+    from dflash_train.model.target import load_tokenizer
     from dflash_train.runtime import resolve_device, resolve_dtype, stop_token_ids
 
     device = resolve_device(settings.device)
     tpath = assets.resolve_target(path)
     tokenizer = load_tokenizer(tpath)
     stops = stop_token_ids(tpath, tokenizer)
-    return load_target_model(tpath, resolve_dtype(settings.dtype, device), device), tokenizer, stops, device
+    target = load_eval_target(tpath, resolve_dtype(settings.dtype, device), device, settings.target_quantize)
+    return target, tokenizer, stops, device
 
 
 def corpus_main(argv: list[str]) -> int:
@@ -735,7 +739,8 @@ class Driver:
                                   remedy="remove it or pass another --out", adopt_unstamped=True,
                                   deadline=self.start + args.deadline_s if args.deadline_s else None, say=self.log)
         self.settings = EvalSettings(max_new_tokens=args.max_new_tokens, tree_budgets=tuple(args.tree_budget),
-                                     baseline=args.baseline, dtype=args.dtype, device=args.device)
+                                     baseline=args.baseline, dtype=args.dtype, device=args.device,
+                                     target_quantize=args.eval_target_quantize)
         # --drafter: evaluate that exported drafter (no prepare, no train); else this run's export
         self.given_drafter = Path(args.drafter).resolve() if getattr(args, "drafter", None) else None
         self.drafter_dir = self.given_drafter or self.run / "export"
@@ -779,7 +784,7 @@ class Driver:
         a = vars(self.args)
         key = {k: a[k] for k in ("config", "overrides", "data", "val_fraction", "eval", "limit", "overlap_prefix",
                                  "max_new_tokens", "tree_budget", "baseline", "dtype", "device", "workers", "method",
-                                 "check_decode", "drafter", "variant", "curve_every")}
+                                 "check_decode", "drafter", "variant", "curve_every", "eval_target_quantize")}
         weights = self.drafter_dir / "model.safetensors"
         key["drafter_sha256"] = _file_sha256(weights) if weights.is_file() else None
         return key
@@ -995,6 +1000,7 @@ class Driver:
         corpus_key = hashlib.sha256(json.dumps({
             "items": [[i["dataset"], i["id"], i["turns"]] for i in items], "target": self.cfg.target.path,
             "max_new": settings.max_new_tokens, "block": block, "dtype": settings.dtype,
+            "target_quantize": settings.target_quantize,
         }, sort_keys=True).encode()).hexdigest()
         corpus = rdir / f"corpus-{corpus_key[:16]}.jsonl"
         me, settings_json = str(Path(__file__).resolve()), json.dumps(settings.__dict__, default=list)
@@ -1279,7 +1285,10 @@ def summary_markdown(s: dict) -> str:
                 else "all prompts (NOT filtered against training prompts: the training file was not given)")
     lines += [f"Reference: {ref['trainer']}, {ref['recipe']}: tau ~{ref['tau']} ({ref['tau_on']}).",
               f"{ours} Eval: greedy, {ev['settings']['max_new_tokens']} new tokens, "
-              f"{ev['settings']['dtype']}, {filtered}.", ""]
+              f"{ev['settings']['dtype']}"
+              + (", the target in FP8 (every decoder layer, as served)"
+                 if ev["settings"].get("target_quantize", "none") == "fp8" else "")
+              + f", {filtered}.", ""]
     if dr:
         origin = [f"model sha256 {dr['model_sha256'][:16]}..."]
         if dr.get("exported_from"):
@@ -1406,6 +1415,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="eval compute dtype (float32: greedy decoding is exactly the target's)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--eval-target-quantize", default="none", choices=["none", "fp8"],
+                   help="fp8: evaluate every drafter on the target as it is served in FP8 (eval --target-quantize; "
+                        "needs --dtype bfloat16); the trained runs are kept, only the evaluation is redone")
     p.add_argument("--workers", type=int, default=0, help="parallel eval processes (0: min(12, CPUs - 2) on GPU, 1 on CPU)")
     p.add_argument("--stages", default=None,
                    help="comma-separated subset of prepare,train,eval (default: all; with --drafter: eval)")

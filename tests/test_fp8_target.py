@@ -262,6 +262,38 @@ def test_a_cpu_run_with_an_fp8_target_learns_and_exports(tmp_path, tiny_target_d
     assert "target.quantize=fp8: 28 linears of decoder layers 0..3 in FP8" in (run / "train.log").read_text()
     assert load_drafter(run / "export").fc.weight.dtype == torch.bfloat16
 
+    # eval on the target as it is served in FP8 (every layer): lossless against that target's own greedy
+    # output, which is not the unquantised target's
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "turns": [t]}) + "\n" for i, t in
+                               enumerate(["Count from 3.", "Name a colour.", "Say something about rivers."])))
+    reports = {}
+    for quantize in ("fp8", "none"):
+        out = tmp_path / f"eval-{quantize}.json"
+        assert main(["eval", "--target", str(tiny_target_dir), "--drafter", str(run / "export"), "--data",
+                     str(prompts), "--out", str(out), "--max-new-tokens", "12", "--target-quantize", quantize]) == 0
+        reports[quantize] = json.loads(out.read_text())
+    fp8, plain = reports["fp8"], reports["none"]
+    assert fp8["config"]["target_quantize"] == "fp8" and plain["config"]["target_quantize"] == "none"
+    assert fp8["datasets"][str(prompts)]["lossless_mismatches"] == []
+
+    def target_tokens(report):
+        return [o["modes"]["target"][0]["token_ids"] for o in report["outputs"]]
+    assert target_tokens(fp8) != target_tokens(plain)
+
+
+def test_eval_on_an_fp8_target_refuses_what_scaled_mm_cannot_run_before_loading(tmp_path, tokenizer_dir, monkeypatch):
+    from conftest import make_tiny_target
+    from dflash_train.infer.evaluate import load_eval_target
+
+    odd = make_tiny_target(tmp_path / "odd", tokenizer_dir, layers=3, intermediate_size=120)
+    with pytest.raises(ConfigError, match=r"--target-quantize fp8.*layers.0.mlp.gate_proj \[120, 64\].* and 3 more"):
+        # every layer: 9 linears of 3 layers, not only those a training capture would run
+        load_eval_target(odd, torch.float32, torch.device("cpu"), "fp8")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: (9, 0))
+    with pytest.raises(ConfigError, match=r"--target-quantize fp8.*--dtype must be bfloat16 or auto.*float32"):
+        load_eval_target(odd, torch.float32, torch.device("cuda", 0), "fp8")
+
 
 @pytest.mark.slow
 @pytest.mark.long

@@ -269,6 +269,14 @@ def test_replay_worker_resumes_from_its_turn_records(tmp_path, tiny_pair, tiny_t
     assert resumed == whole
     turns = Q.read_turn_records(cut)
     assert sorted((r["id"], r["turn"]) for r in turns) == sorted((t.id, t.turn) for t in corpus)  # each once
+    assert sum(r["replay"]["argmax_mismatches"] for r in whole) == 0
+
+    # --eval-target-quantize fp8 reaches the replay's target: the unquantised target's continuations are not
+    # the FP8 target's greedy tokens
+    settings = json.dumps(Q.EvalSettings(max_new_tokens=6, tree_budgets=(4,), device="cpu",
+                                         target_quantize="fp8").__dict__, default=list)
+    fp8 = replay(tmp_path / "fp8", tmp_path / "fp8.partial.jsonl")
+    assert sum(r["replay"]["argmax_mismatches"] for r in fp8) > 0
 
 
 # --------------------------------------------------------------------------- summary

@@ -165,7 +165,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, device)
     template_kwargs = {"enable_thinking": args.thinking} if args.thinking is not None else None
     target, tokenizer, drafter, stops = load_eval_models(args.target, args.drafter, device, dtype,
-                                                         template_kwargs, args.block_size)
+                                                         template_kwargs, args.block_size, args.target_quantize)
     budgets = tuple(int(b) for b in args.tree_budget) if args.tree_budget else ()
     if args.replay:
         from .infer.evaluate import evaluate_by_replay
@@ -190,6 +190,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _finish_eval(args: argparse.Namespace, report: dict) -> int:
     from .infer.evaluate import lossless_line, markdown_table, write_report
 
+    report["config"]["target_quantize"] = args.target_quantize
     out = Path(args.out)
     write_report(report, out)
     print(markdown_table(report))
@@ -400,6 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                    help="float32 makes greedy decoding exactly lossless; bfloat16 is the serving dtype; auto = "
                         "bfloat16 on GPU, float32 on CPU (default: %(default)s)")
+    e.add_argument("--target-quantize", default="none", choices=["none", "fp8"],
+                   help="fp8: every decoder layer's linears in FP8 (row-wise weight scales, per-token activations, "
+                        "as target.quantize=fp8 trains with), for the acceptance on a target served in FP8; needs "
+                        "--dtype bfloat16 (or auto) on a GPU of compute capability 8.9+ (default: %(default)s)")
     e.add_argument("--no-baseline", action="store_true", help="skip the target-only run (no speedup, no lossless check)")
     e.add_argument("--replay", action="store_true",
                    help="greedy tau by replay: the target's greedy continuation of every prompt (batched), then one "

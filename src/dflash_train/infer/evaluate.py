@@ -19,11 +19,13 @@ from .. import assets
 from ..data.chat import prompt_ids
 from ..data.formats import RowError, iter_source, prompt_turns
 from ..algorithms.base import Drafter
+from ..errors import ConfigError
 from ..model.hf_config import text_config
 from ..model.io import load_drafter
 from ..model.provenance import compare, read_provenance, target_provenance
 from ..model.target import load_target_model, load_tokenizer, read_target_config
 from ..runtime import stop_token_ids
+from ..train.fp8_plan import check_fp8_eval_target
 from .replay import build_corpus, replay_records
 from .spec_decode import DecodeResult, SpeculativeDecoder
 
@@ -339,9 +341,11 @@ def check_pair(target_config, drafter: Drafter) -> None:
 
 
 def load_eval_models(target_path: str, drafter_path: str, device: torch.device, dtype: torch.dtype,
-                     template_kwargs: Optional[dict] = None, block_size: Optional[int] = None):
+                     template_kwargs: Optional[dict] = None, block_size: Optional[int] = None,
+                     target_quantize: str = "none"):
     """Load target and drafter after checking, from config files alone, that they belong together and
-    that tokenizer, chat template and RoPE are the ones the drafter was trained with."""
+    that tokenizer, chat template and RoPE are the ones the drafter was trained with. `target_quantize`:
+    `fp8`, the target as it is served in FP8 (`load_eval_target`)."""
     tpath = assets.resolve_target(target_path)
     drafter = load_drafter(drafter_path, device=device, dtype=dtype)
     tconfig = read_target_config(tpath)
@@ -355,6 +359,19 @@ def load_eval_models(target_path: str, drafter_path: str, device: torch.device, 
     problems = compare(trained or {}, current, drafter, block_size)
     if problems:
         raise ValueError("the drafter does not match how it would be used here: " + "; ".join(problems))
-    target = load_target_model(tpath, dtype, device)
+    target = load_eval_target(tpath, dtype, device, target_quantize)
     stops = stop_token_ids(tpath, tokenizer, tconfig)
     return target, tokenizer, drafter, stops
+
+
+def load_eval_target(tpath: Path, dtype: torch.dtype, device: torch.device, quantize: str = "none"):
+    """The target for decoding: as trained (`none`), or (`fp8`) every decoder layer's linears in FP8 the way
+    `target.quantize=fp8` quantises them (row-wise weight scales, per-token activations): the acceptance a
+    drafter gets from a target served in FP8. Its lm_head and embedding stay `dtype`."""
+    if quantize == "none":
+        return load_target_model(tpath, dtype, device)
+    if quantize != "fp8":
+        raise ConfigError(f"--target-quantize: must be none or fp8 (got {quantize!r})")
+    num_layers = read_target_config(tpath).num_hidden_layers
+    check_fp8_eval_target(Path(tpath), device, dtype, num_layers)  # before the weights load
+    return load_target_model(tpath, dtype, device, fp8_layers=num_layers)

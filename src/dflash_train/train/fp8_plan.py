@@ -32,20 +32,34 @@ def check_fp8_device(cfg: Config, device: torch.device, target_dtype: torch.dtyp
                      compute_dtype: torch.dtype) -> None:
     """On a GPU: FP8 tensor cores, and bfloat16 where the FP8 matmuls write (row-wise scaled `_scaled_mm` on
     CUDA writes bfloat16). The CPU runs either dtype (slowly: for tests)."""
-    wanted = [(key, dtype, dtype_key) for key, on, dtype, dtype_key in (
-        ("target.quantize", cfg.target.quantize == "fp8", target_dtype, "target.dtype"),
-        ("drafter.fp8", cfg.drafter.fp8, compute_dtype, "run.dtype")) if on]
-    if not wanted or device.type != "cuda":
+    for key, on, dtype, dtype_key in (("target.quantize", cfg.target.quantize == "fp8", target_dtype, "target.dtype"),
+                                      ("drafter.fp8", cfg.drafter.fp8, compute_dtype, "run.dtype")):
+        if on:
+            require_fp8_device(device, dtype, f"config key '{key}'", dtype_key, f"turn {key} off")
+
+
+def require_fp8_device(device: torch.device, dtype: torch.dtype, what: str, dtype_key: str, off: str) -> None:
+    """ConfigError `what: ...` unless `device` runs FP8 matmuls writing `dtype` (any on the CPU)."""
+    if device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)
-    for key, dtype, dtype_key in wanted:
-        if capability < FP8_COMPUTE_CAPABILITY:
-            raise ConfigError(f"config key '{key}': FP8 matmuls need a GPU of compute capability 8.9 or later (Ada, "
-                              f"Hopper, Blackwell); this one is {capability[0]}.{capability[1]}. Turn the option off")
-        if dtype != torch.bfloat16:
-            raise ConfigError(f"config key '{key}': on a GPU the FP8 matmuls (torch._scaled_mm, row-wise scales) "
-                              f"write bfloat16, so {dtype_key} must be bfloat16 or auto (it is "
-                              f"{str(dtype).removeprefix('torch.')}); or turn {key} off")
+    if capability < FP8_COMPUTE_CAPABILITY:
+        raise ConfigError(f"{what}: FP8 matmuls need a GPU of compute capability 8.9 or later (Ada, Hopper, "
+                          f"Blackwell); this one is {capability[0]}.{capability[1]}. {off[0].upper()}{off[1:]}")
+    if dtype != torch.bfloat16:
+        raise ConfigError(f"{what}: on a GPU the FP8 matmuls (torch._scaled_mm, row-wise scales) write bfloat16, so "
+                          f"{dtype_key} must be bfloat16 or auto (it is {str(dtype).removeprefix('torch.')}); or {off}")
+
+
+def check_fp8_eval_target(path: Path, device: torch.device, dtype: torch.dtype, num_layers: int) -> None:
+    """`eval --target-quantize fp8` (every decoder layer, as a target served in FP8): a device and dtype that run
+    it and linear shapes `_scaled_mm` takes, before the target's weights load."""
+    require_fp8_device(device, dtype, "--target-quantize fp8", "--dtype", "drop --target-quantize")
+    bad = unsupported_shapes(target_fp8_linears(path, False, num_layers))
+    if bad:
+        raise ConfigError(f"--target-quantize fp8: FP8 matmuls (torch._scaled_mm on CUDA) need both dimensions of "
+                          f"every linear to be multiples of {SCALED_MM_MULTIPLE}; these are not: {', '.join(bad[:6])}"
+                          f"{f' and {len(bad) - 6} more' if len(bad) > 6 else ''}. Drop --target-quantize")
 
 
 def target_fp8_linears(path: Path, trust_remote_code: bool, count: int) -> list[tuple[str, nn.Module]]:
