@@ -130,3 +130,37 @@ def test_the_largest_micro_batches_bound_every_batch_the_keys_allow(max_anchors,
         mask = (torch.arange(width).view(1, -1) < lengths.view(-1, 1)).long()
         anchors, _ = sample_anchors(mask, lengths, 4, max_anchors, g, multiple, per_batch)
         assert rows * anchors.shape[1] * 4 <= shapes[rows].queries and rows * width <= shapes[rows].tokens
+
+
+def test_a_plan_whose_activations_cannot_fit_stops_before_loading_naming_the_token_budget(tiny_target_dir):
+    """The trainer's preflight (`rank_need`, then `check_gpu`) from the config and the checkpoint's headers alone,
+    against a pretend free-memory figure: the weights fit, the activations of a 64K-token micro-batch do not; the
+    message gives the parts and names data.token_budget first; a quarter of the budget fits."""
+    from dflash_train.model.target import read_target_config
+    from dflash_train.train.preflight import MARGIN, check_gpu, rank_need
+
+    tc = read_target_config(tiny_target_dir)
+
+    def need(token_budget: int):
+        cfg = config_from_dict({"target": {"path": str(tiny_target_dir)}, "drafter": {"num_draft_layers": 2},
+                                "data": {"max_length": 4096, "token_budget": token_budget, "max_batch_size": 16}})
+        ids = [1, 3]
+        dcfg = architecture("dflash").config_for_run(tc, cfg.drafter, ids, 5)
+        return rank_need(cfg, tiny_target_dir, tc, dcfg, ids, torch.bfloat16, torch.bfloat16, "colocated", False)
+
+    big, what = need(65536)
+    small, _ = need(4096)
+    assert big.activations.total > 4 * big.weights and big.total == big.weights + big.activations.total + MARGIN
+    assert small.weights == big.weights and small.activations.total < big.activations.total
+    free = (small.total + big.total) // 2
+
+    def pretend(_device):
+        return free, 8 * 2**30
+
+    with pytest.raises(RuntimeError) as refused:
+        check_gpu(torch.device("cuda", 0), big, 0, what, free_memory=pretend)
+    message = str(refused.value)
+    assert message.index("data.token_budget") < message.index("target.sharding=fsdp"), message
+    assert "activations" in message and "weights and optimizer state" in message and "lm_head + CE chunk" in message
+    assert "rank 0 on cuda:0" in message and "16 x 4096 tokens" in message
+    check_gpu(torch.device("cuda", 0), small, 0, what, free_memory=pretend)  # fits: no error
