@@ -227,6 +227,22 @@ def drafter_section(args) -> dict:
             "num_draft_layers": args.layers, "draft_vocab_size": args.draft_vocab}
 
 
+def preflight_estimate(cfg, target_model, drafter, tcfg, dcfg, ids: list[int]) -> dict:
+    """The trainer's preflight prediction for this colocated shape (train/preflight.py, activation_memory.py):
+    weights and optimizer state (bf16 target, 16 bytes a drafter parameter) plus the activations of its micro-batch,
+    no margin, to set beside the measured `peak_mem_gib` (the allocator's peak)."""
+    from dflash_train.train.activation_memory import activation_estimate
+    from dflash_train.train.preflight import MARGIN, needed_bytes
+
+    trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    weights = needed_bytes(sum(p.numel() for p in target_model.parameters()), torch.bfloat16, trained, "colocated",
+                           target_bytes_saved=0) - MARGIN
+    activations = activation_estimate("colocated", cfg, tcfg, dcfg, ids, torch.bfloat16, torch.bfloat16, "cuda",
+                                      trained)
+    return {"preflight_estimate_gib": round((weights + activations.total) / 2**30, 1),
+            "preflight_activations": activations.describe()}
+
+
 def add_inductor_options(items: list[str]) -> None:
     """`--inductor-option KEY=VALUE`: into the compile layer's options of every inductor compile."""
     import ast
@@ -440,7 +456,9 @@ def main() -> None:
 
     cfg = config_from_dict({"drafter": drafter_section(args),
                             "objective": {"max_anchors": args.anchors},
-                            "data": {"max_length": args.seq, "token_budget": args.seq * args.batch}})
+                            "data": {"max_length": args.seq, "token_budget": args.seq * args.batch,
+                                     "max_batch_size": args.batch}})
+    estimate = preflight_estimate(cfg, model, drafter, tcfg, dcfg, ids)
     backend = resolve_backend("flex", torch.device("cuda"), args.block)
     step = TrainStep(drafter, target, backend, cfg, 1000, torch.bfloat16, torch.device("cuda"))
     g = torch.Generator().manual_seed(0)
@@ -505,7 +523,7 @@ def main() -> None:
         "tokens_per_s": round(tokens / t_step), "target_mfu": round(f_target / t_target / 1e12 / peak, 3),
         "drafter_mfu": round(f_drafter / t_drafter / 1e12 / peak, 3),
         "step_mfu": round((f_target + f_drafter) / t_step / 1e12 / peak, 3),
-        "peak_mem_gib": round(peak_mem, 1),
+        "peak_mem_gib": round(peak_mem, 1), **estimate,
         **fp8_accounting(args, target_parts, drafter_parts, peak),
     }
     print(json.dumps(result))

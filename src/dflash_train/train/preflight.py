@@ -11,17 +11,22 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from safetensors import safe_open
 
 from ..algorithms import architecture
+from ..config import Config
+from .activation_memory import ActivationEstimate, activation_estimate
 
 log = logging.getLogger(__name__)
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-MARGIN = 2 * 2**30  # CUDA context, allocator slack, the first activations
+# Allocator slack and fragmentation, cuBLAS and NCCL workspaces, the compile workers' CUDA use: what neither the
+# weights nor the activation estimate (activation_memory.py) count. This process's CUDA context is already out of
+# the free figure the check reads.
+MARGIN = 2 * 2**30
 
 
 # A decoder layer's tensors in a text or multimodal checkpoint (not a vision tower's blocks).
@@ -109,21 +114,78 @@ def other_processes(device_index: int) -> list[str]:
     return found
 
 
-def check_gpu(device: torch.device, need: int, rank: int, what: str) -> None:
-    """Raise if `device` has less free memory than `need`; name who holds it."""
-    if device.type != "cuda":
-        return
-    free, total = torch.cuda.mem_get_info(device)
-    others = other_processes(device.index)
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What one rank needs on its GPU: the resident weights (`needed_bytes` less its margin), the activations of its
+    largest micro-batch, and the margin."""
+
+    weights: int
+    activations: ActivationEstimate
+    margin: int = MARGIN
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activations.total + self.margin
+
+    def describe(self) -> str:
+        return (f"{self.total / 2**30:.1f} GiB: weights and optimizer state {self.weights / 2**30:.1f} GiB, activations "
+                f"{self.activations.describe()}, margin {self.margin / 2**30:.1f} GiB")
+
+    def remedies(self) -> str:
+        return remedies(activations_first=self.activations.total > self.weights)
+
+
+def remedies(activations_first: bool) -> str:
+    """What to cut to fit, the larger part of the need first."""
+    activations = ("for the activations, lower data.token_budget (or data.max_batch_size, objective.max_anchors / "
+                   "objective.max_anchors_per_batch, objective.loss_chunk_size)")
+    weights = ("for the weights, shard the target over more ranks (target.sharding=fsdp, target.shard_group_size), "
+               "use a split placement with more target ranks, or a smaller drafter")
+    first, second = (activations, weights) if activations_first else (weights, activations)
+    return f"Free the GPU; {first}; {second}"
+
+
+def rank_need(cfg: Config, target_path: Path, target_config, drafter_config, layer_ids: list[int],
+              target_dtype: torch.dtype, compute_dtype: torch.dtype, role: str, split: bool,
+              share: Optional[TargetShare] = None, target_bytes_saved: int = 0,
+              device_type: str = "cuda") -> tuple[MemoryNeed, str]:
+    """(what a rank of `role` needs, the words for it) from the config, the target's config.json and its
+    safetensors headers alone: nothing is loaded. `split`: the placement is split (a drafter rank then also holds the
+    target's embedding and lm_head)."""
+    drafter_params = drafter_parameters(cfg.drafter.architecture, drafter_config)  # its own lm_head included
+    trained = drafter_params
+    if role == "drafter" and split:  # plus the target's embedding and lm_head (bf16 twice: a quarter of 16 bytes)
+        drafter_params += target_config.vocab_size * target_config.hidden_size // 4
+    weights = needed_bytes(checkpoint_parameters(target_path), target_dtype, drafter_params, role, share,
+                           target_bytes_saved=target_bytes_saved) - MARGIN
+    activations = activation_estimate(role, cfg, target_config, drafter_config, layer_ids, target_dtype, compute_dtype,
+                                      device_type, trained)
+    what = f"the {role} rank's weights, optimizer state and activations" + (
+        f" (a 1/{share.parts} shard of the target's layers, {share.GATHERED_LAYERS} layers gathered)" if share else "")
+    return MemoryNeed(weights, activations), what
+
+
+def check_gpu(device: torch.device, need: "int | MemoryNeed", rank: int, what: str,
+              free_memory: Optional[Callable[[torch.device], tuple[int, int]]] = None) -> None:
+    """Raise if `device` has less free memory than `need`; name who holds it, the parts of the need and what to cut.
+    `free_memory`: (free, total) bytes of a device, `torch.cuda.mem_get_info` unless given (a CPU device is then
+    not checked: it has no device memory)."""
+    if free_memory is None:
+        if device.type != "cuda":
+            return
+        free_memory = torch.cuda.mem_get_info
+    free, total = free_memory(device)
+    others = other_processes(device.index) if device.type == "cuda" else []
     held = f"; other processes on it: {', '.join(others)}" if others else ""
-    if free < need:
+    needed = need.total if isinstance(need, MemoryNeed) else need
+    parts = f" ({need.describe()})" if isinstance(need, MemoryNeed) else ""
+    cut = need.remedies() if isinstance(need, MemoryNeed) else remedies(activations_first=False)
+    if free < needed:
         raise RuntimeError(
-            f"preflight: rank {rank} on cuda:{device.index} needs about {need / 2**30:.1f} GiB for {what}, but only "
-            f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free{held}. Free the GPU, shard the target over more "
-            "ranks (target.sharding=fsdp, target.shard_group_size), use a split placement with more target ranks, "
-            "or a smaller drafter"
+            f"preflight: rank {rank} on {device} needs about {needed / 2**30:.1f} GiB for {what}{parts}, but only "
+            f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free{held}. {cut}"
         )
     if others:
-        log.warning("rank %d: cuda:%d is shared%s", rank, device.index, held)
-    log.info("preflight: rank %d on cuda:%d: %.1f GiB free, about %.1f GiB needed for %s", rank, device.index,
-             free / 2**30, need / 2**30, what)
+        log.warning("rank %d: %s is shared%s", rank, device, held)
+    log.info("preflight: rank %d on %s: %.1f GiB free, about %.1f GiB needed for %s%s", rank, device,
+             free / 2**30, needed / 2**30, what, parts)

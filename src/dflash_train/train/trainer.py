@@ -389,18 +389,13 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
     log.info("rank %d/%d (%s): target %s, layers %s, mask token %d, device %s", ctx.rank, ctx.world, role,
              plan.target_path, plan.layer_ids, plan.mask_token_id, device)
     if device.type == "cuda":
-        drafter_params = preflight.drafter_parameters(cfg.drafter.architecture, a.dcfg)  # its own lm_head included
-        if role == "drafter" and a.layout is not None:  # plus the target's embedding and lm_head
-            drafter_params += a.target_config.vocab_size * a.target_config.hidden_size // 4
         need_role = "colocated" if a.layout is None else role
         share = preflight.TargetShare.of(plan.target_path, shard_group_size(cfg, a.layout, ctx.world)) \
             if cfg.target.sharding == "fsdp" and need_role != "drafter" else None
-        what = f"the {need_role} rank's weights and optimizer state" + (
-            f" (a 1/{share.parts} shard of the target's layers, {share.GATHERED_LAYERS} layers gathered)" if share else "")
-        preflight.check_gpu(device, preflight.needed_bytes(preflight.checkpoint_parameters(plan.target_path),
-                                                           plan.target_dtype, drafter_params, need_role, share,
-                                                           target_bytes_saved=a.target_fp8_saved_bytes),
-                            ctx.rank, what)
+        need, what = preflight.rank_need(cfg, plan.target_path, a.target_config, a.dcfg, plan.layer_ids,
+                                         plan.target_dtype, plan.compute_dtype, need_role, a.layout is not None,
+                                         share, a.target_fp8_saved_bytes)
+        preflight.check_gpu(device, need, ctx.rank, what)
     data = open_training_data(cfg, a.tokenizer, run.root / "rejects.jsonl" if ctx.is_main else None)
     log.info("data: %s", data.describe())
     batching = (data.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed)
