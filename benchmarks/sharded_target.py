@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--sharding", default="fsdp", choices=["fsdp", "tp"], help="target.sharding of the sharded load")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.sharding == "tp" and args.compile_target:
+        ap.error("--compile-target with --sharding tp: target.compile refuses a tensor-parallel target")
     ctx = DistContext.from_env()
     device = ctx.device(torch.device("cuda"))
     ctx.init(device, alone_too=True)

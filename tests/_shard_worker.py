@@ -72,11 +72,10 @@ def _relative_diff(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def tp_capture_rank(rank: int, world: int, init_file: str, target: str, group: int, layer_ids: list[int],
-                    out_dir: str, compile: bool = False) -> None:
+                    out_dir: str) -> None:
     """`target.sharding: tp`: each rank's pieces against transformers' own full load (column-parallel rows,
     row-parallel columns, the rest whole), and the capture, a full forward and a KV-cache forward against the
-    whole target's (the all-reduce sums in another order: close, not bit-identical). `compile`: the capture
-    through `target.compile`'s wiring, Dynamo's eager backend on the CPU."""
+    whole target's (the all-reduce sums in another order: close, not bit-identical)."""
     from torch.distributed.tensor import DTensor
 
     from dflash_train.model.shard import SHARD_DIM, peak_host_gib, shard_mesh
@@ -86,12 +85,6 @@ def tp_capture_rank(rank: int, world: int, init_file: str, target: str, group: i
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    if compile:
-        from dflash_train.model import compile as compile_layer
-        from dflash_train.model import target as target_mod
-
-        target_mod._COMPILE_DEVICES, target_mod._COMPILE_BACKEND = ("cuda", "cpu"), "eager"
-        compile_layer.watch_recompiles()
     cpu = torch.device("cpu")
     mesh = shard_mesh(cpu, list(range(world)), group)
     model = load_tp_target(target, torch.float32, cpu, mesh)
@@ -112,8 +105,7 @@ def tp_capture_rank(rank: int, world: int, init_file: str, target: str, group: i
     ids = torch.randint(0, whole.config.vocab_size, (2 + rank, 9 + 2 * rank),
                         generator=torch.Generator().manual_seed(rank))
     # Each rank captures its own batch (as in training): the capture runs every group member's in turn.
-    cap, ref = TargetCapture.from_model(model, layer_ids, compile=compile), TargetCapture.from_model(whole, layer_ids)
-    warm = cap.warm_up(length=29)
+    cap, ref = TargetCapture.from_model(model, layer_ids), TargetCapture.from_model(whole, layer_ids)
     got, want = cap(ids), ref(ids)
     got_final, want_final = cap.capture(ids, with_final=True), ref.capture(ids, with_final=True)
     shared = torch.randint(0, whole.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(7))
@@ -134,7 +126,7 @@ def tp_capture_rank(rank: int, world: int, init_file: str, target: str, group: i
         "hf_hidden_states_diff": max(_relative_diff(a, b) for a, b in zip(hf_got, hf_want)),
         "hf_layers": [len(hf_got), len(hf_want)], "cached_logits_diff": _relative_diff(*cached),
         "lm_head_equal": torch.equal(cap.lm_head.weight, ref.lm_head.weight),
-        "tied": cap.lm_head.weight is cap.embed_tokens.weight, **warm,
+        "tied": cap.lm_head.weight is cap.embed_tokens.weight,
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -117,6 +117,8 @@ def test_four_ranks_in_two_shard_groups_train_the_losses_of_unsharded(tmp_path, 
     ({"target": {"sharding": "tp", "quantize": "fp8"}},
      r"'target.quantize': an FP8 target cannot be sharded yet \(target.sharding=tp\)"),
     ({"target": {"sharding": "tp", "shard_group_size": 0}}, r"'target.shard_group_size': must be >= 1"),
+    ({"target": {"sharding": "tp", "compile": True}, "run": {"device": "cuda"}},
+     r"'target.compile': a tensor-parallel target's compiled layers would recompile"),
 ])
 def test_bad_sharding_configs_are_refused_at_load(over, message):
     with pytest.raises(ConfigError, match=message):

@@ -584,6 +584,11 @@ def validate_sharding(cfg: Config) -> None:
         return
     need(t.shard_group_size is None or t.shard_group_size >= 1, "target.shard_group_size",
          f"must be >= 1, or null for all ranks (got {t.shard_group_size})")
+    # DTensor's sharding rules put the batch size modulo the group size into a compiled layer's guards: a
+    # batch of another parity would compile again mid-training (measured on CPU with Dynamo's eager backend).
+    need(t.sharding != "tp" or not t.compile, "target.compile",
+         "a tensor-parallel target's compiled layers would recompile for every new batch-size parity; set "
+         "target.compile=false with target.sharding=tp, or use target.sharding=fsdp")
     need(t.quantize == "none", "target.quantize",
          f"an FP8 target cannot be sharded yet (target.sharding={t.sharding}); set target.quantize=none or "
          "target.sharding=none")
