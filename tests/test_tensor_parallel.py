@@ -119,3 +119,28 @@ def test_layers_of_another_kind_are_refused_from_the_config():
     with pytest.raises(ConfigError, match=r"'target.sharding': .* layers of kind linear_attention"):
         check_tp_target(hybrid, 2)
     check_tp_target(_text_config(qwen3_tied), 4)  # what divides passes
+
+
+def test_only_a_tensor_parallel_decoder_exchanges_its_members_batches():
+    """An FSDP2 decoder (its layers DTensors sharded on dim 0) must capture each rank's own batch alone: only
+    row-parallel weights mark a tensor-parallel one. One rank, a process group of its own."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from dflash_train.model.shard import shard_mesh
+    from dflash_train.model.tensor_parallel import shard_group_of
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = shard_mesh(torch.device("cpu"), [0], 1)
+        fsdp, tp, plain = (qwen3_tied().model for _ in range(3))
+        for layer in fsdp.layers:
+            fully_shard(layer, mesh=mesh)
+        for layer in tp.layers:
+            parallelize_module(layer, mesh["shard"], {"mlp.down_proj": RowwiseParallel()})
+        assert shard_group_of(fsdp) is None and shard_group_of(plain) is None
+        assert shard_group_of(tp) is not None
+    finally:
+        dist.destroy_process_group()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -101,9 +101,10 @@ def load_tp_target(path: str | Path, dtype: torch.dtype, device: torch.device, m
 
 
 def shard_group_of(decoder: nn.Module) -> Optional[dist.ProcessGroup]:
-    """The process group a tensor-parallel decoder's layers all-reduce over (None: not tensor parallel)."""
+    """The process group a tensor-parallel decoder's layers all-reduce over (None: not tensor parallel). Told
+    apart from an FSDP2 decoder, whose layers hold DTensors too, by a row-parallel weight: FSDP2 shards dim 0."""
     for param in decoder.layers.parameters():
-        if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
+        if isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.placements[0] == Shard(1):
             return param.device_mesh.get_group()
     return None
 
