@@ -1,13 +1,16 @@
-"""The cost of a sharded target (`target.sharding: fsdp`) against the whole one, on the GPUs of one host.
+"""The cost of a sharded target (`target.sharding: fsdp` or `tp`) against the whole one, on the GPUs of one host.
 
     PYTHONPATH=src python benchmarks/sharded_target.py --shape qwen3-8b --checkpoint /tmp/q8b --batch 4 --seq 2048
     PYTHONPATH=src torchrun --nproc-per-node 8 benchmarks/sharded_target.py --shape qwen3-27b-class --checkpoint ...
+    PYTHONPATH=src torchrun --nproc-per-node 2 benchmarks/sharded_target.py --sharding tp --checkpoint /tmp/q8b
 
 A random target of the shape is saved once to --checkpoint (safetensors, bf16), then loaded sharded over the
-ranks (each reading only its rows) and timed capturing --batch x --seq tokens to its last captured layer (as a
-training step does). At world size 1 the whole target is loaded too: the capture must be bit-identical and the
-line reports the sharded path's cost (`sharded_over_whole`). Also: load seconds, peak host memory and peak GPU
-memory per rank (rank 0's line; `--json` appends it), MFU on the layers run (active parameters for MoE)."""
+ranks (each reading only its rows; tp: its rows and columns) and timed capturing --batch x --seq tokens to its
+last captured layer (as a training step does; tp: every rank's batch in turn, so a rank's time covers the group's
+batches, as in training). At world size 1 the whole target is loaded too: the capture must be bit-identical
+(fsdp; tp: equal to rounding, `max_abs_diff`) and the line reports the sharded path's cost
+(`sharded_over_whole`). Also: load seconds, peak host memory and peak GPU memory per rank (rank 0's line;
+`--json` appends it), MFU on the layers run (active parameters for MoE)."""
 
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ def save_random_target(shape: dict, path: Path) -> None:
 def main() -> None:
     from dflash_train.algorithms.base import default_target_layer_ids
     from dflash_train.model.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
+    from dflash_train.model.tensor_parallel import load_tp_target
     from dflash_train.model.target import TargetCapture, load_target_model
     from dflash_train.train.dist import DistContext
 
@@ -47,8 +51,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=5, help="drafter layers: which target layers are captured")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--compile-target", action="store_true", help="target.compile for both (warmed up first)")
+    ap.add_argument("--sharding", default="fsdp", choices=["fsdp", "tp"], help="target.sharding of the sharded load")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.sharding == "tp" and args.compile_target:
+        ap.error("--compile-target with --sharding tp: target.compile refuses a tensor-parallel target")
     ctx = DistContext.from_env()
     device = ctx.device(torch.device("cuda"))
     ctx.init(device, alone_too=True)
@@ -61,11 +68,13 @@ def main() -> None:
     input_ids = torch.randint(10, shape["vocab_size"], (args.batch, args.seq),
                               generator=torch.Generator().manual_seed(ctx.rank)).to(device)
     flops = target_flops(shape, [args.seq] * args.batch, max(ids))
-    result = {"shape": args.shape, "world": ctx.world, "batch": args.batch, "seq": args.seq, "peak_tflops": round(peak, 1)}
+    result = {"shape": args.shape, "sharding": args.sharding, "world": ctx.world, "batch": args.batch, "seq": args.seq,
+              "peak_tflops": round(peak, 1)}
 
     t = time.perf_counter()
     mesh = shard_mesh(device, list(range(ctx.world)), ctx.world)
-    sharded = TargetCapture.from_model(load_sharded_target(path, torch.bfloat16, device, mesh), ids,
+    load = load_tp_target if args.sharding == "tp" else load_sharded_target
+    sharded = TargetCapture.from_model(load(path, torch.bfloat16, device, mesh), ids,
                                        compile=args.compile_target)
     sharded.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1)
     result.update(compile_target=args.compile_target, sharded_load_s=round(time.perf_counter() - t, 1), host_peak_gib=round(peak_host_gib(), 2),

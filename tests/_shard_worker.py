@@ -67,6 +67,71 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
     dist.destroy_process_group()
 
 
+def _relative_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def tp_capture_rank(rank: int, world: int, init_file: str, target: str, group: int, layer_ids: list[int],
+                    out_dir: str) -> None:
+    """`target.sharding: tp`: each rank's pieces against transformers' own full load (column-parallel rows,
+    row-parallel columns, the rest whole), and the capture, a full forward and a KV-cache forward against the
+    whole target's (the all-reduce sums in another order: close, not bit-identical)."""
+    from torch.distributed.tensor import DTensor
+
+    from dflash_train.model.shard import SHARD_DIM, peak_host_gib, shard_mesh
+    from dflash_train.model.target import TargetCapture, load_target_model
+    from dflash_train.model.tensor_parallel import load_tp_target
+    from dflash_train.infer.spec_decode import new_cache
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    cpu = torch.device("cpu")
+    mesh = shard_mesh(cpu, list(range(world)), group)
+    model = load_tp_target(target, torch.float32, cpu, mesh)
+    peak = peak_host_gib()
+    whole = load_target_model(target, torch.float32, cpu)
+    full = dict(whole.named_parameters())
+    index, parts = mesh[SHARD_DIM].get_local_rank(), mesh[SHARD_DIM].size()
+    mismatched, split_dims = [], {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and p.placements[0].is_shard():
+            dim = p.placements[0].dim
+            split_dims[name.split(".", 3)[-1]] = dim
+            ok = torch.equal(p.to_local(), full[name].chunk(parts, dim)[index])
+        else:
+            ok = torch.equal(p.to_local() if isinstance(p, DTensor) else p, full[name])
+        if not ok:
+            mismatched.append(name)
+    ids = torch.randint(0, whole.config.vocab_size, (2 + rank, 9 + 2 * rank),
+                        generator=torch.Generator().manual_seed(rank))
+    # Each rank captures its own batch (as in training): the capture runs every group member's in turn.
+    cap, ref = TargetCapture.from_model(model, layer_ids), TargetCapture.from_model(whole, layer_ids)
+    got, want = cap(ids), ref(ids)
+    got_final, want_final = cap.capture(ids, with_final=True), ref.capture(ids, with_final=True)
+    shared = torch.randint(0, whole.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():  # the model's own forward: every rank of the group the same input (validation's way)
+        hf_got = model(input_ids=shared, output_hidden_states=True).hidden_states
+        hf_want = whole(input_ids=shared, output_hidden_states=True).hidden_states
+        cached = []
+        for m in (model, whole):  # a prompt, then two tokens through the KV cache (speculative decoding's way)
+            cache = new_cache()
+            m(input_ids=shared[:, :5], past_key_values=cache, use_cache=True)
+            cached.append(m(input_ids=shared[:, 5:7], past_key_values=cache, use_cache=True).logits)
+    result = {
+        "mismatched": mismatched, "split_dims": split_dims, "peak_host_gib": peak,
+        "plain_tensor": type(got) is torch.Tensor and type(hf_got[1]) is torch.Tensor,
+        "capture_diff": _relative_diff(got, want),
+        "final_diff": max(_relative_diff(got_final[0], want_final[0]), _relative_diff(got_final[1], want_final[1])),
+        "again_diff": _relative_diff(cap(ids), want),
+        "hf_hidden_states_diff": max(_relative_diff(a, b) for a, b in zip(hf_got, hf_want)),
+        "hf_layers": [len(hf_got), len(hf_want)], "cached_logits_diff": _relative_diff(*cached),
+        "lm_head_equal": torch.equal(cap.lm_head.weight, ref.lm_head.weight),
+        "tied": cap.lm_head.weight is cap.embed_tokens.weight,
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
 def _status_gib(field: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -74,11 +139,13 @@ def _status_gib(field: str) -> float:
     raise KeyError(field)
 
 
-def sharded_load_memory_rank(rank: int, world: int, init_file: str, target: str, out_dir: str) -> None:
+def sharded_load_memory_rank(rank: int, world: int, init_file: str, target: str, out_dir: str,
+                             sharding: str = "fsdp") -> None:
     """How far a sharded load alone raises this process's resident memory at its peak: Linux's peak (VmHWM)
     reset to the current size just before (`clear_refs` 5), so imports and start-up do not hide it."""
     from dflash_train.model.shard import load_sharded_target, resident_bytes, shard_mesh
     from dflash_train.model.target import TargetCapture
+    from dflash_train.model.tensor_parallel import load_tp_target
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -86,7 +153,7 @@ def sharded_load_memory_rank(rank: int, world: int, init_file: str, target: str,
     mesh = shard_mesh(cpu, list(range(world)), world)
     Path("/proc/self/clear_refs").write_text("5")
     before = _status_gib("VmRSS")
-    model = load_sharded_target(target, torch.float32, cpu, mesh)
+    model = (load_tp_target if sharding == "tp" else load_sharded_target)(target, torch.float32, cpu, mesh)
     loaded = _status_gib("VmHWM") - before
     Path("/proc/self/clear_refs").write_text("5")
     before = _status_gib("VmRSS")

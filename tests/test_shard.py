@@ -81,11 +81,13 @@ def _big_dense():
 
 
 @pytest.mark.long
-def test_each_rank_reads_only_its_share_of_a_target_larger_than_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sharding", ["fsdp", "tp"])
+def test_each_rank_reads_only_its_share_of_a_target_larger_than_it(tmp_path, monkeypatch, sharding):
     """Two ranks load a target twice as large as each one's share: each one's peak host memory grows by about
-    its share (far less than the whole model, which a full copy per rank would add); the first forward then
-    adds the gathered buffers of a few layers, not more. glibc is told to give large blocks back when they are
-    freed, so the peaks are the program's, not the allocator's keeping."""
+    its share (far less than the whole model, which a full copy per rank would add; tp's row-parallel columns
+    pass through one bounded block of rows at a time); fsdp's first forward then adds the gathered buffers of a
+    few layers, not more. glibc is told to give large blocks back when they are freed, so the peaks are the
+    program's, not the allocator's keeping."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))
     from dflash_train.train.preflight import checkpoint_parameters
 
@@ -97,7 +99,8 @@ def test_each_rank_reads_only_its_share_of_a_target_larger_than_it(tmp_path, mon
     out.mkdir()
     from _shard_worker import sharded_load_memory_rank
 
-    mp.spawn(sharded_load_memory_rank, args=(2, str(out / "init"), str(target), str(out)), nprocs=2, join=True)
+    mp.spawn(sharded_load_memory_rank, args=(2, str(out / "init"), str(target), str(out), sharding), nprocs=2,
+             join=True)
     for r in range(2):
         got = json.loads((out / f"rank{r}.json").read_text())
         assert 0.45 * model_gib < got["resident_gib"] < 0.55 * model_gib, got

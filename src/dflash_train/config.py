@@ -56,9 +56,11 @@ class TargetConfig:
     compile: bool = False
     # none: every rank holds the whole target. fsdp: the ranks of a shard group each hold a slice of every
     # decoder layer (FSDP2) and read only that slice from the checkpoint; a capture all-gathers one layer at a
-    # time. For targets that do not fit one GPU (colocated or split placement). `tp` is not built yet.
+    # time. tp: tensor parallel, each rank holds its heads and MLP columns of every layer and all-reduces
+    # activations twice per layer (dense targets; heads and MLP width must divide by the group). For targets
+    # that do not fit one GPU (colocated or split placement).
     sharding: str = "none"
-    # fsdp: how many ranks share one copy of the target (consecutive target ranks; it must divide them: all ranks
+    # fsdp, tp: how many ranks share one copy of the target (consecutive target ranks; it must divide them: all ranks
     # colocated, parallel.target_ranks split). Several groups each hold the whole target (HSDP). null = one group.
     shard_group_size: Optional[int] = None
     # fp8: the linears of the decoder layers the capture runs (up to the last captured one; all of them with
@@ -564,7 +566,7 @@ def validate(cfg: Config) -> None:
              "drafter ranks yet; use parallel.placement=colocated or set objective.distill_weight=0")
 
 
-SHARDINGS = ("none", "fsdp")
+SHARDINGS = ("none", "fsdp", "tp")
 
 
 def validate_sharding(cfg: Config) -> None:
@@ -575,16 +577,21 @@ def validate_sharding(cfg: Config) -> None:
         if not ok:
             raise ConfigError(f"config key '{key}': {msg}")
 
-    need(t.sharding != "tp", "target.sharding", "tensor parallel sharding is not built yet; use target.sharding=fsdp")
     need(t.sharding in SHARDINGS, "target.sharding", f"must be one of {', '.join(SHARDINGS)} (got {t.sharding!r})")
     if t.sharding == "none":
         need(t.shard_group_size is None, "target.shard_group_size",
-             "applies to a sharded target only; set target.sharding=fsdp or remove target.shard_group_size")
+             "applies to a sharded target only; set target.sharding=fsdp (or tp) or remove target.shard_group_size")
         return
     need(t.shard_group_size is None or t.shard_group_size >= 1, "target.shard_group_size",
          f"must be >= 1, or null for all ranks (got {t.shard_group_size})")
+    # DTensor's sharding rules put the batch size modulo the group size into a compiled layer's guards: a
+    # batch of another parity would compile again mid-training (measured on CPU with Dynamo's eager backend).
+    need(t.sharding != "tp" or not t.compile, "target.compile",
+         "a tensor-parallel target's compiled layers would recompile for every new batch-size parity; set "
+         "target.compile=false with target.sharding=tp, or use target.sharding=fsdp")
     need(t.quantize == "none", "target.quantize",
-         "an FP8 target cannot be sharded yet (target.sharding=fsdp); set target.quantize=none or target.sharding=none")
+         f"an FP8 target cannot be sharded yet (target.sharding={t.sharding}); set target.quantize=none or "
+         "target.sharding=none")
 
 
 def validate_compile_device(cfg: Config, device_type: str) -> None:
@@ -618,7 +625,7 @@ def validate_world(cfg: Config, world: int) -> None:
             f"rank(s); the split placement needs at least one target and one drafter rank "
             f"(start more ranks with --nproc, or use parallel.placement=colocated)"
         )
-    if cfg.target.sharding == "fsdp":
+    if cfg.target.sharding != "none":
         validate_shard_groups(cfg, world)
 
 

@@ -19,7 +19,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoConfig, PreTrainedModel
 
 from .target import _MULTIMODAL_KEY_MAPPING, _checkpoint_keys, _model_class, decoder_of
@@ -62,6 +62,10 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool}
 
 
+# A column slice is read this many bytes of whole rows at a time (the only transient beyond a rank's share).
+_COLUMN_BLOCK_BYTES = 16 * 2**20
+
+
 class _SafetensorsFile:
     """Rows of a tensor read from one safetensors file with plain reads: a row range of a row-major tensor is
     one contiguous byte range, so a rank reads (and holds) exactly its share. Memory-mapping the file instead
@@ -92,6 +96,26 @@ class _SafetensorsFile:
         if self.file.readinto(memoryview(out.numpy())) != out.numel():
             raise OSError(f"{self.path}: tensor {key} ends before its header says (a truncated checkpoint?)")
         return out.view(dtype).reshape(end - start, *shape[1:])
+
+    def columns(self, key: str, start: int, end: int) -> torch.Tensor:
+        """Columns [start, end) of a 2-D tensor (a row-parallel weight's input slice): read a bounded block of
+        rows at a time and keep only the columns, so a rank holds its share plus one block, never the tensor."""
+        entry = self.header[key]
+        dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
+        if len(shape) != 2:
+            raise ValueError(f"{self.path}: tensor {key} has shape {shape}; a column slice needs a 2-D tensor")
+        rows, cols = shape
+        row_bytes = (entry["data_offsets"][1] - entry["data_offsets"][0]) // rows if rows else 0
+        out = torch.empty(rows, end - start, dtype=dtype)
+        block_rows = max(1, _COLUMN_BLOCK_BYTES // max(row_bytes, 1))
+        block = torch.empty(min(block_rows, rows) * row_bytes, dtype=torch.uint8)
+        self.file.seek(self.base + entry["data_offsets"][0])
+        for first in range(0, rows, block_rows):
+            n = min(block_rows, rows - first)
+            if self.file.readinto(memoryview(block.numpy())[: n * row_bytes]) != n * row_bytes:
+                raise OSError(f"{self.path}: tensor {key} ends before its header says (a truncated checkpoint?)")
+            out[first:first + n] = block[: n * row_bytes].view(dtype).view(n, cols)[:, start:end]
+        return out
 
     def close(self) -> None:
         self.file.close()
@@ -140,13 +164,20 @@ class _Checkpoint:
                     return torch.stack([torch.cat([self.rows(n, 0, None) for n in names]) for names in per_expert])
         raise KeyError(name)
 
+    def columns(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Columns [start, end) of the 2-D model tensor `name`; only whole-row blocks pass through memory."""
+        key = self.by_name.get(name)
+        if key is None:
+            raise KeyError(name)
+        return self._file(key).columns(key, start, end)
+
     def close(self) -> None:
         for f in self._open.values():
             f.close()
         self._open.clear()
 
 
-def _skeleton(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[PreTrainedModel, bool]:
+def skeleton(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[PreTrainedModel, bool]:
     """The target's module tree with its parameters on the meta device and its buffers real (the rotary
     frequencies are computed at construction, not stored in the checkpoint). Also: whether checkpoint names
     need the multimodal prefix mapping (a text model built from a multimodal checkpoint)."""
@@ -183,13 +214,23 @@ def load_sharded_target(path: str | Path, dtype: torch.dtype, device: torch.devi
     mode, each rank holding and having read only its rows of each layer tensor (and the whole embedding, final
     norm and lm_head). `prepare_capture` runs its first forward (`TargetCapture.from_model` does)."""
     path = Path(path)
-    model, mapped = _skeleton(path, dtype, trust_remote_code)
+    model, mapped = skeleton(path, dtype, trust_remote_code)
     decoder = decoder_of(model)
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     whole = {p for n, p in decoder.named_parameters() if not n.startswith("layers.")}
     fully_shard(decoder, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
     _keep_output_recording(decoder)
+    fill_from_checkpoint(model, path, mapped, dtype, device, "fsdp")
+    log.info("target sharded over %d rank(s) (FSDP2, one unit per decoder layer): %.2f GiB of weights on this rank; "
+             "peak host memory %.2f GiB", mesh[SHARD_DIM].size(), resident_bytes(model) / 2**30, peak_host_gib())
+    return model
+
+
+def fill_from_checkpoint(model: PreTrainedModel, path: Path, mapped: bool, dtype: torch.dtype, device: torch.device,
+                         sharding: str) -> None:
+    """A skeleton's (sharded) meta parameters made real on `device` and read from the checkpoint, each rank its
+    piece; its real buffers kept; a tied lm_head tied again (to_empty made it a tensor of its own)."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
     with torch.no_grad():
@@ -197,19 +238,28 @@ def load_sharded_target(path: str | Path, dtype: torch.dtype, device: torch.devi
             b.copy_(buffers[name])
     checkpoint = _Checkpoint.of(path, mapped)
     try:
-        _read_weights(model, checkpoint, mesh, dtype)
+        read_weights(model, checkpoint, dtype, sharding)
     finally:
         checkpoint.close()
     if getattr(model.config.get_text_config(decoder=True), "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    log.info("target sharded over %d rank(s) (FSDP2, one unit per decoder layer): %.2f GiB of weights on this rank; "
-             "peak host memory %.2f GiB", mesh[SHARD_DIM].size(), resident_bytes(model) / 2**30, peak_host_gib())
-    return model
 
 
-def _read_weights(model: PreTrainedModel, checkpoint: _Checkpoint, mesh: DeviceMesh, dtype: torch.dtype) -> None:
-    """Fill every parameter from the checkpoint: a sharded one with this rank's rows only."""
-    index, parts = mesh[SHARD_DIM].get_local_rank(), mesh[SHARD_DIM].size()
+def _slice_of(param: nn.Parameter) -> tuple[int, int, Optional[int]]:
+    """(dim, start, end): the piece of the checkpoint tensor this rank holds of `param`, split along `dim` like
+    `torch.chunk` over its mesh dimension that shards it (FSDP: dim 0; tensor parallel: dim 0 column-parallel,
+    dim 1 row-parallel); all of it (end None) for a plain or a replicated tensor."""
+    if isinstance(param, DTensor):
+        for mesh_dim, placement in enumerate(param.placements):
+            if isinstance(placement, Shard):
+                mesh = param.device_mesh
+                return (placement.dim, *rows_of(param.shape[placement.dim], mesh.size(mesh_dim),
+                                                mesh.get_local_rank(mesh_dim)))
+    return 0, 0, None
+
+
+def read_weights(model: PreTrainedModel, checkpoint: _Checkpoint, dtype: torch.dtype, sharding: str) -> None:
+    """Fill every parameter from the checkpoint: a sharded one with this rank's piece only."""
     tied = model.get_output_embeddings().weight if getattr(model.config.get_text_config(decoder=True),
                                                            "tie_word_embeddings", False) else None
     with torch.no_grad():
@@ -217,19 +267,20 @@ def _read_weights(model: PreTrainedModel, checkpoint: _Checkpoint, mesh: DeviceM
             if param is tied and name not in checkpoint.by_name:
                 continue  # the lm_head is the embedding (tied after loading)
             local = param.to_local() if isinstance(param, DTensor) else param
-            start, end = rows_of(param.shape[0], parts, index) if isinstance(param, DTensor) else (0, None)
+            dim, start, end = _slice_of(param)
+            if end is not None and end <= start:  # an empty shard (fewer rows than ranks)
+                continue
             try:
-                rows = checkpoint.rows(name, start, end)
+                piece = checkpoint.columns(name, start, end) if dim == 1 else checkpoint.rows(name, start, end)
             except KeyError:
-                raise KeyError(f"target.sharding=fsdp: the target's tensor {name} is not in its safetensors "
+                raise KeyError(f"target.sharding={sharding}: the target's tensor {name} is not in its safetensors "
                                f"checkpoint under that name (nor as per-expert tensors); load it with "
                                f"target.sharding=none, or save the checkpoint with save_pretrained") from None
-            if rows is None:  # an empty shard (fewer rows than ranks)
-                continue
-            if tuple(rows.shape) != tuple(local.shape):
-                raise ValueError(f"target.sharding=fsdp: {name} rows {start}:{end} read as {tuple(rows.shape)}, the "
-                                 f"model holds {tuple(local.shape)} here (a checkpoint of another shape?)")
-            local.copy_(rows.to(dtype))
+            if tuple(piece.shape) != tuple(local.shape):
+                raise ValueError(f"target.sharding={sharding}: {name} [{start}:{end}] of dim {dim} read as "
+                                 f"{tuple(piece.shape)}, the model holds {tuple(local.shape)} here (a checkpoint of "
+                                 "another shape?)")
+            local.copy_(piece.to(dtype))
 
 
 def resident_bytes(model: nn.Module) -> int:

@@ -9,7 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors import safe_open
@@ -167,6 +167,9 @@ class TargetCapture:
     # The decoder is an FSDP2 root (`target.sharding: fsdp`, model/shard.py): a capture runs a decoder cut
     # after the last captured layer instead of stopping it by an exception (every FSDP post-forward must run).
     sharded: bool = False
+    # Tensor-parallel layers (`target.sharding: tp`, model/tensor_parallel.py): their shard group, whose members
+    # each bring their own batch; a capture runs every member's batch in turn and keeps this rank's.
+    tp_group: Any = None
 
     @classmethod
     def from_model(cls, model: PreTrainedModel, layer_ids: list[int], compile: bool = False) -> "TargetCapture":
@@ -201,8 +204,10 @@ class TargetCapture:
             from .shard import prepare_capture
 
             prepare_capture(decoder, max(layer_ids))
+        from .tensor_parallel import shard_group_of
+
         return cls(model, list(layer_ids), model.get_input_embeddings(), model.get_output_embeddings(),
-                   num_layers, tc.hidden_size, compile, forwards, sharded)
+                   num_layers, tc.hidden_size, compile, forwards, sharded, shard_group_of(decoder))
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.capture(input_ids)[0]
@@ -212,6 +217,18 @@ class TargetCapture:
         """Right-padded `input_ids [B, S]` -> (`[B, S, K*H]` captured layers, the final normed hidden state
         `[B, S, H]` when `with_final`, else None). Causal attention means padding never reaches a real
         token, so no attention mask is passed (the fast causal kernels stay usable)."""
+        if self.tp_group is None:
+            return self._capture(input_ids, with_final)
+        from .tensor_parallel import members_inputs
+
+        batches, me = members_inputs(input_ids, self.tp_group)
+        mine = None
+        for i, ids in enumerate(batches):  # in the same order on every member: the all-reduces pair up
+            out = self._capture(ids, with_final)
+            mine = out if i == me else mine
+        return mine
+
+    def _capture(self, input_ids: torch.Tensor, with_final: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         captured: dict[int, torch.Tensor] = {}
         decoder = decoder_of(self.model)
         stop_at = None if with_final else max(self.layer_ids)

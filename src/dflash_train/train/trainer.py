@@ -32,6 +32,7 @@ from ..model.drafter_init import init_drafter_from_target
 from ..model.fp8_training import use_fp8_training
 from ..model.provenance import target_provenance, write_provenance
 from ..model.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
+from ..model.tensor_parallel import check_tp_target, load_tp_target
 from ..model.target import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
                             read_target_config)
 from ..model_card import training_card
@@ -238,6 +239,8 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
     plan, tokenizer = plan_run(cfg)
     require_label_counts(cfg)  # a reduced draft vocabulary is chosen from the prepared data's label counts
     target_config = read_target_config(plan.target_path, cfg.target.trust_remote_code)
+    if cfg.target.sharding == "tp":  # heads and MLP width must split over the group: refused before any load
+        check_tp_target(target_config, shard_group_size(cfg, layout, world))
     d = cfg.drafter
     dcfg = architecture(d.architecture).config_for_run(target_config, d, plan.layer_ids, plan.mask_token_id)
     fp8_saved = check_fp8_shapes(cfg, plan.target_path, plan.target_fp8_layers, plan.target_dtype, dcfg)
@@ -346,7 +349,7 @@ class RankSetup:
     steps_per_epoch: int
     total: int
     state: RunState
-    target_mesh: object = None  # target.sharding=fsdp: the target ranks' shard groups (model/shard.py)
+    target_mesh: object = None  # target.sharding=fsdp or tp: the target ranks' shard groups (model/shard.py)
 
     def epochs_left(self) -> range:
         """The epochs whose plans the rest of the run reaches (from the current one, one more for a partial)."""
@@ -376,7 +379,7 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
         drafters = a.layout.drafter_ranks
     role = "target" if a.layout is not None and a.layout.is_target(ctx.rank) else "drafter"
     mesh = None
-    if cfg.target.sharding == "fsdp":  # made by every rank (collectively), used by the target ranks
+    if cfg.target.sharding != "none":  # made by every rank (collectively), used by the target ranks
         mesh = shard_mesh(device, target_rank_ids(a.layout, ctx.world), shard_group_size(cfg, a.layout, ctx.world))
     compile_cache = compile_layer.configure_cache(cfg.run.compile_cache_dir, fresh=fresh_compile_cache)
     compile_layer.watch_recompiles()
@@ -391,7 +394,9 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
     if device.type == "cuda":
         need_role = "colocated" if a.layout is None else role
         share = preflight.TargetShare.of(plan.target_path, shard_group_size(cfg, a.layout, ctx.world)) \
-            if cfg.target.sharding == "fsdp" and need_role != "drafter" else None
+            if cfg.target.sharding != "none" and need_role != "drafter" else None
+        if share is not None and cfg.target.sharding == "tp":
+            share.GATHERED_LAYERS = 0  # tensor parallel gathers no weights: a rank holds its slice only
         need, what = preflight.rank_need(cfg, plan.target_path, a.target_config, a.dcfg, plan.layer_ids,
                                          plan.target_dtype, plan.compute_dtype, need_role, a.layout is not None,
                                          share, a.target_fp8_saved_bytes)
@@ -441,15 +446,15 @@ def check_indexing(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter) -> Non
 
 
 def load_target(cfg: Config, plan: Plan, r: RankSetup, rep: Reporter):
-    """This rank's target model: whole, or (`target.sharding: fsdp`) its shard, read alone from the checkpoint;
-    then each rank's peak host memory goes to its heartbeat."""
+    """This rank's target model: whole, or (`target.sharding: fsdp` or `tp`) its shard, read alone from the
+    checkpoint; then each rank's peak host memory goes to its heartbeat."""
     if r.target_mesh is None:
         return load_target_model(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code,
                                  plan.target_fp8_layers)
-    model = load_sharded_target(plan.target_path, plan.target_dtype, r.device, r.target_mesh,
-                                cfg.target.trust_remote_code)
+    load = load_tp_target if cfg.target.sharding == "tp" else load_sharded_target
+    model = load(plan.target_path, plan.target_dtype, r.device, r.target_mesh, cfg.target.trust_remote_code)
     rep.beat_fields["host_peak_gib"] = round(peak_host_gib(), 2)
-    rep.report(target_sharding="fsdp", target_shard_ranks=r.target_mesh[SHARD_DIM].size(),
+    rep.report(target_sharding=cfg.target.sharding, target_shard_ranks=r.target_mesh[SHARD_DIM].size(),
                host_peak_gib=rep.beat_fields["host_peak_gib"])
     return model
 
