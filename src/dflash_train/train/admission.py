@@ -29,8 +29,9 @@ from .checkpoint import list_checkpoints
 log = logging.getLogger(__name__)
 
 # Keys a resumed run may change: how long it trains, how often it logs, saves and validates, which trackers it
-# reports to, and whether the target is sharded (a sharded capture is the same numbers: a run that outgrew its
-# GPUs' memory continues sharded). The data order, anchors, optimizer and model are untouched by them.
+# reports to, and whether the target is sharded (an fsdp capture is the same numbers, a tp one the same up to the
+# all-reduce's rounding: a run that outgrew its GPUs' memory continues sharded). The data order, anchors,
+# optimizer and model are untouched by them.
 RESUMABLE = ("optim.max_steps", "optim.epochs", "run.log_every", "run.save_every", "run.keep_last",
              "run.eval_every", "run.progress_bar", "run.compile_cache_dir", "run.report_to", "target.sharding",
              "target.shard_group_size")
