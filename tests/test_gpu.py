@@ -764,17 +764,18 @@ def test_colocated_one_gpu_run_with_a_reduced_vocabulary_compiles_nothing_after_
     assert dec.generate_tree(prompt, 32, 8).tokens == dec.generate_target_only(prompt, 32).tokens
 
 
-def test_fsdp_with_one_rank_trains_the_losses_of_none(tmp_path, tiny_target_dir, counting_jsonl):
-    """`target.sharding: fsdp` on one GPU (a shard group of one over NCCL): the losses of the unsharded run (the
-    same weights, kernels and shapes; bit-identical on CPU, here within 1e-3 should a gathered buffer's alignment
-    pick another matmul kernel)."""
+@pytest.mark.parametrize("sharding", ["fsdp", "tp"])
+def test_sharded_with_one_rank_trains_the_losses_of_none(tmp_path, tiny_target_dir, counting_jsonl, sharding):
+    """`target.sharding: fsdp | tp` on one GPU (a shard group of one over NCCL): the losses of the unsharded run
+    (the same weights, kernels and shapes; bit-identical on CPU, here within 1e-3 should a gathered buffer's
+    alignment pick another matmul kernel)."""
     from _harness import losses, run
 
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl)
-    plain, sharded = tmp_path / "none", tmp_path / "fsdp"
+    plain, sharded = tmp_path / "none", tmp_path / sharding
     assert run(["train", str(cfg), "--run-dir", str(plain), "--max-steps", "12"], tmp_path / "none.log") == 0
-    assert run(["train", str(cfg), "target.sharding=fsdp", "--run-dir", str(sharded), "--max-steps", "12"],
-               tmp_path / "fsdp.log") == 0, (tmp_path / "fsdp.log").read_text()[-3000:]
+    assert run(["train", str(cfg), f"target.sharding={sharding}", "--run-dir", str(sharded), "--max-steps", "12"],
+               tmp_path / "sharded.log") == 0, (tmp_path / "sharded.log").read_text()[-3000:]
     ref, got = losses(plain), losses(sharded)
     assert sorted(got) == list(range(1, 13)) and all(abs(got[s] - ref[s]) <= 1e-3 * abs(ref[s]) for s in ref), (ref, got)
     assert json.loads((sharded / "status.json").read_text())["target_shard_ranks"] == 1
