@@ -15,8 +15,8 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
     """`compile`: the sharded capture through `target.compile`'s wiring, Dynamo's eager backend on the CPU."""
     from torch.distributed.tensor import DTensor
 
-    from dflash_train.model.shard import SHARD_DIM, load_sharded_target, peak_host_gib, rows_of, shard_mesh
-    from dflash_train.model.target import TargetCapture, load_target_model
+    from dflash_train.model.shard import load_sharded_target, rows_of
+    from dflash_train.model.target import TargetCapture
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -27,13 +27,7 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
 
         target_mod._COMPILE_DEVICES, target_mod._COMPILE_BACKEND = ("cuda", "cpu"), "eager"
         compile_layer.watch_recompiles()
-    cpu = torch.device("cpu")
-    mesh = shard_mesh(cpu, list(range(world)), group)
-    model = load_sharded_target(target, torch.float32, cpu, mesh)
-    peak = peak_host_gib()
-    whole = load_target_model(target, torch.float32, cpu)
-    full = dict(whole.named_parameters())
-    index, parts = mesh[SHARD_DIM].get_local_rank(), mesh[SHARD_DIM].size()
+    model, peak, whole, full, index, parts = _sharded_and_whole(load_sharded_target, target, world, group)
     mismatched, sharded = [], 0
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
@@ -67,6 +61,21 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
     dist.destroy_process_group()
 
 
+def _sharded_and_whole(loader, target: str, world: int, group: int):
+    """(this rank's sharded model by `loader`, its peak host GiB, the whole model, its parameters by name, this
+    rank's index in its shard group, the group's size)."""
+    from dflash_train.model.shard import SHARD_DIM, peak_host_gib, shard_mesh
+    from dflash_train.model.target import load_target_model
+
+    cpu = torch.device("cpu")
+    mesh = shard_mesh(cpu, list(range(world)), group)
+    model = loader(target, torch.float32, cpu, mesh)
+    peak = peak_host_gib()
+    whole = load_target_model(target, torch.float32, cpu)
+    return (model, peak, whole, dict(whole.named_parameters()), mesh[SHARD_DIM].get_local_rank(),
+            mesh[SHARD_DIM].size())
+
+
 def _relative_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
@@ -78,20 +87,13 @@ def tp_capture_rank(rank: int, world: int, init_file: str, target: str, group: i
     whole target's (the all-reduce sums in another order: close, not bit-identical)."""
     from torch.distributed.tensor import DTensor
 
-    from dflash_train.model.shard import SHARD_DIM, peak_host_gib, shard_mesh
-    from dflash_train.model.target import TargetCapture, load_target_model
+    from dflash_train.model.target import TargetCapture
     from dflash_train.model.tensor_parallel import load_tp_target
     from dflash_train.infer.spec_decode import new_cache
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    cpu = torch.device("cpu")
-    mesh = shard_mesh(cpu, list(range(world)), group)
-    model = load_tp_target(target, torch.float32, cpu, mesh)
-    peak = peak_host_gib()
-    whole = load_target_model(target, torch.float32, cpu)
-    full = dict(whole.named_parameters())
-    index, parts = mesh[SHARD_DIM].get_local_rank(), mesh[SHARD_DIM].size()
+    model, peak, whole, full, index, parts = _sharded_and_whole(load_tp_target, target, world, group)
     mismatched, split_dims = [], {}
     for name, p in model.named_parameters():
         if isinstance(p, DTensor) and p.placements[0].is_shard():
