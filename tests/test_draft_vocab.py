@@ -34,6 +34,7 @@ from dflash_train.model.io import load_drafter, save_drafter
 from dflash_train.model.target import TargetCapture, load_target_model, load_tokenizer
 from dflash_train.train import preflight
 from dflash_train.train.trainer import choose_draft_vocabulary
+from _harness import write_config
 from _memorise import memorise
 
 
@@ -380,14 +381,9 @@ def test_a_d2t_that_maps_outside_the_vocabulary_is_refused(memorised, tmp_path):
 def test_train_export_and_eval_a_reduced_vocabulary_drafter(prepared, tiny_target_dir, tmp_path, capsys):
     """The whole path on the CLI: train on a prepared directory, the metric in metrics.jsonl, the export, and
     `eval` loading it (lossless against the target's own greedy output)."""
-    cfg = {"target": {"path": str(tiny_target_dir)},
-           "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa", "draft_vocab_size": 40},
-           "data": {"train_files": [str(prepared)], "max_length": 256, "token_budget": 1024, "max_batch_size": 4},
-           "objective": {"max_anchors": 16},
-           "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.05},
-           "run": {"device": "cpu", "log_every": 2, "save_every": 100, "eval_every": 0, "progress_bar": False,
-                   "export_dtype": "float32"}}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    write_config(tmp_path / "c.yaml", tiny_target_dir, prepared, drafter__draft_vocab_size=40,
+                 data__token_budget=1024, data__max_batch_size=4, objective__gamma=config_from_dict({}).objective.gamma,
+                 run__log_every=2, run__save_every=100, run__eval_every=0, run__export_dtype="float32")
     run = tmp_path / "run"
     assert main(["train", str(tmp_path / "c.yaml"), "--run-dir", str(run), "--max-steps", "4"]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -412,7 +408,7 @@ def test_two_ranks_train_the_head_together_and_resume_exactly(prepared, tiny_tar
     """Two colocated gloo ranks (the head trained outside DDP's forward still all-reduces), stopped after a
     checkpoint and resumed: the resumed run logs the uninterrupted run's losses and keeps its vocabulary. A
     constant learning rate, so that the shorter first run's schedule is the longer one's."""
-    from _harness import assert_same_losses, losses, write_config
+    from _harness import assert_same_losses, losses
 
     cfg = write_config(tmp_path / "c.yaml", tiny_target_dir, prepared, drafter__draft_vocab_size=40,
                        run__save_every=3, run__eval_every=0, optim__warmup_ratio=0.0, optim__min_lr_ratio=1.0)

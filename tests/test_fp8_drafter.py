@@ -24,6 +24,7 @@ from dflash_train.model.fp8 import dequantize, quantize
 from dflash_train.model.fp8_training import Fp8Matmul, Fp8TrainingLinear, fp8_drafter_linears, use_fp8_training
 from dflash_train.model.io import load_drafter
 from dflash_train.train.fp8_plan import check_fp8_device
+from _harness import write_config
 
 # Each operand element is rounded by at most 2^-4 of itself; a product of two rounded operands is off by at most
 # sqrt(2) * 2^-4 relative (independent errors).
@@ -203,15 +204,9 @@ def test_shapes_and_dtypes_fp8_refuses(tmp_path, tiny_target_dir, counting_jsonl
 
 
 def test_a_cpu_run_with_an_fp8_drafter_learns_and_exports(tmp_path, tiny_target_dir, counting_jsonl):
-    cfg = {"target": {"path": str(tiny_target_dir)},
-           "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa", "fp8": True},
-           "data": {"train_files": [str(counting_jsonl)], "max_length": 256, "token_budget": 1024,
-                    "max_batch_size": 4},
-           "objective": {"max_anchors": 16, "gamma": 4.0},
-           "optim": {"lr": 5e-3, "epochs": 10, "warmup_ratio": 0.05},
-           "run": {"device": "cpu", "log_every": 5, "save_every": 100, "eval_every": 0, "progress_bar": False,
-                   "export_dtype": "float32"}}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    write_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, drafter__fp8=True, data__token_budget=1024,
+                 data__max_batch_size=4, optim__lr=5e-3, run__log_every=5, run__save_every=100, run__eval_every=0,
+                 run__export_dtype="float32")
     run = tmp_path / "R"
     assert main(["train", str(tmp_path / "c.yaml"), "--run-dir", str(run), "--max-steps", "30"]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "loss" in line]
