@@ -805,6 +805,9 @@ def test_fsdp_over_two_gpus_trains_the_losses_of_unsharded(tmp_path, tiny_target
 # sqrt(L). (The first GPU run, against a flat 0.125, measured 0.152 after 2 and 0.201 after 4 layers of the 8B
 # shape; bf16 0.013 / 0.017.)
 FP8_CAPTURE_BOUND_PER_LAYER = 0.125
+# e4m3's unit roundoff (2^-4) over bf16's (2^-8): where the same graph rounds its matmul operands to e4m3 instead of
+# bf16, its error grows by at most this factor.
+E4M3_OVER_BF16 = 16
 
 
 def test_fp8_target_capture_error_at_the_8b_shape_eager_and_compiled(capsys):
@@ -865,9 +868,13 @@ def test_fp8_target_capture_error_at_the_8b_shape_eager_and_compiled(capsys):
 
 
 def test_fp8_drafter_numerics_against_bf16_eager_and_compiled(capsys):
-    """drafter.fp8 on the GPU's kernels (flex attention, bf16 autocast): output and every gradient within FP8's
-    rounding of the float32 result (per matmul 0.088; two chained layers and the q/k gradients' noise allowed up
-    to 0.2), reported beside bf16's; the compiled FP8 layers no worse than twice the eager FP8 ones."""
+    """drafter.fp8 on the GPU's kernels (flex attention, bf16 autocast): the output and every gradient against
+    float32, reported beside bf16's. Every FP8 error stays below E4M3_OVER_BF16 x bf16's on the same tensor: each
+    matmul operand now rounds to e4m3 (unit roundoff 2^-4) where bf16 rounds it to 2^-8, and the rest of the
+    graph (attention's softmax backward, which amplifies the q/k gradients' error ~2x, the norms) is common to
+    both. It must also be really FP8 (above 3x bf16's on the output), and the compiled FP8 layers no worse than
+    twice the eager ones. (The first GPU run: FP8 9-11x bf16 on every tensor, q/k weight gradients 0.37 against
+    bf16's 0.038; a flat 0.2 bound had been argued per matmul and did not hold through attention.)"""
     import copy
 
     from dflash_train.model.fp8_training import use_fp8_training
@@ -889,9 +896,9 @@ def test_fp8_drafter_numerics_against_bf16_eager_and_compiled(capsys):
         print("\ndrafter relative errors against float32 (bf16, fp8, fp8 compiled):")
         for k, v in report.items():
             print(f"  {k}: {tuple(round(e, 4) for e in v)}")
-    assert report["out"][1] < 0.1 and report["out"][1] > report["out"][0], report["out"]
+    assert report["out"][1] < 0.1 and report["out"][1] > 3 * report["out"][0], report["out"]
     for k, (b, f, c) in report.items():
-        assert f < 0.2, (k, b, f)
+        assert f < E4M3_OVER_BF16 * b, (k, b, f)
         assert c < 2 * f + 1e-2, (k, f, c)
 
 
