@@ -202,6 +202,39 @@ def test_greedy_decoding_through_the_selector_is_lossless(target):
         assert dec.generate_tree(prompt, 24, 12).tokens == ref
 
 
+def test_tree_candidates_score_every_branch_given_its_own_predecessor(target):
+    """DDTree for DFlash2: slot t's candidate log-probabilities given each candidate of slot t-1 as the previous
+    token equal log softmax(S(a, .)) computed by hand in float64 (slot 1's given the anchor), and the tree built
+    from them has the selector's greedy path as its first branch."""
+    d = dflash2(target, block_size=5, perturb=0.3).double()
+    head = target.get_output_embeddings().double()
+    torch.manual_seed(4)
+    hidden = torch.randn(2, 5, 64, dtype=torch.float64)
+    anchors = torch.tensor([7, 11])
+    lp, cand = d.tree_candidates(hidden, head, anchors, 32)
+    c = d.selector_top_k
+    assert lp.shape == (2, 4, c, c) and cand.shape == (2, 4, c)
+    sel = d.candidate_selector
+    logits = d.logits(hidden, head)[:, 1:]
+    for n in range(2):
+        for t in range(4):
+            unary = logits[n, t, cand[n, t]]
+            z = sel.hidden_projection(hidden[n, t + 1])
+            for p in range(c):
+                prev = anchors[n] if t == 0 else cand[n, t - 1, p]
+                s = unary + sel.successor_codebook[cand[n, t]].double() @ (sel.predecessor_codebook[prev].double() * z)
+                torch.testing.assert_close(lp[n, t, p], torch.log_softmax(s, -1), rtol=1e-10, atol=1e-10)
+    path, _, _ = sel.walk(logits.topk(c, -1).values, cand, hidden[:, 1:], anchors)
+    for n in range(2):
+        tokens, parents, depths = SpeculativeDecoder.build_tree_from_top(lp[n].tolist(), cand[n].tolist(), 10**4)
+        assert len(tokens) == sum(c ** d for d in range(1, 5))  # every path: the whole tree
+        node, first_branch = -1, []
+        for depth in range(1, 5):  # a node's best child is the first of its children built
+            node = next(i for i, (par, dep) in enumerate(zip(parents, depths)) if par == node and dep == depth)
+            first_branch.append(tokens[node])
+        assert first_branch == path[n].tolist()
+
+
 def test_sampled_drafts_follow_the_returned_candidate_distribution(target):
     """Speculative sampling is exact when each draft is drawn from the q it reports (the accept rule itself is
     tested in test_spec_decode): slot 1's draws follow q_1, and slot 2's, given slot 1's token, follow q_2."""

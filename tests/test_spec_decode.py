@@ -103,6 +103,40 @@ def test_tree_is_best_first_and_respects_the_budget():
         assert p < i and (p == -1 or depths[p] == depths[i] - 1)
 
 
+
+@pytest.mark.parametrize("budget", [1, 5, 9, 14])
+def test_a_tree_given_each_parent_is_best_first_over_conditional_paths(budget):
+    """Candidates whose log-probabilities depend on the parent (one row per candidate of the depth before): the
+    tree is the `budget` best root paths by summed conditional log-probability, found by brute force."""
+    import itertools
+
+    g = torch.Generator().manual_seed(budget)
+    k, depth = 3, 3
+    ids = [[10 * d + c for c in range(k)] for d in range(depth)]
+    rows = [torch.log_softmax(torch.randn(k, k, generator=g), -1) for _ in range(depth)]
+    lp = [r.tolist() for r in rows]
+    tokens, parents, depths = SpeculativeDecoder.build_tree_from_top(lp, ids, budget)
+    assert len(tokens) == budget
+    paths = []
+    for d in range(1, depth + 1):
+        for combo in itertools.product(range(k), repeat=d):
+            score = sum(rows[i][0 if i == 0 else combo[i - 1], c].item() for i, c in enumerate(combo))
+            paths.append((score, tuple(ids[i][c] for i, c in enumerate(combo))))
+    best = {p for _, p in sorted(paths, reverse=True)[:budget]}
+    got = set()
+    for i in range(budget):
+        path, node = [], i
+        while node != -1:
+            path.append(tokens[node])
+            node = parents[node]
+        got.add(tuple(reversed(path)))
+        assert depths[i] == len(path)
+    assert got == best
+    # the same rows given once per depth (no dependence on the parent) build the tree of the independent form
+    flat = [r[0].tolist() for r in rows]
+    assert (SpeculativeDecoder.build_tree_from_top([[f] * k for f in flat], ids, budget)
+            == SpeculativeDecoder.build_tree_from_top(flat, ids, budget))
+
 def test_tree_mask_is_ancestor_only(target):
     dec = SpeculativeDecoder(target, make_drafter(target, 4))
     parents = [-1, -1, 0, 0, 2, 1]

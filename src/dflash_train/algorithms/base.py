@@ -371,8 +371,10 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
 
     def tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
                         k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each slot's `k` best next tokens (target ids) and their log-probabilities, best first (`[n, bs-1, k]`
-        each), for a DDTree over the block: here the slots' own distributions."""
+        """Each slot's candidate next tokens (target ids, `[n, bs-1, k]`) and their log-probabilities for a DDTree
+        over the block (`SpeculativeDecoder.build_tree_from_top`): `[n, bs-1, k]` when each slot's distribution
+        is its own (here: its `k` best, best first), or `[n, bs-1, k, k]` when it depends on the token before
+        (row p: given candidate p of the slot before; an architecture with a pairwise model overrides this)."""
         log_probs = torch.log_softmax(self.logits(hidden, lm_head)[:, 1:].float(), -1)
         top_lp, top = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
         return top_lp, self.target_ids(top)

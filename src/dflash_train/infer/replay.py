@@ -97,7 +97,8 @@ def greedy_continuations(target, prompts: list[list[int]], num_new: int, batch_s
 @dataclass
 class Proposals:
     """What the drafter would propose at every anchor `prompt_len + j`, j < `num_anchors`: greedy drafts
-    `[N, B-1]` and the top-k log-probabilities and ids per slot `[N, B-1, k]` (for trees)."""
+    `[N, B-1]` and the tree candidates per slot (`Drafter.tree_candidates`: ids `[N, B-1, k]`, log-probabilities
+    `[N, B-1, k]` or, given the previous slot's candidate, `[N, B-1, k, k]`)."""
 
     drafts: torch.Tensor
     top_lp: Optional[torch.Tensor]

@@ -212,7 +212,7 @@ class SpeculativeDecoder:
         return drafts[0], (q[0] if q is not None else None)
 
     def _tree_candidates(self, context: torch.Tensor, anchor: int, start: int, dcache: DrafterKVCache, k: int):
-        """Per slot 1..B-1 its `k` best tokens and their log-probabilities, best first (`[B-1, k]` each)."""
+        """Per slot 1..B-1 its tree candidates (`Drafter.tree_candidates` of this one block)."""
         hidden, anchor_t = self._draft_hidden(context, anchor, start, dcache)
         top_lp, top_ids = self.drafter.tree_candidates(hidden, self.lm_head, anchor_t, k)
         return top_lp[0], top_ids[0]
@@ -306,25 +306,44 @@ class SpeculativeDecoder:
         return SpeculativeDecoder.build_tree_from_top(top_lp.tolist(), top_ids.tolist(), budget)
 
     @staticmethod
-    def build_tree_from_top(top_lp: list[list[float]], top_ids: list[list[int]],
+    def build_tree_from_top(top_lp: list, top_ids: list[list[int]],
                             budget: int) -> tuple[list[int], list[int], list[int]]:
-        """`build_tree` from each depth's candidates, best first (`top_lp[d][r]`, `top_ids[d][r]`); only the
-        first `budget` of each depth are used."""
+        """The best-first tree of `budget` nodes over each depth's candidates `top_ids[d]`: the nodes with the
+        highest summed log-probability of their path from the root (a prefix-closed set). `top_lp[d]` holds the
+        candidates' log-probabilities, either as one list (each depth's own distribution, independent of the
+        parent: DFlash) or as one list per candidate of depth d-1, given that candidate as the previous token
+        (depth 0's first list given the anchor: DFlash2's selector). At most `budget` children per node."""
         depth_max = len(top_lp)
-        k = min(budget, len(top_lp[0]))
+        orders: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
+
+        def children(depth: int, parent_cand: int) -> tuple[list[float], list[int]]:
+            """(log-probabilities, candidate indices) of the children at `depth` (0-based), best first (ties in
+            the given order), of a parent that is candidate `parent_cand` of depth - 1 (-1: the root)."""
+            rows = top_lp[depth]
+            key = (depth, max(parent_cand, 0) if isinstance(rows[0], list) else 0)
+            if key not in orders:
+                row = rows[key[1]] if isinstance(rows[0], list) else rows
+                idx = sorted(range(len(row)), key=row.__getitem__, reverse=True)[:budget]
+                orders[key] = ([row[i] for i in idx], idx)
+            return orders[key]
+
         tokens, parents, depths = [], [], []
-        # heap entries: (-score, parent node, depth (1-based), rank at that depth, parent score)
-        heap = [(-top_lp[0][0], -1, 1, 0, 0.0)]
+        # heap entries: (-score, parent node, depth (1-based), rank among the parent's children, parent score,
+        # the parent's candidate index at its depth (-1 for the root))
+        heap = [(-children(0, -1)[0][0], -1, 1, 0, 0.0, -1)]
         while heap and len(tokens) < budget:
-            neg, parent, depth, rank, parent_score = heapq.heappop(heap)
+            neg, parent, depth, rank, parent_score, parent_cand = heapq.heappop(heap)
+            lps, cands = children(depth - 1, parent_cand)
+            cand = cands[rank]
             node = len(tokens)
-            tokens.append(top_ids[depth - 1][rank])
+            tokens.append(top_ids[depth - 1][cand])
             parents.append(parent)
             depths.append(depth)
-            if rank + 1 < k:  # next sibling
-                heapq.heappush(heap, (-(parent_score + top_lp[depth - 1][rank + 1]), parent, depth, rank + 1, parent_score))
+            if rank + 1 < len(cands):  # next sibling
+                heapq.heappush(heap, (-(parent_score + lps[rank + 1]), parent, depth, rank + 1, parent_score,
+                                      parent_cand))
             if depth < depth_max:  # best child
-                heapq.heappush(heap, (-(-neg + top_lp[depth][0]), node, depth + 1, 0, -neg))
+                heapq.heappush(heap, (-(-neg + children(depth, cand)[0][0]), node, depth + 1, 0, -neg, cand))
         return tokens, parents, depths
 
     def _tree_mask(self, parents: list[int], past: int, dtype: torch.dtype) -> torch.Tensor:

@@ -89,12 +89,14 @@ class DFlash2Drafter(DFlashDrafter):
 
     def tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
                         k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Along the selector's greedy path, each slot's candidates ranked by log softmax(S) given the path's
-        previous token: the tree's first branch is the selector's path, its siblings the next-best candidates."""
+        """Each slot's candidates `[n, bs-1, c]` (the unary top-c, c = selector_top_k) and log softmax(S) over
+        them given each candidate of the slot before as the previous token, `[n, bs-1, c, c]` (slot 1's rows
+        all given the anchor): the tree scores every branch with its own predecessor, and its first branch is
+        the selector's greedy path. `k` is not needed: the candidates are the selector's."""
         unary, cand = self._candidates(hidden, lm_head)
-        selector = self.candidate_selector
-        tokens, _, _ = selector.walk(unary, cand, hidden[:, 1:], anchor_ids)
-        previous = torch.cat([anchor_ids.view(-1, 1), tokens[:, :-1]], 1)
-        log_q = torch.log_softmax(selector.scores(unary, hidden[:, 1:], previous, cand), -1)
-        top_lp, order = log_q.topk(min(k, log_q.shape[-1]), dim=-1)
-        return top_lp, cand.gather(-1, order)
+        n, steps, c = cand.shape
+        previous = torch.cat([anchor_ids.view(-1, 1, 1).expand(n, 1, c), cand[:, :-1]], 1)  # [n, T, c]
+        scores = self.candidate_selector.scores(
+            unary.unsqueeze(2).expand(n, steps, c, c), hidden[:, 1:].unsqueeze(2).expand(n, steps, c, -1),
+            previous, cand.unsqueeze(2).expand(n, steps, c, c))  # [n, T, c previous, c]
+        return torch.log_softmax(scores, -1), cand
