@@ -30,7 +30,7 @@ append one record per prompt and a later call runs only the missing prompts. Exi
 `--copy-to DIR` (e.g. the GPU machine's $OUT, which brings back at most 8 files, 16 MiB each, 64 MiB in
 all, two folders deep) writes, at the end of every call, also a failed one: summary.json, summary.md,
 logs.tar.gz (metrics.jsonl, train/driver/worker logs, pipeline.json, eval plan and report) and drafter/ (the
-exported drafter as drafter.tar.gz.part-aa, -ab, ... of at most 15 MiB + SHA256SUMS; tools/gpu_pack.py). Here,
+exported drafter as drafter.tar.gz.part-aa, -ab, ... of at most 16 MiB + SHA256SUMS; tools/gpu_pack.py). Here,
 put the drafter back together (sums checked) and evaluate it again, on CPU or GPU, without training:
 
     tools/join_drafter.sh <files>/drafter runs/quality-gpu/export
@@ -1445,7 +1445,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-every", type=int, default=0, metavar="STEPS",
                    help="save the default run every STEPS steps and replay every checkpoint: tau against training time")
     p.add_argument("--copy-to", help="bring back here (e.g. $OUT): summary.json/.md, logs.tar.gz (metrics, logs, the "
-                        "eval report) and drafter/ (the exported drafter in parts of <= 15 MiB + SHA256SUMS; join "
+                        "eval report) and drafter/ (the exported drafter in parts of < 16 MiB + SHA256SUMS; join "
                         "with tools/join_drafter.sh), within 8 files / 16 MiB each / 64 MiB")
     return p
 

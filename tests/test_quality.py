@@ -439,6 +439,18 @@ def _out_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()]
 
 
+def test_the_default_parts_leave_room_for_the_logs_beside_a_60_mib_drafter():
+    """Session 12's case: a 60.4 MiB exported drafter (it does not compress) in parts of PART_BYTES, its
+    SHA256SUMS, both summaries and logs.tar.gz are within the GPU machine's 8 files and 64 MiB (with 15 MiB
+    parts the drafter took 5 parts and the logs did not come back)."""
+    import math
+
+    limits, drafter = gpu_pack.OUT_LIMITS, int(60.4 * 2**20)
+    files = 2 + math.ceil(drafter / gpu_pack.PART_BYTES) + 1 + 1  # summaries, parts, SHA256SUMS, logs
+    assert gpu_pack.PART_BYTES <= limits.file_bytes and files <= limits.files
+    assert drafter + 2**20 <= limits.total_bytes  # with a MiB of summaries, checksums and logs
+
+
 @needs_shell
 def test_copy_out_brings_back_summary_drafter_and_logs_within_the_limits(tmp_path):
     import tarfile
