@@ -5,6 +5,7 @@ the reference export format read back by an independent minimal decoder."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -203,36 +204,46 @@ def test_greedy_decoding_through_the_selector_is_lossless(target):
 
 
 def test_tree_candidates_score_every_branch_given_its_own_predecessor(target):
-    """DDTree for DFlash2: slot t's candidate log-probabilities given each candidate of slot t-1 as the previous
-    token equal log softmax(S(a, .)) computed by hand in float64 (slot 1's given the anchor), and the tree built
-    from them has the selector's greedy path as its first branch."""
+    """DDTree for DFlash2, by hand (the selector's scores in float64): each slot's candidates are its 32 best unary tokens; given a
+    candidate of the slot before (the anchor for slot 1) as the previous token, the selector's candidates (the
+    first top_k) share the unary mass they hold as softmax(S(a, .)) shares it, the rest keep their unary
+    log-probability. Following each best candidate from the anchor gives the selector's greedy path; with the
+    identity selector the rows are DFlash's marginals (the tree of an untrained DFlash2 drafter is DFlash's)."""
     d = dflash2(target, block_size=5, perturb=0.3).double()
-    head = target.get_output_embeddings().double()
+    head = copy.deepcopy(target.get_output_embeddings()).double()  # .double() of a module is in place
     torch.manual_seed(4)
     hidden = torch.randn(2, 5, 64, dtype=torch.float64)
     anchors = torch.tensor([7, 11])
     lp, cand = d.tree_candidates(hidden, head, anchors, 32)
     c = d.selector_top_k
-    assert lp.shape == (2, 4, c, c) and cand.shape == (2, 4, c)
+    assert lp.shape == (2, 4, 32, 32) and cand.shape == (2, 4, 32)
     sel = d.candidate_selector
     logits = d.logits(hidden, head)[:, 1:]
+    log_p = torch.log_softmax(logits, -1)
     for n in range(2):
         for t in range(4):
-            unary = logits[n, t, cand[n, t]]
+            assert torch.equal(cand[n, t], log_p[n, t].topk(32).indices)
+            unary_lp = log_p[n, t, cand[n, t]]
             z = sel.hidden_projection(hidden[n, t + 1])
-            for p in range(c):
+            for p in range(32):
                 prev = anchors[n] if t == 0 else cand[n, t - 1, p]
-                s = unary + sel.successor_codebook[cand[n, t]].double() @ (sel.predecessor_codebook[prev].double() * z)
-                torch.testing.assert_close(lp[n, t, p], torch.log_softmax(s, -1), rtol=1e-10, atol=1e-10)
-    path, _, _ = sel.walk(logits.topk(c, -1).values, cand, hidden[:, 1:], anchors)
+                s = logits[n, t, cand[n, t, :c]] + sel.successor_codebook[cand[n, t, :c]] @ (sel.predecessor_codebook[prev] * z)
+                want = unary_lp.clone()
+                want[:c] = torch.log_softmax(s, -1) + unary_lp[:c].logsumexp(0)
+                torch.testing.assert_close(lp[n, t, p], want, rtol=1e-10, atol=1e-10)
+    path, _, _ = sel.walk(logits.topk(c, -1).values, logits.topk(c, -1).indices, hidden[:, 1:], anchors)
     for n in range(2):
-        tokens, parents, depths = SpeculativeDecoder.build_tree_from_top(lp[n].tolist(), cand[n].tolist(), 10**4)
-        assert len(tokens) == sum(c ** d for d in range(1, 5))  # every path: the whole tree
-        node, first_branch = -1, []
-        for depth in range(1, 5):  # a node's best child is the first of its children built
-            node = next(i for i, (par, dep) in enumerate(zip(parents, depths)) if par == node and dep == depth)
-            first_branch.append(tokens[node])
-        assert first_branch == path[n].tolist()
+        row, greedy = lp[n, 0, 0], []
+        for t in range(4):
+            j = int(row.argmax())
+            greedy.append(int(cand[n, t, j]))
+            row = lp[n, t + 1, j] if t < 3 else None
+        assert greedy == path[n].tolist()
+    identity = dflash2(target, block_size=5).double()
+    lp0, cand0 = identity.tree_candidates(hidden, head, anchors, 32)
+    want_lp, want_ids = DFlashDrafter.tree_candidates(identity, hidden, head, anchors, 32)
+    assert torch.equal(cand0, want_ids)
+    torch.testing.assert_close(lp0, want_lp.unsqueeze(2).expand_as(lp0), rtol=1e-5, atol=1e-6)  # float32 logits
 
 
 def test_sampled_drafts_follow_the_returned_candidate_distribution(target):

@@ -98,6 +98,32 @@ def test_replay_equals_real_decoding_for_block_and_tree(target):
     assert max(taus) > 1.5  # the comparison covered multi-token steps, not only tau = 1
 
 
+def test_replay_equals_real_decoding_for_a_dflash2_drafter_block_and_tree(target):
+    """DFlash2: the selector's path (block) and its parent-conditioned tree replay as real decoding decodes them."""
+    from dflash_train.algorithms.dflash2.config import make_dflash2_config
+    from dflash_train.algorithms.dflash2.model import DFlash2Drafter
+
+    bs, max_new = 5, 20
+    prompts = _prompts()
+    conts = greedy_continuations(target, prompts, max_new + bs - 1)
+    torch.manual_seed(0)
+    cfg = make_dflash2_config(target.config, num_draft_layers=1, block_size=bs, target_layer_ids=[1, 4],
+                              mask_token_id=16, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    drafter = memorise(DFlash2Drafter(cfg).double(), target, [p + c for p, c in zip(prompts, conts)], steps=40)
+    with torch.no_grad():  # a selector that is not the identity: the path and the tree's rows depend on it
+        drafter.candidate_selector.successor_codebook.normal_(0.0, 0.1)
+    dec = SpeculativeDecoder(target, drafter, stop_token_ids=STOPS)
+    taus = []
+    for i, (p, c) in enumerate(zip(prompts, conts)):
+        rep = replay_turn(target, drafter, ReplayTurn("toy", str(i), 0, p, c), max_new, (3, 8), STOPS)
+        real = {"block": dec.generate_block(p, max_new), "tree-3": dec.generate_tree(p, max_new, 3),
+                "tree-8": dec.generate_tree(p, max_new, 8)}
+        for mode, res in real.items():
+            assert rep.modes[mode] == (res.tokens, res.accept_lengths), mode
+        taus.append(sum(rep.modes["tree-8"][1]) / len(rep.modes["tree-8"][1]))
+    assert max(taus) > 1.5
+
+
 def test_replay_refuses_a_continuation_too_short_for_the_block(target):
     drafter = _drafter(target, 8)
     with pytest.raises(ValueError, match="needs 23"):

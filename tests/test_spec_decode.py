@@ -114,8 +114,7 @@ def test_a_tree_given_each_parent_is_best_first_over_conditional_paths(budget):
     k, depth = 3, 3
     ids = [[10 * d + c for c in range(k)] for d in range(depth)]
     rows = [torch.log_softmax(torch.randn(k, k, generator=g), -1) for _ in range(depth)]
-    lp = [r.tolist() for r in rows]
-    tokens, parents, depths = SpeculativeDecoder.build_tree_from_top(lp, ids, budget)
+    tokens, parents, depths = SpeculativeDecoder.build_tree_from_top(torch.stack(rows), torch.tensor(ids), budget)
     assert len(tokens) == budget
     paths = []
     for d in range(1, depth + 1):
@@ -133,9 +132,9 @@ def test_a_tree_given_each_parent_is_best_first_over_conditional_paths(budget):
         assert depths[i] == len(path)
     assert got == best
     # the same rows given once per depth (no dependence on the parent) build the tree of the independent form
-    flat = [r[0].tolist() for r in rows]
-    assert (SpeculativeDecoder.build_tree_from_top([[f] * k for f in flat], ids, budget)
-            == SpeculativeDecoder.build_tree_from_top(flat, ids, budget))
+    flat = torch.stack([r[0] for r in rows])
+    assert (SpeculativeDecoder.build_tree_from_top(flat.unsqueeze(1).expand(depth, k, k), torch.tensor(ids), budget)
+            == SpeculativeDecoder.build_tree_from_top(flat, torch.tensor(ids), budget))
 
 def test_tree_mask_is_ancestor_only(target):
     dec = SpeculativeDecoder(target, make_drafter(target, 4))

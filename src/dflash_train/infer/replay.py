@@ -182,7 +182,7 @@ def teacher_forced_walk(drafter: Drafter, embed: Callable, lm_head: torch.nn.Mod
     return accepts
 
 
-def _tree_accepts(top_lp: list, top_ids: list, budget: int, truth: Sequence[int]) -> int:
+def _tree_accepts(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int, truth: Sequence[int]) -> int:
     """Depth reached in the DDTree built from one anchor's top-k lists by following the true continuation."""
     tokens, parents, _ = SpeculativeDecoder.build_tree_from_top(top_lp, top_ids, budget)
     children: dict[int, dict[int, int]] = {}
@@ -242,7 +242,7 @@ def replay_turn(target, drafter: Drafter, turn: ReplayTurn, max_new: int, tree_b
     block = _block_accepts(props.drafts, ids_t.to(props.drafts.device), p)
     modes = {"block": walk(lambda j: block[j], cont, max_new, stops)}
     if tree_budgets:
-        top_lp, top_ids = props.top_lp.tolist(), props.top_ids.tolist()
+        top_lp, top_ids = props.top_lp.cpu(), props.top_ids.cpu()  # the tree builder reads a few rows of each
         width = drafter.block_size - 1
         for budget in tree_budgets:
             modes[f"tree-{budget}"] = walk(

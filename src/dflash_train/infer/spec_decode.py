@@ -303,28 +303,31 @@ class SpeculativeDecoder:
         Returns (token, parent index or -1 for the root, depth) per node, parents before children."""
         k = min(budget, log_probs.shape[1])
         top_lp, top_ids = log_probs.topk(k, dim=-1)
-        return SpeculativeDecoder.build_tree_from_top(top_lp.tolist(), top_ids.tolist(), budget)
+        return SpeculativeDecoder.build_tree_from_top(top_lp, top_ids, budget)
 
     @staticmethod
-    def build_tree_from_top(top_lp: list, top_ids: list[list[int]],
+    def build_tree_from_top(top_lp: torch.Tensor, top_ids: torch.Tensor,
                             budget: int) -> tuple[list[int], list[int], list[int]]:
-        """The best-first tree of `budget` nodes over each depth's candidates `top_ids[d]`: the nodes with the
-        highest summed log-probability of their path from the root (a prefix-closed set). `top_lp[d]` holds the
-        candidates' log-probabilities, either as one list (each depth's own distribution, independent of the
-        parent: DFlash) or as one list per candidate of depth d-1, given that candidate as the previous token
-        (depth 0's first list given the anchor: DFlash2's selector). At most `budget` children per node."""
-        depth_max = len(top_lp)
+        """The best-first tree of `budget` nodes over each depth's candidates `top_ids [D, k]`: the nodes with the
+        highest summed log-probability of their path from the root (a prefix-closed set). `top_lp` holds the
+        candidates' log-probabilities, either `[D, k]` (each depth's own distribution, independent of the
+        parent: DFlash) or `[D, k, k]` (row p: given candidate p of the depth before as the previous token; depth
+        0's row 0 given the anchor: DFlash2's selector). At most `budget` children per node; only the rows of
+        the nodes built are read (a tree of 32 nodes reads at most 33 of them)."""
+        top_lp = top_lp.detach().cpu()
+        ids = top_ids.tolist()
+        conditional = top_lp.dim() == 3
+        depth_max = top_lp.shape[0]
         orders: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
 
         def children(depth: int, parent_cand: int) -> tuple[list[float], list[int]]:
             """(log-probabilities, candidate indices) of the children at `depth` (0-based), best first (ties in
             the given order), of a parent that is candidate `parent_cand` of depth - 1 (-1: the root)."""
-            rows = top_lp[depth]
-            key = (depth, max(parent_cand, 0) if isinstance(rows[0], list) else 0)
+            key = (depth, max(parent_cand, 0) if conditional else 0)
             if key not in orders:
-                row = rows[key[1]] if isinstance(rows[0], list) else rows
-                idx = sorted(range(len(row)), key=row.__getitem__, reverse=True)[:budget]
-                orders[key] = ([row[i] for i in idx], idx)
+                row = top_lp[depth, key[1]] if conditional else top_lp[depth]
+                values, order = row.sort(descending=True, stable=True)
+                orders[key] = (values[:budget].tolist(), order[:budget].tolist())
             return orders[key]
 
         tokens, parents, depths = [], [], []
@@ -336,7 +339,7 @@ class SpeculativeDecoder:
             lps, cands = children(depth - 1, parent_cand)
             cand = cands[rank]
             node = len(tokens)
-            tokens.append(top_ids[depth - 1][cand])
+            tokens.append(ids[depth - 1][cand])
             parents.append(parent)
             depths.append(depth)
             if rank + 1 < len(cands):  # next sibling
@@ -374,7 +377,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         while not self._done(tokens, max_new_tokens, new):
             top_lp, top_ids = self._tree_candidates(context, anchor, start, dcache, budget)
-            node_tokens, parents, depths = self.build_tree_from_top(top_lp.tolist(), top_ids.tolist(), budget)
+            node_tokens, parents, depths = self.build_tree_from_top(top_lp, top_ids, budget)
             ids, positions = torch.tensor([[anchor] + node_tokens, [start] + [start + d for d in depths]],
                                           device=self.device)  # one host -> device copy
             mask = self._tree_mask(parents, start, dtype)

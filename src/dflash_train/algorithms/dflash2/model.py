@@ -89,14 +89,21 @@ class DFlash2Drafter(DFlashDrafter):
 
     def tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
                         k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each slot's candidates `[n, bs-1, c]` (the unary top-c, c = selector_top_k) and log softmax(S) over
-        them given each candidate of the slot before as the previous token, `[n, bs-1, c, c]` (slot 1's rows
-        all given the anchor): the tree scores every branch with its own predecessor, and its first branch is
-        the selector's greedy path. `k` is not needed: the candidates are the selector's."""
-        unary, cand = self._candidates(hidden, lm_head)
-        n, steps, c = cand.shape
-        previous = torch.cat([anchor_ids.view(-1, 1, 1).expand(n, 1, c), cand[:, :-1]], 1)  # [n, T, c]
-        scores = self.candidate_selector.scores(
-            unary.unsqueeze(2).expand(n, steps, c, c), hidden[:, 1:].unsqueeze(2).expand(n, steps, c, -1),
-            previous, cand.unsqueeze(2).expand(n, steps, c, c))  # [n, T, c previous, c]
-        return torch.log_softmax(scores, -1), cand
+        """Each slot's `max(k, selector_top_k)` best unary tokens `[n, bs-1, k]` and their log-probabilities given
+        each candidate of the slot before as the previous token `[n, bs-1, k, k]` (slot 1's rows all given the
+        anchor): the selector's candidates (the first `selector_top_k`) share the unary probability mass they hold,
+        redistributed by softmax(S) given the predecessor; the others keep their unary probability. So each branch
+        is scored with its own predecessor, the tree's first branch is the selector's greedy path, and with the
+        identity selector (S = U) the tree is DFlash's."""
+        logits = self.logits(hidden, lm_head)[:, 1:].float()
+        k = max(min(k, logits.shape[-1]), self.selector_top_k)
+        top_lp, cand = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [n, T, k]
+        c = self.selector_top_k
+        unary = logits.gather(-1, cand[..., :c])  # [n, T, c]: the selector's candidates' unary scores U
+        n, steps, _ = cand.shape
+        previous = torch.cat([anchor_ids.view(-1, 1, 1).expand(n, 1, k), cand[:, :-1]], 1)  # [n, T, k parents]
+        scores = self.candidate_selector.scores_given_each(unary, hidden[:, 1:], previous, cand[..., :c])  # [n, T, k, c]
+        mass = top_lp[..., :c].logsumexp(-1, keepdim=True).unsqueeze(-1)  # [n, T, 1, 1]
+        lp = top_lp.unsqueeze(2).expand(n, steps, k, k).clone()
+        lp[..., :c] = torch.log_softmax(scores, -1) + mass
+        return lp, cand

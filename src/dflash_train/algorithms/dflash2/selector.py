@@ -42,6 +42,16 @@ class CandidateSelector(nn.Module):
         succ = self.successor_codebook[candidates].to(acc)  # [..., k, R]
         return unary.to(acc) + (succ @ pred.unsqueeze(-1)).squeeze(-1)
 
+    def scores_given_each(self, unary: torch.Tensor, hidden: torch.Tensor, previous: torch.Tensor,
+                          candidates: torch.Tensor) -> torch.Tensor:
+        """`scores` of `candidates [..., k]` after each of `previous [..., P]`: `[..., P, k]` (the hidden
+        projection and the candidates' codebook rows computed once for all P predecessors)."""
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        z = self.hidden_projection(hidden).to(acc)  # [..., R]
+        pred = self.predecessor_codebook[previous].to(acc) * z.unsqueeze(-2)  # [..., P, R]
+        succ = self.successor_codebook[candidates].to(acc)  # [..., k, R]
+        return unary.to(acc).unsqueeze(-2) + pred @ succ.transpose(-1, -2)
+
     def walk(self, unary: torch.Tensor, candidates: torch.Tensor, hidden: torch.Tensor, first_previous: torch.Tensor,
              temperature: float = 0.0, generator: Optional[torch.Generator] = None):
         """The selector's path through `n` blocks: `unary`, `candidates [n, T, k]`, `hidden [n, T, H]` of slots
