@@ -98,6 +98,7 @@ def test_replay_equals_real_decoding_for_block_and_tree(target):
     assert max(taus) > 1.5  # the comparison covered multi-token steps, not only tau = 1
 
 
+@pytest.mark.long  # ~30 s: memorising takes 40 float64 steps for DFlash2's drafter to accept multi-token steps
 def test_replay_equals_real_decoding_for_a_dflash2_drafter_block_and_tree(target):
     """DFlash2: the selector's path (block) and its parent-conditioned tree replay as real decoding decodes them."""
     from dflash_train.algorithms.dflash2.config import make_dflash2_config
