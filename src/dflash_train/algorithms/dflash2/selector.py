@@ -36,11 +36,7 @@ class CandidateSelector(nn.Module):
                candidates: torch.Tensor) -> torch.Tensor:
         """S `[..., k]` (float32, or float64 for float64 inputs) of `candidates [..., k]` with unary scores
         `unary [..., k]`, after `previous [...]`, for slots with final hidden states `hidden [..., H]`."""
-        acc = torch.promote_types(hidden.dtype, torch.float32)
-        z = self.hidden_projection(hidden).to(acc)  # [..., R]
-        pred = self.predecessor_codebook[previous].to(acc) * z  # [..., R]
-        succ = self.successor_codebook[candidates].to(acc)  # [..., k, R]
-        return unary.to(acc) + (succ @ pred.unsqueeze(-1)).squeeze(-1)
+        return self.scores_given_each(unary, hidden, previous.unsqueeze(-1), candidates).squeeze(-2)
 
     def scores_given_each(self, unary: torch.Tensor, hidden: torch.Tensor, previous: torch.Tensor,
                           candidates: torch.Tensor) -> torch.Tensor:
