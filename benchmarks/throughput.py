@@ -154,10 +154,12 @@ def fp8_accounting(args, target_parts: dict, drafter_parts: dict, peak_bf16: flo
         fp8.append("target decoder linears q/k/v/o, gate/up/down (layers 0..last captured), forward")
         fp8_flops += target_parts.get("linears", 0.0)
     if args.drafter_fp8:
-        fp8.append("drafter fc, q/k/v/o, gate/up/down: forward, grad input, grad weight")
-        fp8_flops += drafter_parts.get("linears", 0.0)
+        gw_fp8 = args.fp8_grad_weight != "bf16"
+        fp8.append("drafter fc, q/k/v/o, gate/up/down: forward, grad input" + (", grad weight" if gw_fp8 else ""))
+        fp8_flops += drafter_parts.get("linears", 0.0) * (1.0 if gw_fp8 else 2.0 / 3.0)
     total = sum(target_parts.values()) + sum(drafter_parts.values())
     out = {"target_fp8": args.target_fp8, "drafter_fp8": args.drafter_fp8, "fp8_matmuls": fp8,
+           "fp8_grad_weight": args.fp8_grad_weight if args.drafter_fp8 else None,
            "fp8_flop_share": round(fp8_flops / total, 3) if total else 0.0,
            "mfu_against": f"measured bf16 matmul peak ({peak_bf16:.0f} TFLOP/s); attention and lm_head stay bf16"}
     if fp8:
@@ -176,7 +178,7 @@ def use_fp8(args, target, drafter) -> None:
                                 target.embed_tokens.weight.device)
         torch.cuda.empty_cache()
     if args.drafter_fp8 and drafter is not None:
-        use_fp8_training(drafter)
+        use_fp8_training(drafter, args.fp8_grad_weight)
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -401,6 +403,8 @@ def main() -> None:
                     help="target.quantize=fp8: the target's decoder linears up to the last captured layer in FP8")
     ap.add_argument("--drafter-fp8", action="store_true",
                     help="drafter.fp8: the drafter's q/k/v/o, MLP and fc trained with FP8 matmuls")
+    ap.add_argument("--fp8-grad-weight", default="rowwise", choices=("rowwise", "tensorwise", "bf16"),
+                    help="drafter.fp8_grad_weight: how --drafter-fp8 runs the weight-gradient matmuls")
     args = ap.parse_args()
     if args.draft_vocab and args.architecture != "dflash":
         ap.error("--draft-vocab: a reduced draft vocabulary is implemented for --architecture dflash only")

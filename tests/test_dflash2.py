@@ -132,15 +132,15 @@ def test_an_untrained_dflash2_drafter_computes_what_dflash_does(target):
 
 
 def dense_selector_loss(d: DFlash2Drafter, rows: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor,
-                        previous: torch.Tensor, weights: torch.Tensor, weight: float):
-    """The objective written out densely in float64: full logits, CE, top-k, the label forced in, S, k-way CE."""
+                        previous: torch.Tensor, weights, weight: float):
+    """The objective written out densely in float64: full logits, CE, top-k, the label forced in, S, k-way CE.
+    `weights`: the rows' weights, or a function of the selector's detached log-probabilities of the labels."""
     logits = rows @ head_w.T
     ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
-    norm = weights.double() / weights.double().sum()
     k = d.selector_top_k
     top_v, top_i = logits.detach().topk(k, -1)
     sel = d.candidate_selector
-    total = (ce * norm).sum()
+    selector_ce = []
     for r in range(rows.shape[0]):
         ids, vals = top_i[r].clone(), top_v[r].clone()
         if labels[r] not in ids:
@@ -148,17 +148,45 @@ def dense_selector_loss(d: DFlash2Drafter, rows: torch.Tensor, head_w: torch.Ten
         z = sel.hidden_projection.weight @ rows[r]
         s = vals + torch.stack([(sel.predecessor_codebook[previous[r]] * z * sel.successor_codebook[i]).sum() for i in ids])
         target_idx = int((ids == labels[r]).nonzero()[0])
-        total = total + weight * norm[r] * (torch.logsumexp(s, 0) - s[target_idx])
-    return total
+        selector_ce.append(torch.logsumexp(s, 0) - s[target_idx])
+    selector_ce = torch.stack(selector_ce)
+    if callable(weights):
+        weights = weights(-selector_ce.detach())
+    norm = weights.double() / weights.double().sum()
+    return (ce * norm).sum() + weight * (selector_ce * norm).sum()
 
 
-@pytest.mark.parametrize("selector_weight", [1.0, 0.25])
-def test_the_objective_equals_a_dense_float64_reference(target, selector_weight):
+def brute_force_acceptance(counted: torch.Tensor, idx: torch.Tensor, floor: float):
+    """Acceptance weights by loops: counted slot k of a block weighs max(prod of p over the block's counted slots
+    before k, floor), with p = exp of the given per-row log-probability (rows in `idx` order)."""
+    def weights(logp: torch.Tensor) -> torch.Tensor:
+        p = dict(zip(idx.tolist(), logp.exp().tolist()))
+        b, n, bs = counted.shape
+        out = []
+        for flat in idx.tolist():
+            block, slot = divmod(flat, bs)
+            reach = 1.0
+            for j in range(slot):
+                if counted.view(-1, bs)[block, j]:
+                    reach *= p[block * bs + j]
+            out.append(max(reach, floor))
+        return torch.tensor(out, dtype=torch.float64)
+    return weights
+
+
+@pytest.mark.parametrize("selector_weight,weighting", [(1.0, "gamma"), (0.25, "gamma"), (1.0, "selector")])
+def test_the_objective_equals_a_dense_float64_reference(target, selector_weight, weighting):
+    """gamma weights, or (selector) acceptance weights made of the selector's probabilities of the labels."""
     d = dflash2(target, perturb=0.1).double().train()
+    if weighting == "selector":  # flat unary logits: the labels' selector probabilities (~1/k) stand apart from
+        with torch.no_grad():  # their unary ones (~1/vocab), above the floor
+            d.norm.weight.mul_(0.01)
     capture = TargetCapture.from_model(target.double(), [1, 4])
+    extra = ({"slot_weighting": "gamma"} if weighting == "gamma" else
+             {"slot_weighting": "acceptance", "acceptance_from": "selector", "acceptance_floor": 0.01})
     try:
         cfg = config_from_dict({"drafter": {"architecture": "dflash2", "block_size": 4, "num_draft_layers": 2},
-                                "objective": {"max_anchors": 6, "slot_weighting": "gamma", "gamma": 3.0,
+                                "objective": {"max_anchors": 6, "gamma": 3.0, **extra,
                                               "selector_loss_weight": selector_weight},
                                 "data": {"max_length": 64, "token_budget": 256}})
         backend = resolve_backend("sdpa", torch.device("cpu"), 4)
@@ -181,8 +209,9 @@ def test_the_objective_equals_a_dense_float64_reference(target, selector_weight)
         rows = out.reshape(-1, out.shape[-1])[idx]
         labels = blocks.labels.view(-1)[idx]
         previous = torch.cat([blocks.labels[..., :1], blocks.labels[..., :-1]], -1).view(-1)[idx]
-        ref = dense_selector_loss(d, rows, capture.lm_head.weight, labels, previous, blocks.weights.view(-1)[idx],
-                                  selector_weight)
+        weights = (blocks.weights.view(-1)[idx] if weighting == "gamma" else
+                   brute_force_acceptance(blocks.counted, idx, 0.01))
+        ref = dense_selector_loss(d, rows, capture.lm_head.weight, labels, previous, weights, selector_weight)
         ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
         torch.testing.assert_close(stats.loss, ref, rtol=1e-10, atol=1e-12)
         for p, a, b in zip(params, grads, ref_grads):
@@ -454,3 +483,16 @@ def test_dflash2_with_the_newer_fields_stays_lossless_and_exports_them(target, t
     assert cfg["layer_types"] == ["sliding_attention"] * 2 and cfg["sliding_window"] == 6 and cfg["is_causal"] is True
     assert cfg["dflash_config"]["final_logit_softcapping"] == 5.0
     assert load_drafter(tmp_path / "x").final_logit_softcapping == 5.0
+
+
+def test_acceptance_from_selector_is_refused_where_there_is_no_selector_or_no_acceptance_weighting():
+    from dflash_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'objective.acceptance_from'.*drafter.architecture=dflash2"):
+        config_from_dict({"objective": {"acceptance_from": "selector"}})
+    with pytest.raises(ConfigError, match=r"'objective.acceptance_from'.*'gamma'"):
+        config_from_dict({"drafter": {"architecture": "dflash2"},
+                          "objective": {"acceptance_from": "selector", "slot_weighting": "gamma"}})
+    cfg = config_from_dict({"drafter": {"architecture": "dflash2"},
+                            "objective": {"acceptance_from": "selector", "slot_weighting": "dpace"}})
+    assert cfg.objective.acceptance_from == "selector"

@@ -61,6 +61,52 @@ def test_forward_and_both_gradients_equal_float64_products_of_the_quantised_oper
     assert x.grad.dtype == w.grad.dtype == torch.float32
 
 
+def _q64_tensorwise(x: torch.Tensor) -> torch.Tensor:
+    """`x` quantised with one power-of-two scale (amax / 448 rounded up), back in float64: an independent reading
+    of what `drafter.fp8_grad_weight=tensorwise` promises."""
+    amax = float(x.detach().abs().max())
+    scale = 2.0 ** torch.ceil(torch.log2(torch.tensor(amax / 448.0, dtype=torch.float64)))
+    q = (x.detach().double() / scale).clamp(-448, 448).float().to(torch.float8_e4m3fn)
+    return q.double() * scale
+
+
+def test_the_grad_weight_modes_equal_float64_products_of_their_operands():
+    """tensorwise: dW from dy and x each cast with the one scale of its whole tensor; bf16: dW = dy^T @ x in
+    bf16. The forward and the input gradient are the row-wise ones in every mode."""
+    x, w, g = _operands()
+    Fp8Matmul.apply(x, w, torch.float32).backward(g)
+    rowwise = (x.grad.clone(), w.grad.clone())
+    for mode, expected_w, tol in [("tensorwise", _q64_tensorwise(g).t() @ _q64_tensorwise(x), 1e-5),
+                                  ("bf16", g.bfloat16().double().t() @ x.detach().bfloat16().double(), 8e-3)]:
+        x.grad = w.grad = None
+        y = Fp8Matmul.apply(x, w, torch.float32, mode)
+        y.backward(g)
+        torch.testing.assert_close(x.grad, rowwise[0], rtol=0, atol=0)
+        torch.testing.assert_close(w.grad.double(), expected_w, rtol=tol, atol=tol * float(expected_w.abs().max()))
+        assert w.grad.dtype == torch.float32
+        assert not torch.equal(w.grad, rowwise[1]), mode
+
+
+def test_the_split_per_column_cast_gives_the_same_bits(monkeypatch):
+    """The two forms of the row-wise grad weight's transposed cast that benchmarks/fp8_linear.py times."""
+    from dflash_train.model import fp8_training
+
+    x, w, g = _operands(m=21)
+    Fp8Matmul.apply(x, w, torch.float32).backward(g)
+    fused = w.grad.clone()
+    w.grad = None
+    monkeypatch.setattr(fp8_training, "_per_column_transposed", fp8_training._per_column_transposed_split)
+    Fp8Matmul.apply(x, w, torch.float32).backward(g)
+    assert torch.equal(w.grad, fused)
+
+
+def test_the_bf16_grad_weight_of_a_bf16_linear_is_the_bf16_matmul():
+    x, w, g = _operands(m=32)
+    xb = x.detach().bfloat16().requires_grad_()
+    Fp8Matmul.apply(xb, w, torch.bfloat16, "bf16").backward(g.bfloat16())
+    torch.testing.assert_close(w.grad, (g.bfloat16().t() @ xb.detach()).float(), rtol=0, atol=0)
+
+
 def test_forward_and_gradients_are_within_fp8_rounding_of_the_exact_linear(capsys):
     x, w, g = _operands(m=64, seed=1)
     Fp8Matmul.apply(x, w, torch.float32).backward(g)
@@ -92,6 +138,31 @@ def test_every_scaled_mm_gets_the_layouts_the_cuda_kernel_takes(monkeypatch):
     x, w, g = _operands(m=21)
     Fp8Matmul.apply(x, w, torch.float32).backward(g)
     assert calls == [(21, 96), (21, 48), (48, 32)]  # forward, grad input, grad weight (tokens padded 21 -> 32)
+
+
+def test_tensorwise_grad_weight_gives_the_cuda_kernel_its_layouts_and_scalar_scales(monkeypatch):
+    real = torch._scaled_mm
+    calls = []
+
+    def checked(a, b, scale_a, scale_b, out_dtype):
+        assert a.is_contiguous() and b.t().is_contiguous(), (a.stride(), b.stride())
+        assert a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
+        calls.append((a.shape, scale_a.shape, scale_b.shape, out_dtype))
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    x, w, g = _operands(m=21)
+    Fp8Matmul.apply(x, w, torch.bfloat16, "tensorwise").backward(g.bfloat16())
+    assert calls[2] == ((48, 32), (), (), torch.float32)  # tokens padded 21 -> 32, one scale each, a float32 dW
+
+
+def test_a_grad_weight_mode_without_drafter_fp8_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"'drafter.fp8_grad_weight'.*set drafter.fp8=true"):
+        config_from_dict({"drafter": {"fp8_grad_weight": "bf16"}})
+    with pytest.raises(ConfigError, match=r"drafter.fp8_grad_weight"):
+        config_from_dict({"drafter": {"fp8": True, "fp8_grad_weight": "fp8"}})
+    assert config_from_dict({"drafter": {"fp8": True, "fp8_grad_weight": "tensorwise"}}).drafter.fp8_grad_weight \
+        == "tensorwise"
 
 
 def test_autocast_gives_the_compute_dtype_and_master_weight_gradients():

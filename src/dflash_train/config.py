@@ -126,6 +126,11 @@ class DrafterConfig:
     # scales, forward and both gradients, as torchao's "rowwise" recipe); master weights stay float32, the
     # lm_head, norms and attention stay in run.dtype. Needs an FP8 GPU (compute capability 8.9+) or the CPU.
     fp8: bool = False
+    # With drafter.fp8: how the weight-gradient matmul runs (the forward and the input gradient are row-wise FP8
+    # in every case). rowwise: FP8, scales per output/input channel along the tokens (a reduction over all tokens
+    # fused with a transposed cast, twice per linear); tensorwise: FP8, one scale per operand (the largest
+    # row-wise one; a plain transposed cast); bf16: the compute dtype (no transposed cast, bf16 matmul speed).
+    fp8_grad_weight: Literal["rowwise", "tensorwise", "bf16"] = "rowwise"
 
 
 @dataclass
@@ -164,6 +169,10 @@ class ObjectiveConfig:
     dpace_alpha: float = 0.5
     # drafter.architecture dflash2 only: weight of the selector's loss next to the unary slot loss.
     selector_loss_weight: float = 1.0
+    # drafter.architecture dflash2 with slot_weighting acceptance or dpace: whose probability of each label the
+    # weights are made of. unary: the unary logits' softmax (as DFlash); selector: softmax(S) over the slot's
+    # candidates with the label forced in, given the true previous token (what DFlash2's decoding accepts).
+    acceptance_from: Literal["unary", "selector"] = "unary"
     # Share alpha of the target's softmax(logits / distill_temperature) mixed into the one-hot label.
     distill_weight: float = 0.0
     distill_temperature: float = 1.0
@@ -479,6 +488,13 @@ def validate(cfg: Config) -> None:
     need(1 <= d.conv_kernel_size <= d.block_size, "drafter.conv_kernel_size",
          f"must be between 1 and drafter.block_size={d.block_size} (got {d.conv_kernel_size})")
     need(o.selector_loss_weight >= 0, "objective.selector_loss_weight", f"must be >= 0 (got {o.selector_loss_weight})")
+    if o.acceptance_from == "selector":
+        need(d.architecture == "dflash2", "objective.acceptance_from",
+             f"selector reads DFlash2's candidate selector; drafter.architecture is {d.architecture!r}: set "
+             "drafter.architecture=dflash2 or objective.acceptance_from=unary")
+        need(o.slot_weighting in ("acceptance", "dpace"), "objective.acceptance_from",
+             f"selector chooses the probabilities of slot_weighting acceptance or dpace; objective.slot_weighting "
+             f"is {o.slot_weighting!r}")
     need(d.block_size >= 2, "drafter.block_size", f"must be >= 2 (got {d.block_size})")
     need(d.num_draft_layers >= 1, "drafter.num_draft_layers", f"must be >= 1 (got {d.num_draft_layers})")
     if d.target_layer_ids is not None:
@@ -494,6 +510,10 @@ def validate(cfg: Config) -> None:
              f"must be > drafter.block_size = {d.block_size} (or null): block slot i sees the sliding_window - 1 - i "
              f"context positions before its anchor, so a window of {d.sliding_window} leaves the last "
              f"{d.block_size - d.sliding_window + 1} slot(s) no context at all")
+    if d.fp8_grad_weight != "rowwise":
+        need(d.fp8, "drafter.fp8_grad_weight",
+             f"{d.fp8_grad_weight!r} chooses the FP8 drafter's weight-gradient matmul; set drafter.fp8=true too, "
+             "or leave drafter.fp8_grad_weight at rowwise")
     need(d.draft_vocab_size >= 0, "drafter.draft_vocab_size",
          f"must be 0 (the target's vocabulary) or the number of draft tokens >= 1 (got {d.draft_vocab_size})")
     if d.draft_vocab_size:

@@ -9,6 +9,17 @@ they contract, so that every scale factors out of its dot products:
     grad weight  dW = dy^T @ x   dy per output channel (over M),  x per input channel (over M)
 The grad-weight matmul contracts the token dimension, which `_scaled_mm` on CUDA needs to be a multiple of
 16: both operands get zero rows up to the next multiple (zeros add nothing to the sum).
+
+`drafter.fp8_grad_weight` chooses how the grad-weight matmul runs (`GRAD_WEIGHT_MODES`); the forward and the grad
+input are row-wise in every mode:
+    rowwise     as above: each operand's scales along the token dimension need a reduction over all tokens
+                per column, fused with the transposed cast (two such passes per linear)
+    tensorwise  dy and x each with one scale: the largest of their row-wise scales, which the forward and the
+                grad input computed anyway (power-of-two, so exactly the scale of the whole tensor's amax);
+                the transposed cast is then a plain element-wise pass. One outlier token coarsens every
+                token's step, as in torchao's default (tensor-wise) recipe
+    bf16        dW = dy^T @ x in the compute dtype (torchao's "grad weight in high precision"): no transposed
+                cast at all, the matmul at bf16's speed
 """
 
 from __future__ import annotations
@@ -17,12 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8 import SCALED_MM_MULTIPLE, named_linears, quantize, scaled_mm
+from .fp8 import FP8, FP8_MAX, SCALED_MM_MULTIPLE, named_linears, quantize, scaled_mm, scales
 
 # The drafter's linears that drafter.fp8 trains in FP8: attention and MLP projections of its layers, and fc.
 # Not the lm_head (the loss's chunked head), nor an architecture's other small projections.
 FP8_LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_TOP_LINEARS = ("fc",)
+GRAD_WEIGHT_MODES = ("rowwise", "tensorwise", "bf16")
 
 
 def _rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,36 +50,70 @@ def _columns_first(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.t(), scale.reshape(1, -1)
 
 
+def _per_column_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [R, C]` quantised per column, as the row-major `[C, R]` and its scales `[C, 1]`: `_rowwise(x.t())`."""
+    return _rowwise(x.t())
+
+
+def _per_column_transposed_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_per_column_transposed`, bit for bit, written as a column reduction, a cast in `x`'s own layout and a
+    transpose of the FP8 result (`benchmarks/fp8_linear.py` times both forms under inductor)."""
+    scale = scales(x, dim=0, power_of_2=True)  # [1, C]
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.t().contiguous(), scale.reshape(-1, 1)
+
+
+def _transposed_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x [R, C]` cast to e4m3 with one scale (a 0-dim tensor no smaller than every element's amax / 448), as the
+    row-major `[C, R]`."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).t().contiguous()
+
+
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     """Zero rows up to a multiple of 16 (always through F.pad, also by 0: no branch on a dynamic size)."""
     return F.pad(x, (0, 0, 0, (-x.shape[0]) % SCALED_MM_MULTIPLE))
 
 
 class Fp8Matmul(torch.autograd.Function):
-    """`x [M, K] @ weight [N, K]^T` with FP8 matmuls forward and backward, each into `out_dtype` (the compute
-    dtype); the gradients return in the dtypes of `x` and `weight`."""
+    """`x [M, K] @ weight [N, K]^T` with FP8 matmuls forward and backward (the grad weight's as `grad_weight`, one
+    of `GRAD_WEIGHT_MODES`), each into `out_dtype` (the compute dtype); the gradients return in the dtypes of `x`
+    and `weight`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                grad_weight: str = "rowwise") -> torch.Tensor:
         x_q, x_scale = _rowwise(x)
         w_q, w_scale = _rowwise(weight)
-        ctx.save_for_backward(x, weight)
-        ctx.out_dtype = out_dtype
+        ctx.save_for_backward(x, weight, x_scale.amax() if grad_weight == "tensorwise" else None)
+        ctx.out_dtype, ctx.grad_weight = out_dtype, grad_weight
         return scaled_mm(x_q, x_scale, w_q.t(), w_scale.reshape(1, -1), out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight, x_tensor_scale = ctx.saved_tensors
+        mode = ctx.grad_weight
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] or mode == "tensorwise":
             g_q, g_scale = _rowwise(grad_out)
+        if ctx.needs_input_grad[0]:
             wt_q, wt_scale = _columns_first(weight)  # W [N, K] per input channel: contracted over N
             grad_x = scaled_mm(g_q, g_scale, wt_q, wt_scale, ctx.out_dtype).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            gt_q, gt_scale = _rowwise(_pad_rows(grad_out).t())  # dy^T [N, M] per output channel
-            xt_q, xt_scale = _columns_first(_pad_rows(x))  # x [M, K] per input channel: contracted over M
-            grad_w = scaled_mm(gt_q, gt_scale, xt_q, xt_scale, ctx.out_dtype).to(weight.dtype)
-        return grad_x, grad_w, None
+            if mode == "rowwise":
+                gt_q, gt_scale = _per_column_transposed(_pad_rows(grad_out))  # dy^T [N, M] per output channel
+                xt_q, xt_scale = _per_column_transposed(_pad_rows(x))  # x^T [K, M] per input channel
+                grad_w = scaled_mm(gt_q, gt_scale, xt_q.t(), xt_scale.reshape(1, -1), ctx.out_dtype)
+            elif mode == "tensorwise":
+                g_tensor_scale = g_scale.amax()
+                gt_q = _transposed_with_scale(_pad_rows(grad_out), g_tensor_scale)  # dy^T [N, M]
+                xt_q = _transposed_with_scale(_pad_rows(x), x_tensor_scale)  # x^T [K, M]
+                out = weight.dtype if weight.dtype == torch.float32 else ctx.out_dtype
+                grad_w = torch._scaled_mm(gt_q, xt_q.t(), scale_a=g_tensor_scale, scale_b=x_tensor_scale,
+                                          out_dtype=out)
+            else:
+                grad_w = grad_out.to(ctx.out_dtype).t() @ x.to(ctx.out_dtype)
+            grad_w = grad_w.to(weight.dtype)
+        return grad_x, grad_w, None, None
 
 
 def compute_dtype_of(x: torch.Tensor) -> torch.dtype:
@@ -79,9 +125,11 @@ def compute_dtype_of(x: torch.Tensor) -> torch.dtype:
 class Fp8TrainingLinear(nn.Linear):
     """An `nn.Linear` (same parameters, same names) whose matmul runs through `Fp8Matmul`."""
 
+    grad_weight: str = "rowwise"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = compute_dtype_of(x)
-        out = Fp8Matmul.apply(x.reshape(-1, self.in_features), self.weight, out_dtype)
+        out = Fp8Matmul.apply(x.reshape(-1, self.in_features), self.weight, out_dtype, self.grad_weight)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.to(out_dtype)
 
@@ -96,13 +144,16 @@ def fp8_drafter_linears(drafter: nn.Module) -> list[tuple[str, nn.Linear]]:
     return found
 
 
-def use_fp8_training(drafter: nn.Module) -> list[str]:
+def use_fp8_training(drafter: nn.Module, grad_weight: str = "rowwise") -> list[str]:
     """Swap the drafter's `fp8_drafter_linears` for `Fp8TrainingLinear`s holding the same Parameter objects (an
-    optimizer, DDP or a checkpoint sees no change); returns their names. Call before `compile_layers`."""
+    optimizer, DDP or a checkpoint sees no change), their grad-weight matmul as `grad_weight`; returns their
+    names. Call before `compile_layers`."""
+    if grad_weight not in GRAD_WEIGHT_MODES:
+        raise ValueError(f"grad_weight must be one of {GRAD_WEIGHT_MODES}, got {grad_weight!r}")
     names = []
     for name, m in fp8_drafter_linears(drafter):
         new = Fp8TrainingLinear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
-        new.weight, new.bias = m.weight, m.bias
+        new.weight, new.bias, new.grad_weight = m.weight, m.bias, grad_weight
         parent, _, child = name.rpartition(".")
         setattr(drafter.get_submodule(parent) if parent else drafter, child, new)
         names.append(name)

@@ -498,9 +498,10 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
     if drafter.draft_vocab_size and not resume:  # a resume loads the checkpoint's vocabulary and head
         rep.report(**choose_draft_vocabulary(drafter, r.data, target.lm_head.weight))
     if cfg.drafter.fp8:  # the same parameters, FP8 matmuls; before the compile and the optimizer
-        names = use_fp8_training(drafter)
-        log.info("drafter.fp8: %d linears train with FP8 matmuls (%s); the lm_head, norms and attention stay %s",
-                 len(names), ", ".join(sorted({n.rpartition(".")[2] for n in names})), plan.compute_dtype)
+        names = use_fp8_training(drafter, cfg.drafter.fp8_grad_weight)
+        log.info("drafter.fp8: %d linears train with FP8 matmuls (%s; weight gradients %s); the lm_head, norms and "
+                 "attention stay %s", len(names), ", ".join(sorted({n.rpartition(".")[2] for n in names})),
+                 cfg.drafter.fp8_grad_weight, plan.compute_dtype)
     drafter = drafter.to(r.device)
     if cfg.drafter.compile:  # compiled by the warm-up
         drafter.compile_layers()

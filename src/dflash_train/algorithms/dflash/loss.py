@@ -281,6 +281,13 @@ def chunked_weighted_ce(
     `chunked_ce_rows`) weigh 0, so the loss is normalised over the scored rows alone."""
     out = chunked_ce_rows(hidden, lm_head_weight, labels, chunk_size, target_hidden, distill_weight, temperature,
                           output_multiplier, softcap, top_k, unscored)
+    return weighted_rows(out, labels, weights, unscored)
+
+
+def weighted_rows(out: RowLoss, labels: torch.Tensor,
+                  weights: Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], unscored: bool) -> LossOutput:
+    """`chunked_weighted_ce`'s weighting of per-row results `out` (`chunked_ce_rows`): for callers whose weights
+    need more of the forward than the label log-probabilities (pass them as a tensor)."""
     acc_dtype = out.loss.dtype
     w = (weights(out.label_logp) if callable(weights) else weights).detach().to(acc_dtype)
     if unscored:

@@ -16,7 +16,7 @@ from ...runtime import to_device
 from ..base import StepStats, acceptance_estimate, target_to_draft
 from .attention import AttentionBackend
 from .blocks import Blocks, acceptance_weights, build_blocks, dpace_weights, sample_anchors
-from .loss import chunked_weighted_ce
+from .loss import LossOutput, RowLoss, chunked_ce_rows, weighted_rows
 from .model import DFlashDrafter
 
 
@@ -131,27 +131,33 @@ class DFlashObjective:
             return labels, head, False
         return target_to_draft(self.drafter.d2t, head.shape[0])[labels], self.drafter.lm_head.weight, True
 
-    def unary_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, final: Optional[torch.Tensor],
-                   top_k: int = 0):
-        """The slot-weighted CE of the counted rows through the drafter's vocabulary head (`loss.LossOutput`):
-        the target's lm_head, or the drafter's own over a reduced vocabulary, where a label outside it is a miss
-        that adds no loss."""
+    def unary_rows(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, final: Optional[torch.Tensor],
+                   top_k: int = 0) -> tuple[RowLoss, torch.Tensor, bool]:
+        """(the counted rows' unweighted CE results through the drafter's vocabulary head (`loss.RowLoss`), their
+        labels as the head's classes, whether some may be -1): the target's lm_head, or the drafter's own over a
+        reduced vocabulary, where a label outside it is a miss that adds no loss."""
         o = self.cfg.objective
         labels, head, unscored = self.scored_labels(blocks, idx)
-        return chunked_weighted_ce(
+        out = chunked_ce_rows(
             rows,
             head,
             labels,
-            row_weights(self.cfg, blocks, idx),
             o.loss_chunk_size,
             target_hidden=_distill_rows(final, blocks, idx) if final is not None else None,
             distill_weight=o.distill_weight,
             temperature=o.distill_temperature,
-            top_k=top_k,
             output_multiplier=self.drafter.output_multiplier,
             softcap=self.drafter.final_logit_softcapping,
+            top_k=top_k,
             unscored=unscored,
         )
+        return out, labels, unscored
+
+    def unary_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, final: Optional[torch.Tensor],
+                   top_k: int = 0) -> LossOutput:
+        """The slot-weighted CE of the counted rows (`unary_rows`), weighted by `row_weights`."""
+        out, labels, unscored = self.unary_rows(rows, blocks, idx, final, top_k)
+        return weighted_rows(out, labels, row_weights(self.cfg, blocks, idx), unscored)
 
     def rows_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor,
                   final: Optional[torch.Tensor]) -> StepStats:

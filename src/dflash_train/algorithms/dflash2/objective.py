@@ -4,7 +4,8 @@ The selector loss, per counted slot: the k best unary logits of the slot are its
 lm_head chunks as the unary CE); the slot's label is forced into the set (it replaces the weakest candidate
 when missing), the slot's true previous token is the predecessor (teacher forcing: the label of the slot
 before, the anchor for slot 1), and the loss is the cross-entropy of `softmax(S)` over the k candidates
-against the label, with the unary loss's slot weights:
+against the label, with the unary loss's slot weights (made of the unary probabilities of the labels, or with
+`objective.acceptance_from=selector` of the selector's, `softmax(S)` at the label):
 
     loss = CE_unary + selector_loss_weight * sum_rows w_row * CE_k(S_row, label) / sum_rows w_row
 
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 
 from ..base import StepStats
 from ..dflash.blocks import Blocks
-from ..dflash.objective import DFlashObjective, block_stats
+from ..dflash.loss import weighted_rows
+from ..dflash.objective import DFlashObjective, block_stats, row_weights
 
 
 def previous_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -53,13 +55,16 @@ class DFlash2Objective(DFlashObjective):
     def rows_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor,
                   final: Optional[torch.Tensor]) -> StepStats:
         selector = self.drafter.candidate_selector
-        result = self.unary_loss(rows, blocks, idx, final, top_k=self.drafter.selector_top_k)
-        r = result.rows
+        r, scored, unscored = self.unary_rows(rows, blocks, idx, final, top_k=self.drafter.selector_top_k)
         labels = blocks.labels.view(-1).index_select(0, idx)
         unary, cand, target, present = forced_candidates(r.top_values, r.top_ids, labels, r.label_logits)
         previous = previous_tokens(blocks.labels).view(-1).index_select(0, idx)
         scores = selector.scores(unary.detach(), rows, previous, cand)  # [M, k] float32
         selector_ce = F.cross_entropy(scores, target, reduction="none")
+        weights = row_weights(self.cfg, blocks, idx)
+        if self.cfg.objective.acceptance_from == "selector":
+            weights = weights(-selector_ce.detach())  # the selector's log-probability of each label
+        result = weighted_rows(r, scored, weights, unscored)
         norm = result.weights / result.weight_sum.clamp_min(1e-12)
         selector_loss = (selector_ce * norm.to(selector_ce.dtype)).sum()
         loss = result.loss + self.cfg.objective.selector_loss_weight * selector_loss
