@@ -441,7 +441,8 @@ def test_export_is_the_reference_layout_and_an_independent_reader_decodes_the_sa
     assert len(seen) == len(result.accept_lengths) and sum(result.accept_lengths) >= len(result.tokens) - 1
 
 
-def test_a_dflash2_run_trains_exports_and_evaluates(tiny_target_dir, counting_jsonl, tmp_path):
+@pytest.mark.parametrize("weights", [{"gamma": 4.0}, {"slot_weighting": "acceptance", "acceptance_from": "selector"}])
+def test_a_dflash2_run_trains_exports_and_evaluates(tiny_target_dir, counting_jsonl, tmp_path, weights):
     from dflash_train.train.trainer import train
 
     cfg = config_from_dict({
@@ -449,7 +450,7 @@ def test_a_dflash2_run_trains_exports_and_evaluates(tiny_target_dir, counting_js
         "drafter": {"architecture": "dflash2", "num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa",
                     "selector_rank": 8, "selector_top_k": 4},
         "data": {"train_files": [str(counting_jsonl)], "max_length": 256, "token_budget": 512, "max_batch_size": 2},
-        "objective": {"max_anchors": 16, "gamma": 4.0},
+        "objective": {"max_anchors": 16, **weights},
         "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.05},
         "run": {"device": "cpu", "log_every": 1, "save_every": 100, "progress_bar": False, "eval_every": 0},
     })
