@@ -25,9 +25,7 @@ SHAPES_8B = [
     ("gate_proj/up_proj", 32768, 4096, 12288, 2, True),
     ("down_proj", 32768, 12288, 4096, 1, True),
 ]
-# fp8-rowwise-split: the row-wise mode with its transposed per-column casts written as a column reduction, a cast
-# in place and an FP8 transpose (bit-identical results; which form inductor makes faster is the question)
-MODES = ["bf16", "fp8-rowwise", "fp8-rowwise-split", "fp8-tensorwise", "fp8-bf16gw"]
+MODES = ["bf16", "fp8-rowwise", "fp8-tensorwise", "fp8-bf16gw"]
 
 
 def make_linear(mode: str, k: int, n: int, device: torch.device) -> nn.Module:
@@ -39,8 +37,7 @@ def make_linear(mode: str, k: int, n: int, device: torch.device) -> nn.Module:
         return lin
     fp8 = Fp8TrainingLinear(k, n, bias=False, device="meta")
     fp8.weight = lin.weight
-    fp8.grad_weight = {"fp8-rowwise": "rowwise", "fp8-rowwise-split": "rowwise", "fp8-tensorwise": "tensorwise",
-                       "fp8-bf16gw": "bf16"}[mode]
+    fp8.grad_weight = {"fp8-rowwise": "rowwise", "fp8-tensorwise": "tensorwise", "fp8-bf16gw": "bf16"}[mode]
     return fp8
 
 
@@ -74,13 +71,8 @@ def main() -> None:
     device = torch.device("cuda")
     torch._dynamo.config.cache_size_limit = 64
     per_layer: dict[str, float] = {}
-    from dflash_train.model import fp8_training
-
-    fused_form = fp8_training._per_column_transposed
     for mode in args.modes.split(","):
         per_layer[mode] = 0.0
-        fp8_training._per_column_transposed = (fp8_training._per_column_transposed_split
-                                               if mode == "fp8-rowwise-split" else fused_form)
         for name, m, k, n, count, needs_grad in SHAPES_8B:
             torch._dynamo.reset()
             lin = make_linear(mode, k, n, device)

@@ -160,7 +160,6 @@ def fp8_accounting(args, target_parts: dict, drafter_parts: dict, peak_bf16: flo
     total = sum(target_parts.values()) + sum(drafter_parts.values())
     out = {"target_fp8": args.target_fp8, "drafter_fp8": args.drafter_fp8, "fp8_matmuls": fp8,
            "fp8_grad_weight": args.fp8_grad_weight if args.drafter_fp8 else None,
-           "fp8_cast_form": args.fp8_cast_form if args.drafter_fp8 else None,
            "fp8_flop_share": round(fp8_flops / total, 3) if total else 0.0,
            "mfu_against": f"measured bf16 matmul peak ({peak_bf16:.0f} TFLOP/s); attention and lm_head stay bf16"}
     if fp8:
@@ -180,10 +179,6 @@ def use_fp8(args, target, drafter) -> None:
         torch.cuda.empty_cache()
     if args.drafter_fp8 and drafter is not None:
         use_fp8_training(drafter, args.fp8_grad_weight)
-        if args.fp8_cast_form == "split":
-            from dflash_train.model import fp8_training
-
-            fp8_training._per_column_transposed = fp8_training._per_column_transposed_split
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -410,10 +405,6 @@ def main() -> None:
                     help="drafter.fp8: the drafter's q/k/v/o, MLP and fc trained with FP8 matmuls")
     ap.add_argument("--fp8-grad-weight", default="rowwise", choices=("rowwise", "tensorwise", "bf16"),
                     help="drafter.fp8_grad_weight: how --drafter-fp8 runs the weight-gradient matmuls")
-    ap.add_argument("--fp8-cast-form", default="fused", choices=("fused", "split"),
-                    help="the rowwise grad weight's transposed per-column casts as one fused reduction + cast, or "
-                         "as a column reduction, a cast in place and an FP8 transpose (bit-identical; an A/B of "
-                         "what inductor makes of each)")
     args = ap.parse_args()
     if args.draft_vocab and args.architecture != "dflash":
         ap.error("--draft-vocab: a reduced draft vocabulary is implemented for --architecture dflash only")

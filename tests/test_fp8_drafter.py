@@ -87,19 +87,6 @@ def test_the_grad_weight_modes_equal_float64_products_of_their_operands():
         assert not torch.equal(w.grad, rowwise[1]), mode
 
 
-def test_the_split_per_column_cast_gives_the_same_bits(monkeypatch):
-    """The two forms of the row-wise grad weight's transposed cast that benchmarks/fp8_linear.py times."""
-    from dflash_train.model import fp8_training
-
-    x, w, g = _operands(m=21)
-    Fp8Matmul.apply(x, w, torch.float32).backward(g)
-    fused = w.grad.clone()
-    w.grad = None
-    monkeypatch.setattr(fp8_training, "_per_column_transposed", fp8_training._per_column_transposed_split)
-    Fp8Matmul.apply(x, w, torch.float32).backward(g)
-    assert torch.equal(w.grad, fused)
-
-
 def test_the_bf16_grad_weight_of_a_bf16_linear_is_the_bf16_matmul():
     x, w, g = _operands(m=32)
     xb = x.detach().bfloat16().requires_grad_()

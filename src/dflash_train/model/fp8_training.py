@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8 import FP8, FP8_MAX, SCALED_MM_MULTIPLE, named_linears, quantize, scaled_mm, scales
+from .fp8 import FP8, FP8_MAX, SCALED_MM_MULTIPLE, named_linears, quantize, scaled_mm
 
 # The drafter's linears that drafter.fp8 trains in FP8: attention and MLP projections of its layers, and fc.
 # Not the lm_head (the loss's chunked head), nor an architecture's other small projections.
@@ -48,19 +48,6 @@ def _columns_first(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (column-major) and the scales `[1, C]`."""
     q, scale = _rowwise(x.t())
     return q.t(), scale.reshape(1, -1)
-
-
-def _per_column_transposed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x [R, C]` quantised per column, as the row-major `[C, R]` and its scales `[C, 1]`: `_rowwise(x.t())`."""
-    return _rowwise(x.t())
-
-
-def _per_column_transposed_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_per_column_transposed`, bit for bit, written as a column reduction, a cast in `x`'s own layout and a
-    transpose of the FP8 result (`benchmarks/fp8_linear.py` times both forms under inductor)."""
-    scale = scales(x, dim=0, power_of_2=True)  # [1, C]
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.t().contiguous(), scale.reshape(-1, 1)
 
 
 def _transposed_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -100,9 +87,9 @@ class Fp8Matmul(torch.autograd.Function):
             grad_x = scaled_mm(g_q, g_scale, wt_q, wt_scale, ctx.out_dtype).to(x.dtype)
         if ctx.needs_input_grad[1]:
             if mode == "rowwise":
-                gt_q, gt_scale = _per_column_transposed(_pad_rows(grad_out))  # dy^T [N, M] per output channel
-                xt_q, xt_scale = _per_column_transposed(_pad_rows(x))  # x^T [K, M] per input channel
-                grad_w = scaled_mm(gt_q, gt_scale, xt_q.t(), xt_scale.reshape(1, -1), ctx.out_dtype)
+                gt_q, gt_scale = _rowwise(_pad_rows(grad_out).t())  # dy^T [N, M] per output channel
+                xt_q, xt_scale = _columns_first(_pad_rows(x))  # x [M, K] per input channel: contracted over M
+                grad_w = scaled_mm(gt_q, gt_scale, xt_q, xt_scale, ctx.out_dtype)
             elif mode == "tensorwise":
                 g_tensor_scale = g_scale.amax()
                 gt_q = _transposed_with_scale(_pad_rows(grad_out), g_tensor_scale)  # dy^T [N, M]
