@@ -197,12 +197,16 @@ def _weight_gradient(grad_rows: torch.Tensor, hidden: torch.Tensor, w: torch.Ten
     g = grad_rows if scored is None else grad_rows * scored.to(grad_rows.dtype)
     out = torch.zeros(w.shape, dtype=dtype, device=w.device)
     for start, end in chunk_bounds(hidden.shape[0], chunk_size):
-        logits = hidden[start:end] @ w.t()
+        h = hidden[start:end]
+        logits = h @ w.t()
         scores, slope = _transformed(logits, multiplier, softcap) if transform else (logits, None)
         grad_logits = ce_chunk(scores, labels[start:end])[3]
         scale = g[start:end].unsqueeze(1)
-        grad_logits = grad_logits * (slope * scale if transform else scale)
-        out += (grad_logits.to(w.dtype).t() @ hidden[start:end]).to(dtype)
+        if transform:
+            grad_logits = (grad_logits * (slope * scale)).to(w.dtype)
+        else:  # the row scale on the chunk's hidden rows [c, H], not on its logits [c, V]: V / H times less work
+            h = (h * scale).to(h.dtype)
+        out += grad_logits.t() @ h  # accumulated in `dtype`: the add reads the compute-dtype product directly
     return out
 
 
