@@ -384,7 +384,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--architecture", default="dflash", choices=["dflash", "dflash2"],
                     help="the drafter architecture (full step only; dflash2: reference convolution/selector sizes)")
-    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one drafter step")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the top CUDA kernels of one drafter step, then of one target capture")
     ap.add_argument("--cache-dir", default=None, help="inductor cache directory (see --fresh-cache)")
     ap.add_argument("--fresh-cache", action="store_true", help="empty the inductor cache first: a cold compile")
     ap.add_argument("--late-compile-workers", action="store_true",
@@ -507,6 +508,12 @@ def main() -> None:
         # the kernels themselves, by their own time: the many small ones that the table above leaves out
         print(averages.table(sort_by="self_device_time_total", row_limit=90, max_name_column_width=90))
     step.target = step.objective.target = real_target
+    if args.profile:  # and the target's capture alone
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            target(batch.input_ids)
+            torch.cuda.synchronize()
+        print("-- the target's capture, kernels by their own time")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
 
     from dflash_train.algorithms.dflash.blocks import sample_anchors
     anchors, keep = sample_anchors(batch.loss_mask.cpu(), batch.lengths.cpu(), args.block, args.anchors,
