@@ -357,7 +357,7 @@ def measure_one_side(args) -> None:
         frozen = _Frozen(shape, hidden)
         benchmark_vocabulary(drafter, frozen.lm_head.weight)
         cfg = config_from_dict({"drafter": drafter_section(args),
-                                "objective": {"max_anchors": args.anchors},
+                                "objective": {"max_anchors": args.anchors, "head_gradient": args.head_gradient},
                                 "data": {"max_length": args.seq, "token_budget": args.seq * args.batch}})
         backend = resolve_backend("flex", torch.device("cuda"), args.block)
         step = TrainStep(drafter, frozen, backend, cfg, 1000, torch.bfloat16, torch.device("cuda"))
@@ -404,9 +404,14 @@ def main() -> None:
                     help="target.quantize=fp8: the target's decoder linears up to the last captured layer in FP8")
     ap.add_argument("--drafter-fp8", action="store_true",
                     help="drafter.fp8: the drafter's q/k/v/o, MLP and fc trained with FP8 matmuls")
+    ap.add_argument("--head-gradient", default="recompute", choices=("recompute", "keep"),
+                    help="objective.head_gradient: with --draft-vocab, the trained head's weight gradient formed "
+                         "again in backward or from the forward's kept [rows, vocab] gradient rows")
     ap.add_argument("--fp8-grad-weight", default="rowwise", choices=("rowwise", "tensorwise", "bf16"),
                     help="drafter.fp8_grad_weight: how --drafter-fp8 runs the weight-gradient matmuls")
     args = ap.parse_args()
+    if args.head_gradient == "keep" and not args.draft_vocab:
+        ap.error("--head-gradient keep: needs --draft-vocab (the target's frozen head has no weight gradient)")
     if args.draft_vocab and args.architecture != "dflash":
         ap.error("--draft-vocab: a reduced draft vocabulary is implemented for --architecture dflash only")
     if args.cold_compile_levers:
@@ -460,7 +465,7 @@ def main() -> None:
     build_s = time.perf_counter() - t0
 
     cfg = config_from_dict({"drafter": drafter_section(args),
-                            "objective": {"max_anchors": args.anchors},
+                            "objective": {"max_anchors": args.anchors, "head_gradient": args.head_gradient},
                             "data": {"max_length": args.seq, "token_budget": args.seq * args.batch,
                                      "max_batch_size": args.batch}})
     estimate = preflight_estimate(cfg, model, drafter, tcfg, dcfg, ids)

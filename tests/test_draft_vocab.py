@@ -157,6 +157,13 @@ def test_config_refusals_before_any_model_loads(overrides, match):
     assert "drafter.draft_vocab_size" in str(e.value)
 
 
+def test_a_kept_head_gradient_without_a_trained_head_is_refused():
+    with pytest.raises(ConfigError, match=r"'objective.head_gradient'.*drafter.draft_vocab_size > 0"):
+        config_from_dict({}, ["objective.head_gradient=keep"])
+    assert config_from_dict({}, ["objective.head_gradient=keep", "drafter.draft_vocab_size=10"]).objective.head_gradient \
+        == "keep"
+
+
 def test_a_vocabulary_larger_than_the_targets_is_refused():
     cfg = config_from_dict({}, ["drafter.draft_vocab_size=1001"])
     with pytest.raises(ConfigError, match="larger than the target's vocabulary"):
@@ -183,6 +190,22 @@ def test_preflight_counts_the_drafters_own_head(target64):
     assert params(100) - params(0) == 100 * target64.config.hidden_size
     assert preflight.needed_bytes(0, torch.bfloat16, params(100), "drafter") - \
         preflight.needed_bytes(0, torch.bfloat16, params(0), "drafter") == 16 * 100 * 64
+
+
+def test_preflight_counts_the_kept_head_gradient_rows(target64):
+    """objective.head_gradient keep adds exactly [counted rows, draft_vocab_size] in the compute dtype."""
+    from dflash_train.train import activation_memory as am
+
+    dcfg = make_drafter_config(target64.config, num_draft_layers=1, block_size=4, target_layer_ids=[1, 4],
+                               mask_token_id=16, draft_vocab_size=100)
+    shape = am.MicroBatchShape(2, 64, 8, 4)
+    parts = {}
+    for how in ("recompute", "keep"):
+        cfg = config_from_dict({}, ["drafter.draft_vocab_size=100", f"objective.head_gradient={how}"])
+        settings = am.step_settings(cfg, target64.config, dcfg, [1, 4], torch.bfloat16, torch.bfloat16, "cuda", 0)
+        parts[how] = am.drafter_step_parts(dcfg, shape, settings)
+    assert parts["keep"]["kept head gradient rows"] == shape.counted * 100 * 2
+    assert sum(parts["keep"].values()) - sum(parts["recompute"].values()) == shape.counted * 100 * 2
 
 
 # ------------------------------------------------------------------------------------------ the loss
@@ -221,14 +244,17 @@ def _brute_force(rows, blocks, idx, vocab: list[int], weight, slot_weighting: st
     return (torch.stack(ce) * w).sum() / w.sum(), hits, outside
 
 
-@pytest.mark.parametrize("slot_weighting", ["gamma", "acceptance"])
-def test_loss_hits_and_outside_share_against_a_float64_brute_force(target64, slot_weighting):
+@pytest.mark.parametrize("slot_weighting,head_gradient", [("gamma", "recompute"), ("acceptance", "recompute"),
+                                                          ("acceptance", "keep")])
+def test_loss_hits_and_outside_share_against_a_float64_brute_force(target64, slot_weighting, head_gradient):
+    """Also the head's weight gradient both ways: formed again in backward, or from the forward's kept rows."""
     g = torch.Generator().manual_seed(3)
     pool = torch.arange(100, 160)  # labels drawn from 60 tokens, 40 of them in the vocabulary
     vocab = pool[torch.randperm(60, generator=g)[:40]].sort().values
     drafter = _drafter(target64, 4, vocab)
     cfg = config_from_dict({"drafter": {"block_size": 4, "num_draft_layers": 1, "draft_vocab_size": 40},
-                            "objective": {"max_anchors": 12, "slot_weighting": slot_weighting, "loss_chunk_size": 7},
+                            "objective": {"max_anchors": 12, "slot_weighting": slot_weighting, "loss_chunk_size": 7,
+                                          "head_gradient": head_gradient},
                             "data": {"max_length": 64, "token_budget": 256}})
     objective = DFlashObjective(drafter, TargetCapture.from_model(target64, [1, 4]),
                                 resolve_backend("sdpa", torch.device("cpu"), 4), cfg, torch.float64)
@@ -253,6 +279,30 @@ def test_loss_hits_and_outside_share_against_a_float64_brute_force(target64, slo
     for name, p in drafter.named_parameters():
         torch.testing.assert_close(ours[name], p.grad, rtol=1e-9, atol=1e-12, msg=name)
     assert float(ours["lm_head.weight"].abs().sum()) > 0  # the head trains
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_the_kept_head_gradient_equals_the_recomputed_one(softcap):
+    """objective.head_gradient keep against recompute, float64: the same loss and both gradients, with a score
+    transform (multiplier and softcap) and labels outside the vocabulary; the kept rows are [M, V]."""
+    from dflash_train.algorithms.dflash.loss import chunked_weighted_ce
+
+    g = torch.Generator().manual_seed(0)
+    m, h, n = 23, 16, 40
+    labels = torch.randint(0, n, (m,), generator=g)
+    labels[::5] = -1
+    weights = torch.rand(m, generator=g, dtype=torch.float64) + 0.1
+    results = []
+    for keep in (False, True):
+        hidden = torch.randn(m, h, generator=torch.Generator().manual_seed(1), dtype=torch.float64).requires_grad_()
+        head = torch.randn(n, h, generator=torch.Generator().manual_seed(2), dtype=torch.float64).requires_grad_()
+        out = chunked_weighted_ce(hidden, head, labels, weights, 6, output_multiplier=1.5, softcap=softcap,
+                                  unscored=True, keep_grad_logits=keep)
+        out.loss.backward()
+        results.append((out.loss.detach(), hidden.grad, head.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    assert results[1][2].abs().sum() > 0
 
 
 def test_a_training_step_trains_the_head_and_keeps_the_vocabulary(target64):

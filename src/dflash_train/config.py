@@ -159,6 +159,10 @@ class ObjectiveConfig:
     gamma: float = 7.0
     # Rows of the lm_head + cross-entropy computed at once (full logits never exist).
     loss_chunk_size: int = 2048
+    # drafter.draft_vocab_size > 0 only: how the trained head gets its weight gradient. recompute: the backward
+    # forms every chunk's logits again (no [rows, draft_vocab_size] tensor). keep: the forward keeps its gradient
+    # rows for it ([rows, draft_vocab_size] in run.dtype, counted by the preflight): one matmul in the backward.
+    head_gradient: Literal["recompute", "keep"] = "recompute"
     # gamma: slot k weighs exp(-(k - 1) / gamma). acceptance: slot k weighs the drafter's own (detached)
     # probability of reaching it, prod_{1 <= j < k} p(label_j), floored at acceptance_floor.
     # The default since it won at equal steps: tau 1.559 against 1.363 for gamma (QUALITY.md, 2026-11-30).
@@ -514,6 +518,10 @@ def validate(cfg: Config) -> None:
         need(d.fp8, "drafter.fp8_grad_weight",
              f"{d.fp8_grad_weight!r} chooses the FP8 drafter's weight-gradient matmul; set drafter.fp8=true too, "
              "or leave drafter.fp8_grad_weight at rowwise")
+    if o.head_gradient == "keep":
+        need(d.draft_vocab_size > 0, "objective.head_gradient",
+             "keep is for a trained head (drafter.draft_vocab_size > 0); the target's frozen head has no weight "
+             "gradient: leave objective.head_gradient at recompute")
     need(d.draft_vocab_size >= 0, "drafter.draft_vocab_size",
          f"must be 0 (the target's vocabulary) or the number of draft tokens >= 1 (got {d.draft_vocab_size})")
     if d.draft_vocab_size:

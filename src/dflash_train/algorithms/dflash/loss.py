@@ -6,7 +6,9 @@ the gradient of each row's CE with respect to its hidden state, (softmax - q) @ 
 those stored rows by the incoming per-row gradient (the caller's weights). The target's lm_head weight is frozen,
 so no weight gradient is formed for it: two matmuls per row, the least an lm_head + CE with an input gradient
 can do. A trained head (a reduced draft vocabulary's) also gets its weight gradient in backward, from the logits
-formed again chunk by chunk (two more matmuls per row, over the reduced vocabulary).
+formed again chunk by chunk (two more matmuls per row, over the reduced vocabulary), or with `keep_grad_logits`
+from the forward's gradient rows kept for it (`[M, V]` in the compute dtype: one matmul in backward, no second
+pass over the chunks).
 
 The target q is the one-hot label, or with distillation `(1 - alpha) * onehot + alpha * p_target` with
 `p_target = softmax(lm_head(target_hidden) / T)`, its logits also formed one chunk at a time (one more
@@ -125,7 +127,8 @@ def _transformed(logits: torch.Tensor, multiplier: float, softcap: Optional[floa
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, target_hidden, alpha: float, temperature: float, chunk_size: int,
-                top_k: int = 0, multiplier: float = 1.0, softcap: Optional[float] = None, unscored: bool = False):
+                top_k: int = 0, multiplier: float = 1.0, softcap: Optional[float] = None, unscored: bool = False,
+                keep_grad_logits: bool = False):
         # hidden [M, H] (compute dtype), weight [V, H], labels [M] (with `unscored`, -1 marks a row without a
         # class: see chunked_ce_rows), target_hidden [M, H] or None
         m = hidden.shape[0]
@@ -141,6 +144,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
         train_weight = weight.requires_grad
         if train_weight and target_hidden is not None:
             raise ValueError("a trained lm_head (a reduced draft vocabulary) takes hard labels only, no distillation")
+        # A trained head's backward reads each row's d(CE)/d(logits) again: kept here, or formed again there.
+        kept = torch.empty(m, weight.shape[0], device=hidden.device, dtype=hidden.dtype) \
+            if train_weight and keep_grad_logits else None
         # One cast of a trained head's float32 master weight to the compute dtype, not one per chunk.
         w = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
         scored = labels >= 0 if unscored else None
@@ -166,15 +172,21 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 grad_logits = (grad_logits * slope).to(logits.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = (grad_logits @ w.to(grad_logits.dtype)).to(hidden.dtype)
+            if kept is not None:
+                kept[start:end] = grad_logits
         if unscored:  # a row without a class has no loss, no gradient, no hit, and probability 0 of its label
             rows.masked_fill_(~scored, 0.0)
             label_logp.masked_fill_(~scored, float("-inf"))
             correct &= scored
             if grad_hidden is not None:
                 grad_hidden.mul_(scored.unsqueeze(1).to(grad_hidden.dtype))
-        ctx.save_for_backward(grad_hidden if grad_hidden is not None else torch.empty(0),
-                              *((hidden, w, safe_labels) if train_weight else ()))
+        if kept is not None:
+            saved = (hidden, kept)
+        else:
+            saved = (hidden, w, safe_labels) if train_weight else ()
+        ctx.save_for_backward(grad_hidden if grad_hidden is not None else torch.empty(0), *saved)
         ctx.scored = scored
+        ctx.kept = kept is not None
         ctx.recompute = (chunk_size, multiplier, softcap, weight.dtype) if train_weight else None
         ctx.mark_non_differentiable(label_logp, correct, top_values, top_ids, label_logits)
         return rows, label_logp, correct, top_values, top_ids, label_logits
@@ -183,8 +195,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, grad_rows, *_no_gradient):
         grad_hidden, *saved = ctx.saved_tensors
         grad_in = grad_hidden * grad_rows.unsqueeze(1).to(grad_hidden.dtype) if grad_hidden.numel() else None
-        grad_weight = _weight_gradient(grad_rows, *saved, ctx.scored, *ctx.recompute) if ctx.recompute else None
-        return (grad_in, grad_weight) + (None,) * 9
+        grad_weight = None
+        if ctx.kept:
+            grad_weight = _weight_gradient_kept(grad_rows, *saved, ctx.scored, ctx.recompute[3])
+        elif ctx.recompute:
+            grad_weight = _weight_gradient(grad_rows, *saved, ctx.scored, *ctx.recompute)
+        return (grad_in, grad_weight) + (None,) * 10
 
 
 def _weight_gradient(grad_rows: torch.Tensor, hidden: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
@@ -210,6 +226,13 @@ def _weight_gradient(grad_rows: torch.Tensor, hidden: torch.Tensor, w: torch.Ten
     return out
 
 
+def _weight_gradient_kept(grad_rows: torch.Tensor, hidden: torch.Tensor, kept: torch.Tensor,
+                          scored: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """`_weight_gradient` from the forward's kept d(CE)/d(logits) rows `kept [M, V]`: one matmul over all rows."""
+    g = grad_rows if scored is None else grad_rows * scored.to(grad_rows.dtype)
+    return (kept.t() @ (hidden * g.unsqueeze(1)).to(hidden.dtype)).to(dtype)
+
+
 @dataclass
 class RowLoss:
     loss: torch.Tensor  # [M] per-row CE (soft when distilling), differentiable w.r.t. hidden
@@ -232,6 +255,7 @@ def chunked_ce_rows(
     softcap: Optional[float] = None,
     top_k: int = 0,
     unscored: bool = False,
+    keep_grad_logits: bool = False,
 ) -> RowLoss:
     """Per-row CE of `lm_head(hidden) [M, V]` (times `output_multiplier`, then softcapped at `softcap`)
     against `labels [M]`, mixed with the target's distribution `softmax(lm_head(target_hidden) / temperature)`
@@ -241,15 +265,15 @@ def chunked_ce_rows(
     `unscored`: labels may be -1, a row whose label is no class of this head (a label outside a reduced draft
     vocabulary): its loss and gradient are 0, it is never correct, its label log-probability is -inf.
     A `lm_head_weight` that requires grad (the drafter's own head) gets its gradient: the backward forms each
-    chunk's logits again (two more matmuls per row, with the weight gradient's) instead of keeping `[M, V]` from
-    the forward."""
+    chunk's logits again (two more matmuls per row, with the weight gradient's), or with `keep_grad_logits` reads
+    the forward's `[M, V]` gradient rows, kept for it in the compute dtype (one matmul; `objective.head_gradient`)."""
     if distill_weight > 0 and target_hidden is None:
         raise ValueError("distill_weight > 0 needs target_hidden (the target's final normed hidden state per row)")
     if distill_weight == 0:
         target_hidden = None  # alpha = 0 is plain CE: skip the target's logits altogether
     rows, label_logp, correct, top_values, top_ids, label_logits = _ChunkedLinearCE.apply(
         hidden, lm_head_weight, labels, target_hidden, float(distill_weight), float(temperature), chunk_size, top_k,
-        float(output_multiplier), float(softcap) if softcap else None, unscored)
+        float(output_multiplier), float(softcap) if softcap else None, unscored, keep_grad_logits)
     if not top_k:
         return RowLoss(rows, label_logp, correct)
     return RowLoss(rows, label_logp, correct, top_values, top_ids, label_logits)
@@ -277,6 +301,7 @@ def chunked_weighted_ce(
     softcap: Optional[float] = None,
     top_k: int = 0,
     unscored: bool = False,
+    keep_grad_logits: bool = False,
 ) -> LossOutput:
     """`hidden [M, H]`, `labels [M]` (only rows that count). `weights` is `[M]` (all > 0), or a function of
     the rows' detached label log-probabilities `[M] -> [M]` (weights that depend on the drafter's own
@@ -284,7 +309,7 @@ def chunked_weighted_ce(
     drafter's score transform (`Drafter.logits`), applied before the CE. `unscored`: rows labelled -1 (no class,
     `chunked_ce_rows`) weigh 0, so the loss is normalised over the scored rows alone."""
     out = chunked_ce_rows(hidden, lm_head_weight, labels, chunk_size, target_hidden, distill_weight, temperature,
-                          output_multiplier, softcap, top_k, unscored)
+                          output_multiplier, softcap, top_k, unscored, keep_grad_logits)
     return weighted_rows(out, labels, weights, unscored)
 
 

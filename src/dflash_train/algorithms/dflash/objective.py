@@ -150,6 +150,7 @@ class DFlashObjective:
             softcap=self.drafter.final_logit_softcapping,
             top_k=top_k,
             unscored=unscored,
+            keep_grad_logits=o.head_gradient == "keep",
         )
         return out, labels, unscored
 
