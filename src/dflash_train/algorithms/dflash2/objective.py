@@ -55,7 +55,7 @@ class DFlash2Objective(DFlashObjective):
     def rows_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor,
                   final: Optional[torch.Tensor]) -> StepStats:
         selector = self.drafter.candidate_selector
-        r, scored, unscored = self.unary_rows(rows, blocks, idx, final, top_k=self.drafter.selector_top_k)
+        r, head_labels, unscored = self.unary_rows(rows, blocks, idx, final, top_k=self.drafter.selector_top_k)
         labels = blocks.labels.view(-1).index_select(0, idx)
         unary, cand, target, present = forced_candidates(r.top_values, r.top_ids, labels, r.label_logits)
         previous = previous_tokens(blocks.labels).view(-1).index_select(0, idx)
@@ -64,7 +64,7 @@ class DFlash2Objective(DFlashObjective):
         weights = row_weights(self.cfg, blocks, idx)
         if self.cfg.objective.acceptance_from == "selector":
             weights = weights(-selector_ce.detach())  # the selector's log-probability of each label
-        result = weighted_rows(r, scored, weights, unscored)
+        result = weighted_rows(r, head_labels, weights, unscored)
         norm = result.weights / result.weight_sum.clamp_min(1e-12)
         selector_loss = (selector_ce * norm.to(selector_ce.dtype)).sum()
         loss = result.loss + self.cfg.objective.selector_loss_weight * selector_loss
