@@ -480,3 +480,25 @@ def test_the_index_check_sizes_the_loss_chunk_by_the_draft_vocabulary(target64):
     for n, width in ((300, 300), (0, 49152)):
         cfg = config_from_dict({}, [f"drafter.draft_vocab_size={n}"])
         assert compiled_widths(cfg, dcfg, target64.config, backend, on_gpu=True).loss_row == width
+
+
+def test_a_run_with_the_kept_head_gradient_logs_the_losses_of_the_recomputed_one(prepared, tiny_target_dir, tmp_path):
+    """objective.head_gradient keep against recompute through the whole trainer (float32 on the CPU, acceptance
+    weights, 6 steps): the same losses step by step, and the same trained head at the end."""
+    from _harness import losses
+
+    runs = {}
+    for how in ("recompute", "keep"):
+        cfg = write_config(tmp_path / f"{how}.yaml", tiny_target_dir, prepared, drafter__draft_vocab_size=40,
+                           objective__slot_weighting="acceptance", objective__head_gradient=how,
+                           run__save_every=100, run__eval_every=0, run__export_dtype="float32")
+        runs[how] = tmp_path / how
+        assert main(["train", str(cfg), "--run-dir", str(runs[how]), "--max-steps", "6"]) == 0
+    ref, got = losses(runs["recompute"]), losses(runs["keep"])
+    assert sorted(got) == sorted(ref) == list(range(1, 7))
+    assert all(got[s] == pytest.approx(ref[s], rel=1e-5) for s in ref), (ref, got)
+    a, b = load_drafter(runs["recompute"] / "export"), load_drafter(runs["keep"] / "export")
+    assert torch.allclose(a.lm_head.weight, b.lm_head.weight, rtol=1e-4, atol=1e-6)
+    start = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu")).get_output_embeddings().weight
+    start = start[torch.arange(len(a.d2t)) + a.d2t]  # the head's first rows: the target's rows of its tokens
+    assert not torch.allclose(a.lm_head.weight, start, atol=1e-4)  # it trained: the comparison is not vacuous
