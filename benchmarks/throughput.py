@@ -353,6 +353,8 @@ def measure_one_side(args) -> None:
         if args.compile_drafter:
             drafter.compile_layers()
         result.update(compile_drafter=args.compile_drafter, draft_vocab=args.draft_vocab)
+        if args.draft_vocab:
+            result["head_gradient"] = "recompute" if args.head_gradient == "recompute" else "keep"
         hidden = torch.randn(args.batch, args.seq, len(ids) * shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
         frozen = _Frozen(shape, hidden)
         benchmark_vocabulary(drafter, frozen.lm_head.weight)
@@ -404,10 +406,10 @@ def main() -> None:
                     help="target.quantize=fp8: the target's decoder linears up to the last captured layer in FP8")
     ap.add_argument("--drafter-fp8", action="store_true",
                     help="drafter.fp8: the drafter's q/k/v/o, MLP and fc trained with FP8 matmuls")
-    ap.add_argument("--head-gradient", default="recompute", choices=("recompute", "keep"),
+    ap.add_argument("--head-gradient", default="auto", choices=("auto", "recompute", "keep"),
                     help="objective.head_gradient: with --draft-vocab, the trained head's weight gradient formed "
                          "again in backward or from the forward's kept [rows, vocab] gradient rows")
-    ap.add_argument("--fp8-grad-weight", default="rowwise", choices=("rowwise", "tensorwise", "bf16"),
+    ap.add_argument("--fp8-grad-weight", default="tensorwise", choices=("rowwise", "tensorwise", "bf16"),
                     help="drafter.fp8_grad_weight: how --drafter-fp8 runs the weight-gradient matmuls")
     args = ap.parse_args()
     if args.head_gradient == "keep" and not args.draft_vocab:

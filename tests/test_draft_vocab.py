@@ -193,19 +193,29 @@ def test_preflight_counts_the_drafters_own_head(target64):
 
 
 def test_preflight_counts_the_kept_head_gradient_rows(target64):
-    """objective.head_gradient keep adds exactly [counted rows, draft_vocab_size] in the compute dtype."""
+    """objective.head_gradient keep (and auto, the default, with a trained head) adds exactly [counted rows,
+    draft_vocab_size] in the compute dtype; a plan short of memory is told that recompute saves it."""
     from dflash_train.train import activation_memory as am
 
     dcfg = make_drafter_config(target64.config, num_draft_layers=1, block_size=4, target_layer_ids=[1, 4],
                                mask_token_id=16, draft_vocab_size=100)
     shape = am.MicroBatchShape(2, 64, 8, 4)
     parts = {}
-    for how in ("recompute", "keep"):
+    for how in ("recompute", "keep", "auto"):
         cfg = config_from_dict({}, ["drafter.draft_vocab_size=100", f"objective.head_gradient={how}"])
         settings = am.step_settings(cfg, target64.config, dcfg, [1, 4], torch.bfloat16, torch.bfloat16, "cuda", 0)
         parts[how] = am.drafter_step_parts(dcfg, shape, settings)
     assert parts["keep"]["kept head gradient rows"] == shape.counted * 100 * 2
     assert sum(parts["keep"].values()) - sum(parts["recompute"].values()) == shape.counted * 100 * 2
+    assert parts["auto"] == parts["keep"] and config_from_dict({}).objective.head_gradient == "auto"
+    assert not config_from_dict({}).keeps_head_gradient  # the full vocabulary: the target's frozen head
+    need = preflight.MemoryNeed(10, am.ActivationEstimate(parts["keep"], shape))
+    with pytest.raises(RuntimeError, match=r"objective.head_gradient=recompute saves the kept head gradient rows"):
+        preflight.check_gpu(torch.device("cuda", 0), need, 0, "the test", free_memory=lambda d: (1, 2**34))
+    need = preflight.MemoryNeed(10, am.ActivationEstimate(parts["recompute"], shape))
+    with pytest.raises(RuntimeError) as refused:
+        preflight.check_gpu(torch.device("cuda", 0), need, 0, "the test", free_memory=lambda d: (1, 2**34))
+    assert "head_gradient" not in str(refused.value)
 
 
 # ------------------------------------------------------------------------------------------ the loss

@@ -127,10 +127,12 @@ class DrafterConfig:
     # lm_head, norms and attention stay in run.dtype. Needs an FP8 GPU (compute capability 8.9+) or the CPU.
     fp8: bool = False
     # With drafter.fp8: how the weight-gradient matmul runs (the forward and the input gradient are row-wise FP8
-    # in every case). rowwise: FP8, scales per output/input channel along the tokens (a reduction over all tokens
-    # fused with a transposed cast, twice per linear); tensorwise: FP8, one scale per operand (the largest
-    # row-wise one; a plain transposed cast); bf16: the compute dtype (no transposed cast, bf16 matmul speed).
-    fp8_grad_weight: Literal["rowwise", "tensorwise", "bf16"] = "rowwise"
+    # in every case). tensorwise: FP8, one scale per operand (the largest row-wise one; a plain transposed cast);
+    # rowwise: FP8, scales per output/input channel along the tokens (a reduction over all tokens fused with a
+    # transposed cast, twice per linear); bf16: the compute dtype (no transposed cast, bf16 matmul speed).
+    # tensorwise is the default: the fastest (1.43x bf16 per layer against rowwise's 1.31x at the 8B shape) at
+    # rowwise's tau (QUALITY.md, session 14).
+    fp8_grad_weight: Literal["rowwise", "tensorwise", "bf16"] = "tensorwise"
 
 
 @dataclass
@@ -159,10 +161,12 @@ class ObjectiveConfig:
     gamma: float = 7.0
     # Rows of the lm_head + cross-entropy computed at once (full logits never exist).
     loss_chunk_size: int = 2048
-    # drafter.draft_vocab_size > 0 only: how the trained head gets its weight gradient. recompute: the backward
-    # forms every chunk's logits again (no [rows, draft_vocab_size] tensor). keep: the forward keeps its gradient
-    # rows for it ([rows, draft_vocab_size] in run.dtype, counted by the preflight): one matmul in the backward.
-    head_gradient: Literal["recompute", "keep"] = "recompute"
+    # How a trained head (drafter.draft_vocab_size > 0) gets its weight gradient. keep: the forward keeps its
+    # gradient rows for it ([rows, draft_vocab_size] in run.dtype, counted by the preflight): one matmul in the
+    # backward (25 ms of a 0.50 s 8B step, BENCHMARKS.md session 14). recompute: the backward forms every chunk's
+    # logits again (no [rows, draft_vocab_size] tensor: for a plan short of memory). auto: keep when the head is
+    # trained; the target's frozen head has no weight gradient, so nothing with the full vocabulary.
+    head_gradient: Literal["auto", "recompute", "keep"] = "auto"
     # gamma: slot k weighs exp(-(k - 1) / gamma). acceptance: slot k weighs the drafter's own (detached)
     # probability of reaching it, prod_{1 <= j < k} p(label_j), floored at acceptance_floor.
     # The default since it won at equal steps: tau 1.559 against 1.363 for gamma (QUALITY.md, 2026-11-30).
@@ -246,6 +250,11 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def keeps_head_gradient(self) -> bool:
+        """objective.head_gradient resolved: the forward keeps the trained head's gradient rows."""
+        return self.drafter.draft_vocab_size > 0 and self.objective.head_gradient in ("auto", "keep")
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -514,14 +523,14 @@ def validate(cfg: Config) -> None:
              f"must be > drafter.block_size = {d.block_size} (or null): block slot i sees the sliding_window - 1 - i "
              f"context positions before its anchor, so a window of {d.sliding_window} leaves the last "
              f"{d.block_size - d.sliding_window + 1} slot(s) no context at all")
-    if d.fp8_grad_weight != "rowwise":
+    if d.fp8_grad_weight != "tensorwise":
         need(d.fp8, "drafter.fp8_grad_weight",
              f"{d.fp8_grad_weight!r} chooses the FP8 drafter's weight-gradient matmul; set drafter.fp8=true too, "
-             "or leave drafter.fp8_grad_weight at rowwise")
+             "or leave drafter.fp8_grad_weight at its default (tensorwise)")
     if o.head_gradient == "keep":
         need(d.draft_vocab_size > 0, "objective.head_gradient",
              "keep is for a trained head (drafter.draft_vocab_size > 0); the target's frozen head has no weight "
-             "gradient: leave objective.head_gradient at recompute")
+             "gradient: leave objective.head_gradient at auto")
     need(d.draft_vocab_size >= 0, "drafter.draft_vocab_size",
          f"must be 0 (the target's vocabulary) or the number of draft tokens >= 1 (got {d.draft_vocab_size})")
     if d.draft_vocab_size:

@@ -112,7 +112,7 @@ def compute_dtype_of(x: torch.Tensor) -> torch.dtype:
 class Fp8TrainingLinear(nn.Linear):
     """An `nn.Linear` (same parameters, same names) whose matmul runs through `Fp8Matmul`."""
 
-    grad_weight: str = "rowwise"
+    grad_weight: str = "tensorwise"  # use_fp8_training sets drafter.fp8_grad_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = compute_dtype_of(x)
@@ -131,7 +131,7 @@ def fp8_drafter_linears(drafter: nn.Module) -> list[tuple[str, nn.Linear]]:
     return found
 
 
-def use_fp8_training(drafter: nn.Module, grad_weight: str = "rowwise") -> list[str]:
+def use_fp8_training(drafter: nn.Module, grad_weight: str = "tensorwise") -> list[str]:
     """Swap the drafter's `fp8_drafter_linears` for `Fp8TrainingLinear`s holding the same Parameter objects (an
     optimizer, DDP or a checkpoint sees no change), their grad-weight matmul as `grad_weight`; returns their
     names. Call before `compile_layers`."""

@@ -128,7 +128,10 @@ class DrafterStepSettings:
     transformed: bool = False  # output_multiplier != 1 or a softcap
     trainable_params: int = 0  # autocast keeps a compute-dtype copy of each (when compute_bytes < 4)
     own_head: bool = False  # drafter.draft_vocab_size > 0: the drafter's own (float32 master) lm_head
-    kept_head_gradient: bool = False  # objective.head_gradient keep: the forward's [counted, classes] gradient rows
+    kept_head_gradient: bool = False  # Config.keeps_head_gradient: the forward's [counted, classes] gradient rows
+
+
+KEPT_HEAD_GRADIENT = "kept head gradient rows"  # the name of that part (preflight's remedy names its key)
 
 
 def _ce_chunk_bytes(s: DrafterStepSettings, rows: int) -> int:
@@ -204,7 +207,7 @@ def drafter_step_parts(drafter_config, shape: MicroBatchShape, s: DrafterStepSet
     parts[name] = on_top[name]
     parts["loss rows"] = counted * (h * e + 4 * _F32 + s.selector_top_k * (_F32 + 8))
     if s.kept_head_gradient:
-        parts["kept head gradient rows"] = counted * s.head_classes * e
+        parts[KEPT_HEAD_GRADIENT] = counted * s.head_classes * e
     if e < _F32:
         parts["autocast weight copies"] = s.trainable_params * e
     return parts
@@ -251,7 +254,7 @@ def step_settings(cfg: Config, target_config, drafter_config, layer_ids: list[in
         conv_kernel=int(dflash.get("conv_kernel_size", 0)), distill=o.distill_weight > 0,
         transformed=d.output_multiplier != 1.0 or bool(d.final_logit_softcapping),
         trainable_params=trainable_params, own_head=d.draft_vocab_size > 0,
-        kept_head_gradient=d.draft_vocab_size > 0 and o.head_gradient == "keep")
+        kept_head_gradient=cfg.keeps_head_gradient)
 
 
 def activation_estimate(role: str, cfg: Config, target_config, drafter_config, layer_ids: list[int],

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from ..algorithms import architecture
 from ..config import Config
-from .activation_memory import ActivationEstimate, activation_estimate
+from .activation_memory import KEPT_HEAD_GRADIENT, ActivationEstimate, activation_estimate
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,10 @@ class MemoryNeed:
                 f"{self.activations.describe()}, margin {self.margin / 2**30:.1f} GiB")
 
     def remedies(self) -> str:
-        return remedies(activations_first=self.activations.total > self.weights)
+        kept = self.activations.parts.get(KEPT_HEAD_GRADIENT, 0)
+        first = (f"objective.head_gradient=recompute saves the kept head gradient rows ({kept / 2**30:.1f} GiB, "
+                 "for a slower backward); ") if kept else ""
+        return first + remedies(activations_first=self.activations.total > self.weights)
 
 
 def remedies(activations_first: bool) -> str:

@@ -150,7 +150,7 @@ class DFlashObjective:
             softcap=self.drafter.final_logit_softcapping,
             top_k=top_k,
             unscored=unscored,
-            keep_grad_logits=o.head_gradient == "keep",
+            keep_grad_logits=self.cfg.keeps_head_gradient,
         )
         return out, labels, unscored
 
