@@ -225,8 +225,11 @@ def benchmark_vocabulary(drafter, target_lm_head: torch.Tensor) -> None:
 
 def drafter_section(args) -> dict:
     """The benchmark config's `drafter` section."""
-    return {"architecture": getattr(args, "architecture", "dflash"), "block_size": args.block,
-            "num_draft_layers": args.layers, "draft_vocab_size": args.draft_vocab}
+    section = {"architecture": getattr(args, "architecture", "dflash"), "block_size": args.block,
+               "num_draft_layers": args.layers, "draft_vocab_size": args.draft_vocab}
+    if section["architecture"] == "dflash2":
+        section["selector_top_k"] = args.selector_top_k
+    return section
 
 
 def preflight_estimate(cfg, target_model, drafter, tcfg, dcfg, ids: list[int]) -> dict:
@@ -386,6 +389,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--architecture", default="dflash", choices=["dflash", "dflash2"],
                     help="the drafter architecture (full step only; dflash2: reference convolution/selector sizes)")
+    ap.add_argument("--selector-top-k", type=int, default=16,
+                    help="drafter.selector_top_k of --architecture dflash2 (its candidates per slot)")
     ap.add_argument("--profile", action="store_true",
                     help="print the top CUDA kernels of one drafter step, then of one target capture")
     ap.add_argument("--cache-dir", default=None, help="inductor cache directory (see --fresh-cache)")
@@ -414,6 +419,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.head_gradient == "keep" and not args.draft_vocab:
         ap.error("--head-gradient keep: needs --draft-vocab (the target's frozen head has no weight gradient)")
+    if args.selector_top_k != 16 and args.architecture != "dflash2":
+        ap.error("--selector-top-k: a dflash2 key; add --architecture dflash2")
     if args.draft_vocab and args.architecture != "dflash":
         ap.error("--draft-vocab: a reduced draft vocabulary is implemented for --architecture dflash only")
     if args.cold_compile_levers:
@@ -454,7 +461,7 @@ def main() -> None:
         from dflash_train.algorithms.dflash2.model import DFlash2Drafter
 
         dcfg = make_dflash2_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
-                                   mask_token_id=5, **dkwargs)
+                                   mask_token_id=5, selector_top_k=args.selector_top_k, **dkwargs)
         drafter = DFlash2Drafter(dcfg).cuda()
     else:
         dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
@@ -547,6 +554,8 @@ def main() -> None:
         "peak_mem_gib": round(peak_mem, 1), **estimate,
         **fp8_accounting(args, target_parts, drafter_parts, peak),
     }
+    if args.architecture == "dflash2":
+        result["selector_top_k"] = args.selector_top_k
     print(json.dumps(result))
     if args.json:
         with open(args.json, "a") as f:
