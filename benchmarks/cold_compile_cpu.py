@@ -30,6 +30,24 @@ def _main_process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _watch_aot_cache_bypasses() -> list[str]:
+    """The reasons AOTAutograd gives for not caching a graph (its INFO records), collected into the list."""
+    import logging
+
+    reasons: list[str] = []
+
+    class _Bypass(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith("Bypassing autograd cache"):
+                reasons.append(message.partition("due to: ")[2][:300])
+
+    logger = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(_Bypass(level=logging.INFO))
+    return reasons
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=4)
@@ -43,6 +61,8 @@ def main() -> None:
     ap.add_argument("--inductor-option", action="append", default=[],
                     help="key=value (python literal) added to every compile's inductor options (a lever on trial)")
     ap.add_argument("--json", default=None, help="append the result line to this file")
+    ap.add_argument("--cache-dir", default=None,
+                    help="reuse this compile cache (a second run: the warm start); default: a fresh empty one")
     args = ap.parse_args()
     if args.cold_compile_levers:
         os.environ["DFLASH_TRAIN_COLD_COMPILE_LEVERS"] = "1" if args.cold_compile_levers == "on" else "0"
@@ -65,8 +85,10 @@ def main() -> None:
     target_mod._COMPILE_DEVICES = ("cuda", "cpu")  # the GPU's compiled functions, compiled for the CPU
     loss_mod._chunk_fn = lambda name, fn, device, eager=None: compile_layer.compiled(name, fn, dynamic=True)
 
+    bypasses = _watch_aot_cache_bypasses()
     process_t0 = time.perf_counter()
-    cache = compile_layer.configure_cache(tempfile.mkdtemp(prefix="cold-cpu-"), fresh=True)
+    cache = compile_layer.configure_cache(args.cache_dir or tempfile.mkdtemp(prefix="cold-cpu-"),
+                                          fresh=not args.cache_dir)
     workers = compile_layer.start_compile_workers()
     h = args.hidden
     shape = dict(hidden_size=h, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=h // 4,
@@ -105,7 +127,8 @@ def main() -> None:
               "drafter_first_step_s": round(first_step_s - t_target, 2),
               "graphs_after_first_step": compile_layer.graphs_compiled() - graphs,
               "start_to_first_step_s": round(time.perf_counter() - process_t0, 2), "cache": str(cache),
-              **compile_layer.cache_stats(), **compile_layer.compile_phase_totals(), **target_warm}
+              **compile_layer.cache_stats(), **compile_layer.compile_phase_totals(), **target_warm,
+              "aot_cache_bypass_reasons": sorted(set(bypasses))}
     print(json.dumps(result))
     print(torch._dynamo.utils.compile_times(repr="str"))
     if args.json:

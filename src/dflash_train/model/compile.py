@@ -197,11 +197,16 @@ def compile_workers_per_rank(local_ranks: int = 1) -> int:
 
 
 def cache_stats() -> dict[str, int]:
+    """Inductor's FX graph cache and AOTAutograd's cache: hits, misses and (AOTAutograd) bypasses, the graphs
+    that cannot be cached at all and so trace their joint graph again on every start."""
     from torch._dynamo.utils import counters
 
-    inductor = counters["inductor"]
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
     return {"fxgraph_cache_hit": int(inductor.get("fxgraph_cache_hit", 0)),
-            "fxgraph_cache_miss": int(inductor.get("fxgraph_cache_miss", 0))}
+            "fxgraph_cache_miss": int(inductor.get("fxgraph_cache_miss", 0)),
+            "aot_cache_hit": int(aot.get("autograd_cache_hit", 0)),
+            "aot_cache_miss": int(aot.get("autograd_cache_miss", 0)),
+            "aot_cache_bypass": int(aot.get("autograd_cache_bypass", 0))}
 
 
 # Dynamo's timed phases (`torch._dynamo.utils.compile_times`) summed into the parts of a cold compile.

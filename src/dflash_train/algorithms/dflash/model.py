@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
@@ -50,7 +49,10 @@ COMPILE_BACKEND = "inductor"
 
 class RMSNorm(nn.Module):
     """Qwen3's RMSNorm through torch's fused kernel, in the activations' dtype (statistics in float32
-    inside the kernel). Autocast is switched off around it so bf16 activations stay bf16."""
+    inside the kernel). `aten._fused_rms_norm` (what `F.rms_norm` runs) is called directly: CUDA's autocast
+    lists `rms_norm` among its float32 ops and would return float32, while the fused op is on no autocast
+    list, so bf16 activations stay bf16 without an autocast context inside the compiled layers (a context there
+    makes AOTAutograd's cache refuse the whole graph, so every start traced its joint graph again)."""
 
     def __init__(self, size: int, eps: float = 1e-6):
         super().__init__()
@@ -58,8 +60,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+        return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], self.weight.to(x.dtype), self.eps)[0]
 
 
 class Rotary:
