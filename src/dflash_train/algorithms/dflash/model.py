@@ -47,6 +47,13 @@ class RopeTables(NamedTuple):
 # recompiles without inductor).
 COMPILE_BACKEND = "inductor"
 
+try:
+    _FUSED_RMS_NORM = torch.ops.aten._fused_rms_norm
+except (AttributeError, RuntimeError) as missing:  # torch's fused RMSNorm op arrived in 2.8, our lowest pin
+    raise ImportError(f"torch {torch.__version__} has no aten._fused_rms_norm; dflash-train needs torch >= 2.8 "
+                      "(pip install -U torch)") from missing
+
+
 class RMSNorm(nn.Module):
     """Qwen3's RMSNorm through torch's fused kernel, in the activations' dtype (statistics in float32
     inside the kernel). `aten._fused_rms_norm` (what `F.rms_norm` runs) is called directly: CUDA's autocast
@@ -60,7 +67,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], self.weight.to(x.dtype), self.eps)[0]
+        return _FUSED_RMS_NORM(x, [x.shape[-1]], self.weight.to(x.dtype), self.eps)[0]
 
 
 class Rotary:
