@@ -641,6 +641,29 @@ def test_compiled_target_capture_matches_eager_and_new_lengths_never_recompile()
     assert all("forward" not in vars(layer) for layer in model.model.layers)
 
 
+def test_a_warm_start_takes_every_bf16_graph_from_aotautograds_cache(tmp_path):
+    """Two benchmark processes, one compile cache: the second compiles nothing anew, and AOTAutograd's cache
+    serves every graph (the target's layer, both drafter layer graphs, flex attention forward and backward, the CE
+    chunk) with no bypass. On the CPU the drafter graphs bypassed while RMSNorm turned autocast off inside them;
+    here the GPU's own graphs (flex attention) are checked as well."""
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "throughput.py"
+    cmd = [sys.executable, str(script), "--shape", "tiny", "--batch", "2", "--seq", "512", "--block", "16",
+           "--anchors", "16", "--layers", "2", "--repeat", "1", "--compile-target", "--compile-drafter",
+           "--cache-dir", str(tmp_path / "cache")]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    lines = []
+    for _ in range(2):
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines.append(json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1]))
+    cold, warm = lines
+    assert cold["fxgraph_cache_miss"] > 0 and cold["aot_cache_bypass"] == 0, cold
+    assert warm["fxgraph_cache_miss"] == 0 and warm["aot_cache_miss"] == 0, warm
+    assert warm["aot_cache_bypass"] == 0 and warm["aot_cache_hit"] >= 4, warm
+
+
 def test_compile_workers_start_before_any_compile(tmp_path):
     """start_compile_workers (called as a GPU rank starts, before its weights load): inductor's worker pool
     is up and ready before anything compiles, so the first compile does not build kernels one at a time."""
