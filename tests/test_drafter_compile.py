@@ -353,3 +353,31 @@ def test_validation_runs_the_warm_ups_graphs_and_compiles_nothing_mid_run(
     assert val_rows and min(val_rows) > 1 and status["warmup_validation_batches"] == len(val_rows)
     # validation's graphs (no grad, several rows) are its own: compiled by the warm-up, not mid-run
     assert status["validation_compiled_graphs"] > 0
+
+
+@pytest.mark.long
+def test_a_warm_start_takes_the_fp8_drafter_graphs_from_aotautograds_cache(tmp_path):
+    """Two processes, one compile cache, an FP8 drafter's layers through inductor (~2 min on 2 cores): the first
+    caches every graph with AOTAutograd (none bypassed: not for an autocast context, not for the FP8 matmul's
+    autograd.Function), the second compiles nothing anew and takes them all from the caches, with bit-identical
+    outputs and gradients."""
+    import os
+    import subprocess
+    import sys
+
+    worker = Path(__file__).parent / "_aot_cache_worker.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    stats, saved = [], []
+    for run in ("cold", "warm"):
+        out = tmp_path / f"{run}.pt"
+        done = subprocess.run([sys.executable, str(worker), str(tmp_path / "cache"), str(out)], capture_output=True,
+                              text=True, env=env, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        stats.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        saved.append(torch.load(out))
+    cold, warm = stats
+    assert cold["aot_cache_bypass"] == 0 and cold["aot_cache_miss"] >= 4, cold
+    assert warm["aot_cache_bypass"] == warm["aot_cache_miss"] == warm["fxgraph_cache_miss"] == 0, warm
+    assert warm["aot_cache_hit"] == cold["aot_cache_miss"], (cold, warm)
+    assert saved[0].keys() == saved[1].keys()
+    assert all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0]), "a cached graph computed other numbers"

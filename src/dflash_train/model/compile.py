@@ -336,11 +336,18 @@ def _compile_settings():
     - float constants specialised: with dynamic shapes Dynamo first traces Python floats (RMSNorm eps,
       attention scaling, read off the layer passed in) as inputs, fails to turn them into tensors and
       traces the whole function again, a third of a cold compile. They never change between calls.
-    - `RECOMPILE_LIMIT` variants per function, and reaching it is an error, never a silent eager run."""
+    - `RECOMPILE_LIMIT` variants per function, and reaching it is an error, never a silent eager run.
+    - AOTAutograd's cache takes graphs that hold a `torch.autograd.Function` (the FP8 drafter's matmul): Dynamo
+      traces its forward and backward into the graph, so the cache key covers them (by default the cache
+      refuses such graphs, and an FP8 drafter traced its joint graphs again on every start)."""
+    import torch._functorch.config as functorch_config
     import torch.fx.experimental._config as fx_config
 
+    aot_cache = ({"autograd_cache_allow_custom_autograd_functions": True}
+                 if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions") else {})
     with fx_config.patch(use_duck_shape=False), torch._dynamo.config.patch(
-            specialize_float=True, recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            specialize_float=True, recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True), \
+            functorch_config.patch(**aot_cache):
         yield
 
 
