@@ -356,14 +356,14 @@ def measure_one_side(args) -> None:
         if args.compile_drafter:
             drafter.compile_layers()
         result.update(compile_drafter=args.compile_drafter, draft_vocab=args.draft_vocab)
-        if args.draft_vocab:
-            result["head_gradient"] = "recompute" if args.head_gradient == "recompute" else "keep"
         hidden = torch.randn(args.batch, args.seq, len(ids) * shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
         frozen = _Frozen(shape, hidden)
         benchmark_vocabulary(drafter, frozen.lm_head.weight)
         cfg = config_from_dict({"drafter": drafter_section(args),
                                 "objective": {"max_anchors": args.anchors, "head_gradient": args.head_gradient},
                                 "data": {"max_length": args.seq, "token_budget": args.seq * args.batch}})
+        if args.draft_vocab:
+            result["head_gradient_kept"] = cfg.keeps_head_gradient
         backend = resolve_backend("flex", torch.device("cuda"), args.block)
         step = TrainStep(drafter, frozen, backend, cfg, 1000, torch.bfloat16, torch.device("cuda"))
         step(batch, 0)
@@ -556,6 +556,8 @@ def main() -> None:
     }
     if args.architecture == "dflash2":
         result["selector_top_k"] = args.selector_top_k
+    if args.draft_vocab:
+        result["head_gradient_kept"] = cfg.keeps_head_gradient
     print(json.dumps(result))
     if args.json:
         with open(args.json, "a") as f:
