@@ -497,3 +497,45 @@ def test_acceptance_from_selector_is_refused_where_there_is_no_selector_or_no_ac
     cfg = config_from_dict({"drafter": {"architecture": "dflash2"},
                             "objective": {"acceptance_from": "selector", "slot_weighting": "dpace"}})
     assert cfg.objective.acceptance_from == "selector"
+
+
+def test_the_selector_trains_at_its_own_learning_rate_through_the_schedule(target):
+    """`drafter.selector_lr_scale`: one AdamW step from the same gradients moves each selector weight by scale x
+    what it moves at scale 1, every other weight by the same amount, at every step of the warm-up and decay."""
+    from dflash_train.train.step import lr_factor, make_optimizer
+
+    def steps(scale: float) -> list[dict[str, torch.Tensor]]:
+        d = dflash2(target, perturb=0.1)
+        cfg = config_from_dict({"drafter": {"architecture": "dflash2", "selector_lr_scale": scale},
+                                "optim": {"lr": 1e-3, "warmup_ratio": 0.5, "schedule": "cosine"}})
+        opt = make_optimizer(d, cfg, torch.device("cpu"))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 4, 0.5, 0.0, "cosine", 0.2))
+        g = torch.Generator().manual_seed(3)
+        grads = {n: torch.randn(p.shape, generator=g) for n, p in d.named_parameters()}
+        moves = []
+        for _ in range(3):
+            before = {n: p.detach().clone() for n, p in d.named_parameters()}
+            for n, p in d.named_parameters():
+                p.grad = grads[n].clone()
+            opt.step()
+            sched.step()
+            moves.append({n: p.detach() - before[n] for n, p in d.named_parameters()})
+        return moves
+
+    plain, scaled = steps(1.0), steps(10.0)
+    selector = [n for n in plain[0] if n.startswith("candidate_selector.")]
+    assert len(selector) == 3
+    for a, b in zip(plain, scaled):
+        for n in a:
+            want = a[n] * 10 if n in selector else a[n]
+            torch.testing.assert_close(b[n], want, rtol=1e-4, atol=1e-9)
+        assert a[selector[0]].abs().sum() > 0
+
+
+def test_a_selector_learning_rate_is_refused_without_a_selector():
+    from dflash_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'drafter.selector_lr_scale'.*drafter.architecture=dflash2"):
+        config_from_dict({"drafter": {"selector_lr_scale": 10}})
+    with pytest.raises(ConfigError, match=r"'drafter.selector_lr_scale'.*> 0"):
+        config_from_dict({"drafter": {"architecture": "dflash2", "selector_lr_scale": 0}})

@@ -98,6 +98,10 @@ class DrafterConfig:
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
+    # dflash2 only: the candidate selector's learning rate over optim.lr. Its pair term is a product of three
+    # small factors at the identity start (two codebooks, one of them zero, and the hidden projection), so at
+    # the common rate it takes many steps to reach the unary logits' scale.
+    selector_lr_scale: float = 1.0
     # Compile the drafter's layers for training (torch.compile/inductor, two graphs shared by all layers,
     # dynamic batch and length, compiled in the warm-up): fuses the norms, RoPE, SiLU x mul and residual
     # adds around the matmuls. CUDA only: a CPU device refuses it.
@@ -500,6 +504,10 @@ def validate(cfg: Config) -> None:
         need(getattr(d, key) >= 1, f"drafter.{key}", f"must be >= 1 (got {getattr(d, key)})")
     need(1 <= d.conv_kernel_size <= d.block_size, "drafter.conv_kernel_size",
          f"must be between 1 and drafter.block_size={d.block_size} (got {d.conv_kernel_size})")
+    need(d.selector_lr_scale > 0, "drafter.selector_lr_scale", f"must be > 0 (got {d.selector_lr_scale})")
+    need(d.selector_lr_scale == 1.0 or d.architecture == "dflash2", "drafter.selector_lr_scale",
+         f"scales DFlash2's candidate selector; drafter.architecture is {d.architecture!r}: set "
+         "drafter.architecture=dflash2 or leave selector_lr_scale at 1")
     need(o.selector_loss_weight >= 0, "objective.selector_loss_weight", f"must be >= 0 (got {o.selector_loss_weight})")
     if o.acceptance_from == "selector":
         need(d.architecture == "dflash2", "objective.acceptance_from",

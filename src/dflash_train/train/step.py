@@ -24,10 +24,22 @@ class MicroBatch:
     hidden: torch.Tensor | None = None  # the target's capture, when another rank computed it
 
 
+def parameter_groups(drafter: Drafter, cfg: Config) -> list[dict]:
+    """The trained parameters at `optim.lr`; DFlash2's candidate selector in a group of its own when
+    `drafter.selector_lr_scale` is not 1 (the schedule scales every group's rate by the same factor)."""
+    scale = cfg.drafter.selector_lr_scale
+    named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
+    if scale == 1.0:
+        return [{"params": [p for _, p in named]}]
+    selector = [p for n, p in named if n.startswith("candidate_selector.")]
+    rest = [p for n, p in named if not n.startswith("candidate_selector.")]
+    return [{"params": rest}, {"params": selector, "lr": cfg.optim.lr * scale}]
+
+
 def make_optimizer(drafter: Drafter, cfg: Config, device: torch.device) -> torch.optim.AdamW:
     o = cfg.optim
     return torch.optim.AdamW(
-        [p for p in drafter.parameters() if p.requires_grad],
+        parameter_groups(drafter, cfg),
         lr=o.lr,
         betas=o.betas,
         eps=o.eps,
