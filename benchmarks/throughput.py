@@ -383,6 +383,32 @@ def measure_one_side(args) -> None:
             f.write(json.dumps(result) + "\n")
 
 
+def record_kernel_builds() -> dict[str, float] | None:
+    """Each Triton kernel's build time in a compile worker (seconds, by kernel name), as inductor reports it to
+    its metrics; None where this torch reports none."""
+    from torch._inductor import async_compile
+
+    report = getattr(async_compile, "_add_triton_kernel_info", None)
+    if report is None:
+        return None
+    builds: dict[str, float] = {}
+
+    def recording(kernel_name, info, _report=report):
+        if "compile_time_us" in info:
+            builds[kernel_name] = info["compile_time_us"] / 1e6
+        return _report(kernel_name, info)
+
+    async_compile._add_triton_kernel_info = recording
+    return builds
+
+
+def kernel_build_summary(builds: dict[str, float]) -> dict:
+    """The count, sum and the slowest eight of the kernels built (a cold compile's long poles)."""
+    slowest = sorted(builds.items(), key=lambda kv: -kv[1])[:8]
+    return {"kernels_built": len(builds), "kernel_build_sum_s": round(sum(builds.values()), 2),
+            "kernel_builds_slowest": [[name, round(t, 2)] for name, t in slowest]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_workload_args(ap)
@@ -443,6 +469,7 @@ def main() -> None:
     from dflash_train.model import compile as compile_layer
 
     compile_layer.configure_cache(args.cache_dir, fresh=args.fresh_cache)
+    kernel_builds = record_kernel_builds()
     if not args.late_compile_workers:  # as the trainer does: the pool starts while the models build
         compile_layer.start_compile_workers()
     process_start = float(os.environ.get("BENCH_START_TS", time.time()))
@@ -554,6 +581,8 @@ def main() -> None:
         "peak_mem_gib": round(peak_mem, 1), **estimate,
         **fp8_accounting(args, target_parts, drafter_parts, peak),
     }
+    if kernel_builds is not None:
+        result.update(kernel_build_summary(kernel_builds))
     if args.architecture == "dflash2":
         result["selector_top_k"] = args.selector_top_k
     if args.draft_vocab:
