@@ -357,7 +357,8 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
                              8, 128)
     from dflash_train.algorithms.dflash.mask import flex_block_mask
 
-    eager.build_mask = lambda anchors, keep, s, bs: flex_block_mask(anchors, keep, s, bs)
+    eager.build_mask = lambda anchors, keep, s, bs, kind: flex_block_mask(anchors, keep, s, bs, window=kind.sliding_window,
+                                                                          causal=kind.causal)
     step = TrainStep(drafter, TargetCapture.from_model(model, [1, 3]), eager, cfg, 10, torch.bfloat16, device)
     ids = torch.randint(10, 1000, (2, 200), generator=torch.Generator().manual_seed(0))
     with pytest.raises(compile_layer.UncompiledFlexAttention, match="ran uncompiled after the warm-up began"):
