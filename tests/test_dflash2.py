@@ -132,17 +132,19 @@ def test_an_untrained_dflash2_drafter_computes_what_dflash_does(target):
 
 
 def dense_selector_loss(d: DFlash2Drafter, rows: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor,
-                        previous: torch.Tensor, weights, weight: float):
+                        previous: torch.Tensor, weights, weight: float, covered_only: bool = False):
     """The objective written out densely in float64: full logits, CE, top-k, the label forced in, S, k-way CE.
-    `weights`: the rows' weights, or a function of the selector's detached log-probabilities of the labels."""
+    `weights`: the rows' weights, or a function of the selector's detached log-probabilities of the labels.
+    `covered_only`: the selector's CE counts only where the label is among the top-k."""
     logits = rows @ head_w.T
     ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
     k = d.selector_top_k
     top_v, top_i = logits.detach().topk(k, -1)
     sel = d.candidate_selector
-    selector_ce = []
+    selector_ce, covered = [], []
     for r in range(rows.shape[0]):
         ids, vals = top_i[r].clone(), top_v[r].clone()
+        covered.append(bool(labels[r] in ids))
         if labels[r] not in ids:
             ids[-1], vals[-1] = labels[r], logits[r, labels[r]].detach()
         z = sel.hidden_projection.weight @ rows[r]
@@ -153,6 +155,8 @@ def dense_selector_loss(d: DFlash2Drafter, rows: torch.Tensor, head_w: torch.Ten
     if callable(weights):
         weights = weights(-selector_ce.detach())
     norm = weights.double() / weights.double().sum()
+    if covered_only:
+        selector_ce = selector_ce * torch.tensor(covered, dtype=selector_ce.dtype)
     return (ce * norm).sum() + weight * (selector_ce * norm).sum()
 
 
@@ -174,9 +178,19 @@ def brute_force_acceptance(counted: torch.Tensor, idx: torch.Tensor, floor: floa
     return weights
 
 
-@pytest.mark.parametrize("selector_weight,weighting", [(1.0, "gamma"), (0.25, "gamma"), (1.0, "selector")])
-def test_the_objective_equals_a_dense_float64_reference(target, selector_weight, weighting):
-    """gamma weights, or (selector) acceptance weights made of the selector's probabilities of the labels."""
+@pytest.mark.parametrize("selector_weight,weighting,rows", [(1.0, "gamma", "all"), (0.25, "gamma", "all"),
+                                                            (1.0, "selector", "all"), (1.0, "gamma", "covered"),
+                                                            (1.0, "selector", "covered")])
+def test_the_objective_equals_a_dense_float64_reference(target, selector_weight, weighting, rows):
+    """gamma weights, or (selector) acceptance weights made of the selector's probabilities of the labels; the
+    selector's loss over every counted slot (the label forced in) or over the covered ones only (then on a
+    target whose head favours the ten token ids the batch is made of, so that the top-k holds some labels)."""
+    if rows == "covered":
+        target = copy.deepcopy(target)
+        with torch.no_grad():
+            head = target.get_output_embeddings().weight  # tied with the input embeddings
+            head[13:].mul_(0.01)
+            head[3:13].mul_(10.0)
     d = dflash2(target, perturb=0.1).double().train()
     if weighting == "selector":  # flat unary logits: the labels' selector probabilities (~1/k) stand apart from
         with torch.no_grad():  # their unary ones (~1/vocab), above the floor
@@ -187,11 +201,12 @@ def test_the_objective_equals_a_dense_float64_reference(target, selector_weight,
     try:
         cfg = config_from_dict({"drafter": {"architecture": "dflash2", "block_size": 4, "num_draft_layers": 2},
                                 "objective": {"max_anchors": 6, "gamma": 3.0, **extra,
-                                              "selector_loss_weight": selector_weight},
+                                              "selector_loss_weight": selector_weight, "selector_rows": rows},
                                 "data": {"max_length": 64, "token_budget": 256}})
         backend = resolve_backend("sdpa", torch.device("cpu"), 4)
         g = torch.Generator().manual_seed(5)
-        ids = torch.randint(3, 400, (2, 30), generator=g)  # a small id range: labels often outside the top-k
+        # a small id range: labels often outside the top-k (with "covered", often inside it too)
+        ids = torch.randint(3, 13 if rows == "covered" else 400, (2, 30), generator=g)
         loss_mask = (torch.rand(2, 30, generator=g) < 0.8).long()
         batch = Batch(ids, loss_mask, torch.tensor([30, 22]))
         objective = DFlash2Objective(d, capture, backend, cfg, torch.float64)
@@ -206,13 +221,18 @@ def test_the_objective_equals_a_dense_float64_reference(target, selector_weight,
         embeds = capture.embed_tokens(blocks.block_ids)
         pos = torch.cat([torch.arange(30).expand(2, 30), blocks.block_positions], 1)
         out = d(hidden, embeds, pos, sdpa_attention, dense_mask(blocks.anchors, blocks.keep, 30, 4))
-        rows = out.reshape(-1, out.shape[-1])[idx]
+        out_rows = out.reshape(-1, out.shape[-1])[idx]
         labels = blocks.labels.view(-1)[idx]
         previous = torch.cat([blocks.labels[..., :1], blocks.labels[..., :-1]], -1).view(-1)[idx]
         weights = (blocks.weights.view(-1)[idx] if weighting == "gamma" else
                    brute_force_acceptance(blocks.counted, idx, 0.01))
-        ref = dense_selector_loss(d, rows, capture.lm_head.weight, labels, previous, weights, selector_weight)
+        ref = dense_selector_loss(d, out_rows, capture.lm_head.weight, labels, previous, weights, selector_weight,
+                                  covered_only=rows == "covered")
         ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
+        if rows == "covered":  # the batch has slots the top-k misses, so the two choices differ here
+            forced = dense_selector_loss(d, out_rows, capture.lm_head.weight, labels, previous, weights,
+                                         selector_weight)
+            assert abs(float(forced - ref)) > 1e-3
         torch.testing.assert_close(stats.loss, ref, rtol=1e-10, atol=1e-12)
         for p, a, b in zip(params, grads, ref_grads):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
@@ -539,3 +559,12 @@ def test_a_selector_learning_rate_is_refused_without_a_selector():
         config_from_dict({"drafter": {"selector_lr_scale": 10}})
     with pytest.raises(ConfigError, match=r"'drafter.selector_lr_scale'.*> 0"):
         config_from_dict({"drafter": {"architecture": "dflash2", "selector_lr_scale": 0}})
+
+
+def test_covered_selector_rows_are_refused_without_a_selector():
+    from dflash_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'objective.selector_rows'.*drafter.architecture=dflash2"):
+        config_from_dict({"objective": {"selector_rows": "covered"}})
+    assert config_from_dict({"drafter": {"architecture": "dflash2"},
+                             "objective": {"selector_rows": "covered"}}).objective.selector_rows == "covered"

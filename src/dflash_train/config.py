@@ -181,6 +181,11 @@ class ObjectiveConfig:
     dpace_alpha: float = 0.5
     # drafter.architecture dflash2 only: weight of the selector's loss next to the unary slot loss.
     selector_loss_weight: float = 1.0
+    # drafter.architecture dflash2 only: the counted slots the selector's loss is taken over. all: every one, the
+    # label forced into the candidates where the top-k misses it (the public ports' practice). covered: only those
+    # whose label is among the top-k already, the slots where decoding can pick it (the rest add 0; the loss keeps
+    # the unary loss's normaliser, so it scales with the coverage).
+    selector_rows: Literal["all", "covered"] = "all"
     # drafter.architecture dflash2 with slot_weighting acceptance or dpace: whose probability of each label the
     # weights are made of. unary: the unary logits' softmax (as DFlash); selector: softmax(S) over the slot's
     # candidates with the label forced in, given the true previous token (what DFlash2's decoding accepts).
@@ -508,6 +513,9 @@ def validate(cfg: Config) -> None:
     need(d.selector_lr_scale == 1.0 or d.architecture == "dflash2", "drafter.selector_lr_scale",
          f"scales DFlash2's candidate selector; drafter.architecture is {d.architecture!r}: set "
          "drafter.architecture=dflash2 or leave selector_lr_scale at 1")
+    need(o.selector_rows == "all" or d.architecture == "dflash2", "objective.selector_rows",
+         f"chooses the rows of DFlash2's selector loss; drafter.architecture is {d.architecture!r}: set "
+         "drafter.architecture=dflash2 or leave objective.selector_rows at all")
     need(o.selector_loss_weight >= 0, "objective.selector_loss_weight", f"must be >= 0 (got {o.selector_loss_weight})")
     if o.acceptance_from == "selector":
         need(d.architecture == "dflash2", "objective.acceptance_from",

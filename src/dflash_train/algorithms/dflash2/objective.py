@@ -9,6 +9,9 @@ against the label, with the unary loss's slot weights (made of the unary probabi
 
     loss = CE_unary + selector_loss_weight * sum_rows w_row * CE_k(S_row, label) / sum_rows w_row
 
+With `objective.selector_rows=covered` the sum runs over the rows whose label is among the strict top-k only
+(the normaliser stays the sum over all rows).
+
 The candidates' unary scores enter S detached: the selector loss trains the codebooks, the hidden projection
 and, through the pair term, the drafter's hidden states, but never pushes the unary logits (the unary CE
 does that). Metrics count a slot right when the selector, given the true previous token, picks its label
@@ -66,6 +69,8 @@ class DFlash2Objective(DFlashObjective):
             weights = weights(-selector_ce.detach())  # the selector's log-probability of each label
         result = weighted_rows(r, head_labels, weights, unscored)
         norm = result.weights / result.weight_sum.clamp_min(1e-12)
+        if self.cfg.objective.selector_rows == "covered":  # no loss where the top-k misses the label
+            selector_ce = torch.where(present, selector_ce, torch.zeros_like(selector_ce))
         selector_loss = (selector_ce * norm.to(selector_ce.dtype)).sum()
         loss = result.loss + self.cfg.objective.selector_loss_weight * selector_loss
         correct = (scores.argmax(-1) == target) & present
