@@ -584,3 +584,30 @@ def test_prepared_data_carries_label_counts_for_a_reduced_vocabulary_variant(tmp
     assert "without label counts" in log[-2] and has_label_counts(json.loads((prepared / "manifest.json").read_text()))
     with pytest.raises(ConfigError, match="dflash only"):
         Q.parse_variants(["dflash2=drafter.architecture=dflash2,drafter.draft_vocab_size=64"], str(config), [])
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_tests_script_refuses_without_its_inputs_and_passes_them_on(tmp_path):
+    """tools/gpu_tests.sh stops before pytest when the bundle's data or tokenizer is missing (the tests would
+    skip), and otherwise runs the gpu-marked tests with DFLASH_TEST_REAL_DATA and DFLASH_TEST_TOKENIZER_DIR set."""
+    device = tmp_path / "device"
+    (device / "tools").mkdir(parents=True)
+    shutil.copy(REPO / "tools" / "gpu_tests.sh", device / "tools")
+    (device / "tests").mkdir()
+    (device / "tests" / "test_gpu.py").write_text(
+        "import os\nfrom pathlib import Path\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_inputs():\n"
+        "    assert Path(os.environ['DFLASH_TEST_REAL_DATA']).is_file()\n"
+        "    assert (Path(os.environ['DFLASH_TEST_TOKENIZER_DIR']) / 'tokenizer.json').is_file()\n")
+    (device / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    (tmp_path / "out").mkdir()
+    script = ["bash", str(device / "tools" / "gpu_tests.sh")]
+    missing = subprocess.run(script, env=env, capture_output=True, text=True)
+    assert missing.returncode == 2 and "missing .gpu/data/smollm2-sharegpt-regen.jsonl.gz" in missing.stderr
+    (device / ".gpu" / "data").mkdir(parents=True)
+    (device / ".gpu" / "data" / "smollm2-sharegpt-regen.jsonl.gz").write_bytes(b"")
+    (device / ".gpu" / "tok").mkdir()
+    (device / ".gpu" / "tok" / "tokenizer.json").write_text("{}")
+    ran = subprocess.run(script, env=env, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "test_inputs PASSED" in ran.stdout and "1 passed" in (tmp_path / "out" / "pytest.txt").read_text()
