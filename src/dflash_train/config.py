@@ -100,7 +100,8 @@ class DrafterConfig:
     selector_top_k: int = 16
     # dflash2 only: the candidate selector's learning rate over optim.lr. Its pair term is a product of three
     # small factors at the identity start (two codebooks, one of them zero, and the hidden projection), so at
-    # the common rate it takes many steps to reach the unary logits' scale.
+    # the common rate it takes many steps to reach the unary logits' scale. Measured at 3 and 10: the selector fits
+    # the training batches better and decodes worse (QUALITY.md, session 15), so 1 stays the default.
     selector_lr_scale: float = 1.0
     # Compile the drafter's layers for training (torch.compile/inductor, two graphs shared by all layers,
     # dynamic batch and length, compiled in the warm-up): fuses the norms, RoPE, SiLU x mul and residual
