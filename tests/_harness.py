@@ -47,9 +47,9 @@ def losses(run: Path) -> dict[int, float]:
     return out
 
 
-def assert_same_losses(ref: dict[int, float], got: dict[int, float], steps: int) -> None:
+def assert_same_losses(ref: dict[int, float], got: dict[int, float], steps: int, rel: float = 1e-6) -> None:
     assert sorted(got) == list(range(1, steps + 1)), sorted(got)
-    bad = {s: (ref[s], got[s]) for s in ref if got[s] != pytest.approx(ref[s], rel=1e-6, abs=1e-7)}
+    bad = {s: (ref[s], got[s]) for s in ref if got[s] != pytest.approx(ref[s], rel=rel, abs=1e-7)}
     assert not bad, bad
 
 

@@ -17,6 +17,14 @@ from dflash_train.cli import main
 from dflash_train.config import ConfigError, config_from_dict, validate_world
 
 STEPS = 6
+# Tensor parallelism sums each row-parallel matmul's partial products over the ranks (the all-reduce), in another
+# order than one matmul does; training amplifies that float32 rounding step by step (1.1e-6 relative by step 6 on
+# one CPU, under 1e-6 on another). fsdp gathers whole weights: its losses are compared bit for bit besides.
+TP_REL = 1e-5
+
+
+def rel_for(sharding: str) -> float:
+    return TP_REL if sharding == "tp" else 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +97,7 @@ def test_two_ranks_sharded_train_the_losses_of_unsharded(tmp_path, request, coun
     target_dir = request.getfixturevalue("tiny_target_dir" if target == "dense" else "moe_target_dir")
     plain = _train(tmp_path, target_dir, counting_jsonl, "none", 2)
     sharded = _train(tmp_path, target_dir, counting_jsonl, sharding, 2, f"target.sharding={sharding}")
-    assert_same_losses(losses(plain), losses(sharded), STEPS)
+    assert_same_losses(losses(plain), losses(sharded), STEPS, rel_for(sharding))
     if sharding == "fsdp":
         assert losses(plain) == losses(sharded)  # bit-identical captures: bit-identical steps
     else:
@@ -182,7 +190,7 @@ def test_split_target_ranks_in_a_shard_group_train_the_losses_of_colocated(tmp_p
     plain = _train(tmp_path, target_dir, counting_jsonl, "colocated", 2)
     split = _train(tmp_path, target_dir, counting_jsonl, "split", 4, f"target.sharding={sharding}",
                    "parallel.placement=split", "parallel.target_ranks=2")
-    assert_same_losses(losses(plain), losses(split), STEPS)
+    assert_same_losses(losses(plain), losses(split), STEPS, rel_for(sharding))
     if sharding == "fsdp":
         assert losses(plain) == losses(split)
     assert status(split)["placement"] == "split 2+2"
@@ -212,7 +220,7 @@ def test_every_rank_validates_with_a_sharded_target_and_rank_0_records_the_unsha
         return out
 
     plain, sharded = train("none"), train(sharding, f"target.sharding={sharding}")
-    assert_same_losses(losses(plain), losses(sharded), STEPS)
+    assert_same_losses(losses(plain), losses(sharded), STEPS, rel_for(sharding))
     if sharding == "fsdp":
         assert losses(plain) == losses(sharded)
 
