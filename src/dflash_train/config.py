@@ -511,12 +511,11 @@ def validate(cfg: Config) -> None:
     need(1 <= d.conv_kernel_size <= d.block_size, "drafter.conv_kernel_size",
          f"must be between 1 and drafter.block_size={d.block_size} (got {d.conv_kernel_size})")
     need(d.selector_lr_scale > 0, "drafter.selector_lr_scale", f"must be > 0 (got {d.selector_lr_scale})")
-    need(d.selector_lr_scale == 1.0 or d.architecture == "dflash2", "drafter.selector_lr_scale",
-         f"scales DFlash2's candidate selector; drafter.architecture is {d.architecture!r}: set "
-         "drafter.architecture=dflash2 or leave selector_lr_scale at 1")
-    need(o.selector_rows == "all" or d.architecture == "dflash2", "objective.selector_rows",
-         f"chooses the rows of DFlash2's selector loss; drafter.architecture is {d.architecture!r}: set "
-         "drafter.architecture=dflash2 or leave objective.selector_rows at all")
+    for key, value, default in (("drafter.selector_lr_scale", d.selector_lr_scale, 1.0),
+                                ("objective.selector_rows", o.selector_rows, "all")):  # the selector's training
+        need(value == default or d.architecture == "dflash2", key,
+             f"applies to DFlash2's candidate selector; drafter.architecture is {d.architecture!r}: set "
+             f"drafter.architecture=dflash2 or leave {key} at {default}")
     need(o.selector_loss_weight >= 0, "objective.selector_loss_weight", f"must be >= 0 (got {o.selector_loss_weight})")
     if o.acceptance_from == "selector":
         need(d.architecture == "dflash2", "objective.acceptance_from",
