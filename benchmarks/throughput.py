@@ -230,6 +230,7 @@ def drafter_section(args) -> dict:
                "num_draft_layers": args.layers, "draft_vocab_size": args.draft_vocab}
     if section["architecture"] == "dflash2":
         section["selector_top_k"] = args.selector_top_k
+        section["selector_codebooks"] = args.selector_codebooks
     return section
 
 
@@ -419,6 +420,8 @@ def main() -> None:
                     help="the drafter architecture (full step only; dflash2: reference convolution/selector sizes)")
     ap.add_argument("--selector-top-k", type=int, default=16,
                     help="drafter.selector_top_k of --architecture dflash2 (its candidates per slot)")
+    ap.add_argument("--selector-codebooks", default="free", choices=("free", "factored"),
+                    help="drafter.selector_codebooks of --architecture dflash2")
     ap.add_argument("--profile", action="store_true",
                     help="print the top CUDA kernels of one drafter step, then of one target capture")
     ap.add_argument("--cache-dir", default=None, help="inductor cache directory (see --fresh-cache)")
@@ -449,6 +452,8 @@ def main() -> None:
         ap.error("--head-gradient keep: needs --draft-vocab (the target's frozen head has no weight gradient)")
     if args.selector_top_k != 16 and args.architecture != "dflash2":
         ap.error("--selector-top-k: a dflash2 key; add --architecture dflash2")
+    if args.selector_codebooks != "free" and args.architecture != "dflash2":
+        ap.error("--selector-codebooks: a dflash2 key; add --architecture dflash2")
     if args.draft_vocab and args.architecture != "dflash":
         ap.error("--draft-vocab: a reduced draft vocabulary is implemented for --architecture dflash only")
     if args.cold_compile_levers:
@@ -490,7 +495,8 @@ def main() -> None:
         from dflash_train.algorithms.dflash2.model import DFlash2Drafter
 
         dcfg = make_dflash2_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
-                                   mask_token_id=5, selector_top_k=args.selector_top_k, **dkwargs)
+                                   mask_token_id=5, selector_top_k=args.selector_top_k,
+                                   selector_codebooks=args.selector_codebooks, **dkwargs)
         drafter = DFlash2Drafter(dcfg).cuda()
     else:
         dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
@@ -587,6 +593,7 @@ def main() -> None:
         result.update(kernel_build_summary(kernel_builds))
     if args.architecture == "dflash2":
         result["selector_top_k"] = args.selector_top_k
+        result["selector_codebooks"] = args.selector_codebooks
     if args.draft_vocab:
         result["head_gradient_kept"] = cfg.keeps_head_gradient
     print(json.dumps(result))

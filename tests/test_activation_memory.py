@@ -33,8 +33,11 @@ def _target(moe: bool = False, **shape):
 
 
 def _config(rows: int, length: int, block: int, anchors: int, chunk: int, arch: str = "dflash", layers: int = 2):
+    """`arch`: an architecture name, or dflash2:factored (its selector's codebooks factored through the head)."""
+    arch, _, codebooks = arch.partition(":")
+    extra = {"selector_codebooks": codebooks} if codebooks else {}
     return config_from_dict({"drafter": {"block_size": block, "num_draft_layers": layers, "attention_backend": "sdpa",
-                                         "architecture": arch},
+                                         "architecture": arch, **extra},
                              "objective": {"max_anchors": anchors, "loss_chunk_size": chunk},
                              "data": {"max_length": length, "token_budget": rows * length, "max_batch_size": rows}})
 
@@ -80,6 +83,8 @@ STEPS = {  # name: (target shape, architecture, rows, length, block, anchors, CE
     "the captured states count": (dict(hidden_size=128, intermediate_size=64, vocab_size=500), "dflash", 3, 100, 4, 2,
                                   64, torch.float32, "captured states"),
     "dflash2's selector": (dict(), "dflash2", 2, 128, 16, 4, 64, torch.float32, "selector"),
+    "dflash2's factored codebooks": (dict(vocab_size=30000), "dflash2:factored", 2, 64, 8, 2, 64, torch.float32,
+                                     "selector"),
     "bfloat16 autocast": (dict(), "dflash", 2, 128, 16, 4, 64, torch.bfloat16, "lm_head + CE chunk"),
 }
 
@@ -94,6 +99,7 @@ def test_the_step_estimate_bounds_the_live_bytes_of_a_real_training_step(case):
     model = _target(**shape)
     ids = [0, 1, 2, 3, 4] if shape.get("hidden_size") == 128 else [1, 3, 4]
     cfg = _config(rows, length, block, anchors, chunk, arch)
+    arch = cfg.drafter.architecture
     dcfg = architecture(arch).config_for_run(model.config, cfg.drafter, ids, 5)
     torch.manual_seed(1)
     drafter = architecture(arch).drafter_class(dcfg)

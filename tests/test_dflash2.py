@@ -131,11 +131,22 @@ def test_an_untrained_dflash2_drafter_computes_what_dflash_does(target):
     assert not torch.allclose(dflash2(target, perturb=0.1).double()(hidden, block, pos, sdpa_attention, mask), out2)
 
 
+def reference_codebooks(d: DFlash2Drafter, head_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(predecessor, successor) written out: the free tables, or each factored one as the lm_head rows at unit
+    root-mean-square times its projection."""
+    sel = d.candidate_selector
+    if not sel.factored:
+        return sel.predecessor_codebook, sel.successor_codebook
+    unit = head_w / head_w.pow(2).mean().sqrt()
+    return unit @ sel.predecessor_projection.weight.T, unit @ sel.successor_projection.weight.T
+
+
 def dense_selector_loss(d: DFlash2Drafter, rows: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor,
                         previous: torch.Tensor, weights, weight: float, covered_only: bool = False):
     """The objective written out densely in float64: full logits, CE, top-k, the label forced in, S, k-way CE.
     `weights`: the rows' weights, or a function of the selector's detached log-probabilities of the labels.
     `covered_only`: the selector's CE counts only where the label is among the top-k."""
+    predecessor, successor = reference_codebooks(d, head_w)
     logits = rows @ head_w.T
     ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
     k = d.selector_top_k
@@ -148,7 +159,7 @@ def dense_selector_loss(d: DFlash2Drafter, rows: torch.Tensor, head_w: torch.Ten
         if labels[r] not in ids:
             ids[-1], vals[-1] = labels[r], logits[r, labels[r]].detach()
         z = sel.hidden_projection.weight @ rows[r]
-        s = vals + torch.stack([(sel.predecessor_codebook[previous[r]] * z * sel.successor_codebook[i]).sum() for i in ids])
+        s = vals + torch.stack([(predecessor[previous[r]] * z * successor[i]).sum() for i in ids])
         target_idx = int((ids == labels[r]).nonzero()[0])
         selector_ce.append(torch.logsumexp(s, 0) - s[target_idx])
     selector_ce = torch.stack(selector_ce)
@@ -178,20 +189,22 @@ def brute_force_acceptance(counted: torch.Tensor, idx: torch.Tensor, floor: floa
     return weights
 
 
-@pytest.mark.parametrize("selector_weight,weighting,rows", [(1.0, "gamma", "all"), (0.25, "gamma", "all"),
-                                                            (1.0, "selector", "all"), (1.0, "gamma", "covered"),
-                                                            (1.0, "selector", "covered")])
-def test_the_objective_equals_a_dense_float64_reference(target, selector_weight, weighting, rows):
+@pytest.mark.parametrize("selector_weight,weighting,rows,codebooks", [
+    (1.0, "gamma", "all", "free"), (0.25, "gamma", "all", "free"), (1.0, "selector", "all", "free"),
+    (1.0, "gamma", "covered", "free"), (1.0, "selector", "covered", "free"), (1.0, "gamma", "all", "factored"),
+    (1.0, "selector", "covered", "factored")])
+def test_the_objective_equals_a_dense_float64_reference(target, selector_weight, weighting, rows, codebooks):
     """gamma weights, or (selector) acceptance weights made of the selector's probabilities of the labels; the
     selector's loss over every counted slot (the label forced in) or over the covered ones only (then on a
-    target whose head favours the ten token ids the batch is made of, so that the top-k holds some labels)."""
+    target whose head favours the ten token ids the batch is made of, so that the top-k holds some labels); the
+    codebooks free tables or factored through the target's lm_head (gradients reach the projections)."""
     if rows == "covered":
         target = copy.deepcopy(target)
         with torch.no_grad():
             head = target.get_output_embeddings().weight  # tied with the input embeddings
             head[13:].mul_(0.01)
             head[3:13].mul_(10.0)
-    d = dflash2(target, perturb=0.1).double().train()
+    d = dflash2(target, perturb=0.1, selector_codebooks=codebooks).double().train()
     if weighting == "selector":  # flat unary logits: the labels' selector probabilities (~1/k) stand apart from
         with torch.no_grad():  # their unary ones (~1/vocab), above the floor
             d.norm.weight.mul_(0.01)
@@ -199,7 +212,8 @@ def test_the_objective_equals_a_dense_float64_reference(target, selector_weight,
     extra = ({"slot_weighting": "gamma"} if weighting == "gamma" else
              {"slot_weighting": "acceptance", "acceptance_from": "selector", "acceptance_floor": 0.01})
     try:
-        cfg = config_from_dict({"drafter": {"architecture": "dflash2", "block_size": 4, "num_draft_layers": 2},
+        cfg = config_from_dict({"drafter": {"architecture": "dflash2", "block_size": 4, "num_draft_layers": 2,
+                                            "selector_codebooks": codebooks},
                                 "objective": {"max_anchors": 6, "gamma": 3.0, **extra,
                                               "selector_loss_weight": selector_weight, "selector_rows": rows},
                                 "data": {"max_length": 64, "token_budget": 256}})
@@ -236,7 +250,8 @@ def test_the_objective_equals_a_dense_float64_reference(target, selector_weight,
         torch.testing.assert_close(stats.loss, ref, rtol=1e-10, atol=1e-12)
         for p, a, b in zip(params, grads, ref_grads):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
-        assert grads[[n for n, _ in d.named_parameters()].index("candidate_selector.successor_codebook")].abs().sum() > 0
+        successor = "successor_codebook" if codebooks == "free" else "successor_projection.weight"
+        assert grads[[n for n, _ in d.named_parameters()].index(f"candidate_selector.{successor}")].abs().sum() > 0
     finally:
         target.float()
 
@@ -568,3 +583,134 @@ def test_covered_selector_rows_are_refused_without_a_selector():
         config_from_dict({"objective": {"selector_rows": "covered"}})
     assert config_from_dict({"drafter": {"architecture": "dflash2"},
                              "objective": {"selector_rows": "covered"}}).objective.selector_rows == "covered"
+
+
+def test_factored_codebooks_are_the_heads_rows_through_two_projections_and_start_as_the_identity(target):
+    """Each factored codebook is the lm_head's rows at unit root-mean-square times its projection (float64, written
+    out); the successor starts at zero (S = U: the walk is the per-slot argmax) and the predecessor's entries at the
+    free table's scale. Decoding recomputes its cached tables once a projection changes."""
+    d = dflash2(target, selector_codebooks="factored").double()
+    sel = d.candidate_selector
+    head = copy.deepcopy(target.get_output_embeddings()).double()
+    assert sel.factored and not hasattr(sel, "predecessor_codebook")
+    predecessor, successor = sel.codebooks(head.weight)
+    want_p, want_s = reference_codebooks(d, head.weight)
+    torch.testing.assert_close(predecessor, want_p, rtol=1e-9, atol=1e-13)
+    assert torch.equal(successor, torch.zeros(49152, 8, dtype=torch.float64))
+    assert 0.015 < float(predecessor.std()) < 0.025  # the free table's N(0, 0.02)
+    torch.manual_seed(2)
+    hidden = torch.randn(3, 4, 64, dtype=torch.float64)
+    drafts, _ = d.draft(hidden, head, torch.tensor([5, 9, 11]))
+    assert torch.equal(drafts, d.logits(hidden, head)[:, 1:].argmax(-1))
+    with torch.no_grad():
+        first = sel.decode_codebooks(head.weight)
+        assert sel.decode_codebooks(head.weight)[0] is first[0]  # reused while nothing changed
+        sel.successor_projection.weight.add_(torch.randn_like(sel.successor_projection.weight))
+        again = sel.decode_codebooks(head.weight)
+    torch.testing.assert_close(again[1], reference_codebooks(d, head.weight)[1], rtol=1e-9, atol=1e-13)
+    assert again[1].abs().sum() > 0
+    with pytest.raises(ValueError, match="lm_head weight"):
+        sel.codebooks(None)
+
+
+def test_a_factored_selector_exports_free_tables_that_an_independent_reader_decodes_the_same(target, tmp_path):
+    """A training checkpoint keeps the projections (config: selector_codebooks factored; reloads as it was); the
+    export is the reference layout, whose tables the independent reader decodes into the drafts the factored
+    drafter proposes, step by step."""
+    d = dflash2(target, perturb=0.2, selector_codebooks="factored")
+    ckpt = save_drafter(d, tmp_path / "ckpt", dtype="float32")
+    assert json.loads((ckpt / "config.json").read_text())["dflash_config"]["selector_codebooks"] == "factored"
+    again = load_drafter(ckpt)
+    assert again.candidate_selector.factored
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in d.state_dict().items())
+
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    out = save_drafter(d.materialized(head.weight), tmp_path / "export", dtype="float32")
+    assert "selector_codebooks" not in json.loads((out / "config.json").read_text())["dflash_config"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == REFERENCE_TENSORS
+    exported = load_drafter(out)
+    assert not exported.candidate_selector.factored
+    want_p, want_s = reference_codebooks(d, head.weight)
+    torch.testing.assert_close(exported.candidate_selector.successor_codebook, want_s, rtol=1e-4, atol=2e-6)
+    torch.testing.assert_close(exported.candidate_selector.predecessor_codebook, want_p, rtol=1e-4, atol=2e-6)
+
+    ref = MinimalDFlash2(out)
+    dec = SpeculativeDecoder(target, d, stop_token_ids=[2])
+    seen, original = [], dec._draft
+
+    def both(context, anchor, start, dcache):
+        drafts, q = original(context, anchor, start, dcache)
+        seen.append((drafts.tolist(), anchor, start))
+        return drafts, q
+
+    dec._draft = both
+    prompt = [5, 77, 901, 12, 4, 3000, 18]
+    result = dec.generate_block(prompt, 20)
+    assert result.tokens == dec.generate_target_only(prompt, 20).tokens
+    with torch.no_grad():
+        hs = target(input_ids=torch.tensor([prompt + result.tokens]), output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i + 1][0] for i in ref.layer_ids], -1)
+        for drafts, anchor, start in seen:
+            assert ref.propose(feats[:start], anchor, start, embed, head) == drafts
+    assert len(seen) == len(result.accept_lengths)
+
+
+def test_a_factored_dflash2_run_trains_resumes_and_exports_the_reference_layout(tiny_target_dir, counting_jsonl,
+                                                                                 tmp_path):
+    """Whole trainer: the checkpoints hold the trained projections, a resume continues from them, the run's export
+    and `dflash-train export` of a checkpoint (the target found through the run's config) carry the free tables
+    computed from them; an export without the run's config says to pass --target."""
+    from dflash_train.cli import main
+    from dflash_train.export import export_checkpoint
+    from dflash_train.train.trainer import train
+
+    cfg = config_from_dict({
+        "target": {"path": str(tiny_target_dir)},
+        "drafter": {"architecture": "dflash2", "num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa",
+                    "selector_rank": 8, "selector_top_k": 4, "selector_codebooks": "factored"},
+        "data": {"train_files": [str(counting_jsonl)], "max_length": 256, "token_budget": 512, "max_batch_size": 2},
+        "objective": {"max_anchors": 16},
+        "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.05},
+        "run": {"device": "cpu", "log_every": 1, "save_every": 2, "progress_bar": False, "eval_every": 0},
+    })
+    run = tmp_path / "R"
+    train(cfg, run, max_steps=2)
+    first = load_drafter(run / "checkpoints" / "step-00000002" / "drafter")
+    assert first.candidate_selector.factored and first.candidate_selector.successor_projection.weight.abs().sum() > 0
+    train(cfg, run, max_steps=4, resume=True)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in records if "selector_loss" in r) == [1, 2, 3, 4]
+    ckpt = run / "checkpoints" / "step-00000004"
+    trained = load_drafter(ckpt / "drafter")
+    assert not torch.equal(trained.candidate_selector.successor_projection.weight,
+                           first.candidate_selector.successor_projection.weight)
+    head_w = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu")).get_output_embeddings().weight
+    want_p, want_s = reference_codebooks(trained, head_w.detach())
+    for folder in (run / "export", export_checkpoint(ckpt, tmp_path / "X", dtype="float32")):
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            assert set(k for k in f.keys() if k.startswith("candidate_selector.")) == {
+                "candidate_selector.hidden_projection.weight", "candidate_selector.predecessor_codebook",
+                "candidate_selector.successor_codebook"}
+        exported = load_drafter(folder, dtype=torch.float32)
+        tol = dict(rtol=1e-4, atol=2e-6) if folder.name == "X" else dict(rtol=2e-2, atol=1e-4)  # run export: bf16
+        torch.testing.assert_close(exported.candidate_selector.successor_codebook, want_s, **tol)
+        torch.testing.assert_close(exported.candidate_selector.predecessor_codebook, want_p, **tol)
+    # without the run's config.yaml the export cannot find the target's lm_head: one clear line, no traceback
+    lone = tmp_path / "lone" / "checkpoints" / "step-00000004"
+    lone.parent.mkdir(parents=True)
+    import shutil
+    shutil.copytree(ckpt, lone)
+    assert main(["export", str(lone), "--out", str(tmp_path / "Y")]) != 0
+    assert not (tmp_path / "Y").exists()
+    assert main(["export", str(lone), "--out", str(tmp_path / "Y"), "--target", str(tiny_target_dir)]) == 0
+    assert load_drafter(tmp_path / "Y").candidate_selector.successor_codebook.abs().sum() > 0
+
+
+def test_factored_codebooks_are_refused_without_a_selector():
+    from dflash_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'drafter.selector_codebooks'.*drafter.architecture=dflash2"):
+        config_from_dict({"drafter": {"selector_codebooks": "factored"}})
+    with pytest.raises(ConfigError, match=r"'drafter.selector_codebooks'"):
+        config_from_dict({"drafter": {"architecture": "dflash2", "selector_codebooks": "tied"}})

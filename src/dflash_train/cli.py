@@ -208,7 +208,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_checkpoint
     from .paths import resolve_checkpoint
 
-    out = export_checkpoint(resolve_checkpoint(Path(args.checkpoint)), Path(args.out), dtype=args.dtype)
+    out = export_checkpoint(resolve_checkpoint(Path(args.checkpoint)), Path(args.out), dtype=args.dtype,
+                            target=args.target)
     print(f"exported drafter: {out}")
     return 0
 
@@ -419,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True, help="folder to write the exported drafter to (replaced if it exists)")
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the exported weights (default: %(default)s)")
+    x.add_argument("--target", default=None,
+                   help="the target (path or embedded name) whose lm_head a DFlash2 drafter with factored selector "
+                        "codebooks is exported with (default: the target the run's config.yaml names)")
     x.set_defaults(func=cmd_export)
 
     doc = sub.add_parser("doctor", help="versions, GPUs, a flex_attention compile smoke test, cache dir, verdict")

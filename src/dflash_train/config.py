@@ -103,6 +103,11 @@ class DrafterConfig:
     # the common rate it takes many steps to reach the unary logits' scale. Measured at 3 and 10: the selector fits
     # the training batches better and decodes worse (QUALITY.md, session 15), so 1 stays the default.
     selector_lr_scale: float = 1.0
+    # dflash2 only: the selector's two [vocab, rank] codebooks. free: trained tables (the reference's layout). factored:
+    # each is the target's lm_head rows times a trained [hidden -> rank] projection, so an update to one token's
+    # pairs moves the pairs of tokens with similar lm_head rows too (a free row moves only when its token occurs);
+    # checkpoints hold the projections, the export the tables computed from them (the reference layout either way).
+    selector_codebooks: Literal["free", "factored"] = "free"
     # Compile the drafter's layers for training (torch.compile/inductor, two graphs shared by all layers,
     # dynamic batch and length, compiled in the warm-up): fuses the norms, RoPE, SiLU x mul and residual
     # adds around the matmuls. CUDA only: a CPU device refuses it.
@@ -512,6 +517,7 @@ def validate(cfg: Config) -> None:
          f"must be between 1 and drafter.block_size={d.block_size} (got {d.conv_kernel_size})")
     need(d.selector_lr_scale > 0, "drafter.selector_lr_scale", f"must be > 0 (got {d.selector_lr_scale})")
     for key, value, default in (("drafter.selector_lr_scale", d.selector_lr_scale, 1.0),
+                                ("drafter.selector_codebooks", d.selector_codebooks, "free"),
                                 ("objective.selector_rows", o.selector_rows, "all")):  # the selector's training
         need(value == default or d.architecture == "dflash2", key,
              f"applies to DFlash2's candidate selector; drafter.architecture is {d.architecture!r}: set "

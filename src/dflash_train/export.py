@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from .algorithms.base import sdpa_attention
+from .errors import ConfigError
 from .model_card import CARD_NAME, export_card
 from .model.io import load_drafter, save_drafter
 from .model.provenance import PROVENANCE_NAME
@@ -31,11 +33,33 @@ def parity_check(source, exported, dtype: torch.dtype, seed: int = 0) -> None:
         raise RuntimeError("export parity check failed: the draft vocabulary (d2t, lm_head.weight) differs")
 
 
-def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16") -> Path:
+def target_head_weight(run_dir: Path, target: Optional[str]) -> torch.Tensor:
+    """The target's lm_head weight (float32, CPU): from `target`, or the target the run at `run_dir` trained on."""
+    from . import assets
+    from .config import load_config
+    from .model.target import load_target_head
+
+    trust_remote_code = False
+    if target is None:
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"this checkpoint's DFlash2 selector has factored codebooks, which the export computes "
+                              f"from the target's lm_head, and {run_dir / 'config.yaml'} (the run's config, which "
+                              "names the target) is not there: pass --target PATH")
+        cfg = load_config(run_dir / "config.yaml")
+        target, trust_remote_code = cfg.target.path, cfg.target.trust_remote_code
+    path = assets.resolve_target(target)
+    return load_target_head(path, torch.float32, torch.device("cpu"), trust_remote_code).lm_head.weight
+
+
+def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", target: Optional[str] = None) -> Path:
+    """`target`: the target's path, for a drafter whose export needs its lm_head (factored DFlash2 selector
+    codebooks); by default the one the run's config names."""
     src = checkpoint / "drafter" if (checkpoint / "drafter").is_dir() else checkpoint
     drafter = load_drafter(src)
-    extra = {}
     run_dir = checkpoint.parent.parent
+    if drafter.export_needs_target_head:
+        drafter = drafter.materialized(target_head_weight(run_dir, target))
+    extra = {}
     if (run_dir / "config.yaml").is_file():
         extra["training_config.yaml"] = (run_dir / "config.yaml").read_text()
     if (run_dir / PROVENANCE_NAME).is_file():

@@ -369,6 +369,17 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
             q = full.index_copy_(-1, self.vocabulary_ids(), q)
         return self.target_ids(drafts), q
 
+    @property
+    def export_needs_target_head(self) -> bool:
+        """Whether `materialized` needs the target's lm_head weight (else it returns the drafter itself)."""
+        return False
+
+    def materialized(self, head_weight: torch.Tensor) -> "Drafter":
+        """This drafter in its reference layout, for an export: itself, unless some of its trained weights are a
+        training-time parametrisation that needs the target's lm_head weight `[V, H]` to become reference tensors
+        (DFlash2's factored selector codebooks)."""
+        return self
+
     def tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
                         k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each slot's candidate next tokens (target ids, `[n, bs-1, k]`) and their log-probabilities for a DDTree

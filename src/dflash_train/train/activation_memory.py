@@ -124,6 +124,7 @@ class DrafterStepSettings:
     selector_top_k: int = 0  # dflash2: the selector's candidates (and rank)
     selector_rank: int = 0
     conv_kernel: int = 0  # dflash2: the block convolutions' taps
+    factored_codebooks: bool = False  # dflash2: the selector's [vocab, rank] codebooks computed every micro-batch
     distill: bool = False
     transformed: bool = False  # output_multiplier != 1 or a softcap
     trainable_params: int = 0  # autocast keeps a compute-dtype copy of each (when compute_bytes < 4)
@@ -203,6 +204,8 @@ def drafter_step_parts(drafter_config, shape: MicroBatchShape, s: DrafterStepSet
     if s.selector_top_k:
         on_top["selector"] = counted * s.selector_top_k * (2 * s.selector_rank * _F32 + 3 * _F32 + 8) \
             + counted * 4 * s.selector_rank * _F32
+        if s.factored_codebooks:  # both tables, their float32 copies and gradients
+            on_top["selector"] += 2 * s.head_classes * s.selector_rank * (e + 2 * _F32)
     name = max(on_top, key=on_top.get)
     parts[name] = on_top[name]
     parts["loss rows"] = counted * (h * e + 4 * _F32 + s.selector_top_k * (_F32 + 8))
@@ -251,7 +254,8 @@ def step_settings(cfg: Config, target_config, drafter_config, layer_ids: list[in
         head_classes=d.draft_vocab_size or text_config(target_config).vocab_size,
         loss_chunk=o.loss_chunk_size, backend=backend, compiled_loss=device_type == "cuda",
         selector_top_k=int(dflash.get("selector_top_k", 0)), selector_rank=int(dflash.get("selector_rank", 0)),
-        conv_kernel=int(dflash.get("conv_kernel_size", 0)), distill=o.distill_weight > 0,
+        conv_kernel=int(dflash.get("conv_kernel_size", 0)),
+        factored_codebooks=dflash.get("selector_codebooks") == "factored", distill=o.distill_weight > 0,
         transformed=d.output_multiplier != 1.0 or bool(d.final_logit_softcapping),
         trainable_params=trainable_params, own_head=d.draft_vocab_size > 0,
         kept_head_gradient=cfg.keeps_head_gradient)

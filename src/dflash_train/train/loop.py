@@ -296,7 +296,8 @@ def finish(s: Session, state: RunState, rep: Reporter, last_record: dict) -> Pat
     if run.export.is_dir() and any(run.export.iterdir()):
         kept = run.export.rename(run.root / f"export.before-step-{state.step:08d}-{time.strftime('%Y%m%d-%H%M%S')}")
         log.info("the previous export moved to %s", kept)
-    save_drafter(s.train_step.drafter, run.export, dtype=s.cfg.run.export_dtype,
+    drafter = s.train_step.drafter.materialized(s.train_step.target.lm_head.weight)
+    save_drafter(drafter, run.export, dtype=s.cfg.run.export_dtype,
                  extra_files={CARD_NAME: s.model_card(cfg_yaml, last_record), "training_config.yaml": cfg_yaml,
                               PROVENANCE_NAME: (run.root / PROVENANCE_NAME).read_text()})
     rep.report(phase="done", step=state.step, export_dir=str(run.export), eta_s=0)

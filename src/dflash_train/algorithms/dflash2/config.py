@@ -14,12 +14,17 @@ FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_
 
 
 def make_dflash2_config(target_config: PretrainedConfig, *, conv_kernel_size: int = 2, conv_group_size: int = 16,
-                        selector_rank: int = 256, selector_top_k: int = 16, **dflash: Any) -> Qwen3Config:
-    """DFlash's config (`make_drafter_config`, whose keyword arguments pass through) with the DFlash2 fields."""
+                        selector_rank: int = 256, selector_top_k: int = 16, selector_codebooks: str = "free",
+                        **dflash: Any) -> Qwen3Config:
+    """DFlash's config (`make_drafter_config`, whose keyword arguments pass through) with the DFlash2 fields.
+    `selector_codebooks=factored` is written into `dflash_config` (a training checkpoint's layout; the export
+    drops it with the projections: `DFlash2Drafter.materialized`); free, the reference's, is not written."""
     cfg = make_drafter_config(target_config, **dflash)
     cfg.architectures = [HF_ARCHITECTURE]
     cfg.dflash_config.update(conv_kernel_size=int(conv_kernel_size), conv_group_size=int(conv_group_size),
                              selector_rank=int(selector_rank), selector_top_k=int(selector_top_k))
+    if selector_codebooks != "free":
+        cfg.dflash_config["selector_codebooks"] = selector_codebooks
     return cfg
 
 
@@ -28,7 +33,8 @@ def config_for_run(target_config: PretrainedConfig, d, target_layer_ids: list[in
     any weight loads."""
     cfg = make_dflash2_config(
         target_config, conv_kernel_size=d.conv_kernel_size, conv_group_size=d.conv_group_size,
-        selector_rank=d.selector_rank, selector_top_k=d.selector_top_k, num_draft_layers=d.num_draft_layers,
+        selector_rank=d.selector_rank, selector_top_k=d.selector_top_k, selector_codebooks=d.selector_codebooks,
+        num_draft_layers=d.num_draft_layers,
         block_size=d.block_size, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
         intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
         num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, **reference_fields(d),
@@ -50,6 +56,9 @@ def dflash2_config_from_dict(data: dict[str, Any]) -> Qwen3Config:
         missing = [f"dflash_config.{k}" for k in FIELDS if k not in dflash]
         if missing:
             raise ValueError(f"not a DFlash2 drafter config: missing {', '.join(missing)}")
+        if dflash.get("selector_codebooks", "free") not in ("free", "factored"):
+            raise ValueError(f"dflash_config.selector_codebooks must be free or factored (got "
+                             f"{dflash['selector_codebooks']!r})")
         if "block_size" not in data and "block_size" in dflash:
             data = {**data, "block_size": dflash["block_size"]}
     return drafter_config_from_dict(data, HF_ARCHITECTURE)

@@ -5,6 +5,7 @@ and MLP sublayer (`conv.BlockConv`), and a candidate selector over each slot's t
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -59,8 +60,33 @@ class DFlash2Drafter(DFlashDrafter):
         d = config.dflash_config
         self.selector_top_k = int(d["selector_top_k"])
         self.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size, int(d["selector_rank"]),
-                                                    self.selector_top_k)
+                                                    self.selector_top_k, d.get("selector_codebooks", "free"))
         self.candidate_selector.reset_parameters(config.initializer_range)
+
+    @property
+    def export_needs_target_head(self) -> bool:
+        return self.candidate_selector.factored
+
+    @torch.no_grad()
+    def materialized(self, head_weight: torch.Tensor) -> "DFlash2Drafter":
+        """This drafter in the reference layout: itself when its selector's codebooks are free tables, else a
+        copy whose free tables are the factored codebooks computed from the target's lm_head weight (float32)."""
+        if not self.candidate_selector.factored:
+            return self
+        sel = self.candidate_selector
+        device, dtype = sel.hidden_projection.weight.device, sel.hidden_projection.weight.dtype
+        predecessor, successor = sel.codebooks(head_weight.to(device=device, dtype=torch.float32))
+        config = copy.deepcopy(self.config)
+        config.dflash_config.pop("selector_codebooks")
+        with torch.device("meta"):
+            out = type(self)(config)
+        state = {k: v.clone() for k, v in self.state_dict().items()
+                 if not k.startswith(("candidate_selector.predecessor_projection.", "candidate_selector.successor_projection."))}
+        state["candidate_selector.predecessor_codebook"] = predecessor.to(dtype)
+        state["candidate_selector.successor_codebook"] = successor.to(dtype)
+        out.load_state_dict(state, strict=True, assign=True)
+        out.rotary = copy.deepcopy(self.rotary)  # its tables are buffers outside the state dict
+        return out.train(self.training)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -81,7 +107,9 @@ class DFlash2Drafter(DFlashDrafter):
         """The selector's path (see `Drafter.draft`); when sampling, q is the candidate distribution each draft was
         drawn from, scattered over the vocabulary (zero outside the k candidates)."""
         unary, cand = self._candidates(hidden, lm_head)
-        tokens, _, dists = self.candidate_selector.walk(unary, cand, hidden[:, 1:], anchor_ids, temperature, generator)
+        codebooks = self.candidate_selector.decode_codebooks(lm_head.weight)
+        tokens, _, dists = self.candidate_selector.walk(unary, cand, hidden[:, 1:], anchor_ids, temperature, generator,
+                                                        codebooks)
         if dists is None:
             return tokens, None
         q = dists.new_zeros(*dists.shape[:-1], self.config.vocab_size).scatter_(-1, cand, dists)
@@ -102,7 +130,9 @@ class DFlash2Drafter(DFlashDrafter):
         unary = logits.gather(-1, cand[..., :c])  # [n, T, c]: the selector's candidates' unary scores U
         n, steps, _ = cand.shape
         previous = torch.cat([anchor_ids.view(-1, 1, 1).expand(n, 1, k), cand[:, :-1]], 1)  # [n, T, k parents]
-        scores = self.candidate_selector.scores_given_each(unary, hidden[:, 1:], previous, cand[..., :c])  # [n, T, k, c]
+        codebooks = self.candidate_selector.decode_codebooks(lm_head.weight)
+        scores = self.candidate_selector.scores_given_each(unary, hidden[:, 1:], previous, cand[..., :c],
+                                                           codebooks)  # [n, T, k, c]
         mass = top_lp[..., :c].logsumexp(-1, keepdim=True).unsqueeze(-1)  # [n, T, 1, 1]
         lp = top_lp.unsqueeze(2).expand(n, steps, k, k).clone()
         lp[..., :c] = torch.log_softmax(scores, -1) + mass

@@ -12,6 +12,9 @@ against the label, with the unary loss's slot weights (made of the unary probabi
 With `objective.selector_rows=covered` the sum runs over the rows whose label is among the strict top-k only
 (the normaliser stays the sum over all rows).
 
+Factored codebooks (`drafter.selector_codebooks=factored`) are computed from the target's lm_head once per
+micro-batch, inside the graph, so the selector loss trains their two projections.
+
 The candidates' unary scores enter S detached: the selector loss trains the codebooks, the hidden projection
 and, through the pair term, the drafter's hidden states, but never pushes the unary logits (the unary CE
 does that). Metrics count a slot right when the selector, given the true previous token, picks its label
@@ -62,7 +65,8 @@ class DFlash2Objective(DFlashObjective):
         labels = blocks.labels.view(-1).index_select(0, idx)
         unary, cand, target, present = forced_candidates(r.top_values, r.top_ids, labels, r.label_logits)
         previous = previous_tokens(blocks.labels).view(-1).index_select(0, idx)
-        scores = selector.scores(unary.detach(), rows, previous, cand)  # [M, k] float32
+        codebooks = selector.codebooks(self.target.lm_head.weight if selector.factored else None)
+        scores = selector.scores(unary.detach(), rows, previous, cand, codebooks)  # [M, k] float32
         selector_ce = F.cross_entropy(scores, target, reduction="none")
         weights = row_weights(self.cfg, blocks, idx)
         if self.cfg.objective.acceptance_from == "selector":
