@@ -418,7 +418,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--architecture", default="dflash", choices=["dflash", "dflash2"],
                     help="the drafter architecture (full step only; dflash2: reference convolution/selector sizes)")
-    ap.add_argument("--selector-top-k", type=int, default=16,
+    ap.add_argument("--selector-top-k", type=int, default=32,
                     help="drafter.selector_top_k of --architecture dflash2 (its candidates per slot)")
     ap.add_argument("--selector-codebooks", default="free", choices=("free", "factored"),
                     help="drafter.selector_codebooks of --architecture dflash2")
@@ -450,7 +450,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.head_gradient == "keep" and not args.draft_vocab:
         ap.error("--head-gradient keep: needs --draft-vocab (the target's frozen head has no weight gradient)")
-    if args.selector_top_k != 16 and args.architecture != "dflash2":
+    if args.selector_top_k != 32 and args.architecture != "dflash2":
         ap.error("--selector-top-k: a dflash2 key; add --architecture dflash2")
     if args.selector_codebooks != "free" and args.architecture != "dflash2":
         ap.error("--selector-codebooks: a dflash2 key; add --architecture dflash2")

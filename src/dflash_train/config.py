@@ -93,11 +93,12 @@ class DrafterConfig:
     # random. Needs the target's layer shape (the four keys above at null).
     init_from_target: bool = False
     # drafter.architecture dflash2 only: the block-local convolutions' taps and channels per dynamic tap, and
-    # the candidate selector's rank and candidates per slot (the reference's values).
+    # the candidate selector's rank and candidates per slot (the reference's values, but 32 candidates: +1.3% block
+    # tau over 16 at equal steps, 64 no better, the same 8B step time; QUALITY.md sessions 14-15).
     conv_kernel_size: int = 2
     conv_group_size: int = 16
     selector_rank: int = 256
-    selector_top_k: int = 16
+    selector_top_k: int = 32
     # dflash2 only: the candidate selector's learning rate over optim.lr. Its pair term is a product of three
     # small factors at the identity start (two codebooks, one of them zero, and the hidden projection), so at
     # the common rate it takes many steps to reach the unary logits' scale. Measured at 3 and 10: the selector fits
@@ -107,6 +108,8 @@ class DrafterConfig:
     # each is the target's lm_head rows times a trained [hidden -> rank] projection, so an update to one token's
     # pairs moves the pairs of tokens with similar lm_head rows too (a free row moves only when its token occurs);
     # checkpoints hold the projections, the export the tables computed from them (the reference layout either way).
+    # Measured (QUALITY.md, session 16): the tau of free tables (1.774 against 1.777 block), 0.8 GiB less at the 8B
+    # shape; with objective.selector_rows=all it collapses (1.410: the forced-in labels pull the shared projections).
     selector_codebooks: Literal["free", "factored"] = "free"
     # Compile the drafter's layers for training (torch.compile/inductor, two graphs shared by all layers,
     # dynamic batch and length, compiled in the warm-up): fuses the norms, RoPE, SiLU x mul and residual
@@ -187,11 +190,13 @@ class ObjectiveConfig:
     dpace_alpha: float = 0.5
     # drafter.architecture dflash2 only: weight of the selector's loss next to the unary slot loss.
     selector_loss_weight: float = 1.0
-    # drafter.architecture dflash2 only: the counted slots the selector's loss is taken over. all: every one, the
-    # label forced into the candidates where the top-k misses it (the public ports' practice). covered: only those
+    # drafter.architecture dflash2 only: the counted slots the selector's loss is taken over. covered: only those
     # whose label is among the top-k already, the slots where decoding can pick it (the rest add 0; the loss keeps
-    # the unary loss's normaliser, so it scales with the coverage).
-    selector_rows: Literal["all", "covered"] = "all"
+    # the unary loss's normaliser, so it scales with the coverage). all: every one, the label forced into the
+    # candidates where the top-k misses it (the public ports' practice): a label decoding can never pick, whose loss
+    # (~10 nats at the start) pushes the drafter's hidden states; measured worse (1.755 against 1.777 block tau,
+    # unary accuracy 0.188 against 0.196; QUALITY.md, session 16).
+    selector_rows: Literal["all", "covered"] = "covered"
     # drafter.architecture dflash2 with slot_weighting acceptance or dpace: whose probability of each label the
     # weights are made of. unary: the unary logits' softmax (as DFlash); selector: softmax(S) over the slot's
     # candidates with the label forced in, given the true previous token (what DFlash2's decoding accepts).
@@ -518,7 +523,7 @@ def validate(cfg: Config) -> None:
     need(d.selector_lr_scale > 0, "drafter.selector_lr_scale", f"must be > 0 (got {d.selector_lr_scale})")
     for key, value, default in (("drafter.selector_lr_scale", d.selector_lr_scale, 1.0),
                                 ("drafter.selector_codebooks", d.selector_codebooks, "free"),
-                                ("objective.selector_rows", o.selector_rows, "all")):  # the selector's training
+                                ("objective.selector_rows", o.selector_rows, "covered")):  # the selector's training
         need(value == default or d.architecture == "dflash2", key,
              f"applies to DFlash2's candidate selector; drafter.architecture is {d.architecture!r}: set "
              f"drafter.architecture=dflash2 or leave {key} at {default}")

@@ -14,7 +14,7 @@ FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_
 
 
 def make_dflash2_config(target_config: PretrainedConfig, *, conv_kernel_size: int = 2, conv_group_size: int = 16,
-                        selector_rank: int = 256, selector_top_k: int = 16, selector_codebooks: str = "free",
+                        selector_rank: int = 256, selector_top_k: int = 32, selector_codebooks: str = "free",
                         **dflash: Any) -> Qwen3Config:
     """DFlash's config (`make_drafter_config`, whose keyword arguments pass through) with the DFlash2 fields.
     `selector_codebooks=factored` is written into `dflash_config` (a training checkpoint's layout; the export

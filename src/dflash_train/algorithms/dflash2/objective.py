@@ -9,8 +9,8 @@ against the label, with the unary loss's slot weights (made of the unary probabi
 
     loss = CE_unary + selector_loss_weight * sum_rows w_row * CE_k(S_row, label) / sum_rows w_row
 
-With `objective.selector_rows=covered` the sum runs over the rows whose label is among the strict top-k only
-(the normaliser stays the sum over all rows).
+With `objective.selector_rows=covered` (the default) the sum runs over the rows whose label is among the strict
+top-k only (the normaliser stays the sum over all rows); `all` takes every row, the label forced in.
 
 Factored codebooks (`drafter.selector_codebooks=factored`) are computed from the target's lm_head once per
 micro-batch, inside the graph, so the selector loss trains their two projections.
