@@ -708,6 +708,12 @@ def test_a_factored_dflash2_run_trains_resumes_and_exports_the_reference_layout(
     assert not (tmp_path / "Y").exists()
     assert main(["export", str(lone), "--out", str(tmp_path / "Y"), "--target", str(tiny_target_dir)]) == 0
     assert load_drafter(tmp_path / "Y").candidate_selector.successor_codebook.abs().sum() > 0
+    # a checkpoint's drafter folder on its own is no reference export yet: export takes it, with --target
+    solo = tmp_path / "solo"
+    shutil.copytree(ckpt / "drafter", solo)
+    assert main(["export", str(solo), "--out", str(tmp_path / "Z")]) != 0 and not (tmp_path / "Z").exists()
+    assert main(["export", str(solo), "--out", str(tmp_path / "Z"), "--target", str(tiny_target_dir)]) == 0
+    assert not load_drafter(tmp_path / "Z").candidate_selector.factored
 
 
 def test_factored_codebooks_are_refused_without_a_selector():

@@ -56,7 +56,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", targ
     codebooks); by default the one the run's config names."""
     src = checkpoint / "drafter" if (checkpoint / "drafter").is_dir() else checkpoint
     drafter = load_drafter(src)
-    run_dir = checkpoint.parent.parent
+    run_dir = src.parent.parent.parent  # RUN/checkpoints/step-N/drafter
     if drafter.export_needs_target_head:
         drafter = drafter.materialized(target_head_weight(run_dir, target))
     extra = {}

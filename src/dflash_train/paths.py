@@ -35,6 +35,16 @@ def is_exported_drafter(path: Path) -> bool:
     return has_drafter_files(path) and not is_checkpoint(path)
 
 
+def has_training_layout(path: Path) -> bool:
+    """A drafter folder whose weights are a training-time layout the export turns into the reference one (DFlash2's
+    factored selector codebooks: `dflash_config.selector_codebooks: factored`)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and (config.get("dflash_config") or {}).get("selector_codebooks") == "factored"
+
+
 def is_run(path: Path) -> bool:
     run = RunDir(path)
     return run.status.is_file() or run.config.is_file() or run.checkpoints.is_dir()
@@ -99,6 +109,8 @@ def resolve_checkpoint(path: Path) -> Path:
         export = RunDir(folder.parent).export
         done = f"; its exported drafter is already in {export}" if is_exported_drafter(export) else ""
         raise InputPathError(f"{path} is {what}, not a checkpoint: {todo}{done}")
+    if is_exported_drafter(path) and has_training_layout(path):
+        return path  # a checkpoint's drafter folder on its own: its export needs the target's lm_head (--target)
     if is_exported_drafter(path):
         raise InputPathError(f"{path} is already an exported drafter (config.json + model.safetensors): use it as "
                              f"it is (e.g. dflash-train eval --drafter {path}); {usage}")
