@@ -58,7 +58,8 @@ def test_sharded_target_loads_its_rows_and_captures_exactly(tmp_path, build, wor
         assert got["mismatched"] == [], (r, got["mismatched"])
         assert got["sharded_params"] > 0
         assert got["equal"], (r, got["max_diff"])
-        assert got["equal_with_final"] and got["equal_again"] and got["lm_head_equal"]
+        flags = ("equal_with_final", "equal_again", "lm_head_equal")
+        assert all(got[k] for k in flags), (r, {k: got[k] for k in flags})
         assert got["hf_hidden_states_equal"]
         assert got["tied"] == (build is dense)
 
