@@ -127,6 +127,19 @@ def test_export_accepts_the_step_shorthand_and_the_drafter_folder(run_dir, tmp_p
     assert (out / "training_config.yaml").read_text() == (run_dir / "config.yaml").read_text()
 
 
+def test_export_never_replaces_an_existing_folder_without_overwrite(run_dir, tmp_path, capsys):
+    from dflash_train.cli import main
+
+    out = tmp_path / "exported"
+    assert main(["export", str(run_dir / "step-10"), "--out", str(out), "--dtype", "float32"]) == 0
+    assert main(["export", str(run_dir / "step-20"), "--out", str(out), "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--overwrite" in err and "Traceback" not in err
+    assert _same_weights(out, run_dir / "checkpoints" / "step-00000010" / "drafter")  # untouched
+    assert main(["export", str(run_dir / "step-20"), "--out", str(out), "--dtype", "float32", "--overwrite"]) == 0
+    assert _same_weights(out, run_dir / "checkpoints" / "step-00000020" / "drafter")
+
+
 def test_export_accepts_best(run_dir, tmp_path):
     from dflash_train.cli import main
 

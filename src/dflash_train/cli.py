@@ -208,8 +208,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_checkpoint
     from .paths import resolve_checkpoint
 
-    out = export_checkpoint(resolve_checkpoint(Path(args.checkpoint)), Path(args.out), dtype=args.dtype,
-                            target=args.target)
+    checkpoint, out = resolve_checkpoint(Path(args.checkpoint)), Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise ValueError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
+    out = export_checkpoint(checkpoint, out, dtype=args.dtype, target=args.target)
     print(f"exported drafter: {out}")
     return 0
 
@@ -417,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="export a checkpoint in the reference DFlash format, with a parity check")
     x.add_argument("checkpoint", help="RUN/checkpoints/step-N (step-20 for step-00000020; best for the best by "
                    "validation tau; or its drafter/ folder)")
-    x.add_argument("--out", required=True, help="folder to write the exported drafter to (replaced if it exists)")
+    x.add_argument("--out", required=True, help="folder to write the exported drafter to (a new or empty one)")
+    x.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the exported weights (default: %(default)s)")
     x.add_argument("--target", default=None,
