@@ -241,8 +241,10 @@ def test_the_quantised_layers_compile_in_one_graph_and_equal_eager(cpu_compile):
     got, ref = comp(ids), eager(ids)
     if cpu_compile == "eager":
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    else:  # fused norms round differently, so some activations land on the next e4m3 value (1% of elements)
-        assert max(_layer_errors(got, ref, 128)) < 0.01  # against FP8's own 0.07
+    else:  # fused norms round differently, so some activations land on the next e4m3 value: a share f of
+        # elements off by one e4m3 step (2^-3 relative) is a relative error of ~0.125 * sqrt(f): 0.0115 (f ~ 0.85%)
+        # on one CPU, 0.01 on another; the bound allows f up to ~2.5%, far below FP8's own 0.07
+        assert max(_layer_errors(got, ref, 128)) < 0.02
 
 
 def test_a_cpu_run_with_an_fp8_target_learns_and_exports(tmp_path, tiny_target_dir, counting_jsonl, caplog):
