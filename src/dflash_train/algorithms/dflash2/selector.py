@@ -35,6 +35,11 @@ def head_scale(head_weight: torch.Tensor) -> float:
     return (head_weight.numel() / max(total, 1e-24)) ** 0.5
 
 
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """What identifies a tensor's current values for a cache: its storage, in-place version, shape and dtype."""
+    return t.data_ptr(), t._version, tuple(t.shape), t.dtype
+
+
 class CandidateSelector(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int, codebooks: CodebookKind = "free"):
         super().__init__()
@@ -89,7 +94,7 @@ class CandidateSelector(nn.Module):
 
     def _head_scale(self, head_weight: torch.Tensor) -> float:
         """`head_scale`, once per head (the lm_head is frozen; its tensor version keys the cache)."""
-        key = (head_weight.data_ptr(), head_weight._version, tuple(head_weight.shape), head_weight.dtype)
+        key = _tensor_key(head_weight)
         if self._scale_cache is None or self._scale_cache[0] != key:
             self._scale_cache = (key, head_scale(head_weight))
         return self._scale_cache[1]
@@ -99,9 +104,8 @@ class CandidateSelector(nn.Module):
         a projection changes (their tensor versions key the cache)."""
         if not self.factored or torch.is_grad_enabled():
             return self.codebooks(head_weight)
-        key = (head_weight.data_ptr(), head_weight._version, head_weight.dtype, self.predecessor_projection.weight._version,
-               self.successor_projection.weight._version, self.predecessor_projection.weight.data_ptr(),
-               self.successor_projection.weight.data_ptr())
+        key = tuple(map(_tensor_key, (head_weight, self.predecessor_projection.weight,
+                                      self.successor_projection.weight)))
         if self._decode_cache is None or self._decode_cache[0] != key:
             self._decode_cache = (key, self.codebooks(head_weight))
         return self._decode_cache[1]
