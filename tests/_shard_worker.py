@@ -28,6 +28,7 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
         target_mod._COMPILE_DEVICES, target_mod._COMPILE_BACKEND = ("cuda", "cpu"), "eager"
         compile_layer.watch_recompiles()
     model, peak, whole, full, index, parts = _sharded_and_whole(load_sharded_target, target, world, group)
+    _own_aligned_memory(whole)
     mismatched, sharded = [], 0
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
@@ -59,6 +60,18 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _own_aligned_memory(model: torch.nn.Module) -> None:
+    """Each parameter of `model` copied into memory of its own (the allocator's 64-byte alignment), tied ones
+    still tied. transformers loads a float32 CPU checkpoint as views of the memory-mapped safetensors file, at
+    the file's 8-byte offsets; the sharded model computes with freshly allocated all-gather buffers. MKL's
+    matrix-vector product (a Linear with one output, e.g. Qwen3.5-MoE's `shared_expert_gate`) sums in an order
+    that depends on the weight's address, so the whole model would differ from the sharded one by an ulp for
+    its layout alone. Same numbers, same addresses' alignment: then the captures must be equal bit for bit."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
 
 
 def _sharded_and_whole(loader, target: str, world: int, group: int):
