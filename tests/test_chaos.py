@@ -219,7 +219,7 @@ def _term_trial(setup, trial: int, moment: str) -> None:
 
 
 FAST = [pytest.param("kill", 0, "checkpoint", id="kill-0-checkpoint"),
-        pytest.param("term", 0, "mid-step", id="term-0-mid-step")]
+        pytest.param("term", 0, "mid-step", id="term-0-mid-step", marks=pytest.mark.long)]  # ~40 s; SIGTERM: test_distributed
 FULL = ([pytest.param("kill", 100 + i, MOMENTS[i % len(MOMENTS)], marks=pytest.mark.chaos,
                       id=f"kill-{100 + i}-{MOMENTS[i % len(MOMENTS)]}") for i in range(TRIALS)]
         + [pytest.param("term", 100 + i, ("step", "mid-step")[i % 2], marks=pytest.mark.chaos,

@@ -42,6 +42,7 @@ RACE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.long  # ~45 s of threads racing compiles
 def test_thread_race_replay_through_our_layer_exits_cleanly():
     """Unserialised, this scenario segfaulted the process in 2 of 2 trials on torch 2.11 (CPU)."""
     proc = subprocess.run([sys.executable, "-c", RACE], capture_output=True, text=True, timeout=600)

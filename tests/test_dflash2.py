@@ -310,6 +310,7 @@ def test_tree_candidates_score_every_branch_given_its_own_predecessor(target):
     torch.testing.assert_close(lp0, want_lp.unsqueeze(2).expand_as(lp0), rtol=1e-5, atol=1e-6)  # float32 logits
 
 
+@pytest.mark.long  # a statistical test over many draws (~35 s)
 def test_sampled_drafts_follow_the_returned_candidate_distribution(target):
     """Speculative sampling is exact when each draft is drawn from the q it reports (the accept rule itself is
     tested in test_spec_decode): slot 1's draws follow q_1, and slot 2's, given slot 1's token, follow q_2."""

@@ -57,6 +57,7 @@ def _eval(tmp, target_dir, drafter_dir, data, name, extra=()):
     return json.loads(out.read_text())
 
 
+@pytest.mark.long  # trains a drafter on the real SmolLM2 slice first (~65 s on 2 cores)
 def test_trained_drafter_beats_untrained_and_stays_lossless(tmp_path, regen_data, trained_run, smollm2_slice_dir):
     from dflash_train.model.io import save_drafter
 
@@ -83,6 +84,7 @@ def test_trained_drafter_beats_untrained_and_stays_lossless(tmp_path, regen_data
     assert out0["block"][0]["token_ids"] == out0["target"][0]["token_ids"] and out0["block"][0]["text"]
 
 
+@pytest.mark.long  # trains a drafter on the real SmolLM2 slice first (~65 s on 2 cores)
 def test_export_from_a_checkpoint_reloads_with_identical_outputs(tmp_path, trained_run, capsys):
     ckpt = sorted((trained_run / "checkpoints").iterdir())[-1]
     assert main(["export", str(ckpt), "--out", str(tmp_path / "exp"), "--dtype", "float32"]) == 0
@@ -91,6 +93,7 @@ def test_export_from_a_checkpoint_reloads_with_identical_outputs(tmp_path, train
     assert (tmp_path / "exp" / "training_config.yaml").is_file()
 
 
+@pytest.mark.long  # trains a drafter on the real SmolLM2 slice first (~65 s on 2 cores)
 def test_eval_refuses_a_drafter_of_another_target(tmp_path, trained_run, tiny_target_dir, capsys):
     """The check reads only config.json files: it fails before any target weights load."""
     import sys
@@ -105,6 +108,7 @@ def test_eval_refuses_a_drafter_of_another_target(tmp_path, trained_run, tiny_ta
     assert "not trained for this target" in err and "target 3, drafter 6" in err and "hidden_size: target 64, drafter 576" in err
 
 
+@pytest.mark.long  # trains a drafter on the real SmolLM2 slice first (~65 s on 2 cores)
 def test_eval_refuses_another_chat_template_and_updates_the_model_card(tmp_path, regen_data, trained_run,
                                                                         smollm2_slice_dir, capsys):
     import shutil
