@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -321,7 +322,10 @@ def measure_one_side(args) -> None:
 
     compile_layer.configure_cache(args.cache_dir, fresh=args.fresh_cache)
     compile_layer.watch_recompiles()
-    peak = matmul_peak_tflops()
+    if args.compile_only:
+        compile_layer.restrict_to(tuple(args.compile_only.split(",")))
+    started = time.time()
+    peak = matmul_peak_tflops() if not args.precompile_only else 0.0
     shape = SHAPES[args.shape]
     tcfg = target_config(shape)
     ids = default_target_layer_ids(shape["num_hidden_layers"], args.layers)
@@ -335,11 +339,16 @@ def measure_one_side(args) -> None:
     result = {"shape": args.shape, "part": args.part, "batch": args.batch, "seq": args.seq, "block": args.block,
               "anchors": args.anchors, "peak_tflops": round(peak, 1)}
     if args.part == "target":
-        with torch.device("cuda"):
+        # A precompile child needs the weights' shapes and dtype only: uninitialised memory, no init kernels.
+        with torch.device("meta" if args.precompile_only else "cuda"):
             model = AutoModelForCausalLM.from_config(tcfg, dtype=torch.bfloat16)
+        if args.precompile_only:
+            model.to_empty(device="cuda")
         target = TargetCapture.from_model(model.eval().requires_grad_(False), ids, compile=args.compile_target)
         use_fp8(args, target, None)
         result.update(compile_target=args.compile_target, **target.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1))
+        if args.precompile_only:
+            return report_precompile(args, result, started)
         target(batch.input_ids)
         before = compile_layer.recompiles(), compile_layer.graphs_compiled()
         t, _ = timed(lambda: target(batch.input_ids), args.repeat)
@@ -370,6 +379,8 @@ def measure_one_side(args) -> None:
         step = TrainStep(drafter, frozen, backend, cfg, 1000, torch.bfloat16, torch.device("cuda"))
         step(batch, 0)
         step(batch, 1)
+        if args.precompile_only:
+            return report_precompile(args, result, started)
         t, stats = timed(lambda: step(batch, 2), args.repeat)
         anchors, keep = sample_anchors(batch.loss_mask.cpu(), batch.lengths.cpu(), args.block, args.anchors,
                                        torch.Generator().manual_seed(2), backend.blocks_multiple_of)
@@ -383,6 +394,32 @@ def measure_one_side(args) -> None:
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")
+
+
+def report_precompile(args, result: dict, started: float) -> None:
+    """A precompile child's line: its share compiled into the shared cache, how long it took, what it compiled."""
+    from dflash_train.model import compile as compile_layer
+
+    result.update(precompile_only=args.compile_only or True, precompile_s=round(time.time() - started, 1),
+                  **compile_layer.compile_phase_totals(), **compile_layer.cache_stats())
+    print(json.dumps(result))
+
+
+def precompile_commands(args) -> dict[str, list[str]]:
+    """The children of `--precompile-fanout`: the target's layer graphs; the drafter's attention inputs; its
+    output + MLP and the loss (flex attention in both drafter children: an eager flex call is an error)."""
+    base = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--batch", str(args.batch),
+            "--seq", str(args.seq), "--block", str(args.block), "--anchors", str(args.anchors),
+            "--layers", str(args.layers), "--cache-dir", args.cache_dir, "--precompile-only", "--repeat", "1"]
+    commands = {}
+    if args.compile_target:
+        commands["target"] = base + ["--part", "target", "--compile-target"]
+    if args.compile_drafter:
+        commands["drafter-inputs"] = base + ["--part", "drafter", "--compile-drafter",
+                                             "--compile-only", "attention_inputs,flex_attention"]
+        commands["drafter-rest"] = base + ["--part", "drafter", "--compile-drafter",
+                                           "--compile-only", "output_and_mlp,flex_attention,ce_chunk"]
+    return commands
 
 
 def record_kernel_builds() -> dict[str, float] | None:
@@ -432,6 +469,12 @@ def main() -> None:
                     help="measure one side alone (the per-GPU rates of a split placement)")
     ap.add_argument("--compile-target", action="store_true",
                     help="target.compile: the target's decoder layers compiled (warmed up before timing)")
+    ap.add_argument("--precompile-fanout", action="store_true",
+                    help="child processes compile shares of the graphs into --cache-dir while this one builds "
+                         "its models; the warm-up waits for them, then takes the graphs from the cache")
+    ap.add_argument("--fanout-log-dir", default=None, help="the precompile children's logs (default: a temp dir)")
+    ap.add_argument("--precompile-only", action="store_true", help=argparse.SUPPRESS)  # a child of the fan-out
+    ap.add_argument("--compile-only", default=None, help=argparse.SUPPRESS)  # its share: name parts, comma-separated
     ap.add_argument("--cold-compile-levers", choices=("on", "off"), default=None,
                     help="the A/B of the cold-compile levers (DFLASH_TRAIN_COLD_COMPILE_LEVERS=1/0; default: the "
                          "environment's, else off): inductor's FX pattern passes off, cache keys hashed early")
@@ -461,6 +504,8 @@ def main() -> None:
     add_inductor_options(args.inductor_option)
     if args.part != "both":
         return measure_one_side(args)
+    if args.precompile_fanout and not args.cache_dir:
+        ap.error("--precompile-fanout: needs --cache-dir (the children and this process share it)")
 
     from transformers import AutoModelForCausalLM
 
@@ -476,6 +521,17 @@ def main() -> None:
     from dflash_train.model import compile as compile_layer
 
     compile_layer.configure_cache(args.cache_dir, fresh=args.fresh_cache)
+    fanout = None
+    if args.precompile_fanout:
+        import tempfile
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from precompile_fanout import Fanout
+
+        commands = precompile_commands(args)
+        logs = Path(args.fanout_log_dir or tempfile.mkdtemp(prefix="fanout-"))
+        fanout = Fanout.start(commands, logs, Path(args.cache_dir),
+                              max(1, compile_layer.usable_cores() // max(1, len(commands))))
     kernel_builds = record_kernel_builds()
     if not args.late_compile_workers:  # as the trainer does: the pool starts while the models build
         compile_layer.start_compile_workers()
@@ -524,6 +580,7 @@ def main() -> None:
 
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
+    fanout_info = fanout.wait(600) if fanout is not None else {}
     # The trainer's warm-up order: the target first, then the drafter; batches of several rows only.
     target_warm = target.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1)
     step(batch, 0)
@@ -580,7 +637,7 @@ def main() -> None:
         "cold_compile_levers": compile_layer.cold_compile_levers_on(), "inductor_options": args.inductor_option,
         **compile_layer.compile_phase_totals(),
         **compile_layer.cache_stats(), "compile_target": args.compile_target,
-        "compile_drafter": args.compile_drafter, **target_warm,
+        "compile_drafter": args.compile_drafter, **target_warm, **fanout_info,
         "target_s": round(t_target, 4), "drafter_s": round(t_drafter, 4), "step_s": round(t_step, 4),
         "loop_step_s": round(t_loop, 4), "loop_steps_s": [round(x, 4) for x in loop_steps],
         "tokens_per_s": round(tokens / t_step), "target_mfu": round(f_target / t_target / 1e12 / peak, 3),

@@ -1,6 +1,8 @@
 """One process of tests/test_drafter_compile.py's warm-start test: a small FP8 drafter's compiled layers through
 inductor on the CPU, one forward and backward under bf16 autocast, with the compile cache in argv[1]. Saves the
-output and the gradients to argv[2] and prints the compile caches' counters as JSON. Not a test module."""
+output and the gradients to argv[2] and prints the compile caches' counters as JSON. An optional argv[3] makes it
+a precompile child of tests/test_precompile.py: only the compiled functions named like one of its comma-separated
+parts compile (`compile.restrict_to`); the line then also carries the graphs it compiled. Not a test module."""
 
 import json
 import sys
@@ -17,8 +19,10 @@ from dflash_train.model.fp8_training import use_fp8_training
 H, BS = 64, 4
 
 
-def main(cache_dir: str, out_path: str) -> None:
+def main(cache_dir: str, out_path: str, only: str = "") -> None:
     compile_layer.configure_cache(cache_dir)
+    if only:
+        compile_layer.restrict_to(tuple(only.split(",")))
     tcfg = Qwen3Config(hidden_size=H, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, vocab_size=1000)
     torch.manual_seed(0)
@@ -36,8 +40,8 @@ def main(cache_dir: str, out_path: str) -> None:
         out = drafter(hidden, embeds, positions, sdpa_attention, mask, compiled_layers=True)
     out.float().pow(2).mean().backward()
     torch.save({"out": out.detach(), **{n: p.grad for n, p in drafter.named_parameters()}}, out_path)
-    print(json.dumps(compile_layer.cache_stats()))
+    print(json.dumps({**compile_layer.cache_stats(), "graphs": compile_layer.graphs_compiled()}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

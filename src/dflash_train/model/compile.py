@@ -41,6 +41,7 @@ RECOMPILE_LIMIT = 64
 _state = {"sealed": False, "warming": False, "recompiles": 0, "watching": False, "flex_guard": False,
           "eager_flex_allowed": 0, "recompiles_at_seal": 0, "last_recompile": None}
 _prefetch: dict = {"thread": None, "done": False}  # prefetch_cache_keys' thread, until the first compiled call
+_only: dict[str, tuple[str, ...] | None] = {"names": None}  # restrict_to's filter (precompile children only)
 
 
 class UncompiledFlexAttention(RuntimeError):
@@ -413,9 +414,31 @@ def inductor_options() -> dict:
     return {**INDUCTOR_OPTIONS, **(cold_compile_options() if cold_compile_levers_on() else {})}
 
 
+def restrict_to(parts: tuple[str, ...]) -> None:
+    """A precompile child's filter (benchmarks/precompile_fanout.py): from now on only the functions whose name contains one of
+    `parts` compile; the others run eagerly. It fills the shared cache with its share of the graphs and never
+    trains, so its eager parts cost nothing but time. Flex attention must be among `parts`: an eager flex call
+    in a warm-up raises (`UncompiledFlexAttention`), as anywhere else."""
+    if not parts:
+        raise ValueError("restrict_to: name at least one compiled function")
+    with _LOCK:
+        if _compiled:
+            raise RuntimeError(f"restrict_to: called after {sorted(_compiled)} compiled; call it first")
+        _only["names"] = tuple(parts)
+    log.warning("precompile child: only the functions named like %s compile in this process", ", ".join(parts))
+
+
+def restricted_away(name: str) -> bool:
+    only = _only["names"]
+    return only is not None and not any(part in name for part in only)
+
+
 def compiled(name: str, fn: Callable, **compile_kwargs) -> Callable:
     """`torch.compile(fn, fullgraph=True, ...)` once per process (with `inductor_options()` when the backend
-    is inductor), called under the process lock with `_compile_settings`."""
+    is inductor), called under the process lock with `_compile_settings`; `fn` itself in a precompile child
+    that `restrict_to` keeps from compiling it."""
+    if restricted_away(name):
+        return fn
     if compile_kwargs.get("backend") in (None, "inductor"):
         compile_kwargs = {**compile_kwargs, "options": {**inductor_options(), **(compile_kwargs.get("options") or {})}}
     with _LOCK:

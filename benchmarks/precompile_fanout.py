@@ -1,0 +1,131 @@
+"""`throughput.py --precompile-fanout`: a cold start compiled in parallel by child processes that fill the shared
+compile cache, each with its share of the graphs, while the parent builds its models; the parent's warm-up then takes
+every graph from the cache.
+
+One process compiles on one thread (compile-safety.md, rule 1), and a cold compile is mostly single-threaded Python
+(Dynamo, AOTAutograd, inductor), so a cold first step is the sum of every graph's compile. Separate processes compile
+at once: each child runs the same compiled functions on inputs of the same shapes as the parent's warm-up (so the
+cache keys are the same), compiles only its share (`compile.restrict_to`), writes its graphs to the cache directory
+and exits; the parent waits for them before its first compile. A child that fails or runs past its time is named in
+a warning with its log, and the parent compiles what it did not.
+
+Measured on one H200 with 16 cores (BENCHMARKS.md, session 18): slower than one process compiling everything (each
+child spends ~16 s starting, and three children compiling at once take 15-17 s each for shares that take ~10 s
+alone), so the trainer does not use it; kept to measure again where a GPU has more cores or torch compiles faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """A child must not outlive a parent that was killed (it would hold a GPU context for nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    started: float
+    ended: float | None = None
+
+
+@dataclass
+class Fanout:
+    """The precompile children of one process. `start` them, do other work, then `wait` before compiling."""
+
+    children: list[Child] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+    @classmethod
+    def start(cls, commands: dict[str, Sequence[str]], log_dir: Path, cache_dir: Path,
+              workers_each: int, env: dict[str, str] | None = None) -> "Fanout":
+        """One child per command (argv lists), sharing `cache_dir`; each gets `workers_each` compile workers
+        (the children and the parent share the machine's cores) and writes its output to log_dir/NAME.log. `env`:
+        variables to add to this process's environment for the children."""
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **(env or {}), "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
+               "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, workers_each))}
+        fan = cls()
+        for name, argv in commands.items():
+            path = log_dir / f"{name}.log"
+            with open(path, "wb") as out:
+                process = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                           stdin=subprocess.DEVNULL,
+                                           preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            fan.children.append(Child(name, process, path, time.time()))
+        log.info("precompile: %d child process(es) started (%s), %d compile workers each; logs in %s",
+                 len(fan.children), ", ".join(commands), workers_each, log_dir)
+        return fan
+
+    def wait(self, timeout_s: float) -> dict:
+        """Wait for every child, at most `timeout_s` in all; stop those still running then. Returns what the
+        run's status records: the wait, each child's seconds from the fan-out's start, and the failed ones."""
+        t0 = time.time()
+        failed: list[str] = []
+        for child in self.children:
+            left = max(0.0, timeout_s - (time.time() - t0))
+            try:
+                rc = child.process.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                self._stop(child)
+                failed.append(child.name)
+                log.warning("precompile child %s ran past %.0f s and was stopped; the warm-up compiles its graphs "
+                            "itself (log: %s)", child.name, timeout_s, child.log_path)
+                continue
+            child.ended = time.time()
+            if rc != 0:
+                failed.append(child.name)
+                log.warning("precompile child %s failed (exit %s); the warm-up compiles its graphs itself. Its log "
+                            "(%s) ends:\n%s", child.name, rc, child.log_path, tail(child.log_path))
+        return {"precompile_children": len(self.children), "precompile_wait_s": round(time.time() - t0, 2),
+                "precompile_child_s": {c.name: round(c.ended - self.started, 1) for c in self.children
+                                       if c.ended is not None},
+                "precompile_failed": failed}
+
+    def stop(self) -> None:
+        """Stop every child still running (the parent is leaving early)."""
+        for child in self.children:
+            if child.process.poll() is None:
+                self._stop(child)
+
+    @staticmethod
+    def _stop(child: Child) -> None:
+        child.process.terminate()
+        try:
+            child.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
+
+    def __enter__(self) -> "Fanout":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def tail(path: Path, lines: int = 12) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        return f"(unreadable: {e})"
+    return "\n".join(text.rstrip().splitlines()[-lines:])
