@@ -9,9 +9,10 @@ cache keys are the same), compiles only its share (`compile.restrict_to`), write
 and exits; the parent waits for them before its first compile. A child that fails or runs past its time is named in
 a warning with its log, and the parent compiles what it did not.
 
-Measured on one H200 with 16 cores (BENCHMARKS.md, session 18): slower than one process compiling everything (each
-child spends ~16 s starting, and three children compiling at once take 15-17 s each for shares that take ~10 s
-alone), so the trainer does not use it; kept to measure again where a GPU has more cores or torch compiles faster.
+Measured on one H200 with 16 cores with spawned children (BENCHMARKS.md, session 18): slower than one process
+compiling everything (each child spends ~16 s starting, and three children compiling at once take 13-17 s each for
+shares that take 6-10 s alone), so the trainer does not use it. Forked children (`Fanout.fork`) skip the imports; not
+measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +41,40 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         pass
 
 
+class Forked:
+    """A forked child, with the part of `subprocess.Popen`'s interface that `Fanout` uses."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.time() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def terminate(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
 @dataclass
 class Child:
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen | Forked
     log_path: Path
     started: float
     ended: float | None = None
@@ -74,6 +106,26 @@ class Fanout:
             fan.children.append(Child(name, process, path, time.time()))
         log.info("precompile: %d child process(es) started (%s), %d compile workers each; logs in %s",
                  len(fan.children), ", ".join(commands), workers_each, log_dir)
+        return fan
+
+    @classmethod
+    def fork(cls, jobs: dict[str, Callable[[], object]], log_dir: Path, cache_dir: Path,
+             workers_each: int) -> "Fanout":
+        """One forked child per job (a callable), sharing `cache_dir`, each with `workers_each` compile workers and
+        its output in log_dir/NAME.log. A fork starts at once with this process's imports (a new process spends
+        ~10 s importing torch and transformers); call it before anything initialises CUDA or starts threads."""
+        log_dir.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fan = cls()
+        for name, job in jobs.items():
+            path = log_dir / f"{name}.log"
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child; it never returns
+                _run_forked(job, path, cache_dir, workers_each)
+            fan.children.append(Child(name, Forked(pid), path, time.time()))
+        log.info("precompile: %d forked child process(es) (%s), %d compile workers each; logs in %s",
+                 len(fan.children), ", ".join(jobs), workers_each, log_dir)
         return fan
 
     def wait(self, timeout_s: float) -> dict:
@@ -121,6 +173,30 @@ class Fanout:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _run_forked(job: Callable[[], object], log_path: Path, cache_dir: Path, workers_each: int) -> None:
+    code = 1
+    try:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        # Python's own streams too: the parent's may not be the file descriptors (a test's capture, a pipe)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        _die_with_parent()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, workers_each))
+        if "torch._inductor.config" in sys.modules:  # read at its import, which may have happened before the fork
+            sys.modules["torch._inductor.config"].compile_threads = max(1, workers_each)
+        job()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def tail(path: Path, lines: int = 12) -> str:

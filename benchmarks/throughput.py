@@ -21,6 +21,7 @@ pass 1); the result names the FP8 matmuls, their share of the FLOPs, and the mea
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -473,6 +474,8 @@ def main() -> None:
                     help="child processes compile shares of the graphs into --cache-dir while this one builds "
                          "its models; the warm-up waits for them, then takes the graphs from the cache")
     ap.add_argument("--fanout-log-dir", default=None, help="the precompile children's logs (default: a temp dir)")
+    ap.add_argument("--fanout-start", choices=("fork", "spawn"), default="fork",
+                    help="--precompile-fanout's children: forked with this process's imports, or new processes")
     ap.add_argument("--precompile-only", action="store_true", help=argparse.SUPPRESS)  # a child of the fan-out
     ap.add_argument("--compile-only", default=None, help=argparse.SUPPRESS)  # its share: name parts, comma-separated
     ap.add_argument("--cold-compile-levers", choices=("on", "off"), default=None,
@@ -530,8 +533,13 @@ def main() -> None:
 
         commands = precompile_commands(args)
         logs = Path(args.fanout_log_dir or tempfile.mkdtemp(prefix="fanout-"))
-        fanout = Fanout.start(commands, logs, Path(args.cache_dir),
-                              max(1, compile_layer.usable_cores() // max(1, len(commands))))
+        workers = max(1, compile_layer.usable_cores() // max(1, len(commands)))
+        if args.fanout_start == "fork":  # before CUDA starts in this process: the children skip the imports
+            jobs = {name: functools.partial(measure_one_side, ap.parse_args(argv[2:]))
+                    for name, argv in commands.items()}
+            fanout = Fanout.fork(jobs, logs, Path(args.cache_dir), workers)
+        else:
+            fanout = Fanout.start(commands, logs, Path(args.cache_dir), workers)
     kernel_builds = record_kernel_builds()
     if not args.late_compile_workers:  # as the trainer does: the pool starts while the models build
         compile_layer.start_compile_workers()

@@ -66,6 +66,24 @@ def test_a_failed_or_late_child_is_named_with_its_log_and_the_parent_goes_on(tmp
     assert (tmp_path / "logs" / "works.log").read_text().strip() == "done"
 
 
+def _fails():
+    raise RuntimeError("no CUDA device here")
+
+
+def test_forked_children_run_their_jobs_and_a_failure_is_named_with_its_traceback(tmp_path, caplog):
+    import time
+
+    jobs = {"works": lambda: print("done"), "fails": _fails, "hangs": lambda: time.sleep(60)}
+    with caplog.at_level(logging.WARNING, logger="precompile_fanout"):
+        with Fanout.fork(jobs, tmp_path / "logs", tmp_path / "cache", workers_each=1) as fan:
+            info = fan.wait(timeout_s=3)
+    assert sorted(info["precompile_failed"]) == ["fails", "hangs"], info
+    assert (tmp_path / "logs" / "works.log").read_text().strip() == "done"
+    assert "fails failed (exit 1)" in caplog.text and "RuntimeError: no CUDA device here" in caplog.text, caplog.text
+    assert "hangs ran past 3 s" in caplog.text, caplog.text
+    assert all(c.process.poll() is not None for c in fan.children)
+
+
 @pytest.mark.long
 def test_children_compile_shares_that_the_parent_takes_whole_from_the_cache(tmp_path):
     """Two children each compile one of the drafter layer's two graph families (the other runs eagerly there); the
