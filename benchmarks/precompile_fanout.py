@@ -130,24 +130,30 @@ class Fanout:
 
     def wait(self, timeout_s: float) -> dict:
         """Wait for every child, at most `timeout_s` in all; stop those still running then. Returns what the
-        run's status records: the wait, each child's seconds from the fan-out's start, and the failed ones."""
+        run's status records: the wait, when each child was seen to end (seconds from the fan-out's start; a child
+        that ended before this call counts as ending at it), and the failed ones."""
         t0 = time.time()
         failed: list[str] = []
-        for child in self.children:
-            left = max(0.0, timeout_s - (time.time() - t0))
-            try:
-                rc = child.process.wait(timeout=left)
-            except subprocess.TimeoutExpired:
-                self._stop(child)
-                failed.append(child.name)
-                log.warning("precompile child %s ran past %.0f s and was stopped; the warm-up compiles its graphs "
-                            "itself (log: %s)", child.name, timeout_s, child.log_path)
-                continue
-            child.ended = time.time()
-            if rc != 0:
-                failed.append(child.name)
-                log.warning("precompile child %s failed (exit %s); the warm-up compiles its graphs itself. Its log "
-                            "(%s) ends:\n%s", child.name, rc, child.log_path, tail(child.log_path))
+        running = list(self.children)
+        while running:
+            for child in list(running):
+                rc = child.process.poll()
+                if rc is None:
+                    continue
+                running.remove(child)
+                child.ended = time.time()
+                if rc != 0:
+                    failed.append(child.name)
+                    log.warning("precompile child %s failed (exit %s); the warm-up compiles its graphs itself. Its "
+                                "log (%s) ends:\n%s", child.name, rc, child.log_path, tail(child.log_path))
+            if running and time.time() - t0 >= timeout_s:
+                for child in running:
+                    self._stop(child)
+                    failed.append(child.name)
+                    log.warning("precompile child %s ran past %.0f s and was stopped; the warm-up compiles its graphs "
+                                "itself (log: %s)", child.name, timeout_s, child.log_path)
+                break
+            time.sleep(0.05)
         return {"precompile_children": len(self.children), "precompile_wait_s": round(time.time() - t0, 2),
                 "precompile_child_s": {c.name: round(c.ended - self.started, 1) for c in self.children
                                        if c.ended is not None},
