@@ -9,10 +9,10 @@ cache keys are the same), compiles only its share (`compile.restrict_to`), write
 and exits; the parent waits for them before its first compile. A child that fails or runs past its time is named in
 a warning with its log, and the parent compiles what it did not.
 
-Measured on one H200 with 16 cores with spawned children (BENCHMARKS.md, session 18): slower than one process
-compiling everything (each child spends ~16 s starting, and three children compiling at once take 13-17 s each for
-shares that take 6-10 s alone), so the trainer does not use it. Forked children (`Fanout.fork`) skip the imports; not
-measured on a GPU yet.
+Measured on one H200 with 16 cores (BENCHMARKS.md, sessions 18-19): spawned children are slower than one process
+compiling everything (each spends ~16 s starting; three compiling at once take 13-17 s each for shares that take 6-10 s
+alone); forked children (`Fanout.fork`, no imports) shorten the first step (25.3 s against 36.0 s) but not the start
+(63.9 s against 64.5 s to the first step): the compile's CPU work is moved, not removed. The trainer does not use it.
 """
 
 from __future__ import annotations
