@@ -416,9 +416,9 @@ def inductor_options() -> dict:
 
 def restrict_to(parts: tuple[str, ...]) -> None:
     """A precompile child's filter (benchmarks/precompile_fanout.py): from now on only the functions whose name
-    contains one of `parts` compile; the others run eagerly. It fills the shared cache with its share of the graphs and never
-    trains, so its eager parts cost nothing but time. Flex attention must be among `parts`: an eager flex call
-    in a warm-up raises (`UncompiledFlexAttention`), as anywhere else."""
+    contains one of `parts` compile; the others run eagerly. It fills the shared cache with its share of the
+    graphs and never trains, so its eager parts cost nothing but time. Flex attention must be among `parts`: an
+    eager flex call in a warm-up raises (`UncompiledFlexAttention`), as anywhere else."""
     if not parts:
         raise ValueError("restrict_to: name at least one compiled function")
     with _LOCK:
