@@ -73,17 +73,60 @@ def test_status_reads_the_run(finished_run, capsys):
         assert field in out, field
 
 
-def test_a_failing_run_says_failed_with_the_error(tmp_path, tiny_target_dir, capsys):
+def test_a_start_refused_for_bad_data_leaves_no_trace_and_the_fixed_command_runs(tmp_path, tiny_target_dir,
+                                                                                  counting_jsonl, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": "not a list"}\n{broken json\n')
     cfg = _write_config(tmp_path / "c.yaml", tiny_target_dir, bad)
     assert main(["train", str(cfg), "--run-dir", str(tmp_path / "R")]) == 2
+    err = capsys.readouterr().err
+    assert "no usable conversation" in err and "bad.jsonl:1" in err and "bad.jsonl:2" in err
+    assert not (tmp_path / "R").exists()  # nothing of the refused start is left
+    # The same command with the data fixed just works (no "already holds a run", no --overwrite needed).
+    bad.write_text(counting_jsonl.read_text())
+    assert main(["train", str(cfg), "--run-dir", str(tmp_path / "R"), "--max-steps", "2"]) == 0
+
+
+def test_a_refused_start_keeps_what_was_in_the_directory_and_puts_an_overwritten_run_back(
+        tmp_path, tiny_target_dir, counting_jsonl, capsys):
+    good = _write_config(tmp_path / "good.yaml", tiny_target_dir, counting_jsonl)
+    run_dir = tmp_path / "R"
+    assert main(["train", str(good), "--run-dir", str(run_dir), "--max-steps", "2"]) == 0
+    before = {p.relative_to(run_dir): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "only a prompt"}\n')
+    cfg = _write_config(tmp_path / "c.yaml", tiny_target_dir, bad)
+    assert main(["train", str(cfg), "--run-dir", str(run_dir), "--overwrite"]) == 2
     assert "no usable conversation" in capsys.readouterr().err
-    assert main(["status", str(tmp_path / "R")]) == 1
-    out = capsys.readouterr().out
-    assert "phase:      failed (in loading)" in out and "no usable conversation" in out
-    log = (tmp_path / "R" / "train.log").read_text()
-    assert "bad.jsonl:1" in log and "bad.jsonl:2" in log
+    after = {p.relative_to(run_dir): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    assert after == before  # the old run is back where it was, byte for byte
+    assert [p.name for p in tmp_path.iterdir() if ".old-" in p.name] == []
+    # A folder the user made, with a file of theirs, keeps both.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert main(["train", str(cfg), "--run-dir", str(mine)]) == 2
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+def test_a_trace_left_by_a_refused_start_does_not_block_the_fixed_command(tmp_path, tiny_target_dir,
+                                                                           counting_jsonl, capsys):
+    """A detached or torchrun start cannot take its trace back; the next fresh start clears it (only it)."""
+    from dflash_train.rundir import RunDir, StatusWriter
+
+    run = RunDir(tmp_path / "R").create()
+    (run.root / "train.log").write_text("the failed start's log\n")
+    (run.root / "notes.txt").write_text("a file of the user's")
+    StatusWriter(run).fail(ValueError("no usable conversation in ['x']"), phase="loading")
+    cfg = _write_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl)
+    assert main(["train", str(cfg), "--run-dir", str(run.root), "--max-steps", "2"]) == 0
+    assert "removed the trace of an earlier start" in capsys.readouterr().out
+    assert (run.root / "notes.txt").read_text() == "a file of the user's"
+    # A run that failed for another reason (not the user's) is still a run: refused, as before.
+    other = RunDir(tmp_path / "R2").create()
+    StatusWriter(other).fail(RuntimeError("CUDA error"), phase="loading")
+    assert main(["train", str(cfg), "--run-dir", str(other.root), "--max-steps", "2"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
 
 
 def test_config_errors_fail_before_any_model_loads(tmp_path, tiny_target_dir, counting_jsonl, capsys):

@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 from .config import validate_world
 from .data.dataset import FAR_FACTOR
@@ -66,7 +67,7 @@ def _split_config_argument(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .train import launch
-    from .train.admission import admit_start
+    from .train.admission import Footprint, admit_start, undo_refused_start
 
     _split_config_argument(args)
     if args.resume and not args.run_dir:
@@ -85,6 +86,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_DONE
     if start.moved_aside:
         print(f"moved the old run aside: {start.moved_aside}")
+    if start.cleared:
+        print(f"removed the trace of an earlier start that failed before training: {', '.join(start.cleared)}")
+    # Only the process that owns the whole start may take back what it wrote (not a rank, not a detached child).
+    owns_start = top_level and "WORLD_SIZE" not in os.environ and not args.detach
+    before = Footprint.of(run_dir)
     launched_at = os.environ.get(launch.LAUNCH_TIME_ENV) or str(time.time())
     inherit = {launch.LAUNCH_TIME_ENV: launched_at}  # every process of this start: a STOP older than this is stale
     if args.detach:
@@ -96,6 +102,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"run directory: {run_dir}  (watch it with: dflash-train status {run_dir})", flush=True)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         rc = launch.supervise(_child_train_args(args, run_dir), args.nproc, run_dir, args.stall_timeout, inherit)
+        if rc == EXIT_USER_ERROR and owns_start:
+            _say_undone(undo_refused_start(start, before))
         if rc == EXIT_STOPPED:
             print(f"stopped before done; continue with: dflash-train train --resume --run-dir {run_dir}", file=sys.stderr)
         elif rc != EXIT_DONE:
@@ -103,8 +111,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         return rc
     from .train.trainer import train
 
-    result = train(start.cfg, run_dir, fresh_compile_cache=args.fresh_compile_cache, resume=args.resume,
-                   changes=start.changes, launched_at=float(launched_at))
+    try:
+        result = train(start.cfg, run_dir, fresh_compile_cache=args.fresh_compile_cache, resume=args.resume,
+                       changes=start.changes, launched_at=float(launched_at))
+    except USER_ERRORS:
+        if owns_start:
+            _say_undone(undo_refused_start(start, before))
+        raise
     is_main = os.environ.get("RANK", "0") == "0"
     if result is not None and result.name == "export":
         print(f"exported drafter: {result}")
@@ -116,6 +129,11 @@ def cmd_train(args: argparse.Namespace) -> int:
           else f"stopped before done; checkpoints in {result}; continue with: dflash-train train --resume "
                f"--run-dir {run_dir}")
     return EXIT_STOPPED
+
+
+def _say_undone(done: Optional[str]) -> None:
+    if done:
+        log.info("%s; fix the error and run the same command again", done)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -22,17 +22,23 @@ from typing import Any, Optional, Protocol, Sequence
 from urllib.parse import urlparse
 
 from . import procs
+from .errors import is_user_error
 from .runtime import publish, write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 
 PHASES = ("starting", "loading", "warmup", "training", "exporting", "done", "failed", "stopped")
 ENDED = ("done", "failed", "stopped")
+START_UP_PHASES = ("starting", "loading", "warmup")
 # A live rank touches its heartbeat file and status.json every PULSE_S seconds (a thread, whatever the
 # main thread is doing: loading, compiling, training); a run whose files are older than SILENT_S
 # seconds has lost its process.
 PULSE_S = 2.0
 SILENT_S = 15.0
+# The names a start writes into its run directory (fnmatch patterns): all that a refused start's trace can hold.
+START_ENTRIES = ("status.json", "config.yaml", "train.log*", "metrics*.jsonl", "checkpoints", "tensorboard",
+                 "heartbeats", "export", "rejects*.jsonl", "resumes.jsonl", "trackers.json", "mlruns", "wandb",
+                 "launcher.out", "launcher.pid", "rank-*.out", "STOP", "dflash_train.json")
 
 
 @dataclass
@@ -118,6 +124,41 @@ class RunDir:
                 return dest
         raise FileExistsError(f"no free name to move {self.root} aside")
 
+    def holds_only_a_refused_start(self) -> bool:
+        """True when what is here is the trace of a start that failed on a user error before its first checkpoint
+        (status.json says failed, with the error marked as the user's, and nothing was trained): the same command,
+        fixed, may start here again, and the trace goes."""
+        from .train.checkpoint import list_checkpoints
+
+        try:
+            status = json.loads(self.status.read_text())
+        except (OSError, json.JSONDecodeError):
+            return False
+        error = status.get("error") if isinstance(status, dict) else None
+        return (status.get("phase") == "failed" and isinstance(error, dict) and error.get("user_error") is True
+                and status.get("failed_phase") in START_UP_PHASES and not status.get("step")
+                and not list_checkpoints(self.checkpoints) and not (self.checkpoints / "best").exists()
+                and not (self.export.is_dir() and any(self.export.iterdir())))
+
+    def remove_start_trace(self, kept: Optional[frozenset[str]] = None, keep_root: bool = False) -> list[str]:
+        """Delete what a start wrote here, and the directory itself when nothing else is left (unless `keep_root`:
+        it was there before). Only for `holds_only_a_refused_start()`. `kept`: the names that were here before the
+        start (all else is its); None: unknown, so only START_ENTRIES go. Returns the names removed."""
+        import fnmatch
+        import shutil
+
+        removed = []
+        for entry in sorted(self.root.iterdir()) if self.root.is_dir() else []:
+            ours = (entry.name not in kept) if kept is not None else \
+                any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in START_ENTRIES)
+            if not ours:
+                continue
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            removed.append(entry.name)
+        if not keep_root and self.root.is_dir() and not any(self.root.iterdir()):
+            self.root.rmdir()
+        return removed
+
     def create(self) -> "RunDir":
         for d in (self.root, self.checkpoints, self.tensorboard):
             d.mkdir(parents=True, exist_ok=True)
@@ -162,6 +203,7 @@ class StatusWriter:
             error={
                 "type": type(exc).__name__,
                 "message": str(exc),
+                "user_error": is_user_error(exc),  # the message says what to fix; nothing else went wrong
                 "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
             },
         )

@@ -106,7 +106,9 @@ def read_sources(sources: list[str], tokenizer, max_length: int, block_size: int
 
 def require_examples(ds: Dataset, sources: list[str]) -> None:
     if not ds.examples:
-        raise ValueError(f"no usable conversation in {sources} (rejected: {dict(ds.rejected)})")
+        first = "; ".join(ds.rejects.first_lines())
+        raise ValueError(f"no usable conversation in {sources} (rejected: {dict(ds.rejected)})"
+                         + (f". First rejects: {first}" if first else ""))
 
 
 def load_dataset(

@@ -6,7 +6,10 @@ A run directory has one owner and one history:
   change the keys in RESUMABLE, which keep the run's meaning and its exact resume; any other difference
   is refused, naming the key and both values;
 - nobody starts in a directory whose run is still alive;
-- a refused start writes nothing: config, status, metrics, checkpoints and export stay byte-identical.
+- a refused start writes nothing: config, status, metrics, checkpoints and export stay byte-identical;
+- a start that failed on a user error before its first checkpoint leaves no run behind: the process that owns
+  the start removes what it wrote (`undo_refused_start`), and a trace left anyway (a detached or torchrun start)
+  does not block the same command, fixed: the next fresh start clears it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Start:
     resume: bool
     changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     moved_aside: Optional[Path] = None
+    cleared: list[str] = field(default_factory=list)  # the trace of a refused start this start removed
     already_done: Optional[str] = None  # a resume of a finished run with nothing to add: what to say
 
 
@@ -102,7 +106,12 @@ def admit_start(config_path: Optional[str], overrides: list[str], run_dir: Path,
     cfg = with_step_cap(load_config(config_path, overrides), max_steps)
     check_inputs_exist(cfg, config_path, overrides)
     found = run.contents() if check_owner and run.root.is_dir() else []
-    moved = None
+    moved, cleared = None, []
+    if found and run.holds_only_a_refused_start():
+        cleared = run.remove_start_trace(keep_root=True)
+        log.warning("removed the trace of an earlier start in %s that failed before training (%s)", run.root,
+                    ", ".join(cleared))
+        found = []
     if found:
         owner = live_owner(run)
         if owner:
@@ -111,7 +120,35 @@ def admit_start(config_path: Optional[str], overrides: list[str], run_dir: Path,
             raise UserError(holds_run_message(run))
         moved = run.move_aside()
         log.warning("moved the run that was in %s aside to %s (--overwrite)", run.root, moved)
-    return Start(cfg, run.root, False, moved_aside=moved)
+    return Start(cfg, run.root, False, moved_aside=moved, cleared=cleared)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """The run directory as a start found it, once admitted: what the start may remove if it is refused later."""
+
+    existed: bool
+    names: frozenset[str]
+
+    @classmethod
+    def of(cls, run_dir: Path) -> "Footprint":
+        existed = run_dir.is_dir()
+        return cls(existed, frozenset(p.name for p in run_dir.iterdir()) if existed else frozenset())
+
+
+def undo_refused_start(start: Start, before: Footprint) -> Optional[str]:
+    """After a fresh start failed on a user error before its first checkpoint: remove what it wrote and put back
+    the run `--overwrite` moved aside, so that the same command, fixed, just works. Returns what was done, or None
+    when the directory holds more than such a trace (then nothing is touched)."""
+    run = RunDir(start.run_dir)
+    if start.resume or not run.holds_only_a_refused_start():
+        return None
+    run.remove_start_trace(before.names, keep_root=before.existed)
+    done = f"removed what the failed start wrote in {run.root}"
+    if start.moved_aside is not None and not run.root.exists():
+        start.moved_aside.rename(run.root)
+        done += f" and moved the old run back from {start.moved_aside}"
+    return done
 
 
 def _admit_resume(config_path: Optional[str], overrides: list[str], run: RunDir, max_steps: Optional[int],
@@ -185,6 +222,9 @@ def check_inputs_exist(cfg: Config, config_path: Optional[str], overrides: list[
         given = [o for o in overrides if o.split("=", 1)[0].strip() == key]
         return f"override {given[-1]}" if given else f"config file {config_path}"
 
+    if not cfg.data.train_files:
+        raise ConfigError(f"config key 'data.train_files' ({where('data.train_files')}) is empty: give conversation "
+                          "files, prepared dataset directories (dflash-train prepare) or 'sharegpt'")
     if not assets.is_builtin_target(cfg.target.path) and not Path(cfg.target.path).expanduser().exists():
         raise ConfigError(f"config key 'target.path' ({where('target.path')}): {cfg.target.path} does not exist; "
                           "give a Hugging Face model folder, a .gguf file or 'smollm2'")
