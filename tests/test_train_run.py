@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from dflash_train.cli import main
@@ -196,3 +197,47 @@ def test_metrics_rotate_into_parts_that_readers_follow_and_resume_truncates(tmp_
     assert [r["step"] for r in read_metrics(run.root)] == list(range(1, 58))
     assert all(p.stat().st_size > 0 for p in metrics_parts(run.root) if p.name != "metrics.jsonl")
     assert read_status(run.root)[1]["step"] == 57
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _same_weights(export: Path, checkpoint: Path) -> bool:
+    """The export holds the checkpoint's (float32) weights cast to the export's dtype."""
+    got, saved = _weights(export), _weights(checkpoint / "drafter")
+    return got.keys() == saved.keys() and all(torch.equal(got[k], saved[k].to(got[k].dtype)) for k in got)
+
+
+def test_the_run_exports_its_best_checkpoint_by_validation_tau_and_says_so(tmp_path, tiny_target_dir,
+                                                                             counting_jsonl, capsys):
+    cfg = _write_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, data__val_files=[str(counting_jsonl)],
+                        run__eval_every=4, run__save_every=4, run__keep_last=5, run__eval_prompts=0)
+    run_dir = tmp_path / "R"
+    assert main(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", "8"]) == 0
+    vals = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r.get("kind") == "validation"]
+    assert [r["step"] for r in vals] == [4, 8]
+    best = max(vals, key=lambda r: r["val_tau_walk"])  # the first of equals is the best (a tie does not replace it)
+    card = (run_dir / "export" / "README.md").read_text()
+    assert _same_weights(run_dir / "export", run_dir / "checkpoints" / f"step-{best['step']:08d}")
+    assert f"step {best['step']}" in card or f"({best['step']})" in card
+    # Resumed with a record no later validation beats: the run's export is checkpoints/best, an earlier step's.
+    newest = run_dir / "checkpoints" / "step-00000008"
+    state = json.loads((newest / "trainer_state.json").read_text())
+    state["best_val_tau"] = 1e9
+    (newest / "trainer_state.json").write_text(json.dumps(state))
+    best_step = json.loads((run_dir / "checkpoints" / "best" / "trainer_state.json").read_text())["step"]
+    assert main(["train", "--resume", "--run-dir", str(run_dir), "--max-steps", "12"]) == 0
+    card = (run_dir / "export" / "README.md").read_text()
+    assert f"the best checkpoint by validation tau: step {best_step}" in card and "of the 12 trained" in card
+    assert _same_weights(run_dir / "export", run_dir / "checkpoints" / "best")
+    assert not _same_weights(run_dir / "export", run_dir / "checkpoints" / "step-00000012")
+    # `dflash-train export` says which weights a checkpoint holds, on the card and on its output.
+    capsys.readouterr()
+    assert main(["export", str(run_dir / "checkpoints" / "step-00000012"), "--out", str(tmp_path / "E")]) == 0
+    out = capsys.readouterr().out
+    assert f"step 12; the run's best by validation tau is step {best_step}" in out
+    assert "step 12; the run's best" in (tmp_path / "E" / "README.md").read_text()

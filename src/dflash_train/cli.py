@@ -223,14 +223,15 @@ def _finish_eval(args: argparse.Namespace, report: dict) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_checkpoint
+    from .export import checkpoint_weights, export_checkpoint
     from .paths import resolve_checkpoint
 
     checkpoint, out = resolve_checkpoint(Path(args.checkpoint)), Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
         raise ValueError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
     out = export_checkpoint(checkpoint, out, dtype=args.dtype, target=args.target)
-    print(f"exported drafter: {out}")
+    weights = checkpoint_weights(checkpoint)
+    print(f"exported drafter: {out}" + (f" (weights: {weights})" if weights else ""))
     return 0
 
 

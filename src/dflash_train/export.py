@@ -51,6 +51,26 @@ def target_head_weight(run_dir: Path, target: Optional[str]) -> torch.Tensor:
     return load_target_head(path, torch.float32, torch.device("cpu"), trust_remote_code).lm_head.weight
 
 
+def checkpoint_weights(checkpoint: Path) -> str:
+    """Which weights a training checkpoint holds, for the card and the command's output: its step, and how it
+    stands against the run's best by validation tau (when the run validated)."""
+    from .train.checkpoint import STATE, read_state
+
+    if not (checkpoint / STATE).is_file():
+        return ""
+    state = read_state(checkpoint)
+    step, best_tau = state.get("step"), state.get("best_val_tau")
+    if checkpoint.name == "best" and best_tau is not None:
+        return f"the best checkpoint by validation tau: step {step} (tau {best_tau:.3f})"
+    best = checkpoint.parent / "best"
+    if (best / STATE).is_file():
+        best_state = read_state(best)
+        if best_state.get("step") != step and best_state.get("best_val_tau") is not None:
+            return (f"step {step}; the run's best by validation tau is step {best_state['step']} "
+                    f"(tau {best_state['best_val_tau']:.3f}): export {best} for it")
+    return f"step {step}"
+
+
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", target: Optional[str] = None) -> Path:
     """`target`: the target's path, for a drafter whose export needs its lm_head (factored DFlash2 selector
     codebooks); by default the one the run's config names."""
@@ -64,7 +84,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", targ
         extra["training_config.yaml"] = (run_dir / "config.yaml").read_text()
     if (run_dir / PROVENANCE_NAME).is_file():
         extra[PROVENANCE_NAME] = (run_dir / PROVENANCE_NAME).read_text()
-    extra[CARD_NAME] = export_card(checkpoint)
+    extra[CARD_NAME] = export_card(checkpoint, checkpoint_weights(checkpoint))
     save_drafter(drafter, out, dtype=dtype, extra_files=extra)
     parity_check(drafter, load_drafter(out), dtype_named(dtype))
     return out

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .infer.evaluate import markdown_table
 from .runtime import write_text_atomic
@@ -15,11 +15,23 @@ _EVAL_HEADING = "\n## Evaluation (speculative decoding)\n"
 _LOADING = "Load it with the reference DFlash code or a serving engine's DFlash support"
 
 
-def training_card(cfg_yaml: str, target_path: Path, layer_ids: list[int], mask_token_id: int, summary: dict) -> str:
+def weights_line(step: int, best_tau: Optional[float], best_step: Optional[int]) -> str:
+    """Which weights an export holds and why: the best checkpoint by validation tau, or the last step's."""
+    if best_step is None:
+        return f"the last step's ({step}; no validation ran, so there is no best checkpoint)"
+    if best_step == step:
+        return f"the last step's ({step}), which is also the best by validation tau ({best_tau:.3f})"
+    return (f"the best checkpoint by validation tau: step {best_step} (tau {best_tau:.3f}) of the {step} trained; "
+            f"`dflash-train export RUN/checkpoints/step-{step}` exports the last step's")
+
+
+def training_card(cfg_yaml: str, target_path: Path, layer_ids: list[int], mask_token_id: int, summary: dict,
+                  weights: str = "") -> str:
     return (
         _TITLE + "\n"
         "A block-diffusion speculative-decoding drafter trained with dflash-train.\n\n"
-        f"- target: `{target_path}`\n"
+        + (f"- weights: {weights}\n" if weights else "")
+        + f"- target: `{target_path}`\n"
         f"- target layer ids: {layer_ids}\n"
         f"- mask token id: {mask_token_id}\n"
         f"- steps: {summary.get('step')}, final loss {summary.get('loss', float('nan')):.4f}, "
@@ -33,8 +45,9 @@ def training_card(cfg_yaml: str, target_path: Path, layer_ids: list[int], mask_t
     )
 
 
-def export_card(checkpoint: Path) -> str:
-    return (_TITLE + f"\nExported by `dflash-train export` from `{checkpoint}`.\n\n"
+def export_card(checkpoint: Path, weights: str = "") -> str:
+    return (_TITLE + f"\nExported by `dflash-train export` from `{checkpoint}`"
+            + (f": {weights}" if weights else "") + ".\n\n"
             "Load with the reference DFlash code or a serving engine's DFlash support.\n")
 
 

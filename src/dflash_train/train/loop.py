@@ -21,8 +21,8 @@ from ..config import Config
 from ..data.batch import collate
 from ..data.dataset import batches_from, padding_fraction, plan_batches
 from ..model import compile as compile_layer
-from ..model.io import save_drafter
-from ..model_card import CARD_NAME
+from ..model.io import load_drafter, save_drafter
+from ..model_card import CARD_NAME, weights_line
 from ..model.provenance import PROVENANCE_NAME
 from ..rundir import Reporter, RunDir
 from . import checkpoint as checkpoints
@@ -283,9 +283,27 @@ def run_validation(s: Session, state: RunState, rep: Reporter) -> None:
     log.info("validation at step %d: %s", state.step, ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
 
 
+def export_weights(s: Session, state: RunState) -> tuple[object, str]:
+    """The drafter the run exports, and the card's line saying which: the best checkpoint by validation tau when
+    validation ran (checkpoints/best), else the last step's."""
+    best = s.run.checkpoints / "best"
+    saved = state.best_val is not None and (best / checkpoints.STATE).is_file()
+    best_step = checkpoints.read_state(best)["step"] if saved else None
+    weights = weights_line(state.step, state.best_val, best_step)
+    head = s.train_step.target.lm_head.weight
+    if best_step is None or best_step == state.step:
+        return s.train_step.drafter.materialized(head), weights
+    drafter = load_drafter(best / "drafter")
+    if drafter.export_needs_target_head:
+        drafter = drafter.materialized(head.detach().float().cpu())
+    log.info("exporting the best checkpoint by validation tau (step %d, %.4g), not the last step (%d)", best_step,
+             state.best_val, state.step)
+    return drafter, weights
+
+
 def finish(s: Session, state: RunState, rep: Reporter, last_record: dict) -> Path:
-    """The last checkpoint and, on rank 0, the export (a previous export, from before a resume that trained
-    further, is moved aside, never overwritten)."""
+    """The last checkpoint and, on rank 0, the export of the best weights (`export_weights`; a previous export,
+    from before a resume that trained further, is moved aside, never overwritten)."""
     run = s.run
     if not s.is_main:
         rep.report(phase="done", step=state.step)
@@ -296,10 +314,11 @@ def finish(s: Session, state: RunState, rep: Reporter, last_record: dict) -> Pat
     if run.export.is_dir() and any(run.export.iterdir()):
         kept = run.export.rename(run.root / f"export.before-step-{state.step:08d}-{time.strftime('%Y%m%d-%H%M%S')}")
         log.info("the previous export moved to %s", kept)
-    drafter = s.train_step.drafter.materialized(s.train_step.target.lm_head.weight)
+    drafter, weights = export_weights(s, state)
     save_drafter(drafter, run.export, dtype=s.cfg.run.export_dtype,
-                 extra_files={CARD_NAME: s.model_card(cfg_yaml, last_record), "training_config.yaml": cfg_yaml,
+                 extra_files={CARD_NAME: s.model_card(cfg_yaml, last_record, weights), "training_config.yaml": cfg_yaml,
                               PROVENANCE_NAME: (run.root / PROVENANCE_NAME).read_text()})
-    rep.report(phase="done", step=state.step, export_dir=str(run.export), eta_s=0)
-    log.info("done: %d steps in %.0f s; drafter exported to %s", state.step, time.time() - s.t_start, run.export)
+    rep.report(phase="done", step=state.step, export_dir=str(run.export), export_weights=weights, eta_s=0)
+    log.info("done: %d steps in %.0f s; drafter exported to %s (weights: %s)", state.step, time.time() - s.t_start,
+             run.export, weights)
     return run.export

@@ -536,8 +536,8 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
     stop_ids = stop_token_ids(plan.target_path, a.tokenizer)
     return Session(cfg, run, ctx.rank, ctx.is_main, r.device, train_step, r.data, a.tokenizer.pad_token_id,
                    r.batching, r.per_step, r.drafters, r.drafter_group, r.total, a.identity,
-                   lambda cfg_yaml, record: training_card(cfg_yaml, plan.target_path, plan.layer_ids, plan.mask_token_id,
-                                                          record),
+                   lambda cfg_yaml, record, weights: training_card(cfg_yaml, plan.target_path, plan.layer_ids,
+                                                                   plan.mask_token_id, record, weights),
                    inbox, val, stop_ids)
 
 
