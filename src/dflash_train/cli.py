@@ -208,10 +208,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_checkpoint
     from .paths import resolve_checkpoint
 
-    checkpoint, out = resolve_checkpoint(Path(args.checkpoint)), Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise ValueError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
-    out = export_checkpoint(checkpoint, out, dtype=args.dtype, target=args.target)
+    checkpoint = resolve_checkpoint(Path(args.checkpoint))
+    out = export_checkpoint(checkpoint, Path(args.out), dtype=args.dtype, target=args.target, overwrite=args.overwrite)
     print(f"exported drafter: {out}")
     return 0
 
@@ -420,7 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("checkpoint", help="RUN/checkpoints/step-N (step-20 for step-00000020; best for the best by "
                    "validation tau; or its drafter/ folder)")
     x.add_argument("--out", required=True, help="folder to write the exported drafter to (a new or empty one)")
-    x.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    x.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in --out: it is moved aside to OUT.old-<time>, never deleted; "
+                        "any other non-empty folder, a run's folders and the checkpoint are refused (default: off)")
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the exported weights (default: %(default)s)")
     x.add_argument("--target", default=None,

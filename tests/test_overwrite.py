@@ -1,0 +1,155 @@
+"""What a command may write over (outputs.py): `--overwrite` replaces only that command's own earlier output
+(a folder is moved aside, never deleted); anything else (unrelated files, the command's inputs, a run, a live
+run) is refused in one line, before anything loads, and left byte-identical. And what the tool writes for
+others to read follows the umask."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_train.cli import main
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every name under `root` and the hash of every file: equal before and after means untouched."""
+    return {str(p.relative_to(root)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*"))}
+
+
+def refused(capsys, argv: list[str], root: Path, *needles: str) -> str:
+    """Run `argv`: exit 2, one `error:` line holding every needle, no traceback, `root` untouched."""
+    before = tree(root)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert tree(root) == before
+    return lines[0]
+
+
+def small_drafter(seed: int):
+    import torch
+    from transformers import LlamaConfig
+
+    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+
+    target = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(seed)
+    return DFlashDrafter(make_drafter_config(target, num_draft_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                             mask_token_id=5))
+
+
+def write_checkpoint(root: Path, step: int) -> Path:
+    import torch
+
+    from dflash_train.train.checkpoint import save_checkpoint
+
+    drafter = small_drafter(seed=step)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return save_checkpoint(root, step, drafter, opt, sched, {"epoch": 0, "batch_index": step}, keep_last=5)
+
+
+@pytest.fixture
+def run(tmp_path) -> Path:
+    """A finished run: config, status, metrics, two checkpoints (different weights) and export/."""
+    from dflash_train.model.io import save_drafter
+    from dflash_train.rundir import RunDir
+
+    r = RunDir(tmp_path / "run").create()
+    r.config.write_text("target:\n  path: smollm2\n")
+    r.status.write_text(json.dumps({"phase": "done", "step": 20}))
+    r.metrics.write_text('{"step": 10, "loss": 1.0}\n')
+    for step in (10, 20):
+        write_checkpoint(r.checkpoints, step)
+    save_drafter(small_drafter(seed=20), r.export, dtype="float32")
+    return r.root
+
+
+def export_argv(run: Path, step: int, out: Path, *extra: str) -> list[str]:
+    return ["export", str(run / "checkpoints" / f"step-{step:08d}"), "--out", str(out), "--dtype", "float32", *extra]
+
+
+def live_status() -> dict:
+    from dflash_train import procs
+
+    return {"phase": "training", "step": 3, "heartbeat": time.time(), "pid": os.getpid(),
+            "pid_start": procs.start_ticks(os.getpid()), "host": socket.gethostname()}
+
+
+# ------------------------------------------------------------------------------------------ export
+
+
+def test_export_refuses_a_folder_of_other_files(run, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    (out / "data.bin").write_bytes(b"\0" * 100)
+    for flags in ((), ("--overwrite",)):
+        refused(capsys, export_argv(run, 10, out, *flags), tmp_path, f"--out {out} is not an exported drafter",
+                "data.bin, notes.txt", "choose another --out")
+    (tmp_path / "file").write_text("x")
+    refused(capsys, export_argv(run, 10, tmp_path / "file", "--overwrite"), tmp_path, "is a file")
+
+
+@pytest.mark.parametrize("part", ["", "checkpoints", "checkpoints/step-00000010", "checkpoints/step-00000020/drafter",
+                                  "export", "new-folder", "checkpoints/new-folder"])
+def test_export_never_writes_into_a_run(run, tmp_path, capsys, part):
+    out = run / part if part else run
+    where = "is a training run" if not part else f"lies inside the training run {run}"
+    refused(capsys, export_argv(run, 10, out, "--overwrite"), tmp_path, f"--out {out}", where,
+            "choose an --out outside it")
+
+
+def test_export_refuses_a_live_run(tmp_path, capsys):
+    from dflash_train.rundir import RunDir
+
+    ckpt = write_checkpoint(tmp_path / "ckpts", 10)
+    live = RunDir(tmp_path / "live").create()
+    live.config.write_text("target:\n  path: smollm2\n")
+    live.status.write_text(json.dumps(live_status()))
+    write_checkpoint(live.checkpoints, 5)
+    refused(capsys, ["export", str(ckpt), "--out", str(live.root), "--overwrite"], tmp_path,
+            f"{live.root} is in use: pid {os.getpid()}", f"dflash-train stop {live.root}")
+
+
+def test_export_refuses_a_folder_holding_the_checkpoint(run, tmp_path, capsys):
+    ckpt = write_checkpoint(tmp_path / "loose", 10)  # a checkpoint outside any run
+    refused(capsys, ["export", str(ckpt), "--out", str(tmp_path / "loose"), "--overwrite"], tmp_path,
+            f"--out {tmp_path / 'loose'} holds the checkpoint {ckpt}")
+    refused(capsys, ["export", str(ckpt), "--out", str(ckpt / "x"), "--overwrite"], tmp_path,
+            f"--out {ckpt / 'x'} lies inside the checkpoint {ckpt}", "export never writes into")
+
+
+def test_overwrite_moves_an_earlier_export_aside(run, tmp_path, capsys, caplog):
+    from dflash_train.outputs import is_export
+
+    out = tmp_path / "exported"
+    assert main(export_argv(run, 10, out)) == 0
+    first = tree(out)
+    refused(capsys, export_argv(run, 20, out), tmp_path, f"{out} already exists (an exported drafter)", "--overwrite")
+    with caplog.at_level(logging.WARNING, logger="dflash_train"):
+        assert main(export_argv(run, 20, out, "--overwrite")) == 0
+    (aside,) = tmp_path.glob("exported.old-*")
+    assert f"aside to {aside}" in caplog.text
+    assert tree(aside) == first  # the earlier export, whole
+    assert tree(out) != first and is_export(out)
+    assert "step-00000020" in (out / "README.md").read_text()
+    assert not list(tmp_path.glob(".exported*"))  # no staging folder left
