@@ -153,3 +153,46 @@ def test_overwrite_moves_an_earlier_export_aside(run, tmp_path, capsys, caplog):
     assert tree(out) != first and is_export(out)
     assert "step-00000020" in (out / "README.md").read_text()
     assert not list(tmp_path.glob(".exported*"))  # no staging folder left
+
+
+# ------------------------------------------------------------------------------------------ prepare
+
+
+def test_prepare_never_writes_over_its_input(tmp_path, capsys):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    conv = raw / "conv.jsonl"
+    conv.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    no_target = str(tmp_path / "no-target")  # refused before the target's tokenizer is looked for
+    refused(capsys, ["prepare", "--target", no_target, "--data", str(conv), "--out", str(raw), "--overwrite"],
+            tmp_path, f"--out {raw} holds --data {conv}, which this command reads")
+    refused(capsys, ["prepare", "--target", no_target, "--data", str(raw), "--out", str(raw / "prepared")],
+            tmp_path, f"--out {raw / 'prepared'} lies inside --data {raw}")
+    refused(capsys, ["prepare", "--target", no_target, "--data", str(conv), "--out", str(conv), "--overwrite"],
+            tmp_path, f"--out {conv} is --data {conv}")
+
+
+def test_prepare_refuses_a_folder_of_other_files(tmp_path, capsys, counting_jsonl):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("keep me")
+    for flags in ((), ("--overwrite",)):
+        refused(capsys, ["prepare", "--target", str(tmp_path / "no-target"), "--data", str(counting_jsonl),
+                         "--out", str(other), *flags], tmp_path, f"--out {other} is not a prepared dataset",
+                "keep.txt")
+
+
+def test_prepare_overwrite_moves_the_earlier_dataset_aside(tmp_path, capsys, caplog, counting_jsonl, tiny_target_dir):
+    out = tmp_path / "prepared"
+    argv = ["prepare", "--target", str(tiny_target_dir), "--data", str(counting_jsonl), "--out", str(out),
+            "--block-size", "4", "--max-length", "256"]
+    assert main(argv) == 0
+    first = tree(out)
+    refused(capsys, argv, tmp_path, f"{out} already exists (a prepared dataset)", "--overwrite")
+    with caplog.at_level(logging.WARNING, logger="dflash_train"):
+        assert main([*argv, "--val-fraction", "0.5", "--overwrite"]) == 0
+    (aside,) = tmp_path.glob("prepared.old-*")
+    assert f"aside to {aside}" in caplog.text
+    assert tree(aside) == first
+    assert json.loads((out / "manifest.json").read_text())["val_fraction"] == 0.5

@@ -218,17 +218,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from . import assets
     from .data.prepare import PrepareConfig, prepare, summary
     from .model.target import load_tokenizer
+    from .outputs import check_prepare_out
 
+    check_prepare_out(Path(args.out), args.data, args.overwrite)  # before the tokenizer loads
     target_path = assets.resolve_target(args.target, weights=False)  # the tokenizer is all prepare reads
     tokenizer = load_tokenizer(target_path, args.trust_remote_code)
     cfg = PrepareConfig(max_length=args.max_length, block_size=args.block_size, val_fraction=args.val_fraction,
                         thinking=args.thinking, shard_rows=args.shard_rows, max_samples=args.max_samples,
                         overwrite=args.overwrite)
     out = Path(args.out)
-    try:
-        manifest = prepare(tokenizer, args.target, args.data, out, cfg, progress=sys.stderr.isatty())
-    except FileExistsError as e:
-        raise ValueError(str(e)) from None
+    manifest = prepare(tokenizer, args.target, args.data, out, cfg, progress=sys.stderr.isatty())
     print(summary(manifest, out))
     return 0
 
@@ -288,7 +287,9 @@ def _add_prepare_parser(subparsers) -> None:
     p.add_argument("--shard-rows", type=int, default=50_000, help="rows per shard file (default: %(default)s)")
     p.add_argument("--max-samples", type=int, default=0,
                    help="keep at most this many rows, 0 = all (default: %(default)s)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier prepared dataset in --out: it is moved aside to OUT.old-<time>, never "
+                        "deleted; any other non-empty folder and a folder holding --data are refused (default: off)")
     p.add_argument("--trust-remote-code", action="store_true", help="only if you trust the target folder's code")
     p.set_defaults(func=cmd_prepare)
 
