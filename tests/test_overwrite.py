@@ -196,3 +196,61 @@ def test_prepare_overwrite_moves_the_earlier_dataset_aside(tmp_path, capsys, cap
     assert f"aside to {aside}" in caplog.text
     assert tree(aside) == first
     assert json.loads((out / "manifest.json").read_text())["val_fraction"] == 0.5
+
+
+# ------------------------------------------------------------------------------------------ eval
+
+
+@pytest.fixture
+def drafter_dir(tmp_path) -> Path:
+    from dflash_train.model.io import save_drafter
+
+    return save_drafter(small_drafter(seed=1), tmp_path / "drafter", dtype="float32")
+
+
+def eval_argv(target, drafter: Path, out: Path, *extra: str, data: str = "mt-bench") -> list[str]:
+    return ["eval", "--target", str(target), "--drafter", str(drafter), "--data", data, "--out", str(out), *extra]
+
+
+def test_eval_refuses_a_report_path_it_did_not_write(tmp_path, drafter_dir, capsys):
+    no_target = tmp_path / "no-target"  # refused before any model loads
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    for flags in ((), ("--overwrite",)):
+        refused(capsys, eval_argv(no_target, drafter_dir, notes, *flags), tmp_path,
+                f"{notes} exists and is not an eval report")
+    (tmp_path / "r.md").write_text("# my notes\n")  # the table's place beside r.json
+    refused(capsys, eval_argv(no_target, drafter_dir, tmp_path / "r.json", "--overwrite"), tmp_path,
+            f"{tmp_path / 'r.md'} exists and is not an eval report")
+    refused(capsys, eval_argv(no_target, drafter_dir, drafter_dir / "eval.json"), tmp_path,
+            f"--out {drafter_dir / 'eval.json'} lies inside --drafter {drafter_dir}")
+    (tmp_path / "folder").mkdir()
+    refused(capsys, eval_argv(no_target, drafter_dir, tmp_path / "folder"), tmp_path, "is a folder")
+    refused(capsys, eval_argv(no_target, drafter_dir, tmp_path / "e.md"), tmp_path, "cannot end in .md")
+    refused(capsys, eval_argv(no_target, drafter_dir, notes / "sub" / "e.json"), tmp_path,
+            f"{notes} is a file, so nothing can be written inside it")
+
+
+def test_eval_replaces_its_own_report_only_with_overwrite(tmp_path, capsys, tiny_target_dir):
+    from transformers import AutoConfig
+
+    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.model.io import save_drafter
+
+    cfg = make_drafter_config(AutoConfig.from_pretrained(tiny_target_dir), num_draft_layers=1, block_size=4,
+                              target_layer_ids=[1, 4], mask_token_id=16)
+    drafter = save_drafter(DFlashDrafter(cfg), tmp_path / "drafter", dtype="float32")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"id": "p", "prompt": "Say something about rivers."}) + "\n")
+    out = tmp_path / "reports" / "e.json"
+    argv = eval_argv(tiny_target_dir, drafter, out, "--max-new-tokens", "4", "--device", "cpu", "--no-baseline",
+                     data=str(data))
+    assert main(argv) == 0
+    refused(capsys, argv, tmp_path, f"{out} already exists (an eval report)", "--overwrite")
+    out.write_text(out.read_text().replace('"datasets"', '"was_datasets"'))  # no longer the shape of a report
+    refused(capsys, [*argv, "--overwrite"], tmp_path, f"{out} exists and is not an eval report")
+    out.write_text(out.read_text().replace('"was_datasets"', '"datasets"'))
+    out.with_suffix(".md").write_text(out.with_suffix(".md").read_text() + "stale\n")
+    assert main([*argv, "--overwrite"]) == 0
+    assert "stale" not in out.with_suffix(".md").read_text()

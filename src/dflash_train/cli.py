@@ -155,12 +155,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from .infer.evaluate import evaluate, load_eval_models
+    from .outputs import check_report_out
     from .paths import require_exported_drafter
     from .runtime import resolve_device, resolve_dtype
 
     if args.replay and args.temperature > 0:
         raise ValueError("--replay measures greedy decoding: drop --temperature (or --replay to sample)")
     require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
+    check_report_out(Path(args.out), [("--drafter", Path(args.drafter)), ("--target", Path(args.target)),
+                                      *[("--data", Path(d)) for d in args.data]], args.overwrite)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     template_kwargs = {"enable_thinking": args.thinking} if args.thinking is not None else None
@@ -387,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shape prepare reads; several allowed (default: mt-bench)")
     e.add_argument("--out", default="eval.json",
                    help="JSON report; a Markdown table is written beside it (default: %(default)s)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier eval report in --out (and its .md); a file that is not an eval report "
+                        "is never replaced (default: off, an existing report is refused)")
     e.add_argument("--max-new-tokens", type=int, default=256,
                    help="tokens generated per turn of each prompt (default: %(default)s)")
     e.add_argument("--temperature", type=float, default=0.0,
