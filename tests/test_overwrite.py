@@ -254,3 +254,32 @@ def test_eval_replaces_its_own_report_only_with_overwrite(tmp_path, capsys, tiny
     out.with_suffix(".md").write_text(out.with_suffix(".md").read_text() + "stale\n")
     assert main([*argv, "--overwrite"]) == 0
     assert "stale" not in out.with_suffix(".md").read_text()
+
+
+# ------------------------------------------------------------------------------------------ regen
+
+
+def test_regen_never_writes_over_an_input_or_a_file_it_did_not_write(tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"something": "else"}\n')
+    no_target = str(tmp_path / "no-target")  # refused before the target is looked for
+    regen = ["regen", "--target", no_target, "--data", str(data)]
+    refused(capsys, [*regen, "--out", str(data)], tmp_path, f"--out {data} is --data {data}")
+    refused(capsys, [*regen, "--out", str(other)], tmp_path, f"--out {other} exists and is not a regen output",
+            "other.jsonl.regen.json")
+    refused(capsys, [*regen, "--out", str(tmp_path)], tmp_path, f"--out {tmp_path} is a folder")
+    batch = ["regen", "--data", str(data), "--model", "m", "--export-batch"]
+    refused(capsys, [*batch, str(other)], tmp_path, f"--export-batch {other} exists and is not a batch request file")
+    refused(capsys, [*batch, str(data)], tmp_path, f"--export-batch {data} is --data {data}")
+
+
+def test_regen_rewrites_its_own_batch_file(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "hi"}\n{"prompt": "hello"}\n')
+    batch = tmp_path / "batch.jsonl"
+    argv = ["regen", "--data", str(data), "--model", "m", "--export-batch", str(batch)]
+    assert main(argv) == 0
+    assert main([*argv, "--max-new-tokens", "7"]) == 0  # the next round rewrites it
+    assert json.loads(batch.read_text().splitlines()[0])["body"]["max_tokens"] == 7

@@ -238,7 +238,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_regen(args: argparse.Namespace) -> int:
     from .data.regen.inputs import RegenSettings
     from .data.regen.journal import format_summary
+    from .outputs import check_regen_outputs
 
+    check_regen_outputs(Path(args.out) if args.out else None, Path(args.export_batch) if args.export_batch else None,
+                        args.data, args.import_batch or ())
     settings = RegenSettings(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         stop_token_ids=args.stop_token_ids, thinking=args.thinking, seed=args.seed, batch_size=args.batch_size,
