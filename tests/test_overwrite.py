@@ -283,3 +283,38 @@ def test_regen_rewrites_its_own_batch_file(tmp_path):
     assert main(argv) == 0
     assert main([*argv, "--max-new-tokens", "7"]) == 0  # the next round rewrites it
     assert json.loads(batch.read_text().splitlines()[0])["body"]["max_tokens"] == 7
+
+
+# ------------------------------------------------------------------------------------------ permissions
+
+
+def modes(root: Path) -> set[tuple[str, str]]:
+    return {("dir" if p.is_dir() else "file", oct(stat.S_IMODE(p.stat().st_mode))) for p in [root, *root.rglob("*")]}
+
+
+@pytest.mark.parametrize("umask,dirs,files", [(0o022, "0o755", "0o644"), (0o027, "0o750", "0o640")])
+def test_exports_checkpoints_and_prepared_data_follow_the_umask(tmp_path, counting_jsonl, tiny_target_dir,
+                                                                umask, dirs, files):
+    old = os.umask(umask)
+    try:
+        ckpt = write_checkpoint(tmp_path / "run" / "checkpoints", 10)
+        assert main(["export", str(ckpt), "--out", str(tmp_path / "exported"), "--dtype", "float32"]) == 0
+        assert main(["prepare", "--target", str(tiny_target_dir), "--data", str(counting_jsonl), "--out",
+                     str(tmp_path / "prepared"), "--block-size", "4", "--max-length", "256"]) == 0
+    finally:
+        os.umask(old)
+    assert modes(ckpt / "drafter") == {("dir", dirs), ("file", files)}
+    assert modes(tmp_path / "exported") == {("dir", dirs), ("file", files)}
+    assert modes(tmp_path / "prepared") == {("dir", dirs), ("file", files)}
+
+
+@pytest.mark.slow
+def test_the_converted_target_cache_follows_the_umask(tmp_path):
+    from dflash_train import assets
+
+    old = os.umask(0o027)
+    try:
+        path = assets.resolve_target("smollm2", cache_dir=tmp_path)
+    finally:
+        os.umask(old)
+    assert modes(path) == {("dir", "0o750"), ("file", "0o640")}
