@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .permissions import follow_umask
+
 logger = logging.getLogger("dflash_train.assets")
 
 SMOLLM2_SPEC = "smollm2"
@@ -172,6 +174,7 @@ def _cached_conversion(gguf: Path, cache_dir: Path | None) -> Path:
         logger.info("Converting %s into %s (one time)", gguf, final)
         start = time.perf_counter()
         convert_gguf(gguf, tmp)
+        follow_umask(tmp)
         _publish(tmp, final)
         logger.info("Converted %s in %.1f s", gguf.name, time.perf_counter() - start)
     finally:

@@ -173,12 +173,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from .infer.evaluate import evaluate, load_eval_models
+    from .outputs import check_report_out
     from .paths import require_exported_drafter
     from .runtime import resolve_device, resolve_dtype
 
     if args.replay and args.temperature > 0:
         raise ValueError("--replay measures greedy decoding: drop --temperature (or --replay to sample)")
     require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
+    check_report_out(Path(args.out), [("--drafter", Path(args.drafter)), ("--target", Path(args.target)),
+                                      *[("--data", Path(d)) for d in args.data]], args.overwrite)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     template_kwargs = {"enable_thinking": args.thinking} if args.thinking is not None else None
@@ -226,10 +229,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .export import checkpoint_weights, export_checkpoint
     from .paths import resolve_checkpoint
 
-    checkpoint, out = resolve_checkpoint(Path(args.checkpoint)), Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise ValueError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
-    out = export_checkpoint(checkpoint, out, dtype=args.dtype, target=args.target)
+    checkpoint = resolve_checkpoint(Path(args.checkpoint))
+    out = export_checkpoint(checkpoint, Path(args.out), dtype=args.dtype, target=args.target, overwrite=args.overwrite)
     weights = checkpoint_weights(checkpoint)
     print(f"exported drafter: {out}" + (f" (weights: {weights})" if weights else ""))
     return 0
@@ -239,17 +240,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from . import assets
     from .data.prepare import PrepareConfig, prepare, summary
     from .model.target import load_tokenizer
+    from .outputs import check_prepare_out
 
+    check_prepare_out(Path(args.out), args.data, args.overwrite)  # before the tokenizer loads
     target_path = assets.resolve_target(args.target, weights=False)  # the tokenizer is all prepare reads
     tokenizer = load_tokenizer(target_path, args.trust_remote_code)
     cfg = PrepareConfig(max_length=args.max_length, block_size=args.block_size, val_fraction=args.val_fraction,
                         thinking=args.thinking, shard_rows=args.shard_rows, max_samples=args.max_samples,
                         overwrite=args.overwrite)
     out = Path(args.out)
-    try:
-        manifest = prepare(tokenizer, args.target, args.data, out, cfg, progress=sys.stderr.isatty())
-    except FileExistsError as e:
-        raise ValueError(str(e)) from None
+    manifest = prepare(tokenizer, args.target, args.data, out, cfg, progress=sys.stderr.isatty())
     print(summary(manifest, out))
     return 0
 
@@ -257,7 +257,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_regen(args: argparse.Namespace) -> int:
     from .data.regen.inputs import RegenSettings
     from .data.regen.journal import format_summary
+    from .outputs import check_regen_outputs
 
+    check_regen_outputs(Path(args.out) if args.out else None, Path(args.export_batch) if args.export_batch else None,
+                        args.data, args.import_batch or ())
     settings = RegenSettings(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         stop_token_ids=args.stop_token_ids, thinking=args.thinking, seed=args.seed, batch_size=args.batch_size,
@@ -309,7 +312,9 @@ def _add_prepare_parser(subparsers) -> None:
     p.add_argument("--shard-rows", type=int, default=50_000, help="rows per shard file (default: %(default)s)")
     p.add_argument("--max-samples", type=int, default=0,
                    help="keep at most this many rows, 0 = all (default: %(default)s)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier prepared dataset in --out: it is moved aside to OUT.old-<time>, never "
+                        "deleted; any other non-empty folder and a folder holding --data are refused (default: off)")
     p.add_argument("--trust-remote-code", action="store_true", help="only if you trust the target folder's code")
     p.set_defaults(func=cmd_prepare)
 
@@ -407,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shape prepare reads; several allowed (default: mt-bench)")
     e.add_argument("--out", default="eval.json",
                    help="JSON report; a Markdown table is written beside it (default: %(default)s)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier eval report in --out (and its .md); a file that is not an eval report "
+                        "is never replaced (default: off, an existing report is refused)")
     e.add_argument("--max-new-tokens", type=int, default=256,
                    help="tokens generated per turn of each prompt (default: %(default)s)")
     e.add_argument("--temperature", type=float, default=0.0,
@@ -439,7 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("checkpoint", help="RUN/checkpoints/step-N (step-20 for step-00000020; best for the best by "
                    "validation tau; or its drafter/ folder)")
     x.add_argument("--out", required=True, help="folder to write the exported drafter to (a new or empty one)")
-    x.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    x.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in --out: it is moved aside to OUT.old-<time>, never deleted; "
+                        "any other non-empty folder, a run's folders and the checkpoint are refused (default: off)")
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the exported weights (default: %(default)s)")
     x.add_argument("--target", default=None,

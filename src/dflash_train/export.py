@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -12,7 +15,10 @@ from .errors import ConfigError
 from .model_card import CARD_NAME, export_card
 from .model.io import load_drafter, save_drafter
 from .model.provenance import PROVENANCE_NAME
+from .outputs import check_export_out, put_in_place
 from .runtime import dtype_named
+
+log = logging.getLogger(__name__)
 
 
 def parity_check(source, exported, dtype: torch.dtype, seed: int = 0) -> None:
@@ -71,9 +77,14 @@ def checkpoint_weights(checkpoint: Path) -> str:
     return f"step {step}"
 
 
-def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", target: Optional[str] = None) -> Path:
+def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", target: Optional[str] = None,
+                      overwrite: bool = False) -> Path:
     """`target`: the target's path, for a drafter whose export needs its lm_head (factored DFlash2 selector
-    codebooks); by default the one the run's config names."""
+    codebooks); by default the one the run's config names. `overwrite`: an earlier export in `out` is moved
+    aside (outputs.py says what else is refused). The export is built and checked beside `out` and renamed into
+    place, so a failed one leaves `out` as it was."""
+    out = Path(out)
+    check_export_out(out, checkpoint, overwrite)
     src = checkpoint / "drafter" if (checkpoint / "drafter").is_dir() else checkpoint
     drafter = load_drafter(src)
     run_dir = src.parent.parent.parent  # RUN/checkpoints/step-N/drafter
@@ -85,6 +96,13 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", targ
     if (run_dir / PROVENANCE_NAME).is_file():
         extra[PROVENANCE_NAME] = (run_dir / PROVENANCE_NAME).read_text()
     extra[CARD_NAME] = export_card(checkpoint, checkpoint_weights(checkpoint))
-    save_drafter(drafter, out, dtype=dtype, extra_files=extra)
-    parity_check(drafter, load_drafter(out), dtype_named(dtype))
+    staging = out.with_name(f".{out.name}.export-{os.getpid()}")
+    try:
+        save_drafter(drafter, staging, dtype=dtype, extra_files=extra)
+        parity_check(drafter, load_drafter(staging), dtype_named(dtype))
+        moved = put_in_place(staging, out, overwrite)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if moved is not None:
+        log.warning("moved the earlier export that was in %s aside to %s (--overwrite)", out, moved)
     return out

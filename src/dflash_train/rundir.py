@@ -116,13 +116,9 @@ class RunDir:
 
     def move_aside(self) -> Path:
         """Rename the directory to a free `NAME.old-YYYYmmdd-HHMMSS[-k]` beside it (never deletes)."""
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        for k in range(1000):
-            dest = self.root.with_name(f"{self.root.name}.old-{stamp}" + (f"-{k}" if k else ""))
-            if not dest.exists():
-                self.root.rename(dest)
-                return dest
-        raise FileExistsError(f"no free name to move {self.root} aside")
+        from .outputs import move_aside  # here: outputs imports this module
+
+        return move_aside(self.root)
 
     def holds_only_a_refused_start(self) -> bool:
         """True when what is here is the trace of a start that failed on a user error before its first checkpoint

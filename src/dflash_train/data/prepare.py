@@ -20,6 +20,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from ..model.fingerprints import chat_template_fingerprint, chat_template_text, tokenizer_fingerprint
+from ..outputs import check_prepare_out
 from . import store
 from .dataset import tokenize_row
 from .formats import RowError, builtin_file, expand_source, iter_source
@@ -97,8 +98,7 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
         raise ValueError(f"--max-length {cfg.max_length} is below 2 * --block-size ({2 * cfg.block_size})")
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")
-    if out.exists() and not cfg.overwrite:
-        raise FileExistsError(f"{out} already exists; pass --overwrite or choose another --out")
+    check_prepare_out(out, data, cfg.overwrite)
     sources = _source_entries(data)
     kwargs = template_kwargs_for(tokenizer, cfg.thinking)
 
@@ -168,10 +168,12 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
                              "distinct": int((counts > 0).sum())},
         }
         store.write_json(tmp / store.MANIFEST, manifest)  # last: a directory with a manifest is complete
-        store.publish_dir(tmp, out, cfg.overwrite)
+        moved = store.publish_dir(tmp, out, cfg.overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if moved is not None:
+        log.warning("moved the earlier prepared dataset that was in %s aside to %s (--overwrite)", out, moved)
     return manifest
 
 

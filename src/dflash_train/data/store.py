@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..model.fingerprints import chat_template_fingerprint, tokenizer_fingerprint
-from ..runtime import replace_dir
+from ..outputs import put_in_place
 from .chat import Tokenized
 from .label_counts import read_counts
 
@@ -131,12 +131,11 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def publish_dir(tmp: Path, final: Path, overwrite: bool) -> None:
-    """Move a finished temp directory into place (same filesystem: a rename). An existing output is
-    replaced only with `overwrite`; it is moved aside first, so a crash never leaves a half directory."""
-    if final.exists() and not overwrite:
-        raise FileExistsError(f"{final} already exists; pass --overwrite or choose another --out")
-    replace_dir(tmp, final)
+def publish_dir(tmp: Path, final: Path, overwrite: bool) -> Optional[Path]:
+    """Move a finished temp directory into place (same filesystem: a rename). An earlier dataset there
+    (admitted by outputs.check_prepare_out) is replaced only with `overwrite`: it is moved aside to
+    FINAL.old-<time>, never deleted; returns where it went, or None."""
+    return put_in_place(tmp, final, overwrite)
 
 
 # ------------------------------------------------------------------------------------------- read

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from ..algorithms import UnknownArchitecture, architecture, architecture_of_export
 from ..algorithms.base import Drafter
 from ..errors import ModelError
+from ..permissions import follow_umask
 from ..runtime import dtype_named, replace_dir, temp_dir_beside
 
 WEIGHTS_NAME = "model.safetensors"
@@ -37,6 +38,7 @@ def save_drafter(
         (tmp / CONFIG_NAME).write_text(json.dumps(architecture(drafter.architecture).config_json(drafter, dtype), indent=2, sort_keys=True))
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
+        follow_umask(tmp)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
