@@ -141,7 +141,7 @@ def test_shipped_configs_load(name):
 def test_shipped_gpu_configs_match_their_descriptions():
     q = load_config(CONFIGS / "qwen3-8b.yaml")
     assert (q.drafter.block_size, q.objective.max_anchors, q.objective.gamma) == (16, 512, 7.0)
-    f = load_config(CONFIGS / "field-27b.yaml")
+    f = load_config(CONFIGS / "qwen-27b-8gpu-split.yaml")
     assert (f.drafter.block_size, f.objective.max_anchors, f.objective.gamma) == (32, 1024, 10.0)
     assert (f.data.token_budget, f.data.max_batch_size) == (49152, 64)
     assert (f.parallel.placement, f.parallel.target_ranks, f.run.eval_every) == ("split", 5, 0)
