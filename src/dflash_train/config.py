@@ -7,6 +7,7 @@ Unknown keys and wrong types raise `ConfigError` naming the key and listing the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import reprlib
@@ -576,18 +577,23 @@ def numeric_keys() -> list[str]:
     return keys
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def check_numbers(cfg: Config) -> None:
     """Every number of `cfg` inside its `NUMBER_RULES` range; the message names the key and the range."""
     for key, rule in NUMBER_RULES.items():
         section, name = key.split(".")
         owner = getattr(cfg, section)
         value = getattr(owner, name)
-        nullable = type(None) in get_args(typing.get_type_hints(type(owner))[name])
-        for item in value if isinstance(value, (list, tuple)) else [value]:
-            problem = None if item is None else rule.problem(item, or_null=nullable)
+        nullable = type(None) in get_args(_hints(type(owner))[name])
+        items = isinstance(value, (list, tuple))
+        for item in value if items else [value]:
+            problem = None if item is None else rule.problem(item, or_null=nullable and not items)
             if problem:
-                each = "each item " if isinstance(value, (list, tuple)) else ""
-                raise ConfigError(f"config key '{key}': {each}{problem}")
+                raise ConfigError(f"config key '{key}': {'each item ' if items else ''}{problem}")
 
 
 def validate(cfg: Config) -> None:
