@@ -7,6 +7,7 @@ second, and importing torch alone takes 1.7 s (measured on the 2-core CPU machin
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -162,13 +163,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.replay and args.temperature > 0:
         raise ValueError("--replay measures greedy decoding: drop --temperature (or --replay to sample)")
+    budgets = _tree_budgets(args)
     require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     template_kwargs = {"enable_thinking": args.thinking} if args.thinking is not None else None
     target, tokenizer, drafter, stops = load_eval_models(args.target, args.drafter, device, dtype,
                                                          template_kwargs, args.block_size, args.target_quantize)
-    budgets = tuple(int(b) for b in args.tree_budget) if args.tree_budget else ()
+    save = functools.partial(_save_eval, args)
     if args.replay:
         from .infer.evaluate import evaluate_by_replay
 
@@ -179,22 +181,42 @@ def cmd_eval(args: argparse.Namespace) -> int:
         with torch.no_grad():
             report = evaluate_by_replay(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,
                                         tree_budgets=budgets, limit=args.limit, stop_token_ids=stops,
-                                        template_kwargs=template_kwargs)
+                                        template_kwargs=template_kwargs, on_dataset=save)
         return _finish_eval(args, report)
     with torch.no_grad():
         report = evaluate(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, block_size=args.block_size, tree_budgets=budgets,
                           limit=args.limit, stop_token_ids=stops, template_kwargs=template_kwargs,
-                          measure_speedup=not args.no_baseline)
+                          measure_speedup=not args.no_baseline, progress=not args.no_progress, on_dataset=save)
     return _finish_eval(args, report)
 
 
-def _finish_eval(args: argparse.Namespace, report: dict) -> int:
-    from .infer.evaluate import lossless_line, markdown_table, write_report
+def _tree_budgets(args: argparse.Namespace) -> tuple[int, ...]:
+    """--tree-budget's budgets (each a positive integer already), refused before anything loads where the
+    decoding would fail only after the block results."""
+    budgets = tuple(args.tree_budget or ())
+    twice = sorted({b for b in budgets if budgets.count(b) > 1})
+    if twice:
+        raise ValueError(f"--tree-budget lists {twice[0]} twice: give each budget once")
+    if budgets and args.temperature > 0:
+        raise ValueError("--tree-budget: DDTree verification is greedy; drop --temperature (or --tree-budget)")
+    return budgets
+
+
+def _save_eval(args: argparse.Namespace, report: dict) -> None:
+    """The report so far to --out (and its .md): after each dataset, and at the end."""
+    from .infer.evaluate import write_report
 
     report["config"]["target_quantize"] = args.target_quantize
+    write_report(report, Path(args.out))
+    if report["datasets"]:
+        log.info("eval: %s done; the report so far is in %s", list(report["datasets"])[-1], args.out)
+
+
+def _finish_eval(args: argparse.Namespace, report: dict) -> int:
+    from .infer.evaluate import lossless_line, markdown_table
+
     out = Path(args.out)
-    write_report(report, out)
     print(markdown_table(report))
     for ds in report["datasets"]:
         print(lossless_line(report, ds))
@@ -420,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: every decoder layer's linears in FP8 (row-wise weight scales, per-token activations, "
                         "as target.quantize=fp8 trains with), for the acceptance on a target served in FP8; needs "
                         "--dtype bfloat16 (or auto) on a GPU of compute capability 8.9+ (default: %(default)s)")
+    e.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (default: a bar with the ETA of each dataset's prompts on stderr; none with "
+                        "--replay)")
     e.add_argument("--no-baseline", action="store_true", help="skip the target-only run (no speedup, no lossless check)")
     e.add_argument("--replay", action="store_true",
                    help="greedy tau by replay: the target's greedy continuation of every prompt (batched), then one "
