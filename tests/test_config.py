@@ -61,7 +61,7 @@ def test_wrong_types_name_the_key(tree, key):
     ({"optim": {"schedule": "wsd", "warmup_ratio": 0.5, "decay_ratio": 0.6}}, "optim.decay_ratio"),
     ({"parallel": {"placement": "split"}, "run": {"eval_every": 0}, "objective": {"distill_weight": 0.5}},
      "objective.distill_weight.*split"),
-    ({"drafter": {"sliding_window": 0}}, "drafter.sliding_window.*>= 1"),
+    ({"drafter": {"sliding_window": 0}}, "drafter.sliding_window.*a positive integer or null, got 0"),
     ({"drafter": {"sliding_window": 16}}, r"drafter.sliding_window.*> drafter.block_size = 16.*last 1 slot"),
     ({"drafter": {"block_size": 8, "sliding_window": 5}}, r"drafter.sliding_window.*last 4 slot"),
     ({"drafter": {"output_multiplier": 0.0}}, "drafter.output_multiplier"),

@@ -147,7 +147,7 @@ def test_a_prepared_dir_without_counts_is_refused_before_anything_is_written(pre
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["drafter.draft_vocab_size=-1"], "must be 0"),
+    (["drafter.draft_vocab_size=-1"], r"must be an integer >= 0 \(0 = the target's vocabulary\), got -1"),
     (["drafter.architecture=dflash2", "drafter.draft_vocab_size=100"], "dflash only"),
     (["drafter.draft_vocab_size=100", "objective.distill_weight=0.5"], "distillation"),
 ])

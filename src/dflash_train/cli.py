@@ -7,6 +7,7 @@ second, and importing torch alone takes 1.7 s (measured on the 2-core CPU machin
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -19,6 +20,8 @@ from .config import validate_world
 from .data.dataset import FAR_FACTOR
 from .data.formats import BUILTIN_SOURCES
 from .errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, USER_ERRORS, UserError, debug_enabled
+from .numbers import (ALL_IF_ZERO, BLOCK_SIZE, INDEX, POSITIVE_INT, POSITIVE_NUMBER, SEED, TEMPERATURE, TOP_P,
+                      VAL_FRACTION)
 
 log = logging.getLogger("dflash_train")
 
@@ -179,6 +182,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.replay and args.temperature > 0:
         raise ValueError("--replay measures greedy decoding: drop --temperature (or --replay to sample)")
+    budgets = _tree_budgets(args)
     require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
     check_report_out(Path(args.out), [("--drafter", Path(args.drafter)), ("--target", Path(args.target)),
                                       *[("--data", Path(d)) for d in args.data]], args.overwrite)
@@ -187,7 +191,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     template_kwargs = {"enable_thinking": args.thinking} if args.thinking is not None else None
     target, tokenizer, drafter, stops = load_eval_models(args.target, args.drafter, device, dtype,
                                                          template_kwargs, args.block_size, args.target_quantize)
-    budgets = tuple(int(b) for b in args.tree_budget) if args.tree_budget else ()
+    save = functools.partial(_save_eval, args)
     if args.replay:
         from .infer.evaluate import evaluate_by_replay
 
@@ -198,22 +202,42 @@ def cmd_eval(args: argparse.Namespace) -> int:
         with torch.no_grad():
             report = evaluate_by_replay(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,
                                         tree_budgets=budgets, limit=args.limit, stop_token_ids=stops,
-                                        template_kwargs=template_kwargs)
+                                        template_kwargs=template_kwargs, on_dataset=save)
         return _finish_eval(args, report)
     with torch.no_grad():
         report = evaluate(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, block_size=args.block_size, tree_budgets=budgets,
                           limit=args.limit, stop_token_ids=stops, template_kwargs=template_kwargs,
-                          measure_speedup=not args.no_baseline)
+                          measure_speedup=not args.no_baseline, progress=not args.no_progress, on_dataset=save)
     return _finish_eval(args, report)
 
 
-def _finish_eval(args: argparse.Namespace, report: dict) -> int:
-    from .infer.evaluate import lossless_line, markdown_table, write_report
+def _tree_budgets(args: argparse.Namespace) -> tuple[int, ...]:
+    """--tree-budget's budgets (each a positive integer already), refused before anything loads where the
+    decoding would fail only after the block results."""
+    budgets = tuple(args.tree_budget or ())
+    twice = sorted({b for b in budgets if budgets.count(b) > 1})
+    if twice:
+        raise ValueError(f"--tree-budget lists {twice[0]} twice: give each budget once")
+    if budgets and args.temperature > 0:
+        raise ValueError("--tree-budget: DDTree verification is greedy; drop --temperature (or --tree-budget)")
+    return budgets
+
+
+def _save_eval(args: argparse.Namespace, report: dict) -> None:
+    """The report so far to --out (and its .md): after each dataset, and at the end."""
+    from .infer.evaluate import write_report
 
     report["config"]["target_quantize"] = args.target_quantize
+    write_report(report, Path(args.out))
+    if report["datasets"]:
+        log.info("eval: %s done; the report so far is in %s", list(report["datasets"])[-1], args.out)
+
+
+def _finish_eval(args: argparse.Namespace, report: dict) -> int:
+    from .infer.evaluate import lossless_line, markdown_table
+
     out = Path(args.out)
-    write_report(report, out)
     print(markdown_table(report))
     for ds in report["datasets"]:
         print(lossless_line(report, ds))
@@ -243,11 +267,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from .outputs import check_prepare_out
 
     check_prepare_out(Path(args.out), args.data, args.overwrite)  # before the tokenizer loads
-    target_path = assets.resolve_target(args.target, weights=False)  # the tokenizer is all prepare reads
-    tokenizer = load_tokenizer(target_path, args.trust_remote_code)
     cfg = PrepareConfig(max_length=args.max_length, block_size=args.block_size, val_fraction=args.val_fraction,
                         thinking=args.thinking, shard_rows=args.shard_rows, max_samples=args.max_samples,
                         overwrite=args.overwrite)
+    target_path = assets.resolve_target(args.target, weights=False)  # the tokenizer is all prepare reads
+    tokenizer = load_tokenizer(target_path, args.trust_remote_code)
     out = Path(args.out)
     manifest = prepare(tokenizer, args.target, args.data, out, cfg, progress=sys.stderr.isatty())
     print(summary(manifest, out))
@@ -301,16 +325,19 @@ def _add_prepare_parser(subparsers) -> None:
     p.add_argument("--data", action="append", required=True, metavar="FILE|DIR|NAME",
                    help="input file, folder of files, or built-in source; repeat for several")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
-    p.add_argument("--max-length", type=int, default=3072, help="tokens per conversation; longer ones are truncated, "
-                   f"more than {FAR_FACTOR}x longer ones rejected (default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=16, help="drafter block size: rows with fewer than 2 * block_size "
-                   "supervised tokens are dropped (default: %(default)s)")
-    p.add_argument("--val-fraction", type=float, default=0.02,
+    p.add_argument("--max-length", type=POSITIVE_INT.flag, default=3072,
+                   help=f"tokens per conversation; longer ones are truncated, more than {FAR_FACTOR}x longer ones "
+                        "rejected (default: %(default)s)")
+    p.add_argument("--block-size", type=BLOCK_SIZE.flag, default=16,
+                   help="drafter block size: rows with fewer than 2 * block_size supervised tokens are dropped "
+                        "(default: %(default)s)")
+    p.add_argument("--val-fraction", type=VAL_FRACTION.flag, default=0.02,
                    help="share held out for validation, by a hash of the content (default: %(default)s)")
     p.add_argument("--thinking", type=parse_bool, default=None, metavar="true|false",
                    help="enable_thinking for templates that read it (default: the template's own default)")
-    p.add_argument("--shard-rows", type=int, default=50_000, help="rows per shard file (default: %(default)s)")
-    p.add_argument("--max-samples", type=int, default=0,
+    p.add_argument("--shard-rows", type=POSITIVE_INT.flag, default=50_000,
+                   help="rows per shard file (default: %(default)s)")
+    p.add_argument("--max-samples", type=ALL_IF_ZERO.flag, default=0,
                    help="keep at most this many rows, 0 = all (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier prepared dataset in --out: it is moved aside to OUT.old-<time>, never "
@@ -329,22 +356,26 @@ def _add_regen_parser(subparsers) -> None:
                    help=f"JSONL/JSON/Parquet files (ShareGPT, OpenAI messages, prompt[/response]) or built-in sets: "
                         f"{', '.join(BUILTIN_SOURCES)}")
     r.add_argument("--out", help="output JSONL of {id, messages} (OUT.regen.json and OUT.rejects.jsonl beside it)")
-    r.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn (default: %(default)s)")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
-    r.add_argument("--top-p", type=float, default=1.0,
+    r.add_argument("--max-new-tokens", type=POSITIVE_INT.flag, default=512,
+                   help="per assistant turn (default: %(default)s)")
+    r.add_argument("--temperature", type=TEMPERATURE.flag, default=0.0, help="0 = greedy (default: %(default)s)")
+    r.add_argument("--top-p", type=TOP_P.flag, default=1.0,
                    help="nucleus sampling when --temperature > 0; 1.0 = off (default: %(default)s)")
-    r.add_argument("--stop-token-ids", type=int, nargs="+", default=None,
+    r.add_argument("--stop-token-ids", type=INDEX.flag, nargs="+", default=None,
                    help="default: the target's stop tokens (dflash_target.json), else its eos token(s)")
-    r.add_argument("--batch-size", type=int, default=16, help="conversations per generate call (default: %(default)s)")
-    r.add_argument("--limit", type=int, default=0, help="only the first N input rows, 0 = all (default: %(default)s)")
+    r.add_argument("--batch-size", type=POSITIVE_INT.flag, default=16,
+                   help="conversations per generate call (default: %(default)s)")
+    r.add_argument("--limit", type=ALL_IF_ZERO.flag, default=0,
+                   help="only the first N input rows, 0 = all (default: %(default)s)")
     r.add_argument("--thinking", type=parse_bool, default=None, metavar="true|false",
                    help="pass enable_thinking to the chat template (default: not passed)")
-    r.add_argument("--seed", type=int, default=0,
+    r.add_argument("--seed", type=SEED.flag, default=0,
                    help="sampling seed; each batch and turn reseeds from it (default: %(default)s)")
-    r.add_argument("--max-prompt-tokens", type=int, default=None,
+    r.add_argument("--max-prompt-tokens", type=POSITIVE_INT.flag, default=None,
                    help="longer first prompts are rejected, longer later turns end the conversation "
                         "(default: the target's context minus --max-new-tokens)")
-    r.add_argument("--sort-window", type=int, default=4096, help="rows sorted by prompt length together (default: %(default)s)")
+    r.add_argument("--sort-window", type=POSITIVE_INT.flag, default=4096,
+                   help="rows sorted by prompt length together (default: %(default)s)")
     r.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto = cuda when a GPU is visible, else cpu (default: %(default)s)")
     r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -374,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dotted overrides, e.g. optim.lr=3e-4 data.max_length=2048; with --resume only the steps and "
                         "the log/save/eval cadence may change (default: none)")
     t.add_argument("--run-dir", default=None, help="run directory (default: runs/<config>-<time>)")
-    t.add_argument("--max-steps", type=int, default=None,
+    t.add_argument("--max-steps", type=POSITIVE_INT.flag, default=None,
                    help="train N optimizer steps in all (recorded as optim.max_steps; default: the config's epochs / "
                         "optim.max_steps)")
     t.add_argument("--fresh-compile-cache", action="store_true",
@@ -385,10 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true",
                    help="start fresh in a --run-dir that holds a run: the old run is moved aside to "
                         "RUN.old-<time>, never deleted (default: off, refuse)")
-    t.add_argument("--nproc", type=int, default=1, help="start N local ranks (default: 1)")
+    t.add_argument("--nproc", type=POSITIVE_INT.flag, default=1, help="start N local ranks (default: 1)")
     t.add_argument("--detach", action="store_true",
                    help="run in the background; output goes to RUN/launcher.out (default: off)")
-    t.add_argument("--stall-timeout", type=float, default=300.0,
+    t.add_argument("--stall-timeout", type=POSITIVE_NUMBER.flag, default=300.0,
                    help="seconds without progress from a rank before the run is stopped as failed (default: %(default)s)")
     t.set_defaults(func=cmd_train)
 
@@ -396,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "exit code 0 running or done, 1 failed or dead, 3 stopped")
     s.add_argument("run_dir", help="the run directory")
     s.add_argument("--follow", action="store_true", help="keep printing until the run ends (default: off)")
-    s.add_argument("--interval", type=float, default=5.0, help="seconds between reports with --follow (default: %(default)s)")
+    s.add_argument("--interval", type=POSITIVE_NUMBER.flag, default=5.0,
+                   help="seconds between reports with --follow (default: %(default)s)")
     s.set_defaults(func=cmd_status)
 
     st = sub.add_parser("stop", help="ask a running run to checkpoint and exit (continue it with train --resume)")
@@ -415,15 +447,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--overwrite", action="store_true",
                    help="replace an earlier eval report in --out (and its .md); a file that is not an eval report "
                         "is never replaced (default: off, an existing report is refused)")
-    e.add_argument("--max-new-tokens", type=int, default=256,
+    e.add_argument("--max-new-tokens", type=POSITIVE_INT.flag, default=256,
                    help="tokens generated per turn of each prompt (default: %(default)s)")
-    e.add_argument("--temperature", type=float, default=0.0,
+    e.add_argument("--temperature", type=TEMPERATURE.flag, default=0.0,
                    help="0 = greedy, checked lossless against the target; above 0 = speculative sampling "
                         "(default: %(default)s)")
-    e.add_argument("--block-size", type=int, default=None, help="verify this many tokens per step (default: trained)")
-    e.add_argument("--tree-budget", nargs="*", default=None,
+    e.add_argument("--block-size", type=BLOCK_SIZE.flag, default=None,
+                   help="verify this many tokens per step, at most the trained block size (default: trained)")
+    e.add_argument("--tree-budget", type=POSITIVE_INT.flag, nargs="*", default=None,
                    help="DDTree node budgets to evaluate as well, e.g. 16 64 (default: none, block verification only)")
-    e.add_argument("--limit", type=int, default=0, help="prompts per dataset, 0 = all (default: %(default)s)")
+    e.add_argument("--limit", type=ALL_IF_ZERO.flag, default=0,
+                   help="prompts per dataset, 0 = all (default: %(default)s)")
     e.add_argument("--thinking", type=parse_bool, default=None, metavar="true|false",
                    help="pass enable_thinking to the chat template (default: not passed)")
     e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -435,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: every decoder layer's linears in FP8 (row-wise weight scales, per-token activations, "
                         "as target.quantize=fp8 trains with), for the acceptance on a target served in FP8; needs "
                         "--dtype bfloat16 (or auto) on a GPU of compute capability 8.9+ (default: %(default)s)")
+    e.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (default: a bar with the ETA of each dataset's prompts on stderr; none with "
+                        "--replay)")
     e.add_argument("--no-baseline", action="store_true", help="skip the target-only run (no speedup, no lossless check)")
     e.add_argument("--replay", action="store_true",
                    help="greedy tau by replay: the target's greedy continuation of every prompt (batched), then one "

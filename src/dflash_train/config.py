@@ -7,6 +7,7 @@ Unknown keys and wrong types raise `ConfigError` naming the key and listing the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import reprlib
@@ -20,6 +21,8 @@ import yaml
 
 from .algorithms import NAMES as ARCHITECTURE_NAMES
 from .errors import ConfigError
+from .numbers import (ALL_IF_ZERO, BLOCK_SIZE, FRACTION, INDEX, NON_NEGATIVE_NUMBER, POSITIVE_INT, POSITIVE_NUMBER,
+                      TRAINING_SEED, Rule)
 from .rundir import TRACKERS, tracker_unavailable
 from .runtime import write_text_atomic
 
@@ -505,6 +508,93 @@ def dump_config(cfg: Config, path: Path) -> None:
 
 # ---------------------------------------------------------------------------- validation
 
+_COUNT = Rule(int, low=0)
+_BELOW_ONE = Rule(float, low=0, high=1, high_open=True)
+# The range of every number in the config (each item of a list; null, where allowed, is not checked here).
+NUMBER_RULES: dict[str, Rule] = {
+    "target.shard_group_size": POSITIVE_INT,
+    "drafter.num_draft_layers": POSITIVE_INT,
+    "drafter.block_size": BLOCK_SIZE,
+    "drafter.target_layer_ids": INDEX,
+    "drafter.mask_token_id": INDEX,
+    "drafter.intermediate_size": POSITIVE_INT,
+    "drafter.num_attention_heads": POSITIVE_INT,
+    "drafter.num_key_value_heads": POSITIVE_INT,
+    "drafter.head_dim": POSITIVE_INT,
+    "drafter.conv_kernel_size": POSITIVE_INT,
+    "drafter.conv_group_size": POSITIVE_INT,
+    "drafter.selector_rank": POSITIVE_INT,
+    "drafter.selector_top_k": POSITIVE_INT,
+    "drafter.selector_lr_scale": POSITIVE_NUMBER,
+    "drafter.sliding_window": POSITIVE_INT,
+    "drafter.output_multiplier": POSITIVE_NUMBER,
+    "drafter.final_logit_softcapping": POSITIVE_NUMBER,
+    "drafter.draft_vocab_size": Rule(int, low=0, zero="0 = the target's vocabulary"),
+    "data.max_length": POSITIVE_INT,
+    "data.max_samples": ALL_IF_ZERO,
+    "data.token_budget": POSITIVE_INT,
+    "data.max_batch_size": POSITIVE_INT,
+    "objective.max_anchors": POSITIVE_INT,
+    "objective.max_anchors_per_batch": Rule(int, low=0, zero="0 = no cap"),
+    "objective.gamma": POSITIVE_NUMBER,
+    "objective.loss_chunk_size": POSITIVE_INT,
+    "objective.acceptance_floor": Rule(float, low=0, high=1, low_open=True),
+    "objective.dpace_alpha": FRACTION,
+    "objective.selector_loss_weight": NON_NEGATIVE_NUMBER,
+    "objective.distill_weight": FRACTION,
+    "objective.distill_temperature": POSITIVE_NUMBER,
+    "optim.lr": POSITIVE_NUMBER,
+    "optim.weight_decay": NON_NEGATIVE_NUMBER,
+    "optim.betas": _BELOW_ONE,
+    "optim.eps": POSITIVE_NUMBER,
+    "optim.warmup_ratio": _BELOW_ONE,
+    "optim.min_lr_ratio": FRACTION,
+    "optim.decay_ratio": Rule(float, low=0, high=1, low_open=True),
+    "optim.grad_clip": Rule(float, low=0, zero="0 = no clipping"),
+    "optim.epochs": Rule(float, low=0, zero="0 = until optim.max_steps"),
+    "optim.max_steps": Rule(int, low=0, zero="0 = all optim.epochs"),
+    "optim.grad_accum": POSITIVE_INT,
+    "run.seed": TRAINING_SEED,
+    "run.log_every": POSITIVE_INT,
+    "run.save_every": POSITIVE_INT,
+    "run.keep_last": POSITIVE_INT,
+    "run.eval_every": Rule(int, low=0, zero="0 = off"),
+    "run.eval_batches": _COUNT,
+    "run.eval_prompts": _COUNT,
+    "run.eval_max_new_tokens": POSITIVE_INT,
+    "parallel.target_ranks": POSITIVE_INT,
+}
+
+
+def numeric_keys() -> list[str]:
+    """Every config key whose value is a number or a list of numbers (optionally null)."""
+    keys = []
+    for section, section_type in typing.get_type_hints(Config).items():
+        for name, tp in typing.get_type_hints(section_type).items():
+            leaves = {a for a in get_args(tp) if a is not type(None) and a is not Ellipsis} or {tp}
+            if any(leaf in (int, float) or set(get_args(leaf)) & {int, float} for leaf in leaves):
+                keys.append(f"{section}.{name}")
+    return keys
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_numbers(cfg: Config) -> None:
+    """Every number of `cfg` inside its `NUMBER_RULES` range; the message names the key and the range."""
+    for key, rule in NUMBER_RULES.items():
+        section, name = key.split(".")
+        owner = getattr(cfg, section)
+        value = getattr(owner, name)
+        nullable = type(None) in get_args(_hints(type(owner))[name])
+        items = isinstance(value, (list, tuple))
+        for item in value if items else [value]:
+            problem = None if item is None else rule.problem(item, or_null=nullable and not items)
+            if problem:
+                raise ConfigError(f"config key '{key}': {'each item ' if items else ''}{problem}")
+
 
 def validate(cfg: Config) -> None:
     """Cross-field checks that need no model. Target-dependent checks: `validate_against_target`."""
@@ -513,21 +603,18 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(f"config key '{key}': {msg}")
 
+    check_numbers(cfg)
     d, o, op, dt, r = cfg.drafter, cfg.objective, cfg.optim, cfg.data, cfg.run
     need(d.architecture in ARCHITECTURE_NAMES, "drafter.architecture",
          f"must be one of {', '.join(ARCHITECTURE_NAMES)} (got {d.architecture!r})")
-    for key in ("conv_group_size", "selector_rank", "selector_top_k"):
-        need(getattr(d, key) >= 1, f"drafter.{key}", f"must be >= 1 (got {getattr(d, key)})")
-    need(1 <= d.conv_kernel_size <= d.block_size, "drafter.conv_kernel_size",
+    need(d.conv_kernel_size <= d.block_size, "drafter.conv_kernel_size",
          f"must be between 1 and drafter.block_size={d.block_size} (got {d.conv_kernel_size})")
-    need(d.selector_lr_scale > 0, "drafter.selector_lr_scale", f"must be > 0 (got {d.selector_lr_scale})")
     for key, value, default in (("drafter.selector_lr_scale", d.selector_lr_scale, 1.0),
                                 ("drafter.selector_codebooks", d.selector_codebooks, "free"),
                                 ("objective.selector_rows", o.selector_rows, "covered")):  # the selector's training
         need(value == default or d.architecture == "dflash2", key,
              f"applies to DFlash2's candidate selector; drafter.architecture is {d.architecture!r}: set "
              f"drafter.architecture=dflash2 or leave {key} at {default}")
-    need(o.selector_loss_weight >= 0, "objective.selector_loss_weight", f"must be >= 0 (got {o.selector_loss_weight})")
     if o.acceptance_from == "selector":
         need(d.architecture == "dflash2", "objective.acceptance_from",
              f"selector reads DFlash2's candidate selector; drafter.architecture is {d.architecture!r}: set "
@@ -535,17 +622,10 @@ def validate(cfg: Config) -> None:
         need(o.slot_weighting in ("acceptance", "dpace"), "objective.acceptance_from",
              f"selector chooses the probabilities of slot_weighting acceptance or dpace; objective.slot_weighting "
              f"is {o.slot_weighting!r}")
-    need(d.block_size >= 2, "drafter.block_size", f"must be >= 2 (got {d.block_size})")
-    need(d.num_draft_layers >= 1, "drafter.num_draft_layers", f"must be >= 1 (got {d.num_draft_layers})")
     if d.target_layer_ids is not None:
         need(len(d.target_layer_ids) >= 1, "drafter.target_layer_ids", "must list at least one layer (or be null)")
-        need(min(d.target_layer_ids) >= 0, "drafter.target_layer_ids", "layer ids must be >= 0")
         need(len(set(d.target_layer_ids)) == len(d.target_layer_ids), "drafter.target_layer_ids", "ids must be distinct")
-    if d.mask_token_id is not None:
-        need(d.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
     if d.sliding_window is not None:
-        need(d.sliding_window >= 1, "drafter.sliding_window", f"must be >= 1, or null for full attention "
-             f"(got {d.sliding_window})")
         need(d.sliding_window > d.block_size, "drafter.sliding_window",
              f"must be > drafter.block_size = {d.block_size} (or null): block slot i sees the sliding_window - 1 - i "
              f"context positions before its anchor, so a window of {d.sliding_window} leaves the last "
@@ -558,8 +638,6 @@ def validate(cfg: Config) -> None:
         need(d.draft_vocab_size > 0, "objective.head_gradient",
              "keep is for a trained head (drafter.draft_vocab_size > 0); the target's frozen head has no weight "
              "gradient: leave objective.head_gradient at auto")
-    need(d.draft_vocab_size >= 0, "drafter.draft_vocab_size",
-         f"must be 0 (the target's vocabulary) or the number of draft tokens >= 1 (got {d.draft_vocab_size})")
     if d.draft_vocab_size:
         need(d.architecture == "dflash", "drafter.draft_vocab_size",
              f"a reduced draft vocabulary is implemented for drafter.architecture=dflash only; {d.architecture} "
@@ -569,58 +647,24 @@ def validate(cfg: Config) -> None:
              "distillation (objective.distill_weight > 0) mixes in the target's distribution over its whole "
              "vocabulary, which a reduced draft vocabulary cannot express: set objective.distill_weight=0 or "
              "drafter.draft_vocab_size=0")
-    need(d.output_multiplier > 0, "drafter.output_multiplier", f"must be > 0 (got {d.output_multiplier})")
-    if d.final_logit_softcapping is not None:
-        need(d.final_logit_softcapping > 0, "drafter.final_logit_softcapping",
-             f"must be > 0, or null for no softcapping (got {d.final_logit_softcapping})")
-    for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
-        value = getattr(d, key)
-        need(value is None or value >= 1, f"drafter.{key}", f"must be >= 1 or null (got {value})")
     if d.num_attention_heads and d.num_key_value_heads:
         need(d.num_attention_heads % d.num_key_value_heads == 0, "drafter.num_key_value_heads",
              f"must divide drafter.num_attention_heads={d.num_attention_heads} (got {d.num_key_value_heads})")
-    need(o.max_anchors >= 1, "objective.max_anchors", f"must be >= 1 (got {o.max_anchors})")
-    need(o.max_anchors_per_batch >= 0, "objective.max_anchors_per_batch",
-         f"must be >= 0 (0 = no cap; got {o.max_anchors_per_batch})")
-    need(o.gamma > 0, "objective.gamma", f"must be > 0 (got {o.gamma})")
-    need(o.loss_chunk_size >= 1, "objective.loss_chunk_size", "must be >= 1")
-    need(0 < o.acceptance_floor <= 1, "objective.acceptance_floor", f"must be in (0, 1] (got {o.acceptance_floor})")
-    need(0 <= o.dpace_alpha <= 1, "objective.dpace_alpha", f"must be in [0, 1] (got {o.dpace_alpha})")
-    need(0 <= o.distill_weight <= 1, "objective.distill_weight", f"must be in [0, 1] (got {o.distill_weight})")
-    need(o.distill_temperature > 0, "objective.distill_temperature", f"must be > 0 (got {o.distill_temperature})")
-    need(op.lr > 0, "optim.lr", f"must be > 0 (got {op.lr})")
-    need(op.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-    need(0 <= op.warmup_ratio < 1, "optim.warmup_ratio", f"must be in [0, 1) (got {op.warmup_ratio})")
-    need(0 <= op.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
-    need(0 < op.decay_ratio <= 1, "optim.decay_ratio", f"must be in (0, 1] (got {op.decay_ratio})")
     if op.schedule == "wsd":
         need(op.warmup_ratio + op.decay_ratio <= 1, "optim.decay_ratio",
              f"optim.warmup_ratio + optim.decay_ratio must be <= 1 (got {op.warmup_ratio} + {op.decay_ratio})")
-    need(op.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
     need(op.epochs > 0 or op.max_steps > 0, "optim.epochs", "set epochs > 0 or optim.max_steps > 0")
-    need(op.max_steps >= 0, "optim.max_steps", "must be >= 0")
-    need(all(0 <= b < 1 for b in op.betas), "optim.betas", "each beta must be in [0, 1)")
     need(dt.max_length >= 2 * d.block_size, "data.max_length",
          f"must be >= 2 * drafter.block_size = {2 * d.block_size} (got {dt.max_length})")
-    need(dt.max_batch_size >= 1, "data.max_batch_size", "must be >= 1")
     need(dt.token_budget >= dt.max_length, "data.token_budget",
          f"must be >= data.max_length = {dt.max_length} so that every sequence fits (got {dt.token_budget})")
-    need(dt.max_samples >= 0, "data.max_samples", "must be >= 0")
-    need(r.log_every >= 1, "run.log_every", "must be >= 1")
-    need(r.save_every >= 1, "run.save_every", "must be >= 1")
-    need(r.keep_last >= 1, "run.keep_last", "must be >= 1")
-    need(r.eval_every >= 0 and r.eval_batches >= 0 and r.eval_prompts >= 0, "run.eval_every",
-         "eval_every, eval_batches and eval_prompts must be >= 0")
-    need(r.eval_max_new_tokens >= 1, "run.eval_max_new_tokens", "must be >= 1")
     for name in r.report_to:
         need(name in TRACKERS, "run.report_to", f"{name!r} is not a tracker; valid: {', '.join(TRACKERS)} "
              "(TensorBoard is always written; [] for it alone)")
     need(len(set(r.report_to)) == len(r.report_to), "run.report_to", f"lists a tracker twice ({r.report_to})")
-    need(op.grad_accum >= 1, "optim.grad_accum", f"must be >= 1 (got {op.grad_accum})")
     if r.device == "cpu":
         validate_compile_device(cfg, "cpu")
     validate_sharding(cfg)
-    need(cfg.parallel.target_ranks >= 1, "parallel.target_ranks", f"must be >= 1 (got {cfg.parallel.target_ranks})")
     if cfg.parallel.placement == "split":
         need(r.eval_every == 0, "run.eval_every",
              "validation during training needs the target on the drafter's rank; with parallel.placement=split set "
@@ -646,8 +690,6 @@ def validate_sharding(cfg: Config) -> None:
         need(t.shard_group_size is None, "target.shard_group_size",
              "applies to a sharded target only; set target.sharding=fsdp (or tp) or remove target.shard_group_size")
         return
-    need(t.shard_group_size is None or t.shard_group_size >= 1, "target.shard_group_size",
-         f"must be >= 1, or null for all ranks (got {t.shard_group_size})")
     # DTensor's sharding rules put the batch size modulo the group size into a compiled layer's guards: a
     # batch of another parity would compile again mid-training (measured on CPU with Dynamo's eager backend).
     need(t.sharding != "tp" or not t.compile, "target.compile",

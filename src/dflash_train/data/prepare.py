@@ -40,6 +40,12 @@ class PrepareConfig:
     max_samples: int = 0
     overwrite: bool = False
 
+    def __post_init__(self) -> None:  # a config that cannot be prepared fails before the tokenizer loads
+        if self.max_length < 2 * self.block_size:
+            raise ValueError(f"--max-length {self.max_length} is below 2 * --block-size ({2 * self.block_size})")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+
 
 def holdout_key(messages: list[dict]) -> float:
     """A number in [0, 1) from a hash of the conversation's content (not its position or file); it is held
@@ -94,10 +100,6 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
             progress: bool = False) -> dict:
     """Write a prepared dataset to `out`; returns its manifest."""
     out = Path(out)
-    if cfg.max_length < 2 * cfg.block_size:
-        raise ValueError(f"--max-length {cfg.max_length} is below 2 * --block-size ({2 * cfg.block_size})")
-    if not 0.0 <= cfg.val_fraction < 1.0:
-        raise ValueError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")
     check_prepare_out(out, data, cfg.overwrite)
     sources = _source_entries(data)
     kwargs = template_kwargs_for(tokenizer, cfg.thinking)

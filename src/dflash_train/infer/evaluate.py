@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
+from tqdm import tqdm
 
 from .. import assets
 from ..data.chat import prompt_ids
@@ -24,7 +26,7 @@ from ..model.hf_config import text_config
 from ..model.io import load_drafter
 from ..model.provenance import compare, read_provenance, target_provenance
 from ..model.target import load_target_model, load_tokenizer, read_target_config
-from ..runtime import stop_token_ids
+from ..runtime import stop_token_ids, write_text_atomic
 from ..train.fp8_plan import check_fp8_eval_target
 from .replay import build_corpus, replay_records
 from .spec_decode import DecodeResult, SpeculativeDecoder
@@ -147,18 +149,30 @@ def evaluate(
     stop_token_ids: Optional[list[int]] = None,
     template_kwargs: Optional[dict] = None,
     measure_speedup: bool = True,
+    progress: bool = False,
+    on_dataset: Optional[Callable[[dict], None]] = None,
 ) -> dict:
-    """Run every mode on every prompt; returns a JSON-ready report."""
+    """Run every mode on every prompt; returns a JSON-ready report. `on_dataset(report)`: the report so far,
+    after each dataset (so that a later failure loses none of it). `progress`: a bar per dataset on stderr."""
     dec = SpeculativeDecoder(target, drafter, stop_token_ids, temperature, block_size)
     modes = make_modes(tree_budgets, measure_speedup)
     report: dict = {"config": report_config(max_new_tokens, temperature, dec.block_size, tree_budgets),
                     "datasets": {}, "outputs": []}
-    for ds in datasets:
-        records = [run_prompt(dec, tokenizer, item, modes, max_new_tokens, template_kwargs, ds)
-                   for item in iter_prompts(ds, limit)]
+    prompts = read_prompts(datasets, limit)
+    for ds, items in prompts.items():
+        bar = tqdm(items, desc=ds, unit="prompt", dynamic_ncols=True, disable=not progress, file=sys.stderr)
+        records = [run_prompt(dec, tokenizer, item, modes, max_new_tokens, template_kwargs, ds) for item in bar]
         report["outputs"] += records
         report["datasets"][ds] = summarize_records(records, [m.name for m in modes], temperature)
+        if on_dataset:
+            on_dataset(report)
     return report
+
+
+def read_prompts(datasets: list[str], limit: int = 0) -> dict[str, list[dict]]:
+    """Every dataset's prompts (`iter_prompts`), read before any is decoded: a bad row or file fails the run
+    before hours of decoding, not after. A dataset listed twice is read once."""
+    return {ds: list(iter_prompts(ds, limit)) for ds in dict.fromkeys(datasets)}
 
 
 def evaluate_by_replay(
@@ -173,13 +187,23 @@ def evaluate_by_replay(
     stop_token_ids: Optional[list[int]] = None,
     template_kwargs: Optional[dict] = None,
     batch_size: int = 32,
+    on_dataset: Optional[Callable[[dict], None]] = None,
 ) -> dict:
     """`evaluate`'s report for greedy block and DDTree decoding, by replay (`infer.replay`): the same tokens
-    and accept lengths, from one batched target generation and one drafter pass per turn; nothing is timed."""
-    items = [{"dataset": ds, **item} for ds in datasets for item in iter_prompts(ds, limit)]
-    return replay_reports(target, tokenizer, {"drafter": drafter}, items, max_new_tokens=max_new_tokens,
-                          tree_budgets=tree_budgets, stop_token_ids=stop_token_ids, template_kwargs=template_kwargs,
-                          batch_size=batch_size)["drafter"]
+    and accept lengths, from one batched target generation and one drafter pass per turn; nothing is timed.
+    Dataset by dataset, each followed by `on_dataset(report so far)`, as `evaluate`."""
+    report: dict = {"config": {**report_config(max_new_tokens, 0.0, drafter.block_size, tree_budgets),
+                               "method": "replay"}, "datasets": {}, "outputs": []}
+    for ds, prompts in read_prompts(datasets, limit).items():
+        items = [{"dataset": ds, **item} for item in prompts]
+        part = replay_reports(target, tokenizer, {"drafter": drafter}, items, max_new_tokens=max_new_tokens,
+                              tree_budgets=tree_budgets, stop_token_ids=stop_token_ids,
+                              template_kwargs=template_kwargs, batch_size=batch_size)["drafter"]
+        report["outputs"] += part["outputs"]
+        report["datasets"].update(part["datasets"])  # a dataset without prompts has no entry
+        if on_dataset:
+            on_dataset(report)
+    return report
 
 
 def replay_reports(
@@ -322,9 +346,10 @@ REPORT_TITLE = "# Speculative decoding evaluation\n"  # how outputs.py recognise
 
 
 def write_report(report: dict, out: Path) -> None:
+    """The JSON report and its Markdown table beside it, each replaced whole (a kill mid-write keeps the last)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(REPORT_TITLE + "\n" + markdown_table(report) + "\n")
+    write_text_atomic(out, json.dumps(report, indent=1))
+    write_text_atomic(out.with_suffix(".md"), REPORT_TITLE + "\n" + markdown_table(report) + "\n")
 
 
 def check_pair(target_config, drafter: Drafter) -> None:
