@@ -379,6 +379,7 @@ def test_eval_finishes_with_every_dataset_and_shows_a_progress_bar(tiny_target_d
     err = capsys.readouterr().err
     assert f"{first}: 100%" in err and f"{second}: 100%" in err and "1/1" in err, err
     assert list(json.loads(out.read_text())["datasets"]) == [first, second]
-    assert main(_eval_argv(tiny_target_dir, two_datasets, out, "--no-baseline", "--limit", "1", "--no-progress")) == 0
+    assert main(_eval_argv(tiny_target_dir, two_datasets, out, "--no-baseline", "--limit", "1", "--no-progress",
+                           "--overwrite")) == 0
     err = capsys.readouterr().err
     assert f"{first}:" not in err and f"{second}:" not in err, err
