@@ -52,6 +52,8 @@ class TargetConfig:
     path: str = "smollm2"
     # Weights dtype of the frozen target: auto = bfloat16 on GPU, float32 on CPU.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # Let transformers run Python code shipped in the target's folder (custom model classes). Only for folders
+    # you trust.
     trust_remote_code: bool = False
     # Compile the target's decoder layers (torch.compile/inductor, one graph per layer class, dynamic
     # batch and length, compiled in the warm-up): fuses the memory-bound pieces around the matmuls.
@@ -75,9 +77,13 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    # The drafter architecture (`algorithms/`): dflash is the one registered today.
+    # The drafter architecture (`algorithms/`): dflash (the reference block drafter) or dflash2 (block-local
+    # convolutions and a candidate selector over each slot's top-k tokens; docs/architectures/).
     architecture: str = "dflash"
+    # Decoder layers of the drafter.
     num_draft_layers: int = 5
+    # Tokens per block: the anchor (a known token) and block_size - 1 masked slots the drafter fills in one
+    # pass; a served drafter proposes block_size - 1 tokens per step.
     block_size: int = 16
     # Outputs of these target decoder layers feed the drafter; null = the reference rule.
     target_layer_ids: Optional[list[int]] = None
@@ -88,8 +94,11 @@ class DrafterConfig:
     # Layer shape; null = the target's. The hidden size is always the target's. A narrower drafter
     # (fewer heads, smaller MLP) trains more target tokens per GPU-second.
     intermediate_size: Optional[int] = None
+    # Attention heads of a drafter layer; null = the target's.
     num_attention_heads: Optional[int] = None
+    # Key/value heads (grouped-query attention); null = the target's. Must divide num_attention_heads.
     num_key_value_heads: Optional[int] = None
+    # Width of one attention head; null = the target's.
     head_dim: Optional[int] = None
     # Start the drafter's decoder layers as copies of the target's last num_draft_layers decoder
     # layers (and its final norm as the target's), read from the target's safetensors; fc stays
@@ -97,21 +106,24 @@ class DrafterConfig:
     init_from_target: bool = False
     # drafter.architecture dflash2 only: the block-local convolutions' taps and channels per dynamic tap, and
     # the candidate selector's rank and candidates per slot (the reference's values, but 32 candidates: +1.3% block
-    # tau over 16 at equal steps, 64 no better, the same 8B step time; QUALITY.md sessions 14-15).
+    # tau over 16 at equal steps, 64 no better, the same 8B step time; docs/results/quality.md).
     conv_kernel_size: int = 2
+    # dflash2 only: channels that share one dynamic convolution tap.
     conv_group_size: int = 16
+    # dflash2 only: rank of the candidate selector's pair scores (its codebooks are [vocab, rank]).
     selector_rank: int = 256
+    # dflash2 only: candidates per slot the selector chooses among (the unary logits' top-k).
     selector_top_k: int = 32
     # dflash2 only: the candidate selector's learning rate over optim.lr. Its pair term is a product of three
     # small factors at the identity start (two codebooks, one of them zero, and the hidden projection), so at
     # the common rate it takes many steps to reach the unary logits' scale. Measured at 3 and 10: the selector fits
-    # the training batches better and decodes worse (QUALITY.md, session 15), so 1 stays the default.
+    # the training batches better and decodes worse (docs/results/quality.md), so 1 stays the default.
     selector_lr_scale: float = 1.0
     # dflash2 only: the selector's two [vocab, rank] codebooks. free: trained tables (the reference's layout). factored:
     # each is the target's lm_head rows times a trained [hidden -> rank] projection, so an update to one token's
     # pairs moves the pairs of tokens with similar lm_head rows too (a free row moves only when its token occurs);
     # checkpoints hold the projections, the export the tables computed from them (the reference layout either way).
-    # Measured (QUALITY.md, session 16): the tau of free tables (1.774 against 1.777 block), 0.8 GiB less at the 8B
+    # Measured (docs/results/quality.md): the tau of free tables (1.774 against 1.777 block), 0.8 GiB less at the 8B
     # shape; with objective.selector_rows=all it collapses (1.410: the forced-in labels pull the shared projections).
     selector_codebooks: Literal["free", "factored"] = "free"
     # Compile the drafter's layers for training (torch.compile/inductor, two graphs shared by all layers,
@@ -132,6 +144,7 @@ class DrafterConfig:
     # set (null = off). The training loss, decoding and the export (dflash_config) all apply them. vLLM's DFlash
     # (v1) loader does not read them (its DFlash2 one does): keep the defaults for drafters served there.
     output_multiplier: float = 1.0
+    # The cap of the draft logits' tanh softcapping (see output_multiplier); null = off.
     final_logit_softcapping: Optional[float] = None
     # drafter.architecture dflash only. 0 = the target's vocabulary through the target's frozen lm_head. N > 0:
     # the drafter scores only the N most frequent label tokens of the training data (counted by `prepare`) with
@@ -147,7 +160,7 @@ class DrafterConfig:
     # rowwise: FP8, scales per output/input channel along the tokens (a reduction over all tokens fused with a
     # transposed cast, twice per linear); bf16: the compute dtype (no transposed cast, bf16 matmul speed).
     # tensorwise is the default: the fastest (1.43x bf16 per layer against rowwise's 1.31x at the 8B shape) at
-    # rowwise's tau (QUALITY.md, session 14).
+    # rowwise's tau (docs/results/quality.md).
     fp8_grad_weight: Literal["rowwise", "tensorwise", "bf16"] = "tensorwise"
 
 
@@ -155,11 +168,13 @@ class DrafterConfig:
 class DataConfig:
     # Conversations in OpenAI `messages` JSONL (optionally .gz).
     train_files: list[str] = field(default_factory=list)
+    # Tokens per conversation: longer ones are truncated (and far longer ones rejected as bad rows).
     max_length: int = 3072
     # Use at most this many conversations (0 = all).
     max_samples: int = 0
     # A micro-batch holds at most max_batch_size sequences and token_budget tokens (padding included).
     token_budget: int = 16384
+    # See token_budget: the most sequences one micro-batch holds.
     max_batch_size: int = 16
     # Validation conversations (raw files); prepared datasets bring their own val split.
     val_files: list[str] = field(default_factory=list)
@@ -179,17 +194,19 @@ class ObjectiveConfig:
     loss_chunk_size: int = 2048
     # How a trained head (drafter.draft_vocab_size > 0) gets its weight gradient. keep: the forward keeps its
     # gradient rows for it ([rows, draft_vocab_size] in run.dtype, counted by the preflight): one matmul in the
-    # backward (25 ms of a 0.50 s 8B step, BENCHMARKS.md session 14). recompute: the backward forms every chunk's
+    # backward (25 ms of a 0.50 s 8B step, docs/results/performance.md). recompute: the backward forms every chunk's
     # logits again (no [rows, draft_vocab_size] tensor: for a plan short of memory). auto: keep when the head is
     # trained; the target's frozen head has no weight gradient, so nothing with the full vocabulary.
     head_gradient: Literal["auto", "recompute", "keep"] = "auto"
     # gamma: slot k weighs exp(-(k - 1) / gamma). acceptance: slot k weighs the drafter's own (detached)
     # probability of reaching it, prod_{1 <= j < k} p(label_j), floored at acceptance_floor.
-    # The default since it won at equal steps: tau 1.559 against 1.363 for gamma (QUALITY.md, 2026-11-30).
+    # The default since it won at equal steps: tau 1.559 against 1.363 for gamma (docs/results/quality.md).
     # dpace (arXiv 2605.18810): slot j weighs sum_{m >= j} prod_{i <= m} ((1 - dpace_alpha) p(label_i) + dpace_alpha)
     # over the block's counted slots (blocks.dpace_weights).
     slot_weighting: Literal["gamma", "acceptance", "dpace"] = "acceptance"
+    # slot_weighting acceptance: the least weight a slot gets (a slot the drafter rarely reaches still learns).
     acceptance_floor: float = 0.05
+    # slot_weighting dpace: the share of each factor that does not depend on the drafter's probability.
     dpace_alpha: float = 0.5
     # drafter.architecture dflash2 only: weight of the selector's loss next to the unary slot loss.
     selector_loss_weight: float = 1.0
@@ -198,7 +215,7 @@ class ObjectiveConfig:
     # the unary loss's normaliser, so it scales with the coverage). all: every one, the label forced into the
     # candidates where the top-k misses it (the public ports' practice): a label decoding can never pick, whose loss
     # (~10 nats at the start) pushes the drafter's hidden states; measured worse (1.755 against 1.777 block tau,
-    # unary accuracy 0.188 against 0.196; QUALITY.md, session 16).
+    # unary accuracy 0.188 against 0.196; docs/results/quality.md).
     selector_rows: Literal["all", "covered"] = "covered"
     # drafter.architecture dflash2 with slot_weighting acceptance or dpace: whose probability of each label the
     # weights are made of. unary: the unary logits' softmax (as DFlash); selector: softmax(S) over the slot's
@@ -206,22 +223,32 @@ class ObjectiveConfig:
     acceptance_from: Literal["unary", "selector"] = "unary"
     # Share alpha of the target's softmax(logits / distill_temperature) mixed into the one-hot label.
     distill_weight: float = 0.0
+    # The temperature of the target's softmax that distill_weight mixes in.
     distill_temperature: float = 1.0
 
 
 @dataclass
 class OptimConfig:
+    # Peak learning rate of the drafter's AdamW.
     lr: float = 6e-4
+    # AdamW's decoupled weight decay.
     weight_decay: float = 0.0
+    # AdamW's beta1, beta2.
     betas: tuple[float, float] = (0.9, 0.95)
+    # AdamW's epsilon.
     eps: float = 1e-8
+    # Share of the steps the learning rate warms up linearly from 0.
     warmup_ratio: float = 0.04
+    # The learning rate the schedule ends at, as a share of lr.
     min_lr_ratio: float = 0.0
     # wsd: warmup, constant peak, then the last decay_ratio of the steps decay linearly to min_lr_ratio
-    # (the default: it beat cosine at equal steps, QUALITY.md). cosine: warmup then cosine to min_lr_ratio.
+    # (the default: it beat cosine at equal steps, docs/results/quality.md). cosine: warmup then cosine to min_lr_ratio.
     schedule: Literal["cosine", "wsd"] = "wsd"
+    # schedule wsd: the share of the steps, at the end, over which the learning rate decays.
     decay_ratio: float = 0.2
+    # Gradients are clipped to this global norm (0 = no clipping).
     grad_clip: float = 1.0
+    # Passes over the training data (fractions allowed); 0 = until max_steps.
     epochs: float = 6.0
     # Stop after this many optimizer steps (0 = run all epochs).
     max_steps: int = 0
@@ -231,15 +258,21 @@ class OptimConfig:
 
 @dataclass
 class RunConfig:
+    # Seeds the data order, the anchors and the drafter's initialisation: the same seed and data train the same.
     seed: int = 0
+    # auto = cuda when a GPU is visible, else cpu.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Compute dtype of the drafter (master weights stay float32).
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    # A metrics record (loss, accuracy, tokens/s, ...) every N steps, to train.log, metrics.jsonl and the trackers.
     log_every: int = 10
+    # A checkpoint every N steps (and at the end, and on a stop request).
     save_every: int = 500
+    # How many step checkpoints are kept (older ones are removed; checkpoints/best is kept apart).
     keep_last: int = 3
     # Dtype of the exported drafter weights.
     export_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # A progress bar on the terminal (the log lines come either way).
     progress_bar: bool = True
     # Persistent inductor cache (null = ~/.cache/dflash-train/inductor); a restart reuses compiled kernels.
     compile_cache_dir: Optional[str] = None
@@ -247,8 +280,11 @@ class RunConfig:
     # micro-batches, and real speculative decoding on eval_prompts held-out prompts. The best
     # checkpoint by validation tau is kept in checkpoints/best.
     eval_every: int = 500
+    # See eval_every: held-out micro-batches of the teacher-forced walk.
     eval_batches: int = 4
+    # See eval_every: held-out prompts decoded for real (0 = none).
     eval_prompts: int = 2
+    # See eval_every: new tokens per decoded prompt.
     eval_max_new_tokens: int = 64
     # Experiment trackers that get every metrics record besides TensorBoard (always written): "wandb"
     # (offline, RUN/wandb) and "mlflow" (RUN/mlruns, or MLFLOW_TRACKING_URI). Each needs its package.
