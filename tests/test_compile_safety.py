@@ -1,4 +1,4 @@
-"""The compile layer (compile-safety.md): the field's thread race replayed through our layer on CPU,
+"""The compile layer (docs/design/compile.md): the production thread race replayed through our layer on CPU,
 no silent dense fallback after warm-up, recompiles counted with reasons, the FX flag check."""
 
 import json

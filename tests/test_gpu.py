@@ -260,7 +260,7 @@ def test_colocated_one_gpu_run_with_a_sliding_causal_softcapped_drafter(tmp_path
 
 def test_field_race_replayed_through_our_layer_has_zero_errors():
     """3 threads, cold Dynamo, simultaneous first calls, forward + backward with grad, 3 trials
-    (the field's crash: 2 of 2 trials failed on this card without serialisation)."""
+    (the production crash: 2 of 2 trials failed on this card without serialisation)."""
     import threading
 
     from dflash_train.algorithms.dflash.attention import compiled_flex_attention
@@ -368,15 +368,15 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
 
 @pytest.fixture(scope="module")
 def real_data():
-    """The project's regenerated ShareGPT sample (7,337 conversations, 66-1,022 tokens at max_length 1024 with the
-    SmolLM2 tokenizer): DFLASH_TEST_REAL_DATA, else ../shared/data beside the checkout."""
+    """Real variable-length conversations for the SmolLM2 tokenizer (e.g. ShareGPT prompts answered by SmolLM2:
+    `dflash-train regen --target smollm2 --data sharegpt --max-new-tokens 256 --out FILE`; 66-1,022 tokens at
+    max_length 1024), named by DFLASH_TEST_REAL_DATA."""
     from pathlib import Path
 
-    path = Path(os.environ.get("DFLASH_TEST_REAL_DATA") or
-                Path(__file__).resolve().parents[2] / "shared" / "data" / "smollm2-sharegpt-regen.jsonl.gz")
-    if not path.is_file():
-        pytest.skip(f"no real training data at {path}: set DFLASH_TEST_REAL_DATA")
-    return path
+    given = os.environ.get("DFLASH_TEST_REAL_DATA")
+    if not given or not Path(given).is_file():
+        pytest.skip(f"no real training data ({given or 'DFLASH_TEST_REAL_DATA is not set'}): set DFLASH_TEST_REAL_DATA")
+    return Path(given)
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +402,7 @@ def qwen3_target_dir(tmp_path_factory, tokenizer_dir):
 
 def test_real_variable_length_data_compiles_nothing_after_the_warm_up_nor_after_resume(tmp_path, qwen3_target_dir,
                                                                                         real_data):
-    """Issue 20: a slice of real variable-length conversations (contexts 66-1,022 tokens, 1-16 rows, up to 512
+    """A slice of real variable-length conversations (contexts 66-1,022 tokens, 1-16 rows, up to 512
     blocks a row) with both compiles on, across an epoch boundary: the plan's extreme batches compile nothing
     the first batch's graphs do not cover (no size threshold left in the compiled code), no step recompiles,
     and a --resume (a new process: a warm cache, Dynamo cold) compiles nothing after its warm-up either."""
@@ -436,7 +436,7 @@ def test_real_variable_length_data_compiles_nothing_after_the_warm_up_nor_after_
 
 
 def test_validation_on_real_data_compiles_nothing_after_the_warm_up(tmp_path, qwen3_target_dir, real_data):
-    """Issue 20: validation batches (held-out real conversations, their own sizes, no grad, eval mode) with both
+    """Validation batches (held-out real conversations, their own sizes, no grad, eval mode) with both
     compiles and flex on: the warm-up runs validation's extreme batches as validation does, so the validations
     at steps 10, 20 and 30 (the last after the last metrics record) compile nothing after the seal."""
     import gzip
@@ -833,7 +833,7 @@ def test_fsdp_over_two_gpus_trains_the_losses_of_unsharded(tmp_path, tiny_target
     assert sorted(got) == list(range(1, 13)) and all(abs(got[s] - ref[s]) <= 1e-3 * abs(ref[s]) for s in ref), (ref, got)
 
 
-# ------------------------------------------------------------------------------------------ FP8 (issue 25)
+# ------------------------------------------------------------------------------------------------ FP8
 
 # Per quantised matmul at most sqrt(2) * 2^-4 = 0.088 relative (both operands rounded by up to 2^-4); a branch
 # (attention: q/k/v then o; MLP: gate/up then down) chains two: sqrt(2) * 0.088 = 0.125 (tests/test_fp8_target.py).

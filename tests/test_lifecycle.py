@@ -1,4 +1,4 @@
-"""The life of a run as a user lives it (issue #19): run, repeat the same command, stop, resume, kill -9,
+"""The life of a run as a user lives it: run, repeat the same command, stop, resume, kill -9,
 status, a refused resume, a recycled PID. Real subprocesses and signals on the tiny CPU target."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Recipe options of issue #10: acceptance-weighted slots, distillation from the target's logits, the
-warmup-stable-decay schedule; D-PACE slot weights (issue #22). Each against an independent dense float64
+"""Recipe options: acceptance-weighted slots, distillation from the target's logits, the
+warmup-stable-decay schedule; D-PACE slot weights. Each against an independent dense float64
 reference."""
 
 import dataclasses

@@ -194,7 +194,7 @@ def test_two_targets_one_drafter_log_the_losses_of_one_process(setup, single):
 @pytest.mark.slow
 @pytest.mark.long
 def test_one_target_two_compiled_drafters_log_the_losses_of_colocated_data_parallel(setup):
-    """The field's shape of run (split, several drafter ranks under DDP, `drafter.compile`), with the CPU
+    """The production shape of run (split, several drafter ranks under DDP, `drafter.compile`), with the CPU
     standing in for the GPUs: hidden states from the transport reuse the warm-up's graphs on both drafter
     ranks, and the losses are those of the eager colocated run."""
     root, cfg = setup

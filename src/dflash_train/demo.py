@@ -4,7 +4,7 @@ regen (SmolLM2 writes the answers to ShareGPT prompts) -> prepare -> train -> ev
 ShareGPT, MT-Bench, HumanEval; block and DDTree) -> export, plus plots. Every stage is resumable:
 a second run reuses what is done. Sized for a 2-core CPU; larger when a GPU is present.
 
-The CPU recipe (issue 7) spends its minutes where they teach the drafter most: many short
+The CPU recipe spends its minutes where they teach the drafter most: many short
 regenerated answers (short prompts, 64 new tokens, large generation batches) rather than few long
 ones; a 1-layer drafter with block 4 (a drafter this young rarely gets past slot 3, and every slot
 costs a full-vocabulary lm_head row); context from target layers 1 and 15 (as good as 1 and 27 here

@@ -1,9 +1,9 @@
 """The compile layer: every torch.compile'd function of the process goes through here.
 
-Rules (see compile-safety.md in the design notes):
+Rules (docs/design/compile.md):
 1. Compiled code runs under one process-wide lock, so no thread can enter Dynamo's per-call
-   FX-tracing check while another thread traces (the field's "FX to symbolically trace a
-   dynamo-optimized function" crash, and its silent dense fallback).
+   FX-tracing check while another thread traces (the "FX to symbolically trace a dynamo-optimized
+   function" crash seen in production, and its silent dense fallback).
 2. Compilation happens in an explicit warm-up that reproduces training (grad on, forward and
    backward, production dtype, dynamic sequence dimensions); from its start an uncompiled
    flex_attention call raises instead of materialising the dense score matrix, and the seal at its
@@ -71,7 +71,7 @@ def _guard_dense_flex() -> None:
             if _state["flex_guard"] and not _state["eager_flex_allowed"]:
                 raise UncompiledFlexAttention(
                     f"{_name} ran uncompiled after the warm-up began: eager flex attention materialises the whole "
-                    "score matrix (the field's 276 GB allocation). Call it through "
+                    "score matrix (276 GB at a 27B production shape). Call it through "
                     "dflash_train.algorithms.dflash.attention.compiled_flex_attention(); for a deliberate reference computation "
                     "wrap it in compile.allow_eager_flex()")
             return _kernel(*args, **kwargs)
@@ -146,7 +146,7 @@ def prefetch_cache_keys() -> None:
     (`torch_key`, `triton_key`: every .py file of torch; Triton's files and its compiled library),
     which the first compile of every process otherwise computes in the main thread, cold cache or warm, and
     from cold disks on a fresh machine. The thread only reads and hashes files: nothing in it compiles or
-    traces (compile-safety.md, rule 1), and the first compiled call joins it (`_join_prefetch`) before
+    traces (docs/design/compile.md, rule 1), and the first compiled call joins it (`_join_prefetch`) before
     anything compiles. Called by `start_compile_workers`, so it overlaps the model build. Idempotent."""
     from torch._inductor import codecache
     from torch.utils._triton import has_triton_package
@@ -361,7 +361,7 @@ def _compile_settings():
 #   reduces over rows, the weight gradient over columns, and inductor fuses the two). In its strict mode it
 #   fuses only when `rows x columns >= 5 * 2**20`, `rows >= 2 x columns` and `rows >= 4096`, each decided
 #   on the compile's sizes and kept as a guard on the dynamic sizes (`512*x.size()[0]*context.size()[1] <
-#   5242880`): a batch on the other side recompiled mid-run (issue 20). Non-strict, it fuses whatever the
+#   5242880`): a batch on the other side recompiled mid-run. Non-strict, it fuses whatever the
 #   sizes, with no guard. Where a torch has the heuristic but not that switch, the fusion is off instead.
 def _threshold_free_options() -> dict:
     import torch._inductor.config as inductor_config
@@ -376,7 +376,7 @@ def _threshold_free_options() -> dict:
 
 INDUCTOR_OPTIONS = {"triton.autotune_pointwise": False, **_threshold_free_options()}
 
-# The cold-compile levers (issue 20, part e): `cold_compile_options` and `prefetch_cache_keys`, off unless
+# The cold-compile levers: `cold_compile_options` and `prefetch_cache_keys`, off unless
 # DFLASH_TRAIN_COLD_COMPILE_LEVERS=1 (benchmarks/throughput.py --cold-compile-levers on|off, the A/B). Off by default
 # until an A/B on the GPU shows that the step time is unchanged: on the CPU they save ~1 s of a cold compile, and
 # some of inductor's pattern passes exist on CUDA only. They cut compile time only: they add no guard (inductor

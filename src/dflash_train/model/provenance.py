@@ -1,5 +1,5 @@
 """What a drafter was trained against, recorded beside it (`dflash_train.json`) and checked before
-eval or export: the field's "acceptance ~1.0 when served" often comes from a drafter used with
+eval or export: an "acceptance ~1.0 when served" often comes from a drafter used with
 another tokenizer, chat template, RoPE setting or target than the one it learned."""
 
 from __future__ import annotations

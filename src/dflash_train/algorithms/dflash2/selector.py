@@ -11,8 +11,8 @@ The two codebooks `[vocab, rank]` are either free tables (`free`, the reference'
 `factored` through the target's lm_head rows E: `predecessor = E @ predecessor_projection.T / rms(E)`, the same
 for `successor`, with two `[rank, hidden]` projections as the trained weights. A free table row moves only when its
 token occurs, by a whole AdamW step each time, so the table memorises the training pairs; the factored codebooks
-share every update across tokens whose lm_head rows are alike (measured: free tables' tau, not more; QUALITY.md,
-session 16). Exported drafters always carry free tables (`materialized`: the factored ones computed once from E).
+share every update across tokens whose lm_head rows are alike (measured: free tables' tau, not more;
+docs/results/quality.md). Exported drafters always carry free tables (`materialized`: the factored ones computed once from E).
 """
 
 from __future__ import annotations
