@@ -131,7 +131,7 @@ def test_corrupt_checkpoint_is_skipped_and_incompatible_one_refused(setup, refer
     assert rc == 2
     err = capsys.readouterr().err
     assert "'drafter.num_draft_layers' is 1" in err and "2 by the override drafter.num_draft_layers=2" in err
-    # config.yaml changed by hand behind the run's back: the checkpoint's record names the field that differs
+    # config.yaml changed by hand behind the run's back: the checkpoint's record names the key that differs
     edited = yaml.safe_load((run / "config.yaml").read_text())
     edited["drafter"]["num_draft_layers"] = 2
     (run / "config.yaml").write_text(yaml.safe_dump(edited))

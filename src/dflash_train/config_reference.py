@@ -40,7 +40,7 @@ def field_comments(cls: type) -> dict[str, str]:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
         above: list[str] = []
-        row = node.lineno - 2  # the line above the field, 0-based into `lines`
+        row = node.lineno - 2  # the line above its declaration, 0-based into `lines`
         while row >= 0 and lines[row].strip().startswith("#"):
             above.insert(0, lines[row].strip().lstrip("#").strip())
             row -= 1
