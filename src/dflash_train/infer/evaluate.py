@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -31,14 +32,14 @@ from .spec_decode import DecodeResult, SpeculativeDecoder
 
 log = logging.getLogger(__name__)
 
-def iter_prompts(name: str, limit: int = 0) -> Iterator[dict]:
+def iter_prompts(name: str, limit: int = 0, damaged: Optional[list] = None) -> Iterator[dict]:
     """`{"id", "turns": [user message, ...]}` per row of a built-in set (`sharegpt`: its held-out split) or
     of any source `formats` reads. `id` is the row's own `id` field when it has one (regen writes its
     source row's id there), else the reader's. A conversation gives its first user turn only: its later
-    ones reply to answers the decoding under test did not write. A bad row stops here, naming it."""
-    for i, (where, row) in enumerate(iter_source(name, sharegpt_split="heldout")):
-        if limit and i >= limit:
-            return
+    ones reply to answers the decoding under test did not write. A bad row stops here, naming it; so does a
+    damaged file, unless `damaged` collects it (`formats.iter_source`)."""
+    # islice: reading stops at the limit, so a damage after it is never reached
+    for where, row in islice(iter_source(name, sharegpt_split="heldout", damaged=damaged), limit or None):
         if isinstance(row, RowError):
             raise ValueError(f"eval data {where}: {row}")
         try:
@@ -147,17 +148,29 @@ def evaluate(
     stop_token_ids: Optional[list[int]] = None,
     template_kwargs: Optional[dict] = None,
     measure_speedup: bool = True,
+    skip_damaged_files: bool = False,
 ) -> dict:
-    """Run every mode on every prompt; returns a JSON-ready report."""
+    """Run every mode on every prompt; returns a JSON-ready report. `skip_damaged_files`: a damaged data file
+    gives its prompts before the damage, and the report lists it under "damaged_files"."""
     dec = SpeculativeDecoder(target, drafter, stop_token_ids, temperature, block_size)
     modes = make_modes(tree_budgets, measure_speedup)
     report: dict = {"config": report_config(max_new_tokens, temperature, dec.block_size, tree_budgets),
                     "datasets": {}, "outputs": []}
+    damaged: Optional[list] = [] if skip_damaged_files else None
     for ds in datasets:
         records = [run_prompt(dec, tokenizer, item, modes, max_new_tokens, template_kwargs, ds)
-                   for item in iter_prompts(ds, limit)]
+                   for item in iter_prompts(ds, limit, damaged)]
         report["outputs"] += records
         report["datasets"][ds] = summarize_records(records, [m.name for m in modes], temperature)
+    return _with_damaged(report, damaged)
+
+
+def _with_damaged(report: dict, damaged: Optional[list]) -> dict:
+    """The files read only up to their damage (`--skip-damaged-files`), in the report and the log."""
+    if damaged:
+        report["damaged_files"] = [e.record() for e in damaged]
+        for e in damaged:
+            log.warning("%s", e.cut_line())
     return report
 
 
@@ -173,13 +186,16 @@ def evaluate_by_replay(
     stop_token_ids: Optional[list[int]] = None,
     template_kwargs: Optional[dict] = None,
     batch_size: int = 32,
+    skip_damaged_files: bool = False,
 ) -> dict:
     """`evaluate`'s report for greedy block and DDTree decoding, by replay (`infer.replay`): the same tokens
     and accept lengths, from one batched target generation and one drafter pass per turn; nothing is timed."""
-    items = [{"dataset": ds, **item} for ds in datasets for item in iter_prompts(ds, limit)]
-    return replay_reports(target, tokenizer, {"drafter": drafter}, items, max_new_tokens=max_new_tokens,
-                          tree_budgets=tree_budgets, stop_token_ids=stop_token_ids, template_kwargs=template_kwargs,
-                          batch_size=batch_size)["drafter"]
+    damaged: Optional[list] = [] if skip_damaged_files else None
+    items = [{"dataset": ds, **item} for ds in datasets for item in iter_prompts(ds, limit, damaged)]
+    report = replay_reports(target, tokenizer, {"drafter": drafter}, items, max_new_tokens=max_new_tokens,
+                            tree_budgets=tree_budgets, stop_token_ids=stop_token_ids, template_kwargs=template_kwargs,
+                            batch_size=batch_size)["drafter"]
+    return _with_damaged(report, damaged)
 
 
 def replay_reports(
