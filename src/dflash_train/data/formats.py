@@ -211,18 +211,16 @@ class _Cut(Exception):
     """Raised inside a reader where the file's own structure shows it is cut short or corrupt."""
 
 
-def _damage(e: BaseException) -> Optional[str]:
-    """What a decompressor's or Parquet reader's exception says about the file; None when it is not damage
-    (an OS error such as a permission or a failing disk keeps its own one-line report)."""
-    if isinstance(e, _Cut):
-        return str(e)
+def _damage(e: BaseException) -> str:
+    """What a reader's or the gzip decompressor's exception says about the file. (Other OS errors, such as a
+    permission or a failing disk, are not damage: they keep their own one-line report.)"""
     if isinstance(e, EOFError):
         return "cut short: the gzip stream ends early"
     if isinstance(e, zlib.error):
         return f"bad deflate data: {str(e).split(': ', 1)[-1]}"
     if isinstance(e, gzip.BadGzipFile):
         return f"bad gzip data: {e}"
-    return None
+    return str(e)  # _Cut
 
 
 def _open_bytes(path: Path, raw: Optional[BinaryIO] = None):
