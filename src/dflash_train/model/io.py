@@ -52,7 +52,8 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: Op
         if not f.is_file():
             raise FileNotFoundError(f"{f} is missing: {path} is not an exported DFlash drafter")
     # a checkpoint's drafter/ folder sits beside its trainer_state.json (train/checkpoint.py, which imports this)
-    redo = (f"resume or export from another checkpoint than {path.parent}" if (path.parent / "trainer_state.json").is_file()
+    in_checkpoint = (path.parent / "trainer_state.json").is_file()
+    redo = (f"resume or export from another checkpoint than {path.parent}" if in_checkpoint
             else "export the checkpoint again (dflash-train export RUN/checkpoints/step-N --out DIR) or copy the "
                  "drafter folder again")
     data = read_json_file(cfg_file, redo)
