@@ -154,15 +154,40 @@ def _jsonl_rows(content: bytes) -> int:
     return n
 
 
-def _write_inputs(root: Path, files) -> tuple[list[str], int]:
-    """The files on disk and the number of rows they hold."""
-    specs, total = [], 0
+def _jsonl_cut(content: bytes) -> bool:
+    """A JSONL file that reads as damaged, by the documented rule: its last line has no newline and does not
+    parse (or ends inside a UTF-8 character)."""
+    if content.endswith(b"\n"):
+        return False
+    last = content.split(b"\n")[-1]
+    try:
+        line = last.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.reason == "unexpected end of data"
+    if b"\n" not in content:
+        line = line.lstrip("\ufeff")
+    if not line.strip():
+        return False
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return True
+    except (ValueError, RecursionError):
+        return False
+    return False
+
+
+def _write_inputs(root: Path, files) -> tuple[list[str], int, list[str]]:
+    """The files on disk, the number of rows they hold and those that read as damaged (empty or cut)."""
+    specs, total, damaged = [], 0, []
     for k, (kind, payload, trailing) in enumerate(files):
         path = root / f"in-{k}.{kind}"
         if kind in ("jsonl", "jsonl.gz"):
             content = b"\n".join(payload) + (b"\n" if trailing else b"")
             path.write_bytes(gzip.compress(content, mtime=0) if kind.endswith(".gz") else content)
             total += _jsonl_rows(content)
+            if (kind == "jsonl" and not content) or _jsonl_cut(content):
+                damaged.append(str(path))
         elif kind == "json":
             sep = b",\n" if trailing else b","
             path.write_bytes(b"[" + sep.join(payload) + b"]")
@@ -172,15 +197,24 @@ def _write_inputs(root: Path, files) -> tuple[list[str], int]:
             pq.write_table(table, path)
             total += len(payload)
         specs.append(str(path))
-    return specs, total
+    return specs, total, damaged
 
 
 def _check_prepare(tok, files, shard_rows: int) -> None:
+    from dflash_train.data.formats import DamagedDataFile
+
     root = Path(tempfile.mkdtemp(prefix="fuzz-prepare-"))
     try:
-        specs, expected = _write_inputs(root, files)
+        specs, expected, damaged = _write_inputs(root, files)
         out = root / "out"
         cfg = PrepareConfig(max_length=64, block_size=2, val_fraction=0.3, shard_rows=shard_rows)
+        if damaged:  # the first damaged file stops prepare, naming it; nothing is written
+            with pytest.raises(DamagedDataFile) as e:
+                prepare(tok, "tiny", specs, out, cfg)
+            assert e.value.path == damaged[0], (str(e.value), damaged)
+            assert not out.exists() and not list(root.glob(".out.prepare-*"))
+            event("prepare: damaged file")
+            return
         try:
             manifest = prepare(tok, "tiny", specs, out, cfg)
         except ValueError as e:  # the one documented failure: nothing usable at all
@@ -245,16 +279,25 @@ def test_data_after_a_json_array_is_reported_not_silently_dropped(tmp_path):
     assert got == [(f"{f}:#0", "ok"), (f"{f}:#1", "invalid JSON")]
 
 
-def test_prepare_reports_a_corrupt_gzip_as_one_row_and_keeps_the_rest(tok, tmp_path):
-    """A gzip cut mid-stream: the rows before the cut are kept, the rest of that file is one rejected
-    'unreadable file' row, and the other files are untouched."""
-    content = gzip.compress(b"\n".join([GOOD] * 200) + b"\n", mtime=0)
+def test_prepare_keeps_the_rows_before_a_gzip_cut_only_when_asked(tok, tmp_path):
+    """A gzip cut mid-stream is a damaged file, not a rejected row: prepare stops naming it; with
+    skip_damaged_files the rows before the cut are kept, the file is listed, the other files are untouched."""
+    from dflash_train.data.formats import DamagedDataFile
+
+    rows = [_dumps({"messages": [{"role": "user", "content": f"hi {i}"},
+                                 {"role": "assistant", "content": " ".join(WORDS[i % 7:] + [str(i)])}]})
+            for i in range(200)]
+    content = gzip.compress(b"\n".join(rows) + b"\n", mtime=0)
     (tmp_path / "cut.jsonl.gz").write_bytes(content[: len(content) // 2])
     (tmp_path / "ok.jsonl").write_bytes(GOOD + b"\n" + GOOD + b"\n")
-    m = prepare(tok, "tiny", [str(tmp_path / "cut.jsonl.gz"), str(tmp_path / "ok.jsonl")], tmp_path / "out",
-                PrepareConfig(max_length=64, block_size=2, val_fraction=0.0))
+    specs = [str(tmp_path / "cut.jsonl.gz"), str(tmp_path / "ok.jsonl")]
+    with pytest.raises(DamagedDataFile, match="gzip stream ends early"):
+        prepare(tok, "tiny", specs, tmp_path / "out", PrepareConfig(max_length=64, block_size=2, val_fraction=0.0))
+    m = prepare(tok, "tiny", specs, tmp_path / "out",
+                PrepareConfig(max_length=64, block_size=2, val_fraction=0.0, skip_damaged_files=True))
     c = m["counts"]
-    assert c["rejected"] == {"unreadable file": 1} and c["kept"] >= 2 and c["kept"] + 1 == c["rows_read"]
+    [damaged] = c["damaged_files"]
+    assert c["rejected"] == {} and c["kept"] == c["rows_read"] == damaged["rows_read"] + 2 and damaged["rows_read"] > 0
 
 
 # ============================================================================= config: strategies

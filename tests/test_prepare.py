@@ -220,21 +220,35 @@ def test_json_array_parquet_and_gzip_give_the_same_examples(tok, tmp_path):
 
 
 def test_json_array_bad_elements(tmp_path):
+    """Bytes that are not UTF-8 spoil one element; an array cut inside an element is a damaged file, raised
+    after the rows before it."""
+    from dflash_train.data.formats import DamagedDataFile
+
     f = tmp_path / "b.json"
     good = json.dumps(openai("q", "a")).encode()
     f.write_bytes(b"[" + good + b", " + b'{"prompt": "\xff"}' + b", " + good + b", {broken")
-    got = [(w, r.reason if isinstance(r, RowError) else "ok") for w, r in iter_rows(f)]
-    assert got == [(f"{f}:#0", "ok"), (f"{f}:#1", "not UTF-8"), (f"{f}:#2", "ok"), (f"{f}:#3", "invalid JSON")]
+    got = []
+    with pytest.raises(DamagedDataFile, match=r"ends inside element #3") as e:
+        for w, r in iter_rows(f):
+            got.append((w, r.reason if isinstance(r, RowError) else "ok"))
+    assert got == [(f"{f}:#0", "ok"), (f"{f}:#1", "not UTF-8"), (f"{f}:#2", "ok")] and e.value.rows_read == 3
 
 
-def test_corrupt_parquet_is_reported_not_fatal(tok, tmp_path):
+def test_corrupt_parquet_stops_prepare_unless_skipped(tok, tmp_path):
+    from dflash_train.data.formats import DamagedDataFile
+
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"PAR1 this is not parquet")
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps(openai("q", words(40))) + "\n")
     out = tmp_path / "P"
-    m = prepare(tok, "t", [str(bad), str(good)], out, PrepareConfig(block_size=4, val_fraction=0.0))
-    assert m["counts"]["kept"] == 1 and m["counts"]["rejected"] == {"unreadable file": 1}
+    with pytest.raises(DamagedDataFile, match="not a readable Parquet file"):
+        prepare(tok, "t", [str(bad), str(good)], out, PrepareConfig(block_size=4, val_fraction=0.0))
+    assert not out.exists()
+    m = prepare(tok, "t", [str(bad), str(good)], out,
+                PrepareConfig(block_size=4, val_fraction=0.0, skip_damaged_files=True))
+    assert m["counts"]["kept"] == 1 and m["counts"]["rejected"] == {}
+    assert [d["path"] for d in m["counts"]["damaged_files"]] == [str(bad)]
 
 
 # ------------------------------------------------------------------------ determinism, splits, atomic

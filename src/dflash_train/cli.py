@@ -36,6 +36,10 @@ def parse_bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false (or 1/0, yes/no), got {value!r}")
 
 
+SKIP_DAMAGED_HELP = ("a --data file that is damaged (cut short, bad compression, empty): use its rows before the "
+                     "damage and say where it was cut (default: off, stop with an error naming the file)")
+
+
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
@@ -186,6 +190,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
     check_report_out(Path(args.out), [("--drafter", Path(args.drafter)), ("--target", Path(args.target)),
                                       *[("--data", Path(d)) for d in args.data]], args.overwrite)
+    if not args.skip_damaged_files:  # a damaged --data file: said before the models load
+        from .data.formats import check_readable
+
+        for data in args.data:
+            check_readable([data], args.limit)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     template_kwargs = {"enable_thinking": args.thinking} if args.thinking is not None else None
@@ -202,13 +211,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         with torch.no_grad():
             report = evaluate_by_replay(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,
                                         tree_budgets=budgets, limit=args.limit, stop_token_ids=stops,
-                                        template_kwargs=template_kwargs, on_dataset=save)
+                                        template_kwargs=template_kwargs, on_dataset=save,
+                                        skip_damaged_files=args.skip_damaged_files)
         return _finish_eval(args, report)
     with torch.no_grad():
         report = evaluate(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, block_size=args.block_size, tree_budgets=budgets,
                           limit=args.limit, stop_token_ids=stops, template_kwargs=template_kwargs,
-                          measure_speedup=not args.no_baseline, progress=not args.no_progress, on_dataset=save)
+                          measure_speedup=not args.no_baseline, progress=not args.no_progress, on_dataset=save,
+                          skip_damaged_files=args.skip_damaged_files)
     return _finish_eval(args, report)
 
 
@@ -241,6 +252,10 @@ def _finish_eval(args: argparse.Namespace, report: dict) -> int:
     print(markdown_table(report))
     for ds in report["datasets"]:
         print(lossless_line(report, ds))
+    for record in report.get("damaged_files", ()):
+        from .data.formats import DamagedDataFile
+
+        print(DamagedDataFile.from_record(record).cut_line())
     if args.update_card:
         from .model_card import put_eval_table
 
@@ -269,7 +284,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     check_prepare_out(Path(args.out), args.data, args.overwrite)  # before the tokenizer loads
     cfg = PrepareConfig(max_length=args.max_length, block_size=args.block_size, val_fraction=args.val_fraction,
                         thinking=args.thinking, shard_rows=args.shard_rows, max_samples=args.max_samples,
-                        overwrite=args.overwrite)
+                        overwrite=args.overwrite, skip_damaged_files=args.skip_damaged_files)
     target_path = assets.resolve_target(args.target, weights=False)  # the tokenizer is all prepare reads
     tokenizer = load_tokenizer(target_path, args.trust_remote_code)
     out = Path(args.out)
@@ -289,7 +304,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         stop_token_ids=args.stop_token_ids, thinking=args.thinking, seed=args.seed, batch_size=args.batch_size,
         limit=args.limit, sort_window=args.sort_window, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
-        device=args.device, progress=not args.no_progress)
+        device=args.device, progress=not args.no_progress, skip_damaged_files=args.skip_damaged_files)
     if args.export_batch or args.import_batch:
         from .data.regen.roundtrip import batch_roundtrip
 
@@ -342,6 +357,7 @@ def _add_prepare_parser(subparsers) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier prepared dataset in --out: it is moved aside to OUT.old-<time>, never "
                         "deleted; any other non-empty folder and a folder holding --data are refused (default: off)")
+    p.add_argument("--skip-damaged-files", action="store_true", help=SKIP_DAMAGED_HELP)
     p.add_argument("--trust-remote-code", action="store_true", help="only if you trust the target folder's code")
     p.set_defaults(func=cmd_prepare)
 
@@ -381,6 +397,7 @@ def _add_regen_parser(subparsers) -> None:
     r.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto = bfloat16 on GPU, float32 on CPU (default: %(default)s)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--skip-damaged-files", action="store_true", help=SKIP_DAMAGED_HELP)
     r.add_argument("--export-batch", metavar="FILE",
                    help="write OpenAI batch requests (vllm run-batch / SGLang) instead of generating")
     r.add_argument("--import-batch", metavar="FILE", nargs="+", action="extend", default=None,
@@ -478,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafter pass per turn gives every step's acceptance; the same tau as decoding, in minutes "
                         "for whole datasets; no timing, no speedup")
     e.add_argument("--update-card", action="store_true", help="write the result table into the drafter's README.md")
+    e.add_argument("--skip-damaged-files", action="store_true", help=SKIP_DAMAGED_HELP)
     e.set_defaults(func=cmd_eval)
 
     x = sub.add_parser("export", help="export a checkpoint in the reference DFlash format, with a parity check")

@@ -178,6 +178,9 @@ class DataConfig:
     max_batch_size: int = 16
     # Validation conversations (raw files); prepared datasets bring their own val split.
     val_files: list[str] = field(default_factory=list)
+    # A raw data file that is damaged (cut short, bad compression, empty): true uses its rows before the damage
+    # and logs where it was cut; false (the default) refuses the start, naming the file.
+    skip_damaged_files: bool = False
 
 
 @dataclass

@@ -29,6 +29,37 @@ class ModelError(UserError):
     tensor, an unreadable config.json); raised by model/, the message names the file and what to do."""
 
 
+class DamagedFileError(UserError):
+    """A file that is cut short or corrupt (truncated, bad compression, a bad header, empty): one line naming
+    the file, where reading stopped (rows and bytes read, when known) and what to do. Raised by every reader
+    of user files instead of the reader's own exception, so damage is never taken for a bad row."""
+
+    def __init__(self, path, problem: str, remedy: str, *, rows_read: int | None = None,
+                 bytes_read: int | None = None, size: int | None = None):
+        self.path, self.problem, self.remedy = str(path), problem, remedy
+        self.rows_read, self.bytes_read, self.size = rows_read, bytes_read, size
+        super().__init__(self.path, problem)
+
+    def where(self) -> str:
+        """` after row 26 (read 1.1 of 2.3 MB)`: as much as is known."""
+        if self.size == 0:
+            return ""
+        rows = f" after row {self.rows_read}" if self.rows_read else " at its start" if self.rows_read == 0 else ""
+        return rows + (f" (read {format_share(self.bytes_read, self.size)})" if self.bytes_read is not None
+                       and self.size else "")
+
+    def __str__(self) -> str:
+        return f"{self.path} is damaged ({self.problem}){self.where()}: {self.remedy}"
+
+
+def format_share(part: int, whole: int) -> str:
+    """`1.1 of 2.3 MB`, `512 of 2,048 bytes`: both in the unit of the whole."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if whole >= scale:
+            return f"{part / scale:.1f} of {whole / scale:.1f} {unit}"
+    return f"{part:,} of {whole:,} bytes"
+
+
 # ValueError and FileNotFoundError raised by our own checks name the bad input and what to do; the
 # CLI prints them as one line. Anything else is a failure and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError)

@@ -7,9 +7,12 @@ import json
 import re
 from pathlib import Path
 
-from .errors import UserError
+from safetensors import SafetensorError, safe_open
+
+from .errors import DamagedFileError, UserError
 from .model.io import CONFIG_NAME, WEIGHTS_NAME
 from .rundir import RunDir
+from .runtime import read_json_file
 from .train.checkpoint import STATE, list_checkpoints
 
 DRAFTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)  # an exported drafter
@@ -187,3 +190,20 @@ def check_model_folder(path: Path, weights: bool = True) -> None:
     if missing:
         raise InputPathError(f"{path} is not a complete model folder: missing {'; '.join(missing)}. Copy or "
                              "download the whole Hugging Face model folder (config, tokenizer and weights)")
+    check_model_files(path, weights)
+
+
+def check_model_files(path: Path, weights: bool = True) -> None:
+    """config.json parses and (with `weights`) every *.safetensors file has a whole header and all the bytes it
+    lists (not the tensors' values: reading them is loading the model); a damaged one raises DamagedFileError."""
+    redo = f"copy or download the model folder {path} again"
+    read_json_file(path / "config.json", redo)
+    if not weights:
+        return
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except SafetensorError as e:
+            raise DamagedFileError(file, f"not a readable safetensors file: {e}", redo,
+                                   size=file.stat().st_size) from None

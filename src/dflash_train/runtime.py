@@ -105,6 +105,23 @@ def write_json_atomic(path: Path, data: Any) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True))
 
 
+def read_json_file(path: Path, remedy: str) -> Any:
+    """The JSON value in `path`; an empty, cut or garbled file raises DamagedFileError naming it and `remedy`."""
+    from .errors import DamagedFileError
+
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        problem = f"not UTF-8 text: invalid byte at offset {e.start}"
+    except json.JSONDecodeError as e:
+        problem = "empty" if not data.strip() else f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+    except RecursionError:
+        problem = "not valid JSON: nested too deeply"
+    raise DamagedFileError(path, problem, remedy, size=len(data))
+
+
 def publish(tmp: Path, final: Path) -> None:
     """Move a finished temp file (or folder, onto a missing or empty one) to `final` in one rename."""
     os.replace(tmp, final)

@@ -65,6 +65,7 @@ def tokenize_row(tokenizer, row, max_length: int, block_size: int,
 class Dataset:
     examples: list[Tokenized]
     rejects: Rejects = field(default_factory=Rejects)
+    damaged: Optional[list] = None  # a list: damaged files are collected here (their rows before the damage kept)
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -77,11 +78,12 @@ class Dataset:
 
 def _load_source(source: str, tokenizer, max_length: int, block_size: int, limit: int,
                  template_kwargs: dict | None, ds: Dataset) -> tuple[Rejects, int]:
-    """Append the usable rows of one source to `ds` (until it holds `limit`, when set); its rejects and rows read."""
+    """Append the usable rows of one source to `ds` (until it holds `limit`, when set); its rejects and rows read.
+    A damaged file raises DamagedDataFile, unless `ds.damaged` collects it."""
     rejects, read = Rejects(), 0
-    for where, row in iter_source(source):
-        if limit and len(ds.examples) >= limit:
-            break
+    if limit and len(ds.examples) >= limit:
+        return rejects, read
+    for where, row in iter_source(source, damaged=ds.damaged):
         read += 1
         try:
             tok, _, _ = tokenize_row(tokenizer, row, max_length, block_size, template_kwargs)
@@ -89,18 +91,24 @@ def _load_source(source: str, tokenizer, max_length: int, block_size: int, limit
             rejects.add_error(where, e)
             continue
         ds.examples.append(tok)
+        if limit and len(ds.examples) >= limit:  # stop here: a damage after the limit is never reached
+            break
     return rejects, read
 
 
 def read_sources(sources: list[str], tokenizer, max_length: int, block_size: int, max_samples: int = 0,
-                 template_kwargs: dict | None = None, listed_in: Optional[Path] = None) -> Dataset:
+                 template_kwargs: dict | None = None, listed_in: Optional[Path] = None,
+                 skip_damaged_files: bool = False) -> Dataset:
     """The usable rows of `sources` in memory, and their rejects; logs one line per reason per source
-    (with the first ids) and says that the full list is in `listed_in`, which the caller writes."""
-    ds = Dataset([])
+    (with the first ids) and says that the full list is in `listed_in`, which the caller writes. A damaged
+    file raises DamagedDataFile, or with `skip_damaged_files` gives its rows before the damage and a warning."""
+    ds = Dataset([], damaged=[] if skip_damaged_files else None)
     for source in sources:
         rejects, read = _load_source(source, tokenizer, max_length, block_size, max_samples, template_kwargs, ds)
         rejects.log_summary(log, source, read, listed_in)
         ds.rejects.extend(rejects)
+    for e in ds.damaged or ():
+        log.warning("%s", e.cut_line())
     return ds
 
 

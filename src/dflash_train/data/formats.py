@@ -11,6 +11,9 @@ Every bad row raises `RowError` with a short, countable reason. Row ids say wher
 (JSONL), `file:#index` (JSON array, Parquet), `sharegpt:#index` (the training split; the held-out split
 eval reads: `sharegpt-heldout:#index`), `mt-bench:<question_id>`, `humaneval:<task_id>`.
 Reading is streaming for every format: memory does not grow with the file.
+A damaged file (cut short, bad compression, a bad gzip or Parquet header, empty) is not a bad row: reading
+raises `DamagedDataFile` naming the file and where it stopped, unless the caller collects it (`iter_source`'s
+`damaged`), which keeps the rows before the damage.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import codecs
 import gzip
 import json
 import reprlib
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, BinaryIO, Iterator, Optional, Union
 
 from .. import assets
+from ..errors import DamagedFileError, format_share
 
 SHAREGPT_ROLES = {
     "human": "user", "user": "user",
@@ -166,8 +171,62 @@ Row = Union[dict, RowError]
 # ----------------------------------------------------------------------------------------- files
 
 
-def _open_bytes(path: Path):
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+class DamagedDataFile(DamagedFileError):
+    """A data file that cannot be read to its end; the rows before the damage were yielded. `skip_option`
+    is how the command asks to use them (train says its config key instead)."""
+
+    skip_option = "--skip-damaged-files"
+
+    def __init__(self, path, problem: str, *, rows_read: int, bytes_read: Optional[int] = None,
+                 size: Optional[int] = None):
+        super().__init__(path, problem, "", rows_read=rows_read, bytes_read=bytes_read, size=size)
+
+    def __str__(self) -> str:
+        use = f"to use the {_rows(self.rows_read)} before the damage" if self.rows_read else "to leave it out"
+        return (f"{self.path} is damaged ({self.problem}){self.where()}: re-create or re-download it, "
+                f"or pass {self.skip_option} {use}")
+
+    @classmethod
+    def from_record(cls, record: dict) -> "DamagedDataFile":
+        return cls(record["path"], record["error"], rows_read=record["rows_read"], bytes_read=record["bytes_read"],
+                   size=record["size"])
+
+    def record(self) -> dict:
+        """What a manifest or summary keeps of a file skipped past its damage."""
+        return {"path": self.path, "rows_read": self.rows_read, "bytes_read": self.bytes_read, "size": self.size,
+                "error": self.problem}
+
+    def cut_line(self) -> str:
+        """The summary line of a file used up to its damage."""
+        read = f", read {format_share(self.bytes_read, self.size)}" if self.bytes_read is not None and self.size else ""
+        return (f"{self.path} is damaged ({self.problem}): cut at row {self.rows_read}{read}; "
+                f"used the {_rows(self.rows_read)} before the damage")
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
+class _Cut(Exception):
+    """Raised inside a reader where the file's own structure shows it is cut short or corrupt."""
+
+
+def _damage(e: BaseException) -> str:
+    """What a reader's or the gzip decompressor's exception says about the file. (Other OS errors, such as a
+    permission or a failing disk, are not damage: they keep their own one-line report.)"""
+    if isinstance(e, EOFError):
+        return "cut short: the gzip stream ends early"
+    if isinstance(e, zlib.error):
+        return f"bad deflate data: {str(e).split(': ', 1)[-1]}"
+    if isinstance(e, gzip.BadGzipFile):
+        return f"bad gzip data: {e}"
+    return str(e)  # _Cut
+
+
+def _open_bytes(path: Path, raw: Optional[BinaryIO] = None):
+    if path.suffix == ".gz":
+        return gzip.GzipFile(fileobj=raw, mode="rb") if raw is not None else gzip.open(path, "rb")
+    return raw if raw is not None else open(path, "rb")
 
 
 def _sniff(path: Path) -> str:
@@ -188,120 +247,141 @@ def _sniff(path: Path) -> str:
 
 def iter_rows(path: Path) -> Iterator[tuple[str, Row]]:
     """Rows of a JSONL (`.jsonl`, `.jsonl.gz`), JSON array (`.json`, `.json.gz`) or Parquet file, streaming.
-    A row that does not decode is yielded as a RowError (never raised), so good rows are never lost."""
+    A row that does not decode is yielded as a RowError (never raised), so good rows are never lost. A damaged
+    file raises DamagedDataFile after its last readable row."""
     path = Path(path)
-    last = "the start"
-    try:
-        kind = _sniff(path)
-        rows = _iter_parquet(path) if kind == "parquet" else _iter_json_array(path) if kind == "array" else _iter_jsonl(path)
-        for last, row in rows:
-            yield last, row
-    except (OSError, EOFError, ValueError) as e:  # corrupt gzip / Parquet: the rest of this file is lost
-        yield f"{path}", RowError("unreadable file", f"{type(e).__name__}: {e} (reading stopped after {last})")
+    size = path.stat().st_size
+    if size == 0:
+        raise DamagedDataFile(path, "empty: 0 bytes, it holds no rows", rows_read=0, bytes_read=0, size=0)
+    rows, kind = 0, ""
+    with open(path, "rb") as raw:
+        try:
+            kind = _sniff(path)
+            if kind == "parquet":
+                reader = _iter_parquet(path)
+            else:
+                stream = _open_bytes(path, raw)
+                reader = _iter_json_array(path, stream) if kind == "array" else _iter_jsonl(path, stream)
+            for where, row in reader:
+                rows += 1
+                yield where, row
+        except (_Cut, EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise DamagedDataFile(path, _damage(e), rows_read=rows, bytes_read=None if kind == "parquet" else
+                                  min(raw.tell(), size), size=size) from e
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[str, Row]]:
-    with _open_bytes(path) as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield where, RowError("not UTF-8", f"invalid byte at column {e.start + 1}")
-                continue
-            if lineno == 1:
-                line = line.lstrip("\ufeff")
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield where, RowError("invalid JSON", f"{e.msg} at column {e.colno}")
-                continue
-            except (ValueError, RecursionError) as e:  # valid JSON Python will not hold: only this row is bad
-                yield where, RowError("invalid JSON", _unloadable(e))
-                continue
-            yield where, row
+def _iter_jsonl(path: Path, f: BinaryIO) -> Iterator[tuple[str, Row]]:
+    """One row per line. A last line without its newline that does not parse is where the file was cut
+    (a bad line anywhere else is one rejected row)."""
+    for lineno, raw in enumerate(f, 1):
+        where = f"{path}:{lineno}"
+        cut = not raw.endswith(b"\n")  # only the last line can lack it
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if cut and e.reason == "unexpected end of data":
+                raise _Cut(f"cut short: its last line, line {lineno}, ends inside a character") from None
+            yield where, RowError("not UTF-8", f"invalid byte at column {e.start + 1}")
+            continue
+        if lineno == 1:
+            line = line.lstrip("\ufeff")
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if cut:
+                raise _Cut(f"cut short: its last line, line {lineno}, has no newline and is not valid JSON "
+                           f"({e.msg}, column {e.colno})") from None
+            yield where, RowError("invalid JSON", f"{e.msg} at column {e.colno}")
+            continue
+        except (ValueError, RecursionError) as e:  # valid JSON Python will not hold: only this row is bad
+            yield where, RowError("invalid JSON", _unloadable(e))
+            continue
+        yield where, row
 
 
 _CHUNK = 1 << 20
 _MAX_ELEMENT = 256 << 20  # a JSON array element larger than this is not a conversation
 
 
-def _iter_json_array(path: Path) -> Iterator[tuple[str, Row]]:
+def _iter_json_array(path: Path, f: BinaryIO) -> Iterator[tuple[str, Row]]:
     """A JSON array decoded one element at a time from a bounded window of the file. Bytes that are
     not UTF-8 only spoil the element that holds them. An element that does not parse makes the rest of
-    the array unreadable (JSON has no line boundaries to resync on): it is reported, then reading stops."""
+    the array unreadable (JSON has no line boundaries to resync on): the file is damaged from there."""
     decoder = json.JSONDecoder()
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
-    with _open_bytes(path) as f:
-        buf, pos, eof = "", 0, False
+    buf, pos, eof = "", 0, False
 
-        def more() -> bool:
-            nonlocal buf, pos, eof
-            if eof:
-                return False
-            data = f.read(max(_CHUNK, len(buf) - pos))  # grow geometrically: linear time for big elements
-            eof = not data
-            buf = buf[pos:] + utf8.decode(data, final=eof)
-            pos = 0
-            return bool(data)
+    def more() -> bool:
+        nonlocal buf, pos, eof
+        if eof:
+            return False
+        data = f.read(max(_CHUNK, len(buf) - pos))  # grow geometrically: linear time for big elements
+        eof = not data
+        buf = buf[pos:] + utf8.decode(data, final=eof)
+        pos = 0
+        return bool(data)
 
-        def skip_space(chars: str) -> bool:
-            """Skip `chars`; False at the end of the file."""
-            nonlocal pos
-            while True:
-                while pos < len(buf) and buf[pos] in chars:
-                    pos += 1
-                if pos < len(buf):
-                    return True
-                if not more():
-                    return False
-
-        if not skip_space("\ufeff \t\r\n") or buf[pos] != "[":
-            yield f"{path}", RowError("invalid JSON", "not a JSON array")
-            return
-        pos += 1
-        index = 0
+    def skip_space(chars: str) -> bool:
+        """Skip `chars`; False at the end of the file."""
+        nonlocal pos
         while True:
-            if not skip_space(" \t\r\n,"):
-                yield f"{path}:#{index}", RowError("invalid JSON", "the array is not closed (truncated file?)")
-                return
-            if buf[pos] == "]":
+            while pos < len(buf) and buf[pos] in chars:
                 pos += 1
-                if skip_space(" \t\r\n"):
-                    yield f"{path}:#{index}", RowError("invalid JSON", "data after the end of the array (not read)")
-                return
-            unloadable = None
-            while True:
-                try:
-                    row, end = decoder.raw_decode(buf, pos)
-                    break
-                except json.JSONDecodeError as e:
-                    if len(buf) - pos > _MAX_ELEMENT or not more():
-                        yield f"{path}:#{index}", RowError(
-                            "invalid JSON", f"{e.msg} (reading stopped here: the rest of the array is unreadable)")
-                        return
-                except (ValueError, RecursionError) as e:  # valid JSON Python will not hold: skip this element
-                    unloadable, end = e, _value_end(buf, pos)
-                    if end is not None:
-                        break
-                    if len(buf) - pos > _MAX_ELEMENT or not more():
-                        yield f"{path}:#{index}", RowError(
-                            "invalid JSON", f"{_unloadable(e)} (reading stopped here: the rest of the array is unreadable)")
-                        return
-            text, pos = buf[pos:end], end
-            where = f"{path}:#{index}"
-            index += 1
-            if unloadable is not None:
-                yield where, RowError("invalid JSON", _unloadable(unloadable))
-                continue
+            if pos < len(buf):
+                return True
+            if not more():
+                return False
+
+    if not skip_space("\ufeff \t\r\n") or buf[pos] != "[":
+        yield f"{path}", RowError("invalid JSON", "not a JSON array")
+        return
+    pos += 1
+    index = 0
+    while True:
+        if not skip_space(" \t\r\n,"):
+            raise _Cut(f"cut short: the JSON array ends after {index} elements without its closing ']'")
+        if buf[pos] == "]":
+            pos += 1
+            if skip_space(" \t\r\n"):
+                yield f"{path}:#{index}", RowError("invalid JSON", "data after the end of the array (not read)")
+            return
+        unloadable = None
+        while True:
             try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                yield where, RowError("not UTF-8", "the element holds bytes that are not UTF-8")
-                continue
-            yield where, row
+                row, end = decoder.raw_decode(buf, pos)
+                break
+            except json.JSONDecodeError as e:
+                if len(buf) - pos > _MAX_ELEMENT or not more():
+                    raise _Cut(_unparsable_element(index, e, _value_end(buf, pos) is None)) from None
+            except (ValueError, RecursionError) as e:  # valid JSON Python will not hold: skip this element
+                unloadable, end = e, _value_end(buf, pos)
+                if end is not None:
+                    break
+                if len(buf) - pos > _MAX_ELEMENT or not more():
+                    raise _Cut(f"element #{index} is {_unloadable(e)} and its end cannot be found: the rest "
+                               "of the array cannot be read") from None
+        text, pos = buf[pos:end], end
+        where = f"{path}:#{index}"
+        index += 1
+        if unloadable is not None:
+            yield where, RowError("invalid JSON", _unloadable(unloadable))
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            yield where, RowError("not UTF-8", "the element holds bytes that are not UTF-8")
+            continue
+        yield where, row
+
+
+def _unparsable_element(index: int, e: json.JSONDecodeError, unclosed: bool) -> str:
+    """Why reading an array stops at element `index`: cut inside it (its brackets or quotes never close), or
+    a broken element in the middle."""
+    if unclosed:
+        return f"cut short: the file ends inside element #{index} of the JSON array"
+    return f"element #{index} is not valid JSON ({e.msg}): the rest of the array cannot be read"
 
 
 def _unloadable(e: BaseException) -> str:
@@ -347,10 +427,26 @@ def _parquet_file(path: Path):
 
 def _iter_parquet(path: Path, batch_rows: int = 1024) -> Iterator[tuple[str, Row]]:
     index = 0
-    for batch in _parquet_file(path).iter_batches(batch_size=batch_rows):
-        for row in batch.to_pylist():
+    batches = _parquet_call(path, lambda: _parquet_file(path).iter_batches(batch_size=batch_rows))
+    while True:
+        batch = _parquet_call(path, lambda: next(batches, None))
+        if batch is None:
+            return
+        for row in _parquet_call(path, batch.to_pylist):
             yield f"{path}:#{index}", row
             index += 1
+
+
+def _parquet_call(path: Path, call):
+    """`call()`, with what pyarrow raises for a bad footer, header or page as `_Cut` (an OS error that has an
+    errno, such as a permission, stays itself)."""
+    try:
+        return call()
+    except (OSError, ValueError) as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _Cut(f"not a readable Parquet file: {first}") from None
 
 
 # --------------------------------------------------------------------------------------- sources
@@ -400,14 +496,47 @@ def iter_builtin(name: str, sharegpt_split: str = "train") -> Iterator[tuple[str
         raise FileNotFoundError(f"unknown built-in source {name!r}; built-in: {', '.join(BUILTIN_SOURCES)}")
 
 
-def iter_source(spec: str, sharegpt_split: str = "train") -> Iterator[tuple[str, Row]]:
-    """Rows of one `--data` argument (file, folder or built-in name), in a deterministic order."""
+def iter_source(spec: str, sharegpt_split: str = "train",
+                damaged: Optional[list[DamagedDataFile]] = None) -> Iterator[tuple[str, Row]]:
+    """Rows of one `--data` argument (file, folder or built-in name), in a deterministic order. A damaged
+    file raises DamagedDataFile; with a `damaged` list it is added there instead (its rows before the damage
+    were yielded) and reading goes on with the next file."""
     expanded = expand_source(spec)
     if isinstance(expanded, str):
         yield from iter_builtin(expanded, sharegpt_split)
         return
     for path in expanded:
-        yield from iter_rows(path)
+        try:
+            yield from iter_rows(path)
+        except DamagedDataFile as e:
+            if damaged is None:
+                raise
+            damaged.append(e)
+
+
+def check_readable(specs: list[str], limit: int = 0) -> None:
+    """Read the first `limit` rows of the sources' files (all when 0; built-in sources are packaged, not
+    read) without using them: a damaged file raises DamagedDataFile here, before a command writes or loads
+    anything."""
+    n = 0
+    for spec in specs:
+        if isinstance(expand_source(spec), str):
+            continue
+        for _ in iter_source(spec):
+            n += 1
+            if limit and n >= limit:
+                return
+
+
+def _file_rows(path: Path) -> Iterator[int]:
+    kind = _sniff(path)
+    if kind == "parquet":
+        yield _parquet_file(path).metadata.num_rows
+    elif kind == "array":
+        yield from (1 for _ in iter_rows(path))
+    else:  # counted by lines, without decoding them
+        with _open_bytes(path) as f:
+            yield from (1 for raw in f if raw.strip())
 
 
 def _row_counts(spec: str) -> Iterator[int]:
@@ -416,14 +545,14 @@ def _row_counts(spec: str) -> Iterator[int]:
         yield from (1 for _ in iter_builtin(expanded))
         return
     for path in expanded:
-        kind = _sniff(path)
-        if kind == "parquet":
-            yield _parquet_file(path).metadata.num_rows
-        elif kind == "array":
-            yield from (1 for _ in iter_rows(path))
-        else:  # counted by lines, without decoding them
-            with _open_bytes(path) as f:
-                yield from (1 for raw in f if raw.strip())
+        try:
+            yield from _file_rows(path)
+        except (DamagedDataFile, EOFError, zlib.error, gzip.BadGzipFile, ValueError):
+            continue  # a damaged file counts up to its damage; reading it says what is wrong
+        except OSError as e:
+            if e.errno is not None:
+                raise
+            continue  # pyarrow's error for a bad footer
 
 
 def count_rows(specs: list[str], limit: int = 0) -> int:

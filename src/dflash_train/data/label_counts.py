@@ -15,6 +15,8 @@ from typing import Iterable
 
 import numpy as np
 
+from ..errors import DamagedFileError
+
 from .chat import Tokenized
 
 COUNTS_FILE = "label_counts.npy"
@@ -71,7 +73,11 @@ def write_counts(path: Path, counts: np.ndarray) -> None:
 
 
 def read_counts(path: Path) -> np.ndarray:
-    counts = np.load(path, allow_pickle=False)
+    try:
+        counts = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as e:  # a cut or garbled .npy: its header or data does not add up
+        raise DamagedFileError(path, f"not a readable .npy file: {e}",
+                               "re-run `dflash-train prepare` to re-create the dataset") from None
     if counts.ndim != 1 or counts.dtype != np.int64 or (len(counts) and int(counts.min()) < 0):
         raise ValueError(f"{path} is not a label count vector (1-D, int64, >= 0): shape {counts.shape}, "
                          f"dtype {counts.dtype}; re-run `dflash-train prepare`")

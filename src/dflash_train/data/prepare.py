@@ -23,7 +23,7 @@ from ..model.fingerprints import chat_template_fingerprint, chat_template_text, 
 from ..outputs import check_prepare_out
 from . import store
 from .dataset import tokenize_row
-from .formats import RowError, builtin_file, expand_source, iter_source
+from .formats import DamagedDataFile, RowError, builtin_file, expand_source, iter_source
 from .label_counts import COUNTS_FILE, LabelCounter, write_counts
 from .rejects import Rejects
 
@@ -39,6 +39,7 @@ class PrepareConfig:
     shard_rows: int = 50_000
     max_samples: int = 0
     overwrite: bool = False
+    skip_damaged_files: bool = False  # use the rows before a damaged file's damage instead of stopping
 
     def __post_init__(self) -> None:  # a config that cannot be prepared fails before the tokenizer loads
         if self.max_length < 2 * self.block_size:
@@ -111,11 +112,12 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
         writers = {s: store.ShardWriter(tmp, s, cfg.shard_rows) for s in store.SPLITS}
         labels = LabelCounter(len(tokenizer))  # the train split's label tokens (drafter.draft_vocab_size)
         rows_read = kept = truncated = 0
+        damaged: Optional[list] = [] if cfg.skip_damaged_files else None
         bar = None
         if progress:
             bar = tqdm(desc="prepare", unit="row", dynamic_ncols=True, mininterval=1.0)
         for spec in data:
-            for where, row in iter_source(spec):
+            for where, row in iter_source(spec, damaged=damaged):
                 if cfg.max_samples and kept >= cfg.max_samples:
                     break
                 rows_read += 1
@@ -136,6 +138,8 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
                 break
         if bar is not None:
             bar.close()
+        for e in damaged or ():
+            log.warning("%s", e.cut_line())
         rejects_file.close()
         splits = {s: w.close() for s, w in writers.items()}
         if kept == 0:
@@ -144,6 +148,7 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
                 + ", ".join(f"{r}: {n}" for r, n in rejects.counts.most_common())
                 + "). First rejects: " + "; ".join(rejects.first_lines())
                 + ". Give conversations with assistant turns (run `dflash-train regen` on prompt-only data)"
+                + "".join(f". {e.cut_line()}" for e in damaged or ())
             )
         counts = labels.result()
         write_counts(tmp / COUNTS_FILE, counts)
@@ -162,7 +167,8 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
             "shard_rows": cfg.shard_rows,
             "sources": sources,
             "counts": {"rows_read": rows_read, "kept": kept, "truncated": truncated,
-                       "rejected": dict(sorted(rejects.counts.items())), "rejected_total": sum(rejects.counts.values())},
+                       "rejected": dict(sorted(rejects.counts.items())), "rejected_total": sum(rejects.counts.values()),
+                       "damaged_files": [e.record() for e in damaged or ()]},
             "splits": splits,
             "rejects_file": store.REJECTS,
             # how often each token id is a label of the train split (the draft vocabulary is chosen from it)
@@ -192,6 +198,8 @@ def summary(manifest: dict, out: Path) -> str:
     if counts:
         lines.append(f"  labels: {counts['distinct']} distinct tokens among the train split's {counts['labels']} "
                      f"(counted in {counts['file']}, for drafter.draft_vocab_size)")
+    for d in c.get("damaged_files", ()):
+        lines.append(f"  {DamagedDataFile.from_record(d).cut_line()}")
     if c["rejected_total"]:
         lines.append(f"  rejected {c['rejected_total']} rows:")
         for reason, n in sorted(c["rejected"].items(), key=lambda kv: (-kv[1], kv[0])):

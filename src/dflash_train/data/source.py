@@ -68,8 +68,9 @@ class _Prepared:
 
 class _InMemory:
     def __init__(self, source: str, tokenizer, max_length: int, block_size: int, limit: int,
-                 listed_in: Optional[Path]):
-        ds = read_sources([source], tokenizer, max_length, block_size, limit, listed_in=listed_in)
+                 listed_in: Optional[Path], skip_damaged_files: bool = False):
+        ds = read_sources([source], tokenizer, max_length, block_size, limit, listed_in=listed_in,
+                          skip_damaged_files=skip_damaged_files)
         self.dataset = ds
         self.examples = ds.examples
         self.rejected = ds.rejected
@@ -160,7 +161,8 @@ def open_training_data(cfg, tokenizer, rejects_path: Optional[Path] = None) -> T
         if is_prepared(entry):
             part = _Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, cfg.drafter.block_size, remaining)
         else:
-            part = _InMemory(entry, tokenizer, cfg.data.max_length, cfg.drafter.block_size, remaining, rejects_path)
+            part = _InMemory(entry, tokenizer, cfg.data.max_length, cfg.drafter.block_size, remaining, rejects_path,
+                             cfg.data.skip_damaged_files)
         parts.append(part)
         rejected.update(part.rejected)
         taken += len(part.lengths)
@@ -192,7 +194,8 @@ def open_validation_data(cfg, tokenizer, rejects_path: Optional[Path] = None) ->
         if is_prepared(entry):
             parts.append(_Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, cfg.drafter.block_size, 0, "val"))
         else:
-            parts.append(_InMemory(entry, tokenizer, cfg.data.max_length, cfg.drafter.block_size, 0, rejects_path))
+            parts.append(_InMemory(entry, tokenizer, cfg.data.max_length, cfg.drafter.block_size, 0, rejects_path,
+                                   cfg.data.skip_damaged_files))
     _list_rejects_then_check(parts, rejects_path)
     parts = [p for p in parts if len(p.lengths)]
     if not parts:

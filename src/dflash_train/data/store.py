@@ -23,8 +23,10 @@ from typing import Any, Optional
 import numpy as np
 import pyarrow as pa
 
+from ..errors import DamagedFileError
 from ..model.fingerprints import chat_template_fingerprint, tokenizer_fingerprint
 from ..outputs import put_in_place
+from ..runtime import read_json_file
 from .chat import Tokenized
 from .label_counts import read_counts
 
@@ -150,13 +152,49 @@ def read_manifest(path: str | Path) -> dict:
     p = Path(path)
     if not (p / MANIFEST).is_file():
         raise FileNotFoundError(f"{p} is not a prepared dataset (no {MANIFEST}); create it with `dflash-train prepare`")
-    manifest = json.loads((p / MANIFEST).read_text(encoding="utf-8"))
+    manifest = read_json_file(p / MANIFEST, _redo(p))
+    if not isinstance(manifest, dict) or not all(isinstance(manifest.get(k), dict) for k in ("splits", "counts")):
+        raise DamagedFileError(p / MANIFEST, "not a prepared-dataset manifest: no splits or counts", _redo(p))
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{p} is a prepared dataset of format {manifest.get('format')!r} version {manifest.get('format_version')}; "
             f"this dflash-train reads {FORMAT!r} version {FORMAT_VERSION}: re-run `dflash-train prepare`"
         )
     return manifest
+
+
+def _redo(path: Path) -> str:
+    return f"re-create the dataset with `dflash-train prepare ... --out {path} --overwrite`"
+
+
+def _open_shard(path: Path, dataset: Path):
+    """The Arrow IPC reader of one shard; a missing, cut or garbled shard raises DamagedFileError."""
+    if not path.is_file():
+        raise DamagedFileError(path, "missing: the manifest lists it", _redo(dataset))
+    try:
+        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+        if not reader.schema.equals(SCHEMA):
+            raise DamagedFileError(path, f"not a shard of this format: its columns are {reader.schema.names}",
+                                   _redo(dataset))
+        return reader
+    except (pa.ArrowException, OSError) as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DamagedFileError(path, f"not a readable Arrow shard: {first}", _redo(dataset),
+                               size=path.stat().st_size) from None
+
+
+def _shard_batch(reader, index: int, path: Path, dataset: Path):
+    try:
+        batch = reader.get_batch(index)
+        batch.validate(full=True)  # offsets inside the buffers: a garbled batch fails here, not at a later read
+        return batch
+    except (pa.ArrowException, OSError) as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        raise DamagedFileError(path, f"record batch {index} is not readable: {str(e).strip().splitlines()[0]}",
+                               _redo(dataset), size=path.stat().st_size) from None
 
 
 def check_fingerprints(manifest: dict, tokenizer, dataset: str, target: str) -> None:
@@ -205,9 +243,9 @@ class PreparedDataset:
         self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # offsets, ids, masks, nsup
         starts, lengths = [0], []
         for rel in self.manifest["splits"][split]["shards"]:
-            reader = pa.ipc.open_file(pa.memory_map(str(self.path / rel), "r"))
+            reader = _open_shard(self.path / rel, self.path)
             for b in range(reader.num_record_batches):
-                batch = reader.get_batch(b)
+                batch = _shard_batch(reader, b, self.path / rel, self.path)
                 ids, masks = batch.column(0), batch.column(1)
                 self._chunks.append((
                     ids.offsets.to_numpy(),
@@ -224,6 +262,13 @@ class PreparedDataset:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def check_rows(self) -> None:
+        """The rows the manifest counts are the rows the shards hold."""
+        want = self.manifest["splits"][self.split].get("rows")
+        if want is not None and want != len(self):
+            raise DamagedFileError(self.path / MANIFEST, f"its {self.split} split counts {want} rows, the shards hold "
+                                   f"{len(self)}", _redo(self.path))
 
     def example(self, i: int) -> Tokenized:
         if not 0 <= i < len(self):

@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 from collections import Counter
+from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -33,14 +34,14 @@ from .spec_decode import DecodeResult, SpeculativeDecoder
 
 log = logging.getLogger(__name__)
 
-def iter_prompts(name: str, limit: int = 0) -> Iterator[dict]:
+def iter_prompts(name: str, limit: int = 0, damaged: Optional[list] = None) -> Iterator[dict]:
     """`{"id", "turns": [user message, ...]}` per row of a built-in set (`sharegpt`: its held-out split) or
     of any source `formats` reads. `id` is the row's own `id` field when it has one (regen writes its
     source row's id there), else the reader's. A conversation gives its first user turn only: its later
-    ones reply to answers the decoding under test did not write. A bad row stops here, naming it."""
-    for i, (where, row) in enumerate(iter_source(name, sharegpt_split="heldout")):
-        if limit and i >= limit:
-            return
+    ones reply to answers the decoding under test did not write. A bad row stops here, naming it; so does a
+    damaged file, unless `damaged` collects it (`formats.iter_source`)."""
+    # islice: reading stops at the limit, so a damage after it is never reached
+    for where, row in islice(iter_source(name, sharegpt_split="heldout", damaged=damaged), limit or None):
         if isinstance(row, RowError):
             raise ValueError(f"eval data {where}: {row}")
         try:
@@ -151,14 +152,19 @@ def evaluate(
     measure_speedup: bool = True,
     progress: bool = False,
     on_dataset: Optional[Callable[[dict], None]] = None,
+    skip_damaged_files: bool = False,
 ) -> dict:
     """Run every mode on every prompt; returns a JSON-ready report. `on_dataset(report)`: the report so far,
-    after each dataset (so that a later failure loses none of it). `progress`: a bar per dataset on stderr."""
+    after each dataset (so that a later failure loses none of it). `progress`: a bar per dataset on stderr.
+    `skip_damaged_files`: a damaged data file gives its prompts before the damage, and the report lists it under
+    "damaged_files"."""
     dec = SpeculativeDecoder(target, drafter, stop_token_ids, temperature, block_size)
     modes = make_modes(tree_budgets, measure_speedup)
     report: dict = {"config": report_config(max_new_tokens, temperature, dec.block_size, tree_budgets),
                     "datasets": {}, "outputs": []}
-    prompts = read_prompts(datasets, limit)
+    damaged: Optional[list] = [] if skip_damaged_files else None
+    prompts = read_prompts(datasets, limit, damaged)
+    _with_damaged(report, damaged)
     for ds, items in prompts.items():
         bar = tqdm(items, desc=ds, unit="prompt", dynamic_ncols=True, disable=not progress, file=sys.stderr)
         records = [run_prompt(dec, tokenizer, item, modes, max_new_tokens, template_kwargs, ds) for item in bar]
@@ -169,10 +175,19 @@ def evaluate(
     return report
 
 
-def read_prompts(datasets: list[str], limit: int = 0) -> dict[str, list[dict]]:
+def _with_damaged(report: dict, damaged: Optional[list]) -> dict:
+    """The files read only up to their damage (`--skip-damaged-files`), in the report and the log."""
+    if damaged:
+        report["damaged_files"] = [e.record() for e in damaged]
+        for e in damaged:
+            log.warning("%s", e.cut_line())
+    return report
+
+
+def read_prompts(datasets: list[str], limit: int = 0, damaged: Optional[list] = None) -> dict[str, list[dict]]:
     """Every dataset's prompts (`iter_prompts`), read before any is decoded: a bad row or file fails the run
-    before hours of decoding, not after. A dataset listed twice is read once."""
-    return {ds: list(iter_prompts(ds, limit)) for ds in dict.fromkeys(datasets)}
+    before hours of decoding, not after. A dataset listed twice is read once. `damaged`: as `iter_prompts`'s."""
+    return {ds: list(iter_prompts(ds, limit, damaged)) for ds in dict.fromkeys(datasets)}
 
 
 def evaluate_by_replay(
@@ -188,14 +203,19 @@ def evaluate_by_replay(
     template_kwargs: Optional[dict] = None,
     batch_size: int = 32,
     on_dataset: Optional[Callable[[dict], None]] = None,
+    skip_damaged_files: bool = False,
 ) -> dict:
     """`evaluate`'s report for greedy block and DDTree decoding, by replay (`infer.replay`): the same tokens
     and accept lengths, from one batched target generation and one drafter pass per turn; nothing is timed.
-    Dataset by dataset, each followed by `on_dataset(report so far)`, as `evaluate`."""
+    Dataset by dataset, each followed by `on_dataset(report so far)`, as `evaluate`; `skip_damaged_files` as
+    `evaluate`'s."""
     report: dict = {"config": {**report_config(max_new_tokens, 0.0, drafter.block_size, tree_budgets),
                                "method": "replay"}, "datasets": {}, "outputs": []}
-    for ds, prompts in read_prompts(datasets, limit).items():
-        items = [{"dataset": ds, **item} for item in prompts]
+    damaged: Optional[list] = [] if skip_damaged_files else None
+    prompts = read_prompts(datasets, limit, damaged)
+    _with_damaged(report, damaged)
+    for ds, items in prompts.items():
+        items = [{"dataset": ds, **item} for item in items]
         part = replay_reports(target, tokenizer, {"drafter": drafter}, items, max_new_tokens=max_new_tokens,
                               tree_budgets=tree_budgets, stop_token_ids=stop_token_ids,
                               template_kwargs=template_kwargs, batch_size=batch_size)["drafter"]

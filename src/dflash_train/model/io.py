@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..algorithms import UnknownArchitecture, architecture, architecture_of_export
 from ..algorithms.base import Drafter
-from ..errors import ModelError
+from ..errors import DamagedFileError, ModelError
 from ..permissions import follow_umask
-from ..runtime import dtype_named, replace_dir, temp_dir_beside
+from ..runtime import dtype_named, read_json_file, replace_dir, temp_dir_beside
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -53,25 +53,33 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: Op
     for f in (cfg_file, weights):
         if not f.is_file():
             raise FileNotFoundError(f"{f} is missing: {path} is not an exported DFlash drafter")
+    # a checkpoint's drafter/ folder sits beside its trainer_state.json (train/checkpoint.py, which imports this)
+    in_checkpoint = (path.parent / "trainer_state.json").is_file()
+    redo = (f"resume or export from another checkpoint than {path.parent}" if in_checkpoint
+            else "export the checkpoint again (dflash-train export RUN/checkpoints/step-N --out DIR) or copy the "
+                 "drafter folder again")
+    data = read_json_file(cfg_file, redo)
     try:
-        data = json.loads(cfg_file.read_text())
         arch = architecture_of_export(data)
         config = arch.config_from_dict(data)
-    except (UnknownArchitecture, ValueError, json.JSONDecodeError) as e:
+    except (UnknownArchitecture, ValueError) as e:
         raise ModelError(f"{cfg_file}: {e}") from e
     with torch.device("meta"):
         drafter = arch.drafter_class(config)
     expected = {k: v.shape for k, v in drafter.state_dict().items()}
     expected_dtypes = {k: v.dtype for k, v in drafter.state_dict().items()}
-    with safe_open(str(weights), framework="pt") as f:
-        names = set(f.keys())
-        missing = sorted(set(expected) - names)
-        unexpected = sorted(names - set(expected))
-        if missing or unexpected:
-            raise ModelError(
-                f"{weights} does not match {cfg_file}: missing tensors {missing[:8]}, unexpected tensors {unexpected[:8]}"
-            )
-        state = {name: f.get_tensor(name) for name in sorted(names)}
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            names = set(f.keys())
+            missing = sorted(set(expected) - names)
+            unexpected = sorted(names - set(expected))
+            if missing or unexpected:
+                raise ModelError(f"{weights} does not match {cfg_file}: missing tensors {missing[:8]}, unexpected "
+                                 f"tensors {unexpected[:8]}")
+            state = {name: f.get_tensor(name) for name in sorted(names)}
+    except SafetensorError as e:
+        raise DamagedFileError(weights, f"not a readable safetensors file: {e}", redo,
+                               size=weights.stat().st_size) from None
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name]):
             raise ModelError(f"{weights}: tensor {name} has shape {tuple(tensor.shape)}, config expects {tuple(expected[name])}")

@@ -4,11 +4,10 @@ another tokenizer, chat template, RoPE setting or target than the one it learned
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
-from ..runtime import write_json_atomic
+from ..runtime import read_json_file, write_json_atomic
 from .hf_config import text_config
 from .fingerprints import chat_template_fingerprint, tokenizer_fingerprint
 
@@ -47,7 +46,9 @@ def write_provenance(folder: Path, record: dict) -> None:
 
 def read_provenance(folder: Path) -> Optional[dict]:
     path = Path(folder) / PROVENANCE_NAME
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    return read_json_file(path, f"export the drafter again or copy {folder} again")
 
 
 def compare(trained: dict, current: dict, drafter, block_size: Optional[int] = None) -> list[str]:

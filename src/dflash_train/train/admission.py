@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 from .. import assets
 from ..config import Config, ConfigError, config_to_dict, load_config
-from ..data.formats import expand_source
-from ..data.store import is_prepared
+from ..data.formats import DamagedDataFile, check_readable, expand_source
+from ..data.store import SPLITS, PreparedDataset, is_prepared
 from ..errors import UserError
 from ..rundir import ENDED, RunDir, liveness
 from .checkpoint import list_checkpoints
@@ -105,6 +105,8 @@ def admit_start(config_path: Optional[str], overrides: list[str], run_dir: Path,
                         "--run-dir with its own config.yaml")
     cfg = with_step_cap(load_config(config_path, overrides), max_steps)
     check_inputs_exist(cfg, config_path, overrides)
+    if check_owner:
+        check_data_readable(cfg)
     found = run.contents() if check_owner and run.root.is_dir() else []
     moved, cleared = None, []
     if found and run.holds_only_a_refused_start():
@@ -172,6 +174,8 @@ def _admit_resume(config_path: Optional[str], overrides: list[str], run: RunDir,
         asked = dataclasses.replace(asked, optim=dataclasses.replace(asked.optim, max_steps=max_steps))
     changes = resume_changes(recorded, asked, run, config_path, overrides, max_steps)
     check_inputs_exist(asked, config_path or str(run.config), overrides)
+    if check_owner:
+        check_data_readable(asked)
     already = None
     if check_owner and _phase_of(run, raw=True) == "done" and not any(k in changes for k in LENGTH_KEYS):
         already = (f"{run.root} is already done ({_phase_of(run)}; the drafter is in {run.export}); nothing to "
@@ -236,3 +240,20 @@ def check_inputs_exist(cfg: Config, config_path: Optional[str], overrides: list[
                 expand_source(entry)
             except FileNotFoundError as e:
                 raise ConfigError(f"config key '{key}' ({where(key)}): {e}") from None
+
+
+def check_data_readable(cfg: Config) -> None:
+    """Every data entry can be read to its end before the run directory is written: a prepared dataset's
+    manifest and shards open and hold the rows it counts; a raw file is read through (not tokenised), unless
+    `data.skip_damaged_files` takes its rows before a damage as they load. A damaged file raises
+    DamagedFileError naming it."""
+    for entry in [*cfg.data.train_files, *cfg.data.val_files]:
+        if is_prepared(entry):
+            for split in SPLITS:
+                PreparedDataset(entry, split).check_rows()
+        elif not cfg.data.skip_damaged_files:
+            try:
+                check_readable([entry])
+            except DamagedDataFile as e:
+                e.skip_option = "data.skip_damaged_files=true (an override or in the config)"
+                raise

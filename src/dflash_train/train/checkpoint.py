@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from ..errors import UserError
+from ..errors import DamagedFileError, UserError
 from ..model.io import load_drafter, save_drafter
 from ..runtime import write_json_atomic
 
@@ -144,13 +145,24 @@ def read_state(ckpt: Path) -> dict:
         raise CheckpointError(f"{ckpt}: unreadable {STATE} ({e})") from e
 
 
+def load_optimizer_state(ckpt: Path) -> dict:
+    """optimizer.pt of a checkpoint; an empty, cut or garbled file raises DamagedFileError."""
+    path = ckpt / "optimizer.pt"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        first = str(e).strip().split(". ")[0] or type(e).__name__
+        raise DamagedFileError(path, f"not a readable torch file: {first}", "resume from an older checkpoint "
+                               f"(move {ckpt} aside)", size=path.stat().st_size) from None
+
+
 def newest_valid(root: Path) -> Optional[Path]:
     """The newest checkpoint that loads; broken ones are reported and skipped."""
     for ckpt in reversed(list_checkpoints(root)):
         try:
             read_state(ckpt)
             load_drafter(ckpt / "drafter")
-            torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+            load_optimizer_state(ckpt)
             return ckpt
         except Exception as e:  # any damage means: not this one; say why and try the previous
             log.warning("checkpoint %s is not usable (%s: %s); trying an older one", ckpt, type(e).__name__, e)
@@ -187,7 +199,7 @@ def load_into(ckpt: Path, drafter, optimizer, scheduler) -> dict:
         raise CheckpointError(f"cannot resume from {ckpt}: the drafter's tensors differ ({len(diffs)}: "
                               + "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "") + ")")
     drafter.load_state_dict({k: v.to(own[k].device) for k, v in saved.state_dict().items()})
-    opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    opt = load_optimizer_state(ckpt)
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     return state

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Union
 
@@ -27,6 +28,7 @@ class RegenSettings:
     device: str = "auto"
     progress: bool = True
     model_name: Optional[str] = None  # batch export: body.model (default: --target as given)
+    skip_damaged_files: bool = False  # a damaged --data file: its rows before the damage (default: stop)
 
 
 def batch_seed(seed: int, key: str) -> int:
@@ -74,15 +76,12 @@ def check_sources(sources: Iterable[str]) -> list[str]:
     return sources
 
 
-def iter_entries(sources: list[str], limit: int = 0) -> Iterator[Entry]:
-    """(id, Convo or RowError) per row of the sources (ids as `formats` gives them), the first `limit`."""
-    n = 0
-    for spec in sources:
-        for where, row in iter_source(spec):
-            if limit and n >= limit:
-                return
-            n += 1
-            yield where, _convo(where, row)
+def iter_entries(sources: list[str], limit: int = 0, damaged: Optional[list] = None) -> Iterator[Entry]:
+    """(id, Convo or RowError) per row of the sources (ids as `formats` gives them), the first `limit`. A
+    damaged file raises DamagedDataFile, unless `damaged` collects it (`formats.iter_source`)."""
+    rows = (item for spec in sources for item in iter_source(spec, damaged=damaged))
+    for where, row in islice(rows, limit or None):  # stops at the limit: a damage after it is never reached
+        yield where, _convo(where, row)
 
 
 def windows(entries: Iterator[Entry], size: int) -> Iterator[list[Entry]]:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from ... import __version__
 from ...runtime import write_text_atomic
+from ..formats import DamagedDataFile
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class Summary:
     elapsed_s: float = 0.0
     first_rejects: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # batch mode: requests, missing, unmatched, ...
+    damaged_files: list = field(default_factory=list)  # --skip-damaged-files: DamagedDataFile.record() of each
 
     def reject(self, where: str, reason: str, detail: str = "") -> None:
         self.rejected[reason] += 1
@@ -167,6 +169,8 @@ class Summary:
             d = self.as_dict()
             lines.append(f"  {self.new_tokens} new tokens in {self.elapsed_s:.1f} s: {d['tokens_per_s']:.1f} tokens/s, "
                          f"{d['rows_per_s']:.2f} rows/s")
+        for record in self.damaged_files:
+            lines.append(f"  {DamagedDataFile.from_record(record).cut_line()}")
         for where, reason, detail in self.first_rejects:
             lines.append(f"  rejected {where}: {reason}" + (f" ({detail})" if detail else ""))
         if n_rej > len(self.first_rejects):
@@ -188,5 +192,5 @@ def format_summary(d: dict) -> str:
     s = Summary(out=d["out"], rejects_file=d["rejects_file"], rows_written=d["rows_written"],
                 already_done=d["already_done"], rejected=Counter(d["rejected"]), truncated=Counter(d["truncated"]),
                 new_tokens=d["new_tokens"], elapsed_s=d["elapsed_s"], first_rejects=d["first_rejects"],
-                extra=d["extra"])
+                extra=d["extra"], damaged_files=d.get("damaged_files", []))
     return s.format()

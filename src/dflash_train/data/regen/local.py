@@ -17,7 +17,7 @@ from ...model.target import load_target_model, load_tokenizer, read_target_confi
 from ...runtime import resolve_device, resolve_dtype, stop_token_ids
 from ..batch import left_pad
 from ..chat import prompt_ids
-from ..formats import RowError, count_rows
+from ..formats import RowError, check_readable, count_rows
 from .inputs import Convo, RegenSettings, batch_seed, check_sources, iter_entries, windows
 from .journal import Appender, Summary, check_settings, read_done_ids, reject_record, side_paths
 
@@ -112,6 +112,8 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
     if s.max_new_tokens <= 0 or s.batch_size <= 0 or s.sort_window <= 0:
         raise ValueError("--max-new-tokens, --batch-size and --sort-window must be positive")
     sources = check_sources(sources)
+    if not s.skip_damaged_files:
+        check_readable(sources, s.limit)  # a damaged file: said before anything is loaded or written
     out = Path(out)
     target_path = assets.resolve_target(str(target))
     config = read_target_config(target_path)
@@ -152,8 +154,9 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
                desc="regen", file=sys.stderr)
     out_f, rej_f = Appender(out), Appender(rejects_path)
     t0 = time.perf_counter()
+    damaged: Optional[list] = [] if s.skip_damaged_files else None
     try:
-        for window in windows(iter_entries(sources, s.limit), s.sort_window):
+        for window in windows(iter_entries(sources, s.limit, damaged), s.sort_window):
             if all(where in done for where, _ in window):  # finished: no need to tokenise it to sort it
                 for where, e in window:
                     if where in done_rejects:
@@ -219,6 +222,7 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
         rej_f.close()
     bar.close()
     summary.elapsed_s = time.perf_counter() - t0
+    summary.damaged_files = [e.record() for e in damaged or ()]
     if summary.rows_written + summary.already_done == 0:
         raise ValueError(f"no usable row in {', '.join(sources)}: " + summary.format())
     return summary.as_dict()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Union
 
 from ...runtime import publish, write_text_atomic
-from ..formats import RowError
+from ..formats import RowError, check_readable
 from . import batch_api
 from .inputs import Convo, RegenSettings, batch_seed, check_sources, iter_entries
 from .journal import Appender, Summary, check_settings, read_done_ids, reject_record, side_paths
@@ -33,8 +33,11 @@ def batch_roundtrip(sources: Iterable[str], *, imports: Iterable[Union[str, Path
     """
     sources = check_sources(sources)
     imports, export_path, out = _check_paths(imports, export_path, out, model_name)
+    settings = settings or RegenSettings()
+    if not settings.skip_damaged_files:
+        check_readable(sources, settings.limit)  # a damaged file: said before anything is written
     responses, unreadable = batch_api.read_responses(imports)
-    rt = _Round(settings or RegenSettings(), responses, model_name)
+    rt = _Round(settings, responses, model_name)
     done: set[str] = set()
     if out is not None:
         check_settings(out, "batch", {"data": sources})
@@ -139,7 +142,8 @@ class _Round:
             rows.clear()
 
         try:
-            for where, e in iter_entries(sources, self.settings.limit):
+            damaged: Optional[list] = [] if self.settings.skip_damaged_files else None
+            for where, e in iter_entries(sources, self.settings.limit, damaged):
                 if isinstance(e, RowError):
                     self.reject(where, e.reason, e.detail)
                 elif where in done:
@@ -152,6 +156,7 @@ class _Round:
                         if len(rows) >= 1024:
                             flush_rows()
             flush_rows()
+            self.summary.damaged_files = [e.record() for e in damaged or ()]
         finally:
             if out_f is not None:
                 out_f.close()
