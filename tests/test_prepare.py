@@ -176,6 +176,10 @@ def test_unusable_inputs_stop_with_what_to_do(tiny_target_dir, tmp_path, capsys)
     assert main(["prepare", "--target", str(tiny_target_dir), "--data", "humaneval", "--out", str(out)]) == 2
     assert "no assistant turn (run regen first): 164" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".P.*"))
+    # nor does it leave the folders it made for --out
+    assert main(["prepare", "--target", str(tiny_target_dir), "--data", str(prompts), "--out",
+                 str(tmp_path / "new" / "deeper" / "P")]) == 2
+    assert not (tmp_path / "new").exists()
     # an existing output is not replaced without --overwrite
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps(openai("q", words(40))) + "\n")

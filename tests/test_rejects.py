@@ -125,18 +125,21 @@ def test_training_data_lists_the_rejects_of_every_raw_entry(tok, tiny_target_dir
 
 
 def test_a_train_start_writes_rejects_jsonl_in_the_run_directory(tiny_target_dir, tmp_path):
+    from conftest import counting_conversations
+
+    good = [json.dumps(r) for r in counting_conversations(16)]
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(BAD[NO_ASSISTANT] + "\n" + BAD["invalid JSON"] + "\n")
+    bad.write_text("\n".join(good[:8] + [BAD[NO_ASSISTANT]] + good[8:] + [BAD["invalid JSON"]]) + "\n")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({
         "target": {"path": str(tiny_target_dir)},
         "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},
         "data": {"train_files": [str(bad)], "max_length": 256, "token_budget": 1024},
-        "run": {"device": "cpu", "progress_bar": False},
+        "run": {"device": "cpu", "progress_bar": False, "eval_every": 0},
     }))
     run = tmp_path / "R"
-    assert main(["train", str(cfg), "--run-dir", str(run)]) == 2  # no usable row: stops at loading
+    assert main(["train", str(cfg), "--run-dir", str(run), "--max-steps", "1"]) == 0
     records = [json.loads(line) for line in (run / "rejects.jsonl").read_text().splitlines()]
-    assert [(r["where"], r["reason"]) for r in records] == [(f"{bad}:1", NO_ASSISTANT), (f"{bad}:2", "invalid JSON")]
+    assert [(r["where"], r["reason"]) for r in records] == [(f"{bad}:9", NO_ASSISTANT), (f"{bad}:18", "invalid JSON")]
     log = (run / "train.log").read_text()
     assert f"every one with its reason in {run / 'rejects.jsonl'}" in log and "skipping" not in log

@@ -8,6 +8,7 @@ built in a hidden temp directory beside `--out` and renamed into place when comp
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -79,6 +80,15 @@ def _source_entries(specs: list[str]) -> list[dict]:
     return entries
 
 
+def _missing_parents(out: Path) -> list[Path]:
+    """The folders above `out` that do not exist yet (the deepest first): what a failed prepare must remove."""
+    missing, folder = [], out.absolute().parent
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
 def _tmp_dir(out: Path) -> Path:
     """A fresh hidden temp dir beside `out`; temp dirs of dead prepare processes are removed."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -105,6 +115,7 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
     sources = _source_entries(data)
     kwargs = template_kwargs_for(tokenizer, cfg.thinking)
 
+    made = _missing_parents(out)
     tmp = _tmp_dir(out)
     try:
         rejects_file = open(tmp / store.REJECTS, "w", encoding="utf-8")
@@ -179,6 +190,9 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
         moved = store.publish_dir(tmp, out, cfg.overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for folder in made:  # a failed prepare leaves no folder it made either
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
     if moved is not None:
         log.warning("moved the earlier prepared dataset that was in %s aside to %s (--overwrite)", out, moved)
