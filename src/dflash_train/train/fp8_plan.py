@@ -13,7 +13,8 @@ from ..config import Config
 from ..errors import ConfigError
 from ..model.fp8 import SCALED_MM_MULTIPLE, named_linears, quantized_bytes_saved, unsupported_shapes
 from ..model.fp8_training import fp8_drafter_linears
-from ..model.target import decoder_of, target_skeleton
+from ..model.hf_model import decoder_of
+from ..model.target import target_skeleton
 
 # FP8 tensor-core matmuls: Ada (8.9), Hopper (9.0) and later.
 FP8_COMPUTE_CAPABILITY = (8, 9)
