@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from ..errors import ConfigError, ModelError
-from .fp8 import quantize_decoder_layers
+from .fp8 import named_linears, quantize_decoder_layers
 from .hf_config import text_config
 from .hf_model import MULTIMODAL_KEY_MAPPING, checkpoint_keys, decoder_of, is_multimodal, model_class
 
@@ -40,6 +40,12 @@ def target_skeleton(path: str | Path, trust_remote_code: bool = False) -> nn.Mod
         if issubclass(model_cls, PreTrainedModel):  # a concrete text-model class
             return model_cls(build_config)
         return model_cls.from_config(build_config, trust_remote_code=trust_remote_code)  # an Auto class
+
+
+def target_fp8_linears(path: Path, trust_remote_code: bool, count: int) -> list[tuple[str, nn.Module]]:
+    """The linears of the target's first `count` decoder layers, from its module tree on the meta device."""
+    layers = decoder_of(target_skeleton(path, trust_remote_code)).layers
+    return [(f"layers.{i}.{name}", m) for i in range(count) for name, m in named_linears(layers[i])]
 
 
 def load_target_model(
