@@ -6,7 +6,6 @@ a run is still there."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ from urllib.parse import urlparse
 from . import procs
 from .errors import is_user_error
 from .runtime import publish, write_json_atomic, write_text_atomic
+from .trackers import TRACKERS
 
 log = logging.getLogger(__name__)
 
@@ -406,34 +406,6 @@ class MetricsWriter:
 
 
 # ---------------------------------------------------------------------------- trackers (run.report_to)
-
-
-@dataclass(frozen=True)
-class TrackerPackage:
-    module: str  # what is imported
-    install: str  # what to run when it is missing
-
-
-TRACKERS: dict[str, TrackerPackage] = {
-    "wandb": TrackerPackage("wandb", "pip install wandb"),
-    "mlflow": TrackerPackage("mlflow", "pip install mlflow-skinny"),
-}
-
-
-def tracker_unavailable(name: str, module: Optional[str] = None) -> Optional[str]:
-    """Why tracker `name` of run.report_to cannot run in this environment (one line saying what to install),
-    or None. Imports its package (`module`, by default the tracker's own): a package that is missing, or
-    present but broken, is found before any model loads."""
-    package = TRACKERS[name]
-    module = module or package.module
-    try:
-        importlib.import_module(module)
-    except Exception as e:  # ImportError, or whatever a broken install raises at import
-        first = (str(e).splitlines() or [""])[0]
-        return (f"config key 'run.report_to': lists {name!r}, but its package ({module}) cannot be imported here "
-                f"({type(e).__name__}: {first}); install it with `{package.install}` (or `pip install "
-                f"'dflash-train[trackers]'`), or remove {name!r} from run.report_to")
-    return None
 
 
 class Tracker(Protocol):
