@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
-from .algorithms import NAMES as ARCHITECTURE_NAMES
+from .architectures import NAMES as ARCHITECTURE_NAMES
 from .errors import ConfigError
 from .numbers import (ALL_IF_ZERO, BLOCK_SIZE, FRACTION, INDEX, NON_NEGATIVE_NUMBER, POSITIVE_INT, POSITIVE_NUMBER,
                       TRAINING_SEED, Rule)
