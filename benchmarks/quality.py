@@ -309,7 +309,8 @@ def _load_target(path: str, settings: EvalSettings):
     from dflash_train import assets
     from dflash_train.infer.evaluate import load_eval_target
     from dflash_train.model.target import load_tokenizer
-    from dflash_train.runtime import resolve_device, resolve_dtype, stop_token_ids
+    from dflash_train.assets import stop_token_ids
+    from dflash_train.runtime import resolve_device, resolve_dtype
 
     device = resolve_device(settings.device)
     tpath = assets.resolve_target(path)

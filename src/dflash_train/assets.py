@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .permissions import follow_umask
 
@@ -155,6 +155,31 @@ def target_defaults(path: Path) -> dict[str, Any]:
     return json.loads(meta.read_text(encoding="utf-8"))
 
 
+def stop_token_ids(target_path: Path, tokenizer, model_config=None, override: Optional[list[int]] = None) -> list[int]:
+    """The tokens that end the target's answer: `override` when given, else the target's own list
+    (`dflash_target.json`), else every end-of-sequence id of its generation config, `model_config` and
+    tokenizer."""
+    if override:
+        return [int(t) for t in override]
+    stops = target_defaults(target_path).get("stop_token_ids")
+    if stops:
+        return [int(t) for t in stops]
+    from transformers import GenerationConfig
+
+    try:
+        gen_eos = GenerationConfig.from_pretrained(target_path).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json
+        gen_eos = None
+    found: list[int] = []
+    for eos in (gen_eos, getattr(model_config, "eos_token_id", None), tokenizer.eos_token_id):
+        for t in (eos if isinstance(eos, list) else [eos]):
+            if t is not None and int(t) not in found:
+                found.append(int(t))
+    if not found:
+        raise ValueError("the target defines no end-of-sequence token; pass --stop-token-ids")
+    return found
+
+
 def _cache_key(gguf: Path) -> str:
     """Cheap identity of a GGUF file: resolved path, size, mtime and the recipe version."""
     st = gguf.stat()
@@ -195,7 +220,7 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantise a GGUF checkpoint into a plain HF folder (weights, tokenizer, marker)."""
-    import torch  # here, as in the function below: every command imports this module (through runtime)
+    import torch  # here, as in the function below: commands that load no model import this module
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -28,7 +28,7 @@ from ..model.hf_config import text_config
 from ..model.io import load_drafter
 from ..model.provenance import compare, read_provenance, target_provenance
 from ..model.target import load_target_model, load_tokenizer, read_target_config, target_fp8_linears
-from ..runtime import stop_token_ids, write_text_atomic
+from ..runtime import write_text_atomic
 from .replay import build_corpus, replay_records
 from .spec_decode import DecodeResult, SpeculativeDecoder
 
@@ -408,7 +408,7 @@ def load_eval_models(target_path: str, drafter_path: str, device: torch.device, 
     if problems:
         raise ValueError("the drafter does not match how it would be used here: " + "; ".join(problems))
     target = load_eval_target(tpath, dtype, device, target_quantize)
-    stops = stop_token_ids(tpath, tokenizer, tconfig)
+    stops = assets.stop_token_ids(tpath, tokenizer, tconfig)
     return target, tokenizer, drafter, stops
 
 
