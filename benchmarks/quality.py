@@ -819,7 +819,7 @@ class Driver:
         return 1 + (k - 1) % (gpus - 1)
 
     def train_command(self, run: Path, overrides: list[str]) -> list[str]:
-        from dflash_train.train.checkpoint import list_checkpoints
+        from dflash_train.layout import list_checkpoints
 
         cmd = [sys.executable, "-m", "dflash_train", "train", str(self.args.config), *overrides,
                f"data.train_files=[{self.prepared}]", "--run-dir", str(run)]
@@ -979,7 +979,7 @@ class Driver:
         out = {name: run / "export" for name, (run, _) in self.runs().items() if name not in self.failed}
         if self.args.curve_every:
             from dflash_train.export import export_checkpoint
-            from dflash_train.train.checkpoint import list_checkpoints
+            from dflash_train.layout import list_checkpoints
 
             for ckpt in list_checkpoints(self.run / "checkpoints"):
                 step = int(ckpt.name.split("-")[1])

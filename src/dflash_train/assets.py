@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+from .layout import check_model_folder
 from .permissions import follow_umask
 
 logger = logging.getLogger("dflash_train.assets")
@@ -133,8 +134,6 @@ def resolve_target(spec: str, cache_dir: Path | None = None, weights: bool = Tru
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _cached_conversion(path.resolve(), cache_dir)
     if path.is_dir():
-        from .paths import check_model_folder  # here: paths imports torch (model.io), which `status` need not
-
         check_model_folder(path, weights=weights)
         return path.resolve()
     if path.exists():

@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 
 from . import procs
 from .errors import is_user_error
+from .layout import list_checkpoints
 from .runtime import publish, write_json_atomic, write_text_atomic
 from .trackers import TRACKERS
 
@@ -95,8 +96,6 @@ class RunDir:
 
     def contents(self) -> list[str]:
         """What in this directory belongs to a run, described for a message; empty: nothing to lose."""
-        from .train.checkpoint import list_checkpoints  # here: it imports torch, which `status` need not
-
         found = []
         if self.status.is_file():
             try:
@@ -124,8 +123,6 @@ class RunDir:
         """True when what is here is the trace of a start that failed on a user error before its first checkpoint
         (status.json says failed, with the error marked as the user's, and nothing was trained): the same command,
         fixed, may start here again, and the trace goes."""
-        from .train.checkpoint import list_checkpoints
-
         try:
             status = json.loads(self.status.read_text())
         except (OSError, json.JSONDecodeError):

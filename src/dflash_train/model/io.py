@@ -14,12 +14,9 @@ from safetensors.torch import save_file
 from ..algorithms import UnknownArchitecture, architecture, architecture_of_export
 from ..algorithms.base import Drafter
 from ..errors import DamagedFileError, ModelError
+from ..layout import CONFIG_NAME, WEIGHTS_NAME
 from ..permissions import follow_umask
 from ..runtime import dtype_named, read_json_file, replace_dir, temp_dir_beside
-
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-
 
 def save_drafter(
     drafter: Drafter,
