@@ -12,11 +12,11 @@ import torch
 
 from .algorithms.base import sdpa_attention
 from .errors import ConfigError
-from .layout import STATE
+from .layout import STATE, put_in_place
 from .model_card import CARD_NAME, export_card
 from .model.io import load_drafter, save_drafter
 from .model.provenance import PROVENANCE_NAME
-from .outputs import check_export_out, put_in_place
+from .outputs import check_export_out
 from .runtime import dtype_named
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,15 @@
 """The on-disk layout every command shares, without torch: the files that make a folder an exported drafter
 (CONFIG_NAME and WEIGHTS_NAME, which model/io.py writes) or a training checkpoint (STATE, which train/checkpoint.py
-writes last), the complete checkpoints a folder holds, and whether a folder is a complete model folder."""
+writes last), the complete checkpoints a folder holds, whether a folder is a complete model folder, and how a
+finished output takes the place of an existing one (moved aside, never deleted)."""
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
+from typing import Optional
 
 from safetensors import SafetensorError, safe_open
 
@@ -101,3 +105,40 @@ def check_model_files(path: Path, weights: bool = True) -> None:
         except SafetensorError as e:
             raise DamagedFileError(file, f"not a readable safetensors file: {e}", redo,
                                    size=file.stat().st_size) from None
+
+
+# ------------------------------------------------------------------------------------------ outputs
+
+
+class OutputRefused(UserError):
+    """An output path this command may not write (or may not replace without --overwrite)."""
+
+
+def move_aside(path: Path) -> Path:
+    """Rename `path` to a free `NAME.old-YYYYmmdd-HHMMSS[-k]` beside it (never deletes); returns the new name."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for k in range(1000):
+        dest = path.with_name(f"{path.name}.old-{stamp}" + (f"-{k}" if k else ""))
+        if not dest.exists():
+            path.rename(dest)
+            return dest
+    raise FileExistsError(f"no free name to move {path} aside")
+
+
+def put_in_place(tmp: Path, final: Path, overwrite: bool) -> Optional[Path]:
+    """Rename the finished folder `tmp` to `final`. A non-empty `final` (admitted earlier by outputs.py's checks) is
+    moved aside first; returns where it went, or None."""
+    moved = None
+    if holds_something(final):
+        if not overwrite:  # it appeared while this command was working
+            raise OutputRefused(f"{final} already exists; pass --overwrite to replace it or choose another --out")
+        moved = move_aside(final)
+    os.replace(tmp, final)
+    return moved
+
+
+def holds_something(path: Path) -> bool:
+    if path.is_dir():
+        return any(path.iterdir())
+    return path.exists() and path.stat().st_size > 0

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 from . import procs
 from .errors import is_user_error
-from .layout import list_checkpoints
+from .layout import list_checkpoints, move_aside
 from .runtime import publish, write_json_atomic, write_text_atomic
 from .trackers import TRACKERS
 
@@ -115,8 +115,6 @@ class RunDir:
 
     def move_aside(self) -> Path:
         """Rename the directory to a free `NAME.old-YYYYmmdd-HHMMSS[-k]` beside it (never deletes)."""
-        from .outputs import move_aside  # here: outputs imports this module
-
         return move_aside(self.root)
 
     def holds_only_a_refused_start(self) -> bool:
