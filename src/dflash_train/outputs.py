@@ -27,13 +27,12 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from .layout import OutputRefused, holds_something
+from .layout import STATE, OutputRefused, holds_something
 from .rundir import RunDir
 
 Input = tuple[str, Path]  # (the flag that gave it, the path)
 
 _SHOWN = 4  # entries of a folder named in a message
-_CHECKPOINT_STATE = "trainer_state.json"  # train/checkpoint.py STATE (importing it here would import torch)
 
 
 # ------------------------------------------------------------------------------------------ output kinds
@@ -43,7 +42,7 @@ def is_export(path: Path) -> bool:
     """A DFlash drafter in the reference format: model.safetensors and a DFlash config.json."""
     from .algorithms import UnknownArchitecture, architecture_of_export  # here: it imports torch
 
-    if not (path / "model.safetensors").is_file() or (path / _CHECKPOINT_STATE).exists():
+    if not (path / "model.safetensors").is_file() or (path / STATE).exists():
         return False
     try:
         architecture_of_export(json.loads((path / "config.json").read_text()))
@@ -198,7 +197,7 @@ def _run_around(out: Path) -> Optional[tuple[Path, str]]:
     checkpoint kept outside a run."""
     here = _resolved(out)
     folders = (here, *here.parents)
-    for kind, found in (("training run", _is_run), ("checkpoint", lambda f: (f / _CHECKPOINT_STATE).is_file())):
+    for kind, found in (("training run", _is_run), ("checkpoint", lambda f: (f / STATE).is_file())):
         for folder in folders:
             if folder.is_dir() and found(folder):
                 return folder, kind
