@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.model.io import load_drafter
     from dflash_train.model.target import load_target_model, load_tokenizer
-    from dflash_train.runtime import stop_token_ids
+    from dflash_train.assets import stop_token_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)

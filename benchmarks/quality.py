@@ -309,7 +309,8 @@ def _load_target(path: str, settings: EvalSettings):
     from dflash_train import assets
     from dflash_train.infer.evaluate import load_eval_target
     from dflash_train.model.target import load_tokenizer
-    from dflash_train.runtime import resolve_device, resolve_dtype, stop_token_ids
+    from dflash_train.assets import stop_token_ids
+    from dflash_train.runtime import resolve_device, resolve_dtype
 
     device = resolve_device(settings.device)
     tpath = assets.resolve_target(path)
@@ -818,7 +819,7 @@ class Driver:
         return 1 + (k - 1) % (gpus - 1)
 
     def train_command(self, run: Path, overrides: list[str]) -> list[str]:
-        from dflash_train.train.checkpoint import list_checkpoints
+        from dflash_train.layout import list_checkpoints
 
         cmd = [sys.executable, "-m", "dflash_train", "train", str(self.args.config), *overrides,
                f"data.train_files=[{self.prepared}]", "--run-dir", str(run)]
@@ -978,7 +979,7 @@ class Driver:
         out = {name: run / "export" for name, (run, _) in self.runs().items() if name not in self.failed}
         if self.args.curve_every:
             from dflash_train.export import export_checkpoint
-            from dflash_train.train.checkpoint import list_checkpoints
+            from dflash_train.layout import list_checkpoints
 
             for ckpt in list_checkpoints(self.run / "checkpoints"):
                 step = int(ckpt.name.split("-")[1])

@@ -174,7 +174,7 @@ def use_fp8(args, target, drafter) -> None:
     """--target-fp8 / --drafter-fp8: what target.quantize=fp8 and drafter.fp8 do in training."""
     from dflash_train.model.fp8 import quantize_decoder_layers
     from dflash_train.model.fp8_training import use_fp8_training
-    from dflash_train.model.target import decoder_of
+    from dflash_train.model.hf_model import decoder_of
 
     if args.target_fp8 and target is not None:
         quantize_decoder_layers(decoder_of(target.model).layers, max(target.layer_ids) + 1,

@@ -22,9 +22,9 @@ from dflash_train.model import target as target_mod
 from dflash_train.model.fp8 import (FP8, FP8_MAX, Fp8Linear, dequantize, quantize, quantize_decoder_layers,
                                     quantized_bytes_saved, scales)
 from dflash_train.model.io import load_drafter
-from dflash_train.model.target import TargetCapture, load_target_model
+from dflash_train.model.target import TargetCapture, load_target_model, target_fp8_linears
 from dflash_train.train import preflight
-from dflash_train.train.fp8_plan import check_fp8_device, check_fp8_shapes, fp8_target_layers, target_fp8_linears
+from dflash_train.train.fp8_plan import check_fp8_device, check_fp8_shapes, fp8_target_layers
 
 # e4m3 keeps 3 mantissa bits: round to nearest is off by at most half a unit in the last place, 2^-4 of the
 # value for normal numbers; below 2^-6 (subnormals, spacing 2^-9) at most 2^-10 absolute.

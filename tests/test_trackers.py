@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train import rundir
+from dflash_train import rundir, trackers
 from dflash_train.config import ConfigError, config_from_dict, load_config, validate_world
-from dflash_train.rundir import MetricsWriter, Reporter, RunDir, TrackerPackage, read_tracker_ids, tracker_unavailable
+from dflash_train.rundir import MetricsWriter, Reporter, RunDir, read_tracker_ids
+from dflash_train.trackers import TrackerPackage, tracker_unavailable
 from dflash_train.train.admission import flatten, resume_changes
 
 PARAMS = {"optim.lr": 0.0006, "drafter.block_size": 16, "run.report_to": ["mlflow"], "drafter.target_layer_ids": None}
@@ -243,7 +244,7 @@ def test_a_tracker_whose_package_is_missing_fails_the_start_saying_what_to_insta
     assert "'run.report_to'" in why and "`pip install mlflow-skinny`" in why and "ModuleNotFoundError" in why
     assert "`pip install wandb`" in tracker_unavailable("wandb", module="dflash_train_no_such_package")
     cfg = load_config(None, ["run.report_to=[wandb]"])  # the run's own config.yaml still loads (a resume may drop it)
-    monkeypatch.setitem(rundir.TRACKERS, "wandb", TrackerPackage("dflash_train_no_such_package", "pip install wandb"))
+    monkeypatch.setitem(trackers.TRACKERS, "wandb", TrackerPackage("dflash_train_no_such_package", "pip install wandb"))
     with pytest.raises(ConfigError, match=r"'run.report_to': lists 'wandb'.*`pip install wandb`"):
         validate_world(cfg, 1)  # at start-up, before any model loads
 
@@ -301,7 +302,7 @@ def test_train_with_a_tracker_it_cannot_import_stops_before_anything_starts(
 
     from dflash_train.cli import main
 
-    monkeypatch.setitem(rundir.TRACKERS, "wandb", TrackerPackage("dflash_train_no_such_package", "pip install wandb"))
+    monkeypatch.setitem(trackers.TRACKERS, "wandb", TrackerPackage("dflash_train_no_such_package", "pip install wandb"))
     cfg = {"target": {"path": str(tiny_target_dir)}, "data": {"train_files": [str(counting_jsonl)]},
            "run": {"device": "cpu", "report_to": ["wandb"]}}
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(cfg))

@@ -19,8 +19,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from .layout import check_model_folder
 from .permissions import follow_umask
 
 logger = logging.getLogger("dflash_train.assets")
@@ -133,8 +134,6 @@ def resolve_target(spec: str, cache_dir: Path | None = None, weights: bool = Tru
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _cached_conversion(path.resolve(), cache_dir)
     if path.is_dir():
-        from .paths import check_model_folder  # here: paths imports torch (model.io), which `status` need not
-
         check_model_folder(path, weights=weights)
         return path.resolve()
     if path.exists():
@@ -153,6 +152,31 @@ def target_defaults(path: Path) -> dict[str, Any]:
     if not meta.is_file():
         return {}
     return json.loads(meta.read_text(encoding="utf-8"))
+
+
+def stop_token_ids(target_path: Path, tokenizer, model_config=None, override: Optional[list[int]] = None) -> list[int]:
+    """The tokens that end the target's answer: `override` when given, else the target's own list
+    (`dflash_target.json`), else every end-of-sequence id of its generation config, `model_config` and
+    tokenizer."""
+    if override:
+        return [int(t) for t in override]
+    stops = target_defaults(target_path).get("stop_token_ids")
+    if stops:
+        return [int(t) for t in stops]
+    from transformers import GenerationConfig
+
+    try:
+        gen_eos = GenerationConfig.from_pretrained(target_path).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json
+        gen_eos = None
+    found: list[int] = []
+    for eos in (gen_eos, getattr(model_config, "eos_token_id", None), tokenizer.eos_token_id):
+        for t in (eos if isinstance(eos, list) else [eos]):
+            if t is not None and int(t) not in found:
+                found.append(int(t))
+    if not found:
+        raise ValueError("the target defines no end-of-sequence token; pass --stop-token-ids")
+    return found
 
 
 def _cache_key(gguf: Path) -> str:
@@ -195,7 +219,7 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantise a GGUF checkpoint into a plain HF folder (weights, tokenizer, marker)."""
-    import torch  # here, as in the function below: every command imports this module (through runtime)
+    import torch  # here, as in the function below: commands that load no model import this module
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -19,12 +19,12 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
-from .algorithms import NAMES as ARCHITECTURE_NAMES
+from .architectures import NAMES as ARCHITECTURE_NAMES
 from .errors import ConfigError
 from .numbers import (ALL_IF_ZERO, BLOCK_SIZE, FRACTION, INDEX, NON_NEGATIVE_NUMBER, POSITIVE_INT, POSITIVE_NUMBER,
                       TRAINING_SEED, Rule)
-from .rundir import TRACKERS, tracker_unavailable
 from .runtime import write_text_atomic
+from .trackers import TRACKERS, tracker_unavailable
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 80, 80, 8, 8

@@ -33,12 +33,12 @@ from .errors import EXIT_STOPPED
 from .infer.evaluate import (HISTOGRAM_HEADER, format_histogram, iter_prompts, load_eval_models, make_modes,
                              replay_reports, run_prompt, summarize_records)
 from .infer.spec_decode import SpeculativeDecoder
+from .layout import list_checkpoints
 from .model.target import load_tokenizer
 from .model_card import link_images, put_eval_table
 from .pipeline import Stage, StageRunner, Unfinished
 from .rundir import RunDir, read_metrics
 from .runtime import resolve_device, resolve_dtype
-from .train.checkpoint import list_checkpoints
 from .train.trainer import train
 
 log = logging.getLogger(__name__)

@@ -12,10 +12,11 @@ import torch
 
 from .algorithms.base import sdpa_attention
 from .errors import ConfigError
+from .layout import STATE, put_in_place
 from .model_card import CARD_NAME, export_card
 from .model.io import load_drafter, save_drafter
 from .model.provenance import PROVENANCE_NAME
-from .outputs import check_export_out, put_in_place
+from .outputs import check_export_out
 from .runtime import dtype_named
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def target_head_weight(run_dir: Path, target: Optional[str]) -> torch.Tensor:
 def checkpoint_weights(checkpoint: Path) -> str:
     """Which weights a training checkpoint holds, for the card and the command's output: its step, and how it
     stands against the run's best by validation tau (when the run validated)."""
-    from .train.checkpoint import STATE, read_state
+    from .train.checkpoint import read_state
 
     if not (checkpoint / STATE).is_file():
         return ""

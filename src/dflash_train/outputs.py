@@ -24,48 +24,15 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from .errors import UserError
+from .layout import STATE, OutputRefused, holds_something
 from .rundir import RunDir
 
 Input = tuple[str, Path]  # (the flag that gave it, the path)
 
 _SHOWN = 4  # entries of a folder named in a message
-_CHECKPOINT_STATE = "trainer_state.json"  # train/checkpoint.py STATE (importing it here would import torch)
-
-
-class OutputRefused(UserError):
-    """An output path this command may not write (or may not replace without --overwrite)."""
-
-
-# ------------------------------------------------------------------------------------------ moving aside
-
-
-def move_aside(path: Path) -> Path:
-    """Rename `path` to a free `NAME.old-YYYYmmdd-HHMMSS[-k]` beside it (never deletes); returns the new name."""
-    path = Path(path)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for k in range(1000):
-        dest = path.with_name(f"{path.name}.old-{stamp}" + (f"-{k}" if k else ""))
-        if not dest.exists():
-            path.rename(dest)
-            return dest
-    raise FileExistsError(f"no free name to move {path} aside")
-
-
-def put_in_place(tmp: Path, final: Path, overwrite: bool) -> Optional[Path]:
-    """Rename the finished folder `tmp` to `final`. A non-empty `final` (admitted earlier by a check here) is
-    moved aside first; returns where it went, or None."""
-    moved = None
-    if _holds_something(final):
-        if not overwrite:  # it appeared while this command was working
-            raise OutputRefused(f"{final} already exists; pass --overwrite to replace it or choose another --out")
-        moved = move_aside(final)
-    os.replace(tmp, final)
-    return moved
 
 
 # ------------------------------------------------------------------------------------------ output kinds
@@ -75,7 +42,7 @@ def is_export(path: Path) -> bool:
     """A DFlash drafter in the reference format: model.safetensors and a DFlash config.json."""
     from .algorithms import UnknownArchitecture, architecture_of_export  # here: it imports torch
 
-    if not (path / "model.safetensors").is_file() or (path / _CHECKPOINT_STATE).exists():
+    if not (path / "model.safetensors").is_file() or (path / STATE).exists():
         return False
     try:
         architecture_of_export(json.loads((path / "config.json").read_text()))
@@ -156,7 +123,7 @@ def check_report_out(out: Path, inputs: Iterable[Input], overwrite: bool) -> Non
         if path.is_dir():
             raise OutputRefused(f"--out {out}: {path} is a folder; --out is the report's JSON file "
                                 f"(e.g. {out / 'eval.json'})")
-        if not _holds_something(path):
+        if not holds_something(path):
             continue
         if not recognise(path):
             raise OutputRefused(f"--out {out}: {path} exists and is not an eval report (eval writes {out.name} and "
@@ -179,17 +146,17 @@ def check_regen_outputs(out: Optional[Path], export_batch: Optional[Path], data:
         _refuse_folder(out, "--out", "regen.jsonl")
         _refuse_overlap(out, "--out", inputs)
         sidecar = side_paths(out)[0]
-        if _holds_something(sidecar) and not is_regen_record(sidecar):
+        if holds_something(sidecar) and not is_regen_record(sidecar):
             raise OutputRefused(f"--out {out}: {sidecar} exists and is not the settings record regen keeps beside "
                                 "its output; choose another --out")
-        if _holds_something(out) and not sidecar.is_file():
+        if holds_something(out) and not sidecar.is_file():
             raise OutputRefused(f"--out {out} exists and is not a regen output ({sidecar.name}, which regen writes "
                                 "beside it, is not there); regen only continues its own output: choose another --out")
     if export_batch is not None:
         export_batch = Path(export_batch)
         _refuse_folder(export_batch, "--export-batch", "requests.jsonl")
         _refuse_overlap(export_batch, "--export-batch", inputs + ([("--out", out)] if out is not None else []))
-        if _holds_something(export_batch) and not is_batch_requests(export_batch):
+        if holds_something(export_batch) and not is_batch_requests(export_batch):
             raise OutputRefused(f"--export-batch {export_batch} exists and is not a batch request file (regen "
                                 "writes one request per line: custom_id, method, url, body); choose another "
                                 "--export-batch")
@@ -230,17 +197,11 @@ def _run_around(out: Path) -> Optional[tuple[Path, str]]:
     checkpoint kept outside a run."""
     here = _resolved(out)
     folders = (here, *here.parents)
-    for kind, found in (("training run", _is_run), ("checkpoint", lambda f: (f / _CHECKPOINT_STATE).is_file())):
+    for kind, found in (("training run", _is_run), ("checkpoint", lambda f: (f / STATE).is_file())):
         for folder in folders:
             if folder.is_dir() and found(folder):
                 return folder, kind
     return None
-
-
-def _holds_something(path: Path) -> bool:
-    if path.is_dir():
-        return any(path.iterdir())
-    return path.exists() and path.stat().st_size > 0
 
 
 def _describe(folder: Path) -> str:

@@ -6,7 +6,6 @@ a run is still there."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -23,7 +22,9 @@ from urllib.parse import urlparse
 
 from . import procs
 from .errors import is_user_error
+from .layout import list_checkpoints, move_aside
 from .runtime import publish, write_json_atomic, write_text_atomic
+from .trackers import TRACKERS
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,6 @@ class RunDir:
 
     def contents(self) -> list[str]:
         """What in this directory belongs to a run, described for a message; empty: nothing to lose."""
-        from .train.checkpoint import list_checkpoints  # here: it imports torch, which `status` need not
-
         found = []
         if self.status.is_file():
             try:
@@ -116,16 +115,12 @@ class RunDir:
 
     def move_aside(self) -> Path:
         """Rename the directory to a free `NAME.old-YYYYmmdd-HHMMSS[-k]` beside it (never deletes)."""
-        from .outputs import move_aside  # here: outputs imports this module
-
         return move_aside(self.root)
 
     def holds_only_a_refused_start(self) -> bool:
         """True when what is here is the trace of a start that failed on a user error before its first checkpoint
         (status.json says failed, with the error marked as the user's, and nothing was trained): the same command,
         fixed, may start here again, and the trace goes."""
-        from .train.checkpoint import list_checkpoints
-
         try:
             status = json.loads(self.status.read_text())
         except (OSError, json.JSONDecodeError):
@@ -406,34 +401,6 @@ class MetricsWriter:
 
 
 # ---------------------------------------------------------------------------- trackers (run.report_to)
-
-
-@dataclass(frozen=True)
-class TrackerPackage:
-    module: str  # what is imported
-    install: str  # what to run when it is missing
-
-
-TRACKERS: dict[str, TrackerPackage] = {
-    "wandb": TrackerPackage("wandb", "pip install wandb"),
-    "mlflow": TrackerPackage("mlflow", "pip install mlflow-skinny"),
-}
-
-
-def tracker_unavailable(name: str, module: Optional[str] = None) -> Optional[str]:
-    """Why tracker `name` of run.report_to cannot run in this environment (one line saying what to install),
-    or None. Imports its package (`module`, by default the tracker's own): a package that is missing, or
-    present but broken, is found before any model loads."""
-    package = TRACKERS[name]
-    module = module or package.module
-    try:
-        importlib.import_module(module)
-    except Exception as e:  # ImportError, or whatever a broken install raises at import
-        first = (str(e).splitlines() or [""])[0]
-        return (f"config key 'run.report_to': lists {name!r}, but its package ({module}) cannot be imported here "
-                f"({type(e).__name__}: {first}); install it with `{package.install}` (or `pip install "
-                f"'dflash-train[trackers]'`), or remove {name!r} from run.report_to")
-    return None
 
 
 class Tracker(Protocol):

@@ -1,7 +1,7 @@
-"""What every command shares at run time: the device and dtype it computes in, the target's stop
-tokens, and writes that a reader (or a kill) never sees half done.
+"""What every command shares at run time: the device and dtype it computes in, and writes that a reader (or a
+kill) never sees half done.
 
-torch and transformers are imported inside the functions that need them: `dflash-train status` and
+torch is imported inside the functions that need it: `dflash-train status` and
 `stop` import this module (through rundir) and start in 0.1 s, and importing torch alone takes 1.7 s
 (measured on the 2-core CPU machine).
 """
@@ -14,9 +14,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
-
-from . import assets
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -61,34 +59,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device.type == "cpu" and device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
-
-
-# ------------------------------------------------------------------------------------ stop tokens
-
-
-def stop_token_ids(target_path: Path, tokenizer, model_config=None, override: Optional[list[int]] = None) -> list[int]:
-    """The tokens that end the target's answer: `override` when given, else the target's own list
-    (`dflash_target.json`), else every end-of-sequence id of its generation config, `model_config` and
-    tokenizer."""
-    if override:
-        return [int(t) for t in override]
-    stops = assets.target_defaults(target_path).get("stop_token_ids")
-    if stops:
-        return [int(t) for t in stops]
-    from transformers import GenerationConfig
-
-    try:
-        gen_eos = GenerationConfig.from_pretrained(target_path).eos_token_id
-    except (OSError, ValueError):  # no generation_config.json
-        gen_eos = None
-    found: list[int] = []
-    for eos in (gen_eos, getattr(model_config, "eos_token_id", None), tokenizer.eos_token_id):
-        for t in (eos if isinstance(eos, list) else [eos]):
-            if t is not None and int(t) not in found:
-                found.append(int(t))
-    if not found:
-        raise ValueError("the target defines no end-of-sequence token; pass --stop-token-ids")
-    return found
 
 
 # --------------------------------------------------------------------------------- atomic writes

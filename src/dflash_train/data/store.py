@@ -24,8 +24,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import DamagedFileError
+from ..layout import put_in_place
 from ..model.fingerprints import chat_template_fingerprint, tokenizer_fingerprint
-from ..outputs import put_in_place
 from ..runtime import read_json_file
 from .chat import Tokenized
 from .label_counts import read_counts

@@ -23,12 +23,12 @@ from ..data.chat import prompt_ids
 from ..data.formats import RowError, iter_source, prompt_turns
 from ..algorithms.base import Drafter
 from ..errors import ConfigError
+from ..model.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
 from ..model.hf_config import text_config
 from ..model.io import load_drafter
 from ..model.provenance import compare, read_provenance, target_provenance
-from ..model.target import load_target_model, load_tokenizer, read_target_config
-from ..runtime import stop_token_ids, write_text_atomic
-from ..train.fp8_plan import check_fp8_eval_target
+from ..model.target import load_target_model, load_tokenizer, read_target_config, target_fp8_linears
+from ..runtime import write_text_atomic
 from .replay import build_corpus, replay_records
 from .spec_decode import DecodeResult, SpeculativeDecoder
 
@@ -408,7 +408,7 @@ def load_eval_models(target_path: str, drafter_path: str, device: torch.device, 
     if problems:
         raise ValueError("the drafter does not match how it would be used here: " + "; ".join(problems))
     target = load_eval_target(tpath, dtype, device, target_quantize)
-    stops = stop_token_ids(tpath, tokenizer, tconfig)
+    stops = assets.stop_token_ids(tpath, tokenizer, tconfig)
     return target, tokenizer, drafter, stops
 
 
@@ -423,3 +423,14 @@ def load_eval_target(tpath: Path, dtype: torch.dtype, device: torch.device, quan
     num_layers = read_target_config(tpath).num_hidden_layers
     check_fp8_eval_target(Path(tpath), device, dtype, num_layers)  # before the weights load
     return load_target_model(tpath, dtype, device, fp8_layers=num_layers)
+
+
+def check_fp8_eval_target(path: Path, device: torch.device, dtype: torch.dtype, num_layers: int) -> None:
+    """`eval --target-quantize fp8` (every decoder layer, as a target served in FP8): a device and dtype that run
+    it and linear shapes `_scaled_mm` takes, before the target's weights load."""
+    require_fp8_device(device, dtype, "--target-quantize fp8", "--dtype", "drop --target-quantize")
+    bad = unsupported_shapes(target_fp8_linears(path, False, num_layers))
+    if bad:
+        raise ConfigError(f"--target-quantize fp8: FP8 matmuls (torch._scaled_mm on CUDA) need both dimensions of "
+                          f"every linear to be multiples of {SCALED_MM_MULTIPLE}; these are not: {', '.join(bad[:6])}"
+                          f"{f' and {len(bad) - 6} more' if len(bad) > 6 else ''}. Drop --target-quantize")

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import ConfigError
-from .target import _checkpoint_keys
+from .hf_model import checkpoint_keys
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def init_drafter_from_target(drafter, target_path, layer_ids: Optional[list[int]
     if len(layer_ids) != len(drafter.layers):
         raise ConfigError(f"config key 'drafter.init_from_target': {len(layer_ids)} target layers given for "
                           f"{len(drafter.layers)} drafter layers")
-    keys = _checkpoint_keys(target_path)
+    keys = checkpoint_keys(target_path)
     own = dict(drafter.named_parameters())
     plan: list[tuple[str, str]] = []  # (drafter name, checkpoint key)
     for j, lid in enumerate(layer_ids):

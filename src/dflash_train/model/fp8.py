@@ -1,6 +1,6 @@
 """FP8 (e4m3) matmuls with row-wise scales through `torch._scaled_mm`: the quantisation primitives shared by
 the frozen target (`target.quantize=fp8`, this module's `Fp8Linear`) and the drafter's FP8 training
-(`drafter.fp8`, `fp8_training.py`), and the shape rule `_scaled_mm` has on CUDA.
+(`drafter.fp8`, `fp8_training.py`), the shape rule `_scaled_mm` has on CUDA and the GPUs that run it.
 
 A quantised tensor is `q * scale`: `q` float8_e4m3fn, `scale` float32 with one value per row (or per column)
 of the contracted matmul operand, amax / 448 of that row. e4m3 keeps 3 mantissa bits, so each element's
@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from ..errors import ModelError
+from ..errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,8 @@ AMAX_FLOOR = 1e-12
 # torch._scaled_mm on CUDA (cuBLASLt's FP8 GEMM) refuses operands whose contracted or output dimension is not
 # a multiple of 16 (the token dimension M may be anything).
 SCALED_MM_MULTIPLE = 16
+# FP8 tensor-core matmuls: Ada (8.9), Hopper (9.0) and later.
+FP8_COMPUTE_CAPABILITY = (8, 9)
 
 
 def scales(x: torch.Tensor, dim: int = -1, power_of_2: bool = False) -> torch.Tensor:
@@ -102,6 +104,19 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"
+
+
+def require_fp8_device(device: torch.device, dtype: torch.dtype, what: str, dtype_key: str, off: str) -> None:
+    """ConfigError `what: ...` unless `device` runs FP8 matmuls writing `dtype` (any on the CPU)."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_COMPUTE_CAPABILITY:
+        raise ConfigError(f"{what}: FP8 matmuls need a GPU of compute capability 8.9 or later (Ada, Hopper, "
+                          f"Blackwell); this one is {capability[0]}.{capability[1]}. {off[0].upper()}{off[1:]}")
+    if dtype != torch.bfloat16:
+        raise ConfigError(f"{what}: on a GPU the FP8 matmuls (torch._scaled_mm, row-wise scales) write bfloat16, so "
+                          f"{dtype_key} must be bfloat16 or auto (it is {str(dtype).removeprefix('torch.')}); or {off}")
 
 
 def named_linears(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Linear]]:

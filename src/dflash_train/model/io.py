@@ -14,12 +14,9 @@ from safetensors.torch import save_file
 from ..algorithms import UnknownArchitecture, architecture, architecture_of_export
 from ..algorithms.base import Drafter
 from ..errors import DamagedFileError, ModelError
+from ..layout import CONFIG_NAME, STATE, WEIGHTS_NAME
 from ..permissions import follow_umask
 from ..runtime import dtype_named, read_json_file, replace_dir, temp_dir_beside
-
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-
 
 def save_drafter(
     drafter: Drafter,
@@ -53,8 +50,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: Op
     for f in (cfg_file, weights):
         if not f.is_file():
             raise FileNotFoundError(f"{f} is missing: {path} is not an exported DFlash drafter")
-    # a checkpoint's drafter/ folder sits beside its trainer_state.json (train/checkpoint.py, which imports this)
-    in_checkpoint = (path.parent / "trainer_state.json").is_file()
+    in_checkpoint = (path.parent / STATE).is_file()  # a checkpoint's drafter/ folder sits beside its trainer_state.json
     redo = (f"resume or export from another checkpoint than {path.parent}" if in_checkpoint
             else "export the checkpoint again (dflash-train export RUN/checkpoints/step-N --out DIR) or copy the "
                  "drafter folder again")

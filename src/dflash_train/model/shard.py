@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoConfig, PreTrainedModel
 
-from .target import _MULTIMODAL_KEY_MAPPING, _checkpoint_keys, _model_class, decoder_of
+from .hf_model import MULTIMODAL_KEY_MAPPING, checkpoint_keys, decoder_of, model_class
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +131,12 @@ class _Checkpoint:
 
     @classmethod
     def of(cls, path: Path, mapped: bool) -> "_Checkpoint":
-        files = _checkpoint_keys(path)
+        files = checkpoint_keys(path)
         by_name = {}
         for key in files:
             name = key
             if mapped:
-                for pattern, repl in _MULTIMODAL_KEY_MAPPING.items():
+                for pattern, repl in MULTIMODAL_KEY_MAPPING.items():
                     name, n = re.subn(pattern, repl, key)
                     if n:
                         break
@@ -182,7 +182,7 @@ def skeleton(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[P
     frequencies are computed at construction, not stored in the checkpoint). Also: whether checkpoint names
     need the multimodal prefix mapping (a text model built from a multimodal checkpoint)."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model_cls, build_config = _model_class(config)
+    model_cls, build_config = model_class(config)
     with init_empty_weights(include_buffers=False):
         if issubclass(model_cls, PreTrainedModel):
             model = model_cls._from_config(build_config, dtype=dtype)

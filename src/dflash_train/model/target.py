@@ -4,7 +4,6 @@ and capture the outputs of `target_layer_ids` without running later layers or th
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -15,20 +14,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from ..errors import ConfigError, ModelError
-from .fp8 import quantize_decoder_layers
+from .fp8 import named_linears, quantize_decoder_layers
 from .hf_config import text_config
+from .hf_model import MULTIMODAL_KEY_MAPPING, checkpoint_keys, decoder_of, is_multimodal, model_class
 
 log = logging.getLogger(__name__)
-
-# Checkpoint prefixes of multimodal families whose text model we load on its own.
-_MULTIMODAL_KEY_MAPPING = {
-    r"^model\.language_model\.": "model.",
-    r"^language_model\.model\.": "model.",
-    r"^language_model\.lm_head\.": "lm_head.",
-}
 
 
 def read_target_config(path: str | Path, trust_remote_code: bool = False) -> PretrainedConfig:
@@ -39,32 +32,20 @@ def read_target_config(path: str | Path, trust_remote_code: bool = False) -> Pre
     return text_config(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
 
 
-def _is_multimodal(config: PretrainedConfig) -> bool:
-    return text_config(config) is not config
-
-
-def _model_class(config: PretrainedConfig) -> tuple[type, PretrainedConfig]:
-    """The class that loads this target, and the config to build it from: a multimodal checkpoint
-    loads its text model class when transformers has one, else the whole model (vision unused)."""
-    if not _is_multimodal(config):
-        return AutoModelForCausalLM, config
-    tc = text_config(config)
-    text_cls = AutoModelForCausalLM._model_mapping.get(type(tc), None)
-    if text_cls is not None:
-        return text_cls, tc
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText, config
-
-
 def target_skeleton(path: str | Path, trust_remote_code: bool = False) -> nn.Module:
     """The target's module tree on the meta device (no weights, no memory): its parameter names and shapes."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model_cls, build_config = _model_class(config)
+    model_cls, build_config = model_class(config)
     with torch.device("meta"):
         if issubclass(model_cls, PreTrainedModel):  # a concrete text-model class
             return model_cls(build_config)
         return model_cls.from_config(build_config, trust_remote_code=trust_remote_code)  # an Auto class
+
+
+def target_fp8_linears(path: Path, trust_remote_code: bool, count: int) -> list[tuple[str, nn.Module]]:
+    """The linears of the target's first `count` decoder layers, from its module tree on the meta device."""
+    layers = decoder_of(target_skeleton(path, trust_remote_code)).layers
+    return [(f"layers.{i}.{name}", m) for i in range(count) for name, m in named_linears(layers[i])]
 
 
 def load_target_model(
@@ -77,12 +58,12 @@ def load_target_model(
     way to `device` (`fp8.quantize_decoder_layers`); the rest of the model keeps `dtype`."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     kwargs: dict = dict(dtype=dtype, trust_remote_code=trust_remote_code)
-    model_cls, build_config = _model_class(config)
+    model_cls, build_config = model_class(config)
     if build_config is not config:
         log.info("target %s is multimodal (%s); loading its text model %s", path, type(config).__name__, model_cls.__name__)
-        model = model_cls.from_pretrained(path, config=build_config, key_mapping=_MULTIMODAL_KEY_MAPPING, **kwargs)
+        model = model_cls.from_pretrained(path, config=build_config, key_mapping=MULTIMODAL_KEY_MAPPING, **kwargs)
     else:
-        if _is_multimodal(config):  # no text-only class in transformers: capture reads its language model
+        if is_multimodal(config):  # no text-only class in transformers: capture reads its language model
             log.info("target %s is multimodal (%s) with no text-only class; loading it whole (vision weights unused)",
                      path, type(config).__name__)
         model = model_cls.from_pretrained(path, **kwargs)
@@ -94,16 +75,6 @@ def load_target_model(
                  "layers, the embedding and the lm_head stay %s", len(done.quantized), fp8_layers - 1, dtype)
     model.to(device)
     return model
-
-
-def decoder_of(model: PreTrainedModel) -> nn.Module:
-    """The module that owns the decoder layer list (e.g. LlamaModel)."""
-    candidates = [model.get_decoder()] if hasattr(model, "get_decoder") else []
-    candidates += [getattr(model, "model", None), model]
-    for c in candidates:
-        if c is not None and isinstance(getattr(c, "layers", None), nn.ModuleList):
-            return c
-    raise ModelError(f"cannot find the decoder layers of {type(model).__name__} (looked for `.layers` on its decoder)")
 
 
 class _CaptureDone(Exception):
@@ -332,19 +303,6 @@ class TargetHead:
     lm_head: nn.Linear
 
 
-def _checkpoint_keys(path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the index or the single file."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    single = path / "model.safetensors"
-    if single.is_file():
-        with safe_open(single, framework="pt") as f:
-            return {k: single for k in f.keys()}
-    raise FileNotFoundError(f"{path} has no model.safetensors(.index.json): the split placement reads the target's "
-                            "embedding and lm_head from safetensors weights (convert the checkpoint with save_pretrained)")
-
-
 def _find_key(keys: dict[str, Path], name: str) -> Optional[str]:
     """The checkpoint key of the parameter `name` (e.g. model.embed_tokens.weight); multimodal
     checkpoints prefix the text model's names, so match on the module's own name when needed."""
@@ -368,7 +326,7 @@ def load_target_head(path: str | Path, dtype: torch.dtype, device: torch.device,
     named = list(skeleton.named_parameters(remove_duplicate=False))
     embed_name = next(n for n, p in named if p is embed_param and "embed" in n)
     head_name = next((n for n, p in named if p is head_param and "embed" not in n), embed_name)
-    keys = _checkpoint_keys(path)
+    keys = checkpoint_keys(path)
 
     def read(name: str) -> Optional[torch.Tensor]:
         key = _find_key(keys, name)

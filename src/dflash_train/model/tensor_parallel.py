@@ -22,7 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from ..errors import ConfigError
 from .shard import SHARD_DIM, fill_from_checkpoint, peak_host_gib, resident_bytes, skeleton
-from .target import decoder_of
+from .hf_model import decoder_of
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from ..config import Config, ConfigError, config_to_dict, load_config
 from ..data.formats import DamagedDataFile, check_readable, expand_source
 from ..data.store import SPLITS, PreparedDataset, is_prepared
 from ..errors import UserError
+from ..layout import list_checkpoints
 from ..rundir import ENDED, RunDir, liveness
-from .checkpoint import list_checkpoints
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,11 @@ from typing import Any, Optional
 import torch
 
 from ..errors import DamagedFileError, UserError
+from ..layout import STATE, list_checkpoints
 from ..model.io import load_drafter, save_drafter
 from ..runtime import write_json_atomic
 
 log = logging.getLogger(__name__)
-
-STATE = "trainer_state.json"
-
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be resumed from; the message names both sides."""
@@ -129,13 +127,6 @@ def save_checkpoint(root: Path, step: int, drafter, optimizer, scheduler, state:
     for torn in [*root.glob(".*.tmp"), *root.glob(".*.old")]:  # left by a process killed mid-write
         shutil.rmtree(torn, ignore_errors=True)
     return final
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and (p / STATE).is_file())
 
 
 def read_state(ckpt: Path) -> dict:

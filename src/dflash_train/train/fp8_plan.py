@@ -6,17 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ..algorithms import architecture
 from ..config import Config
 from ..errors import ConfigError
-from ..model.fp8 import SCALED_MM_MULTIPLE, named_linears, quantized_bytes_saved, unsupported_shapes
+from ..model.fp8 import SCALED_MM_MULTIPLE, quantized_bytes_saved, require_fp8_device, unsupported_shapes
 from ..model.fp8_training import fp8_drafter_linears
-from ..model.target import decoder_of, target_skeleton
+from ..model.target import target_fp8_linears
 
-# FP8 tensor-core matmuls: Ada (8.9), Hopper (9.0) and later.
-FP8_COMPUTE_CAPABILITY = (8, 9)
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
@@ -36,36 +33,6 @@ def check_fp8_device(cfg: Config, device: torch.device, target_dtype: torch.dtyp
                                       ("drafter.fp8", cfg.drafter.fp8, compute_dtype, "run.dtype")):
         if on:
             require_fp8_device(device, dtype, f"config key '{key}'", dtype_key, f"turn {key} off")
-
-
-def require_fp8_device(device: torch.device, dtype: torch.dtype, what: str, dtype_key: str, off: str) -> None:
-    """ConfigError `what: ...` unless `device` runs FP8 matmuls writing `dtype` (any on the CPU)."""
-    if device.type != "cuda":
-        return
-    capability = torch.cuda.get_device_capability(device)
-    if capability < FP8_COMPUTE_CAPABILITY:
-        raise ConfigError(f"{what}: FP8 matmuls need a GPU of compute capability 8.9 or later (Ada, Hopper, "
-                          f"Blackwell); this one is {capability[0]}.{capability[1]}. {off[0].upper()}{off[1:]}")
-    if dtype != torch.bfloat16:
-        raise ConfigError(f"{what}: on a GPU the FP8 matmuls (torch._scaled_mm, row-wise scales) write bfloat16, so "
-                          f"{dtype_key} must be bfloat16 or auto (it is {str(dtype).removeprefix('torch.')}); or {off}")
-
-
-def check_fp8_eval_target(path: Path, device: torch.device, dtype: torch.dtype, num_layers: int) -> None:
-    """`eval --target-quantize fp8` (every decoder layer, as a target served in FP8): a device and dtype that run
-    it and linear shapes `_scaled_mm` takes, before the target's weights load."""
-    require_fp8_device(device, dtype, "--target-quantize fp8", "--dtype", "drop --target-quantize")
-    bad = unsupported_shapes(target_fp8_linears(path, False, num_layers))
-    if bad:
-        raise ConfigError(f"--target-quantize fp8: FP8 matmuls (torch._scaled_mm on CUDA) need both dimensions of "
-                          f"every linear to be multiples of {SCALED_MM_MULTIPLE}; these are not: {', '.join(bad[:6])}"
-                          f"{f' and {len(bad) - 6} more' if len(bad) > 6 else ''}. Drop --target-quantize")
-
-
-def target_fp8_linears(path: Path, trust_remote_code: bool, count: int) -> list[tuple[str, nn.Module]]:
-    """The linears of the target's first `count` decoder layers, from its module tree on the meta device."""
-    layers = decoder_of(target_skeleton(path, trust_remote_code)).layers
-    return [(f"layers.{i}.{name}", m) for i in range(count) for name, m in named_linears(layers[i])]
 
 
 def _refuse_shapes(key: str, what: str, bad: list[str]) -> None:

@@ -20,6 +20,7 @@ import torch
 from ..config import Config
 from ..data.batch import collate
 from ..data.dataset import batches_from, padding_fraction, plan_batches
+from ..layout import STATE
 from ..model import compile as compile_layer
 from ..model.io import load_drafter, save_drafter
 from ..model_card import CARD_NAME, weights_line
@@ -287,7 +288,7 @@ def export_weights(s: Session, state: RunState) -> tuple[object, str]:
     """The drafter the run exports, and the card's line saying which: the best checkpoint by validation tau when
     validation ran (checkpoints/best), else the last step's."""
     best = s.run.checkpoints / "best"
-    saved = state.best_val is not None and (best / checkpoints.STATE).is_file()
+    saved = state.best_val is not None and (best / STATE).is_file()
     best_step = checkpoints.read_state(best)["step"] if saved else None
     weights = weights_line(state.step, state.best_val, best_step)
     head = s.train_step.target.lm_head.weight

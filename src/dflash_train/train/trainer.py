@@ -37,7 +37,7 @@ from ..model.target import (TargetCapture, default_mask_token_id, load_target_he
                             read_target_config)
 from ..model_card import training_card
 from ..rundir import Reporter, RunDir, clear_stop_request, stop_requested_since
-from ..runtime import resolve_device, resolve_dtype, stop_token_ids, write_text_atomic
+from ..runtime import resolve_device, resolve_dtype, write_text_atomic
 from . import checkpoint as checkpoints
 from . import indexing, preflight, size_classes
 from .admission import flatten, holds_run_message, with_step_cap
@@ -533,7 +533,7 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
         if (ctx.is_main or every_rank) and cfg.run.eval_every else None
     if ctx.is_main and cfg.run.eval_every and val is None:
         log.info("no validation data (prepared val split or data.val_files): validation is off")
-    stop_ids = stop_token_ids(plan.target_path, a.tokenizer)
+    stop_ids = assets.stop_token_ids(plan.target_path, a.tokenizer)
     return Session(cfg, run, ctx.rank, ctx.is_main, r.device, train_step, r.data, a.tokenizer.pad_token_id,
                    r.batching, r.per_step, r.drafters, r.drafter_group, r.total, a.identity,
                    lambda cfg_yaml, record, weights: training_card(cfg_yaml, plan.target_path, plan.layer_ids,

@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 
 from ... import assets
 from ...model.target import load_target_model, load_tokenizer, read_target_config
-from ...runtime import resolve_device, resolve_dtype, stop_token_ids
+from ...runtime import resolve_device, resolve_dtype
 from ..batch import left_pad
 from ..chat import prompt_ids
 from ..formats import RowError, check_readable, count_rows
@@ -119,7 +119,7 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
     config = read_target_config(target_path)
     if tokenizer is None:
         tokenizer = load_tokenizer(target_path)
-    stops = stop_token_ids(target_path, tokenizer, config, s.stop_token_ids)
+    stops = assets.stop_token_ids(target_path, tokenizer, config, s.stop_token_ids)
     device = resolve_device(s.device)
     dtype = resolve_dtype(s.dtype, device)
     max_prompt = s.max_prompt_tokens

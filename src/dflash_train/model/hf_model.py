@@ -1,0 +1,64 @@
+"""Finding the parts of a Hugging Face causal LM the same way everywhere: the class that loads it (a multimodal
+checkpoint: its text model), the module that holds its decoder layers, and the safetensors file of each of its
+tensors. Shared by the whole target (target.py), the sharded ones (shard.py, tensor_parallel.py) and the drafter's
+initialisation from the target (drafter_init.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from ..errors import ModelError
+from .hf_config import text_config
+
+# Checkpoint prefixes of multimodal families whose text model we load on its own.
+MULTIMODAL_KEY_MAPPING = {
+    r"^model\.language_model\.": "model.",
+    r"^language_model\.model\.": "model.",
+    r"^language_model\.lm_head\.": "lm_head.",
+}
+
+
+def is_multimodal(config: PretrainedConfig) -> bool:
+    return text_config(config) is not config
+
+
+def model_class(config: PretrainedConfig) -> tuple[type, PretrainedConfig]:
+    """The class that loads this target, and the config to build it from: a multimodal checkpoint
+    loads its text model class when transformers has one, else the whole model (vision unused)."""
+    if not is_multimodal(config):
+        return AutoModelForCausalLM, config
+    tc = text_config(config)
+    text_cls = AutoModelForCausalLM._model_mapping.get(type(tc), None)
+    if text_cls is not None:
+        return text_cls, tc
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText, config
+
+
+def decoder_of(model: PreTrainedModel) -> nn.Module:
+    """The module that owns the decoder layer list (e.g. LlamaModel)."""
+    candidates = [model.get_decoder()] if hasattr(model, "get_decoder") else []
+    candidates += [getattr(model, "model", None), model]
+    for c in candidates:
+        if c is not None and isinstance(getattr(c, "layers", None), nn.ModuleList):
+            return c
+    raise ModelError(f"cannot find the decoder layers of {type(model).__name__} (looked for `.layers` on its decoder)")
+
+
+def checkpoint_keys(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the index or the single file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = path / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(f"{path} has no model.safetensors(.index.json): the split placement reads the target's "
+                            "embedding and lm_head from safetensors weights (convert the checkpoint with save_pretrained)")
