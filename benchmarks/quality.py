@@ -6,7 +6,8 @@
 Data: the target answers the first `--regen-limit` conversations (default 7,728) of the built-in ShareGPT
 training split itself, every user turn, greedy, its own stop tokens, at most 256 new tokens a turn
 (`dflash-train regen`), into OUT/data/regen.jsonl. A later call reuses that file; a call stopped mid-way
-continues it. `--data FILE` trains on FILE instead (any shape `prepare` reads) and skips regen.
+continues it. It is the slow stage: hours on one H200 for the 26,031 turns of 7,728 conversations (see
+benchmarks/README.md). `--data FILE` trains on FILE instead (any shape `prepare` reads) and skips regen.
 
 Reference: a published DFlash trainer's figure for this target, tau ~1.37 (greedy, 256 new tokens, a sample of
 MT-Bench and held-out ShareGPT prompts, block verification), after 759 steps of 5 layers, block 16, 512 anchors,
@@ -72,7 +73,9 @@ DEFAULT_CONFIG = REPO / "configs" / "smollm2-reference.yaml"
 REGEN_SOURCE = "sharegpt"
 REGEN_LIMIT = 7728
 REGEN_MAX_NEW_TOKENS = 256
-REGEN_BATCH_SIZE = 64
+# Generation is host-bound (HF generate, ~10% of an H200 busy at 64): wider batches go faster; 256 conversations of
+# the longest prompts took ~77 GB of an H200 at 256 new tokens a turn.
+REGEN_BATCH_SIZE = 256
 REGEN_FILE = Path("data") / "regen.jsonl"  # under --out
 DEFAULT_EVAL = ("mt-bench", "humaneval", "sharegpt")
 POOLED = ("mt-bench", "sharegpt")  # the reference's tau was measured on these two
@@ -1488,8 +1491,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data stage: at most this many new tokens per assistant turn, greedy, ending at the "
                         "target's stop tokens (default: %(default)s)")
     p.add_argument("--regen-batch-size", type=int, default=REGEN_BATCH_SIZE,
-                   help="data stage: conversations per generate call; may change between calls, e.g. after an "
-                        "out-of-memory error (default: %(default)s)")
+                   help="data stage: conversations per generate call, turn by turn (wider is faster: generation is "
+                        "host-bound; the longest prompts' batch of 256 takes ~77 GB of GPU memory); may change between "
+                        "calls, e.g. lower after an out-of-memory error (default: %(default)s)")
     p.add_argument("--val-fraction", type=float, default=0.0, help="prepare --val-fraction (0: train on every row)")
     p.add_argument("--eval", action="append", metavar="NAME[=FILE]",
                    help="eval set: mt-bench, humaneval, sharegpt (built-in) or NAME=prompts.jsonl; repeat. "
