@@ -2,14 +2,14 @@
 compile cache, each with its share of the graphs, while the parent builds its models; the parent's warm-up then takes
 every graph from the cache.
 
-One process compiles on one thread (compile-safety.md, rule 1), and a cold compile is mostly single-threaded Python
-(Dynamo, AOTAutograd, inductor), so a cold first step is the sum of every graph's compile. Separate processes compile
-at once: each child runs the same compiled functions on inputs of the same shapes as the parent's warm-up (so the
-cache keys are the same), compiles only its share (`compile.restrict_to`), writes its graphs to the cache directory
-and exits; the parent waits for them before its first compile. A child that fails or runs past its time is named in
-a warning with its log, and the parent compiles what it did not.
+One process compiles on one thread (rule 1 of the compile layer, src/dflash_train/model/compile.py), and a cold
+compile is mostly single-threaded Python (Dynamo, AOTAutograd, inductor), so a cold first step is the sum of every
+graph's compile. Separate processes compile at once: each child runs the same compiled functions on inputs of the same
+shapes as the parent's warm-up (so the cache keys are the same), compiles only its share (`compile.restrict_to`),
+writes its graphs to the cache directory and exits; the parent waits for them before its first compile. A child that
+fails or runs past its time is named in a warning with its log, and the parent compiles what it did not.
 
-Measured on one H200 with 16 cores (BENCHMARKS.md, sessions 18-19): spawned children are slower than one process
+Measured on one H200 with 16 cores (docs/results/performance.md): spawned children are slower than one process
 compiling everything (each spends ~16 s starting; three compiling at once take 13-17 s each for shares that take 6-10 s
 alone); forked children (`Fanout.fork`, no imports) shorten the first step (25.3 s against 36.0 s) but not the start
 (63.9 s against 64.5 s to the first step): the compile's CPU work is moved, not removed. The trainer does not use it.

@@ -1,41 +1,43 @@
 #!/usr/bin/env python3
-"""Quality comparison with a reference DFlash trainer (issue #10), in one command:
+"""Drafter quality end to end for the embedded target (SmolLM2-135M-Instruct), in one command:
 
-    prepare -> train -> evaluate (prompts sharded over parallel workers) -> summary.json + summary.md
+    data (regen) -> prepare -> train -> evaluate (by replay) -> summary.json + summary.md
 
-The reference (another project's trainer, same data: ../shared/data/smollm2-sharegpt-regen.jsonl.gz,
-5 layers, block 16, 512 anchors, gamma 7, lr 6e-4, batch 16, 759 steps) reached tau ~1.37, greedy, 256
-new tokens, on MT-Bench and held-out ShareGPT. configs/smollm2-reference.yaml is that recipe on our keys.
-We evaluate every prompt of MT-Bench (80, two turns), HumanEval (164) and held-out ShareGPT, greedy,
-block verification and DDTree, and report tau per dataset, accuracy per block position (training
-metrics), and wall times.
+Data: the target answers the first `--regen-limit` conversations (default 7,728) of the built-in ShareGPT
+training split itself, every user turn, greedy, its own stop tokens, at most 256 new tokens a turn
+(`dflash-train regen`), into OUT/data/regen.jsonl. A later call reuses that file; a call stopped mid-way
+continues it. It is the slow stage: hours on one H200 for the 26,031 turns of 7,728 conversations (see
+benchmarks/README.md). `--data FILE` trains on FILE instead (any shape `prepare` reads) and skips regen.
 
-Held-out ShareGPT (`assets.iter_sharegpt_split("heldout")`) is held out from *our* ShareGPT split, not
-from the shared training file: about half of its prompts are training prompts of that file. Every eval
-prompt whose turn equals a training user turn (whitespace collapsed, case folded), or shares its first
-`--overlap-prefix` normalised characters with one, is dropped and counted in the summary.
+Reference: a published DFlash trainer's figure for this target, tau ~1.37 (greedy, 256 new tokens, a sample of
+MT-Bench and held-out ShareGPT prompts, block verification), after 759 steps of 5 layers, block 16, 512 anchors,
+gamma 7, lr 6e-4, batch 16 on 7,728 ShareGPT first turns answered by SmolLM2-135M-Instruct (greedy, 256 new
+tokens; 7,337 usable). configs/smollm2-reference.yaml is that recipe on our keys. The default data here is of
+the same kind (ShareGPT prompts, the target's own greedy answers), not the same rows: whole conversations of our
+training split rather than first turns.
+
+We evaluate every prompt of MT-Bench (80, two turns), HumanEval (164) and held-out ShareGPT (557), greedy, block
+verification and DDTree, and report tau per dataset and pooled, accuracy per block position (training metrics)
+and wall times. Held-out ShareGPT (`assets.iter_sharegpt_split("heldout")`) is disjoint from our training split
+by position, not by text: ShareGPT repeats prompts ("continue", pasted texts), and another `--data` file may hold
+any of them. Every eval prompt whose turn equals a training user turn (whitespace collapsed, case folded), or
+shares its first `--overlap-prefix` normalised characters with one, is dropped and counted in the summary.
 
 Every stage is resumable and skipped when done (`dflash_train.pipeline`: the stages' state and times in
-OUT/pipeline.json; a work directory holds one target's work), so the work can span calls of a time-limited
-machine (`--deadline-s`): training stops with a checkpoint (the STOP file) and resumes; evaluation workers
-append one record per prompt and a later call runs only the missing prompts. Exit code 3 = not finished yet.
+OUT/pipeline.json; a work directory holds one target's work), so the work can span several calls
+(`--deadline-s`): regen is stopped and continues, training stops with a checkpoint (the STOP file) and
+resumes, evaluation keeps what it finished. Exit code 3 = not finished yet: run the same command again.
 
     PYTHONPATH=src python benchmarks/quality.py --out runs/quality                    # everything, defaults
-    PYTHONPATH=src python benchmarks/quality.py --out /root/q --deadline-s 540 --copy-to $OUT \\
-        --data .gpu/data/smollm2-sharegpt-regen.jsonl.gz --eval mt-bench=.gpu/data/mt-bench.jsonl \\
-        --eval humaneval=.gpu/data/humaneval.jsonl --eval sharegpt=.gpu/data/sharegpt-heldout.jsonl
-    # CPU smoke: ... optim.max_steps=3 data.max_samples=64 run.device=cpu data.max_batch_size=4 \\
-    #     objective.max_anchors=32 --limit 1 --max-new-tokens 16 --workers 2 --device cpu
+    PYTHONPATH=src python benchmarks/quality.py --out runs/quality --data DATA.jsonl.gz   # your data, no regen
+    # CPU smoke: ... --regen-limit 16 --regen-max-new-tokens 32 optim.max_steps=3 run.device=cpu \
+    #     data.max_batch_size=4 objective.max_anchors=32 --limit 1 --max-new-tokens 16 --workers 2 --device cpu
 
-`--copy-to DIR` (e.g. the GPU machine's $OUT, which brings back at most 8 files, 16 MiB each, 64 MiB in
-all, two folders deep) writes, at the end of every call, also a failed one: summary.json, summary.md,
-logs.tar.gz (metrics.jsonl, train/driver/worker logs, pipeline.json, eval plan and report) and drafter/ (the
-exported drafter as drafter.tar.gz.part-aa, -ab, ... of at most 16 MiB + SHA256SUMS; tools/gpu_pack.py). Here,
-put the drafter back together (sums checked) and evaluate it again, on CPU or GPU, without training:
+Everything stays in --out: summary.json, summary.md, driver.log, the stages' logs, run/export (the drafter).
+Evaluate an exported drafter again, on CPU or GPU, without training:
 
-    tools/join_drafter.sh <files>/drafter runs/quality-gpu/export
-    PYTHONPATH=src python benchmarks/quality.py --out runs/quality-gpu-eval --drafter runs/quality-gpu/export \\
-        --eval mt-bench --limit 2 --max-new-tokens 64 --device cpu
+    PYTHONPATH=src python benchmarks/quality.py --out runs/quality-eval --drafter runs/quality/run/export \
+        --data runs/quality/data/regen.jsonl --eval mt-bench --limit 2 --max-new-tokens 64 --device cpu
 """
 
 from __future__ import annotations
@@ -54,22 +56,27 @@ from pathlib import Path
 from typing import IO, Callable, Iterable, Optional
 
 REPO = Path(__file__).resolve().parent.parent
-for _path in (REPO / "src", REPO / "tools"):  # dflash_train; gpu_pack (bringing files back from the GPU machine)
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-import gpu_pack  # noqa: E402
+if str(REPO / "src") not in sys.path:
+    sys.path.insert(0, str(REPO / "src"))
 
 REFERENCE = {
-    "trainer": "another project's DFlash trainer",
-    "data": "smollm2-sharegpt-regen.jsonl.gz (7,337 usable conversations)",
+    "trainer": "a published DFlash trainer (its reported figure)",
+    "data": "7,728 ShareGPT first turns answered by SmolLM2-135M-Instruct, greedy, 256 new tokens (7,337 usable)",
     "recipe": "5 layers, block 16, 512 anchors, gamma 7, lr 6e-4, batch 16, 759 steps (1.65 epochs)",
     "tau": 1.37,
     "tau_on": "MT-Bench + held-out ShareGPT (a small sample), greedy, 256 new tokens, block verification",
     "train_wall_s": 180,
 }
 DEFAULT_CONFIG = REPO / "configs" / "smollm2-reference.yaml"
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "smollm2-sharegpt-regen.jsonl.gz"
+# The data stage: the target answers the first REGEN_LIMIT conversations of the built-in ShareGPT training split
+# (10,577 usable; 7,728 = the reference's data size), greedy, at most REGEN_MAX_NEW_TOKENS a turn.
+REGEN_SOURCE = "sharegpt"
+REGEN_LIMIT = 7728
+REGEN_MAX_NEW_TOKENS = 256
+# Generation is host-bound (HF generate, ~10% of an H200 busy at 64): wider batches go faster; 256 conversations of
+# the longest prompts took ~77 GB of an H200 at 256 new tokens a turn.
+REGEN_BATCH_SIZE = 256
+REGEN_FILE = Path("data") / "regen.jsonl"  # under --out
 DEFAULT_EVAL = ("mt-bench", "humaneval", "sharegpt")
 POOLED = ("mt-bench", "sharegpt")  # the reference's tau was measured on these two
 EXIT_UNFINISHED = 3
@@ -593,6 +600,39 @@ def run_eval_workers(cmds: list[tuple[list[str], Path]], env: dict, runner, devi
     return [c.proc.returncode for c in kids.procs], stopped, time.time() - t0
 
 
+def run_regen(cmd: list[str], log_path: Path, runner, device: str, log: Callable[[str], None]) -> None:
+    """Run `dflash-train regen` (`cmd`) as a child process on one GPU, its output appended to `log_path`; its
+    summary goes to `log`. Once the deadline passes it is killed and the stage is Unfinished: regen appends each
+    finished batch at once, so the same command continues where it stopped."""
+    from dflash_train.pipeline import Unfinished
+
+    def tick() -> None:
+        if runner.remaining() < 0:
+            raise Unfinished("the deadline passed during regen; run the same command again (it continues)")
+
+    with Children() as kids:
+        start = log_path.stat().st_size if log_path.is_file() else 0
+        child = kids.start("regen", cmd, log_path, gpu_env(child_env(TOKENIZERS_PARALLELISM="false"), 0,
+                                                            visible_gpus(device)), append=True)
+        kids.wait(1.0, tick)
+    if child.proc.returncode != 0:
+        raise RuntimeError(f"regen failed (exit {child.proc.returncode}); {log_path} ends:\n{child.tail()}")
+    with open(log_path, "rb") as f:  # this call's output: the summary regen printed last
+        f.seek(start)
+        lines = f.read().decode(errors="replace").splitlines()
+    first = max((i for i, line in enumerate(lines) if line.startswith("regen: ")), default=len(lines))
+    for line in lines[first:]:
+        log(line)
+
+
+def count_lines(path: Path) -> int:
+    """Lines of a file (0 when it does not exist)."""
+    if not path.is_file():
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
 @dataclass
 class TrainJob:
     name: str
@@ -649,10 +689,13 @@ def prepare_training_data(cfg, data: str, val_fraction: float, prepared: Path, l
     if manifest_path.is_file():
         m = json.loads(manifest_path.read_text())
         have = {k: m[k] for k in want}
-        if have == want and [s["data"] for s in m["sources"]] == [data] and has_label_counts(m):
+        same_file = [s["data"] for s in m["sources"]] == [data] and _same_bytes(m["sources"][0])
+        if have == want and same_file and has_label_counts(m):
             log(f"prepare: reusing {prepared} ({m['counts']['kept']} rows)")
             return None
         why = "" if has_label_counts(m) else " without label counts (drafter.draft_vocab_size)"
+        if [s["data"] for s in m["sources"]] == [data] and not same_file:
+            why += " (the file has changed since)"
         log(f"prepare: {prepared} was made with {have} from {[s['data'] for s in m['sources']]}{why}; redoing")
     t0 = time.time()
     target = assets.resolve_target(cfg.target.path)
@@ -660,6 +703,18 @@ def prepare_training_data(cfg, data: str, val_fraction: float, prepared: Path, l
     seconds = time.time() - t0
     log(summary(manifest, prepared))
     return seconds
+
+
+def _same_bytes(source: dict) -> bool:
+    """Whether the files a prepared source entry lists are still what was prepared (size, then sha256): a
+    regenerated file grows when an earlier, smaller regen is continued."""
+    from dflash_train.data.store import file_sha256
+
+    for f in source.get("files") or []:
+        path = Path(f["path"])
+        if not path.is_file() or path.stat().st_size != f.get("size") or file_sha256(path) != f.get("sha256"):
+            return False
+    return bool(source.get("files"))
 
 
 def load_eval_items(specs: list[str], data: str, limit: int, overlap_prefix: int,
@@ -728,6 +783,11 @@ class Driver:
         self.args = args
         self.out = Path(args.out).resolve()
         self.out.mkdir(parents=True, exist_ok=True)
+        # no --data: the data stage regenerates the training set into OUT/data (with --drafter: the eval prompts are
+        # filtered against that file when an earlier run left it there)
+        self.regen = not args.data
+        args.tree_budget = args.tree_budget or [32]
+        args.data = str(Path(args.data).resolve()) if args.data else str(self.out / REGEN_FILE)
         self.prepared = self.out / "prepared"
         self.run = self.out / "run"
         self.eval_dir = self.out / "eval"
@@ -758,11 +818,14 @@ class Driver:
         """The selected stages, in order. A done stage is skipped while its key (what it depends on) is unchanged."""
         from dflash_train.pipeline import Stage
 
+        data_key = {"source": REGEN_SOURCE, "limit": self.args.regen_limit,
+                    "max_new_tokens": self.args.regen_max_new_tokens}
         prepare_key = {"data": self.args.data, "max_length": self.cfg.data.max_length,
                        "block_size": self.cfg.drafter.block_size, "val_fraction": self.args.val_fraction}
         if self.needs_label_counts():  # only then: an older work directory's stages stay done otherwise
             prepare_key["label_counts"] = True
         all_stages = [
+            Stage("data", self.stage_data, outputs=(Path(self.args.data),), key=data_key),
             Stage("prepare", self.stage_prepare, outputs=(self.prepared / "manifest.json",), key=prepare_key),
             Stage("train", self.stage_train, outputs=tuple(run / "export" / "model.safetensors"
                                                            for run, _ in self.runs().values()),
@@ -770,7 +833,7 @@ class Driver:
             Stage("eval", self.stage_eval, outputs=(self.out / "summary.json", self.out / "summary.md"),
                   key=self.eval_key, reuse=self.print_summary, min_remaining_s=self.args.eval_stop_margin_s + 60),
         ]
-        return [s for s in all_stages if s.name in names]
+        return [s for s in all_stages if s.name in names and (s.name != "data" or self.regen)]
 
     def needs_label_counts(self) -> bool:
         """Whether a run trains a reduced draft vocabulary (`drafter.draft_vocab_size`), chosen from the prepared
@@ -789,6 +852,42 @@ class Driver:
         weights = self.drafter_dir / "model.safetensors"
         key["drafter_sha256"] = _file_sha256(weights) if weights.is_file() else None
         return key
+
+    # ------------------------------------------------------------------ data
+
+    def regen_command(self) -> list[str]:
+        a = self.args
+        return [sys.executable, "-m", "dflash_train", "regen", "--target", self.cfg.target.path,
+                "--data", REGEN_SOURCE, "--limit", str(a.regen_limit), "--max-new-tokens", str(a.regen_max_new_tokens),
+                "--batch-size", str(a.regen_batch_size), "--device", a.device, "--no-progress", "--out", a.data]
+
+    def stage_data(self) -> None:
+        """The training set: the target's own greedy answers to the first --regen-limit conversations of the
+        built-in ShareGPT training split (`dflash-train regen`, resumable: a call the deadline stopped, or an
+        earlier run with a smaller limit, is continued)."""
+        from dflash_train.data.regen.journal import side_paths
+
+        out = Path(self.args.data)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = self.regen_command()
+        self.log("data: " + " ".join(cmd))
+        t0 = time.time()
+        try:
+            run_regen(cmd, out.parent / "regen.log", self.runner, self.args.device, self.log)
+        finally:
+            self.runner.add_time("regen_s", time.time() - t0)
+        rows, rejects = count_lines(out), count_lines(side_paths(out)[1])
+        self.log(f"data: {out}: {rows} conversations, {rejects} rejected")
+
+    def regen_summary(self) -> dict:
+        """What the data stage made: its source and settings, conversations written and rejected."""
+        from dflash_train.data.regen.journal import side_paths
+
+        out = Path(self.args.data)
+        return {"source": f"built-in {REGEN_SOURCE} (training split), the first {self.args.regen_limit} conversations",
+                "generated_by": "the target, greedy, its stop tokens", "max_new_tokens": self.args.regen_max_new_tokens,
+                "command": " ".join(["dflash-train"] + self.regen_command()[3:]),
+                "conversations": count_lines(out), "rejected": count_lines(side_paths(out)[1])}
 
     # ------------------------------------------------------------------ prepare
 
@@ -1110,6 +1209,8 @@ class Driver:
             data = {"file": str(self.args.data), "rows_read": manifest["counts"]["rows_read"],
                     "rows_kept": manifest["counts"]["kept"], "rejected": manifest["counts"]["rejected"],
                     "train_rows": manifest["splits"]["train"]["rows"], "val_rows": manifest["splits"]["val"]["rows"]}
+            if self.regen:
+                data["regen"] = self.regen_summary()
             train = train_summary(self.run)
         else:  # not trained here: the run directory beside an export (run/export), when there is one
             data = {"file": self.overlap_data, "used_for": "the overlap filter only (drafter given)"}
@@ -1138,35 +1239,6 @@ class Driver:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=list))
         (self.out / "summary.md").write_text(summary_markdown(summary))
         return summary
-
-    def copy_out(self, limits: Optional["gpu_pack.OutLimits"] = None, part_bytes: int = gpu_pack.PART_BYTES) -> None:
-        """--copy-to: summary.json/.md, drafter/ (the exported drafter in checked parts) and logs.tar.gz, within
-        `limits` (the GPU machine's). Never raises: the run's own outcome is what the caller reports."""
-        if not self.args.copy_to:
-            return
-        members = [(self.run / "metrics.jsonl", "metrics.jsonl"), (self.run / "train.log", "train.log"),
-                   (self.run / "status.json", "status.json"), (self.out / "driver.log", "driver.log"),
-                   (self.out / "train.stdout.log", "train.stdout.log"), (self.out / "pipeline.json", "pipeline.json"),
-                   (self.eval_dir / "plan.json", "eval_plan.json"),
-                   (self.out / "eval-decode" / "report.json", "decode_check_report.json")]
-        members += [(p, f"replay/{p.name}") for p in sorted((self.out / "replay").glob("*.log"))]
-        for name, (run, _) in self.runs().items():  # each variant's training record, also when the call ran out
-            if run != self.run:
-                members += [(run / f, f"variants/{name}/{f}") for f in ("metrics.jsonl", "train.log", "status.json")]
-        attempts = sorted(self.eval_dir.glob("attempt-*"))
-        if attempts:
-            members += [(p, f"workers/{p.name}") for p in sorted(attempts[-1].glob("worker-*.log"))]
-        if self.given_drafter is not None:
-            self.log(f"copy-to: the drafter was given (--drafter {self.given_drafter}): not copied back")
-        try:  # the eval report (every output's tokens and text), then replay's turn records go first when the logs do not fit
-            gpu_pack.bring_back(Path(self.args.copy_to), files=[self.out / "summary.json", self.out / "summary.md"],
-                                drafter=None if self.given_drafter is not None else self.drafter_dir, logs=members,
-                                optional_logs=[(p, f"replay/{p.relative_to(self.out / 'replay')}")
-                                               for p in sorted((self.out / "replay").glob("partial/*.jsonl"))]
-                                + [(self.eval_dir / "report.json", "eval_report.json")], say=self.log,
-                                limits=limits or gpu_pack.OUT_LIMITS, part_bytes=part_bytes)
-        except Exception as e:  # noqa: BLE001
-            self.log(f"copy-to: failed: {type(e).__name__}: {e}")
 
 
 def dataset_summaries(report: dict, info: dict) -> dict[str, dict]:
@@ -1272,14 +1344,18 @@ def _fmt(v, nd=3) -> str:
 def summary_markdown(s: dict) -> str:
     ev, tr = s["eval"], s["train"]
     modes = [m for m in next(iter(ev["datasets"].values()), {}).get("modes", {}) if m != "target"] if ev["datasets"] else []
-    lines = ["# DFlash quality comparison (issue #10)", ""]
+    lines = ["# DFlash drafter quality", ""]
     if not s["complete"]:
         lines += ["**Incomplete**: some prompts are still to decode (run the same command again).", ""]
     ref = s["reference"]
     dr = s.get("drafter") or {}
     if "train_rows" in s["data"]:
+        regen = s["data"].get("regen")
+        made = (f", regenerated by the target from the first {regen['conversations'] + regen['rejected']} "
+                f"conversations of the built-in ShareGPT training split (greedy, {regen['max_new_tokens']} new tokens "
+                f"a turn; {regen['rejected']} rejected)") if regen else f" from `{s['data'].get('file')}`"
         ours = (f"Ours: `{s['config']}` {' '.join(s['overrides'])}; data {s['data']['train_rows']} training rows "
-                f"({s['data']['rows_read']} read).")
+                f"({s['data']['rows_read']} read){made}.")
     else:
         ours = f"Ours: the drafter below, target from `{s['config']}`{''.join(' ' + o for o in s['overrides'])}."
     filtered = ("all prompts after dropping training prompts" if ev["settings"].get("overlap_filter_data", True)
@@ -1321,8 +1397,10 @@ def summary_markdown(s: dict) -> str:
                   f"{_fmt(tr['tau_estimate'])} (mean of last records {_fmt(tr['tau_estimate_mean_last'])}), "
                   f"{_fmt(tr['tokens_per_s_mean'], 0)} target tokens/s.", ""]
     w = s["wall_s"]
-    lines += ["## Wall time", "",
-              f"- prepare: {_fmt(w.get('prepare_s'), 1)} s",
+    lines += ["## Wall time", ""]
+    if w.get("regen_s") is not None:
+        lines.append(f"- data (regen): {_fmt(w.get('regen_s'), 1)} s")
+    lines += [f"- prepare: {_fmt(w.get('prepare_s'), 1)} s",
               f"- train: {_fmt(w.get('train_s'), 1)} s for the training process(es) (target load, compile warm-up "
               f"{_fmt(tr.get('warmup_s'), 1)} s, loop {_fmt(tr.get('loop_s'), 1)} s); reference ~{ref['train_wall_s']} s",
               (f"- eval by replay: {_fmt(w.get('corpus_s'), 1)} s for the target's greedy continuations, "
@@ -1396,11 +1474,27 @@ def replay_markdown(s: dict, modes: list[str]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:3]),  # what it does, the data
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="dotted config overrides for training, e.g. optim.max_steps=3")
-    p.add_argument("--out", required=True, help="work directory (prepared/, run/, eval/, summary.json, summary.md)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--data", default=str(DEFAULT_DATA), help="training conversations (raw JSONL / .jsonl.gz)")
+    p.add_argument("--out", required=True,
+                   help="work directory: data/ (the regenerated training set), prepared/, run/ (run/export: the "
+                        "drafter), replay/, eval/, summary.json, summary.md, driver.log")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="training recipe (default: %(default)s)")
+    p.add_argument("--data", metavar="FILE",
+                   help="train on this file of conversations (any shape `dflash-train prepare` reads) and skip "
+                        "regen. Default: OUT/data/regen.jsonl, which the data stage writes: the target answers the "
+                        "first --regen-limit conversations of the built-in ShareGPT training split")
+    p.add_argument("--regen-limit", type=int, default=REGEN_LIMIT, metavar="N",
+                   help="data stage: regenerate the first N conversations of the built-in ShareGPT training split "
+                        "(it has 10,577) (default: %(default)s, the reference's data size)")
+    p.add_argument("--regen-max-new-tokens", type=int, default=REGEN_MAX_NEW_TOKENS,
+                   help="data stage: at most this many new tokens per assistant turn, greedy, ending at the "
+                        "target's stop tokens (default: %(default)s)")
+    p.add_argument("--regen-batch-size", type=int, default=REGEN_BATCH_SIZE,
+                   help="data stage: conversations per generate call, turn by turn (wider is faster: generation is "
+                        "host-bound; the longest prompts' batch of 256 takes ~77 GB of GPU memory); may change between "
+                        "calls, e.g. lower after an out-of-memory error (default: %(default)s)")
     p.add_argument("--val-fraction", type=float, default=0.0, help="prepare --val-fraction (0: train on every row)")
     p.add_argument("--eval", action="append", metavar="NAME[=FILE]",
                    help="eval set: mt-bench, humaneval, sharegpt (built-in) or NAME=prompts.jsonl; repeat. "
@@ -1409,7 +1503,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-prefix", type=int, default=200,
                    help="also drop eval prompts sharing this many leading normalised characters with a training "
                         "prompt (0: exact matches only)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="eval: new tokens per turn (default: %(default)s)")
     p.add_argument("--tree-budget", type=int, action="append", default=None, help="DDTree budget(s) (default 32)")
     p.add_argument("--baseline", action="store_true",
                    help="also decode with the target alone (speedup and lossless check; ~1.5x the eval time)")
@@ -1421,14 +1515,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "needs --dtype bfloat16); the trained runs are kept, only the evaluation is redone")
     p.add_argument("--workers", type=int, default=0, help="parallel eval processes (0: min(12, CPUs - 2) on GPU, 1 on CPU)")
     p.add_argument("--stages", default=None,
-                   help="comma-separated subset of prepare,train,eval (default: all; with --drafter: eval)")
+                   help="comma-separated subset of data,prepare,train,eval (default: all; data only without "
+                        "--data; with --drafter: eval)")
     p.add_argument("--drafter", metavar="PATH",
-                   help="evaluate this exported drafter folder (config.json + model.safetensors, e.g. one brought "
-                        "back by --copy-to and joined with tools/join_drafter.sh) instead of training one: no "
-                        "prepare, no train. --data still names the training file the eval prompts are filtered "
-                        "against (missing: no filter, said in the summary); the target comes from --config")
+                   help="evaluate this exported drafter folder (config.json + model.safetensors, e.g. "
+                        "OUT/run/export of an earlier run) instead of training one: no data, no prepare, no train. "
+                        "--data names the training file the eval prompts are filtered against (default: "
+                        "OUT/data/regen.jsonl; missing: no filter, said in the summary); the target comes from "
+                        "--config")
     p.add_argument("--deadline-s", type=float, default=0,
-                   help="stop cleanly after this many seconds (training checkpoints, eval keeps finished prompts); "
+                   help="stop cleanly after this many seconds (regen and training continue where they stopped, "
+                        "eval keeps finished prompts); "
                         "the same command continues. 0 = no deadline")
     p.add_argument("--train-stop-margin-s", type=float, default=45.0,
                    help="with --deadline-s: ask training to stop this long before the deadline")
@@ -1445,9 +1542,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "replay it; repeat. The default run keeps GPU 0 to itself when there are several")
     p.add_argument("--curve-every", type=int, default=0, metavar="STEPS",
                    help="save the default run every STEPS steps and replay every checkpoint: tau against training time")
-    p.add_argument("--copy-to", help="bring back here (e.g. $OUT): summary.json/.md, logs.tar.gz (metrics, logs, the "
-                        "eval report) and drafter/ (the exported drafter in parts of < 16 MiB + SHA256SUMS; join "
-                        "with tools/join_drafter.sh), within 8 files / 16 MiB each / 64 MiB")
     return p
 
 
@@ -1457,11 +1551,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         return {"worker": worker_main, "corpus": corpus_main, "replay": replay_main}[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     args.tree_budget = args.tree_budget or [32]
-    args.data = str(Path(args.data).resolve())
-    stages = {s.strip() for s in (args.stages or ("eval" if args.drafter else "prepare,train,eval")).split(",") if s.strip()}
-    unknown = stages - {"prepare", "train", "eval"}
+    default = "eval" if args.drafter else "prepare,train,eval" if args.data else "data,prepare,train,eval"
+    stages = {s.strip() for s in (args.stages or default).split(",") if s.strip()}
+    unknown = stages - {"data", "prepare", "train", "eval"}
     if unknown:
         raise SystemExit(f"unknown stages {sorted(unknown)}")
+    if "data" in stages and args.data:
+        raise SystemExit(f"--data {args.data}: the training file is given, there is no data stage to run "
+                         "(leave data out of --stages, or leave --data out to regenerate)")
+    if min(args.regen_limit, args.regen_max_new_tokens, args.regen_batch_size) < 1:
+        raise SystemExit("--regen-limit, --regen-max-new-tokens and --regen-batch-size must be positive")
     if args.drafter:
         if stages != {"eval"}:
             raise SystemExit(f"--drafter evaluates a given drafter: stages {sorted(stages)} make no sense with it "
@@ -1479,7 +1578,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0 if drv.runner.run(drv.stages(stages)).finished else EXIT_UNFINISHED
     finally:
         drv.log(f"this call: {time.time() - drv.start:.0f} s; totals {drv.runner.times}")
-        drv.copy_out()  # also after a failure: the exported drafter and the logs are what is left to look at
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""Recompiles of the compiled drafter step over a real data plan (issue 20), on one GPU.
+"""Recompiles of the compiled drafter step over a real data plan, on one GPU.
 
     PYTHONPATH=src python benchmarks/recompiles.py --data data.jsonl.gz --tokenizer TOKDIR --steps 120 \
         [--options '{"triton.autotune_pointwise": false}'] [--no-extremes] [--guards OUT/guards.txt]

@@ -4,7 +4,7 @@
     PYTHONPATH=src python benchmarks/throughput.py --part target --shape qwen3-8b --batch 4 --seq 2048 --compile-target
 
 Reports tokens/s (target tokens), time per part, MFU against a measured bf16 matmul peak, and peak
-memory. FLOP accounting (see BENCHMARKS.md): matmuls + attention over unmasked entries; target
+memory. FLOP accounting (docs/results/performance.md): matmuls + attention over unmasked entries; target
 layers up to the last captured one; drafter forward + backward (weights and inputs), lm_head
 forward + input gradient on counted rows; no weight gradient for frozen parts. With `--draft-vocab N` the
 drafter's own trained lm_head [N, hidden] instead: forward, input and weight gradient (its backward also forms
@@ -465,7 +465,8 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=None, help="inductor cache directory (see --fresh-cache)")
     ap.add_argument("--fresh-cache", action="store_true", help="empty the inductor cache first: a cold compile")
     ap.add_argument("--late-compile-workers", action="store_true",
-                    help="leave inductor's compile workers to start at the first compile (as before session 6)")
+                    help="leave inductor's compile workers to start at the first compile (by default they start while "
+                         "the models build, as in the trainer)")
     ap.add_argument("--part", default="both", choices=["both", "target", "drafter"],
                     help="measure one side alone (the per-GPU rates of a split placement)")
     ap.add_argument("--compile-target", action="store_true",

