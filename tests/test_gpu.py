@@ -443,7 +443,7 @@ def test_validation_on_real_data_compiles_nothing_after_the_warm_up(tmp_path, qw
 
     from _harness import run
 
-    with gzip.open(real_data, "rt") as f:
+    with (gzip.open(real_data, "rt") if real_data.suffix == ".gz" else open(real_data)) as f:
         held_out = [line for _, line in zip(range(1300), f)][1000:]
     val = tmp_path / "val.jsonl"
     val.write_text("".join(held_out))
