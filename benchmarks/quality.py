@@ -3,18 +3,19 @@
 
     data (regen) -> prepare -> train -> evaluate (by replay) -> summary.json + summary.md
 
-Data: the target answers the first `--regen-limit` conversations (default 7,728) of the built-in ShareGPT
-training split itself, every user turn, greedy, its own stop tokens, at most 256 new tokens a turn
-(`dflash-train regen`), into OUT/data/regen.jsonl. A later call reuses that file; a call stopped mid-way
-continues it. It is the slow stage: hours on one H200 for the 26,031 turns of 7,728 conversations (see
-benchmarks/README.md). `--data FILE` trains on FILE instead (any shape `prepare` reads) and skips regen.
+Data: the target answers the first user turn (`--regen-max-turns`, default 1) of the first `--regen-limit`
+conversations (default 7,728) of the built-in ShareGPT training split itself, greedy, its own stop tokens, at
+most 256 new tokens (`dflash-train regen`), into OUT/data/regen.jsonl. A later call reuses that file; a call
+stopped mid-way continues it. It is the slow stage (about 16 minutes on one H200 for first turns; every turn,
+`--regen-max-turns 0`, takes hours: benchmarks/README.md). `--data FILE` trains on FILE instead (any shape
+`prepare` reads) and skips regen.
 
 Reference: a published DFlash trainer's figure for this target, tau ~1.37 (greedy, 256 new tokens, a sample of
 MT-Bench and held-out ShareGPT prompts, block verification), after 759 steps of 5 layers, block 16, 512 anchors,
 gamma 7, lr 6e-4, batch 16 on 7,728 ShareGPT first turns answered by SmolLM2-135M-Instruct (greedy, 256 new
 tokens; 7,337 usable). configs/smollm2-reference.yaml is that recipe on our keys. The default data here is of
-the same kind (ShareGPT prompts, the target's own greedy answers), not the same rows: whole conversations of our
-training split rather than first turns.
+the same kind (ShareGPT first turns, the target's own greedy answers), not the same rows: the first conversations
+of our training split.
 
 We evaluate every prompt of MT-Bench (80, two turns), HumanEval (164) and held-out ShareGPT (557), greedy, block
 verification and DDTree, and report tau per dataset and pooled, accuracy per block position (training metrics)
@@ -73,6 +74,7 @@ DEFAULT_CONFIG = REPO / "configs" / "smollm2-reference.yaml"
 REGEN_SOURCE = "sharegpt"
 REGEN_LIMIT = 7728
 REGEN_MAX_NEW_TOKENS = 256
+REGEN_MAX_TURNS = 1  # first turns, as the reference's data: every turn (0) of 7,728 conversations takes hours
 # Generation is host-bound (HF generate, ~10% of an H200 busy at 64): wider batches go faster; 256 conversations of
 # the longest prompts took ~77 GB of an H200 at 256 new tokens a turn.
 REGEN_BATCH_SIZE = 256
@@ -819,7 +821,7 @@ class Driver:
         from dflash_train.pipeline import Stage
 
         data_key = {"source": REGEN_SOURCE, "limit": self.args.regen_limit,
-                    "max_new_tokens": self.args.regen_max_new_tokens}
+                    "max_new_tokens": self.args.regen_max_new_tokens, "max_turns": self.args.regen_max_turns}
         prepare_key = {"data": self.args.data, "max_length": self.cfg.data.max_length,
                        "block_size": self.cfg.drafter.block_size, "val_fraction": self.args.val_fraction}
         if self.needs_label_counts():  # only then: an older work directory's stages stay done otherwise
@@ -859,7 +861,8 @@ class Driver:
         a = self.args
         return [sys.executable, "-m", "dflash_train", "regen", "--target", self.cfg.target.path,
                 "--data", REGEN_SOURCE, "--limit", str(a.regen_limit), "--max-new-tokens", str(a.regen_max_new_tokens),
-                "--batch-size", str(a.regen_batch_size), "--device", a.device, "--no-progress", "--out", a.data]
+                "--max-turns", str(a.regen_max_turns), "--batch-size", str(a.regen_batch_size), "--device", a.device,
+                "--no-progress", "--out", a.data]
 
     def stage_data(self) -> None:
         """The training set: the target's own greedy answers to the first --regen-limit conversations of the
@@ -886,6 +889,7 @@ class Driver:
         out = Path(self.args.data)
         return {"source": f"built-in {REGEN_SOURCE} (training split), the first {self.args.regen_limit} conversations",
                 "generated_by": "the target, greedy, its stop tokens", "max_new_tokens": self.args.regen_max_new_tokens,
+                "max_turns": self.args.regen_max_turns,
                 "command": " ".join(["dflash-train"] + self.regen_command()[3:]),
                 "conversations": count_lines(out), "rejected": count_lines(side_paths(out)[1])}
 
@@ -1491,6 +1495,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--regen-max-new-tokens", type=int, default=REGEN_MAX_NEW_TOKENS,
                    help="data stage: at most this many new tokens per assistant turn, greedy, ending at the "
                         "target's stop tokens (default: %(default)s)")
+    p.add_argument("--regen-max-turns", type=int, default=REGEN_MAX_TURNS, metavar="N",
+                   help="data stage: answer the first N user turns of each conversation, 0 = all (default: "
+                        "%(default)s, first turns as the reference's data)")
     p.add_argument("--regen-batch-size", type=int, default=REGEN_BATCH_SIZE,
                    help="data stage: conversations per generate call, turn by turn (wider is faster: generation is "
                         "host-bound; the longest prompts' batch of 256 takes ~77 GB of GPU memory); may change between "
@@ -1561,6 +1568,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(leave data out of --stages, or leave --data out to regenerate)")
     if min(args.regen_limit, args.regen_max_new_tokens, args.regen_batch_size) < 1:
         raise SystemExit("--regen-limit, --regen-max-new-tokens and --regen-batch-size must be positive")
+    if args.regen_max_turns < 0:
+        raise SystemExit("--regen-max-turns must be >= 0 (0 = every turn)")
     if args.drafter:
         if stages != {"eval"}:
             raise SystemExit(f"--drafter evaluates a given drafter: stages {sorted(stages)} make no sense with it "

@@ -41,6 +41,7 @@ FLAGS: dict[tuple[str, str], tuple[str, list[str]]] = {
     ("regen", "--stop-token-ids"): ("an integer >= 0", ["0", "2"]),
     ("regen", "--batch-size"): ("a positive integer", ["1", "16"]),
     ("regen", "--limit"): ("an integer >= 0 (0 = all)", ["0", "7"]),
+    ("regen", "--max-turns"): ("an integer >= 0 (0 = all)", ["0", "1"]),
     ("regen", "--seed"): ("an integer >= 0", ["0", "1234"]),
     ("regen", "--max-prompt-tokens"): ("a positive integer", ["1", "2048"]),
     ("regen", "--sort-window"): ("a positive integer", ["1", "4096"]),

@@ -57,12 +57,13 @@ def test_data_stage_regenerates_the_builtin_sharegpt_split_into_the_work_dir_onc
     assert len(rows) + len(rejected) == 3 and rows
     assert {r["id"] for r in rows + rejected} == {"sharegpt:#0", "sharegpt:#1", "sharegpt:#2"}
     source = {f"sharegpt:#{i}": c["messages"] for i, c in enumerate(assets.iter_sharegpt_split("train", 3))}
-    for row in rows:  # the source's user turns (a prefix when the context filled up), the target's answers
-        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
-        assert users == [m["content"] for m in source[row["id"]] if m["role"] == "user"][:len(users)]
-        assert [m["role"] for m in row["messages"]] == ["user", "assistant"] * len(users)
+    for row in rows:  # the source's first user turn (the default --regen-max-turns 1), the target's answer
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
+        assert row["messages"][0]["content"] == next(m["content"] for m in source[row["id"]] if m["role"] == "user")
+    assert any(sum(m["role"] == "user" for m in source[r["id"]]) > 1 for r in rows)  # a longer one was cut
     sidecar = json.loads((out / "data" / "regen.jsonl.regen.json").read_text())["settings"]
     assert sidecar["data"] == ["sharegpt"] and sidecar["max_new_tokens"] == 6 and sidecar["temperature"] == 0.0
+    assert sidecar["max_turns"] == 1
     driver_log = (out / "driver.log").read_text()
     assert f"regen: {len(rows)} conversations written, 0 already done" in driver_log
     state = json.loads((out / "pipeline.json").read_text())

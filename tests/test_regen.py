@@ -298,3 +298,23 @@ def test_builtin_mtbench_multi_turn(tmp_path, tiny, tiny_target_dir):
         roles = [m["role"] for m in r["messages"]]
         assert roles == ["user", "assistant", "user", "assistant"]  # MT-Bench: two turns, both answered
         assert to_messages(r) == r["messages"]
+
+
+def test_max_turns_answers_only_the_first_turns_and_is_part_of_the_settings(tmp_path, tiny, tiny_target_dir, capsys):
+    model, tok = tiny
+    out = tmp_path / "first.jsonl"
+    regenerate(tiny_target_dir, ["mt-bench"], out, RegenSettings(max_new_tokens=4, limit=2, max_turns=1,
+                                                                  progress=False), model=model, tokenizer=tok)
+    rows = read_jsonl(out)
+    assert len(rows) == 2 and all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
+    # The same answers as the first turn of a full regen (greedy): a cut, not another generation.
+    full = tmp_path / "full.jsonl"
+    regenerate(tiny_target_dir, ["mt-bench"], full, RegenSettings(max_new_tokens=4, limit=2, progress=False),
+               model=model, tokenizer=tok)
+    assert [r["messages"] for r in rows] == [r["messages"][:2] for r in read_jsonl(full)]
+    # Continuing the output with another turn count is refused, naming the setting.
+    from dflash_train.cli import main
+
+    assert main(["regen", "--target", str(tiny_target_dir), "--data", "mt-bench", "--limit", "2",
+                 "--max-new-tokens", "4", "--out", str(out), "--no-progress"]) == 2
+    assert "max_turns" in capsys.readouterr().err

@@ -303,7 +303,8 @@ def cmd_regen(args: argparse.Namespace) -> int:
     settings = RegenSettings(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         stop_token_ids=args.stop_token_ids, thinking=args.thinking, seed=args.seed, batch_size=args.batch_size,
-        limit=args.limit, sort_window=args.sort_window, max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
+        limit=args.limit, max_turns=args.max_turns, sort_window=args.sort_window,
+        max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
         device=args.device, progress=not args.no_progress, skip_damaged_files=args.skip_damaged_files)
     if args.export_batch or args.import_batch:
         from .data.regen.roundtrip import batch_roundtrip
@@ -383,6 +384,8 @@ def _add_regen_parser(subparsers) -> None:
                    help="conversations per generate call (default: %(default)s)")
     r.add_argument("--limit", type=ALL_IF_ZERO.flag, default=0,
                    help="only the first N input rows, 0 = all (default: %(default)s)")
+    r.add_argument("--max-turns", type=ALL_IF_ZERO.flag, default=0,
+                   help="answer only the first N user turns of each conversation, 0 = all (default: %(default)s)")
     r.add_argument("--thinking", type=parse_bool, default=None, metavar="true|false",
                    help="pass enable_thinking to the chat template (default: not passed)")
     r.add_argument("--seed", type=SEED.flag, default=0,

@@ -22,6 +22,7 @@ class RegenSettings:
     seed: int = 0
     batch_size: int = 16
     limit: int = 0  # the first N input rows (bad ones included); 0 = all
+    max_turns: int = 0  # answer only the first N user turns of each row; 0 = all
     sort_window: int = 4096  # rows sorted by prompt length together
     max_prompt_tokens: Optional[int] = None  # None: the target's context minus max_new_tokens
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
@@ -48,14 +49,14 @@ class Convo:
 Entry = tuple[str, Union[Convo, RowError]]
 
 
-def _convo(where: str, row: Any) -> Union[Convo, RowError]:
+def _convo(where: str, row: Any, max_turns: int = 0) -> Union[Convo, RowError]:
     if isinstance(row, RowError):
         return row
     try:
         prompts = prompt_turns(row)
     except RowError as e:
         return e
-    return Convo(where, prompts.system, prompts.users)
+    return Convo(where, prompts.system, prompts.users[:max_turns or None])
 
 
 def check_sources(sources: Iterable[str]) -> list[str]:
@@ -76,12 +77,14 @@ def check_sources(sources: Iterable[str]) -> list[str]:
     return sources
 
 
-def iter_entries(sources: list[str], limit: int = 0, damaged: Optional[list] = None) -> Iterator[Entry]:
-    """(id, Convo or RowError) per row of the sources (ids as `formats` gives them), the first `limit`. A
-    damaged file raises DamagedDataFile, unless `damaged` collects it (`formats.iter_source`)."""
+def iter_entries(sources: list[str], limit: int = 0, damaged: Optional[list] = None,
+                 max_turns: int = 0) -> Iterator[Entry]:
+    """(id, Convo or RowError) per row of the sources (ids as `formats` gives them), the first `limit`, each with
+    at most `max_turns` user turns (0: all). A damaged file raises DamagedDataFile, unless `damaged` collects it
+    (`formats.iter_source`)."""
     rows = (item for spec in sources for item in iter_source(spec, damaged=damaged))
     for where, row in islice(rows, limit or None):  # stops at the limit: a damage after it is never reached
-        yield where, _convo(where, row)
+        yield where, _convo(where, row, max_turns)
 
 
 def windows(entries: Iterator[Entry], size: int) -> Iterator[list[Entry]]:

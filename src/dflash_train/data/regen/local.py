@@ -133,7 +133,8 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
     guarded = {"target": str(target_path), "data": sources, "max_new_tokens": s.max_new_tokens,
                "temperature": s.temperature, "top_p": s.top_p if s.temperature > 0 else None,
                "seed": s.seed if s.temperature > 0 else None, "stop_token_ids": stops, "thinking": s.thinking,
-               "max_prompt_tokens": s.max_prompt_tokens, "dtype": str(dtype).replace("torch.", "")}
+               "max_prompt_tokens": s.max_prompt_tokens, "dtype": str(dtype).replace("torch.", ""),
+               **({"max_turns": s.max_turns} if s.max_turns else {})}  # absent when 0: older outputs continue
     check_settings(out, "generate", guarded)
     sidecar, rejects_path = side_paths(out)
     done_rejects = read_done_ids(rejects_path, full=True)
@@ -156,7 +157,7 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
     t0 = time.perf_counter()
     damaged: Optional[list] = [] if s.skip_damaged_files else None
     try:
-        for window in windows(iter_entries(sources, s.limit, damaged), s.sort_window):
+        for window in windows(iter_entries(sources, s.limit, damaged, s.max_turns), s.sort_window):
             if all(where in done for where, _ in window):  # finished: no need to tokenise it to sort it
                 for where, e in window:
                     if where in done_rejects:

@@ -143,7 +143,7 @@ class _Round:
 
         try:
             damaged: Optional[list] = [] if self.settings.skip_damaged_files else None
-            for where, e in iter_entries(sources, self.settings.limit, damaged):
+            for where, e in iter_entries(sources, self.settings.limit, damaged, self.settings.max_turns):
                 if isinstance(e, RowError):
                     self.reject(where, e.reason, e.detail)
                 elif where in done:
