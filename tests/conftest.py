@@ -83,6 +83,21 @@ def smollm2_slice_dir(tmp_path_factory, smollm2_dir) -> Path:
     return out
 
 
+def tiny_drafter(seed: int):
+    """A one-layer DFlash drafter (block 4) for a 4-layer, 64-wide target config: the smallest real drafter to
+    save, export and load in tests of the files and folders around it."""
+    from transformers import LlamaConfig
+
+    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+
+    target = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(seed)
+    return DFlashDrafter(make_drafter_config(target, num_draft_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                             mask_token_id=5))
+
+
 def counting_conversations(n: int, seed: int = 0) -> list[dict]:
     """Assistant turns that continue a counting sequence: learnable by a tiny drafter in a few steps."""
     g = torch.Generator().manual_seed(seed)

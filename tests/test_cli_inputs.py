@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 
+from conftest import tiny_drafter
 from dflash_train.cli import build_parser
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -71,18 +72,6 @@ def _one_error_line(capsys) -> str:
     return lines[0]
 
 
-def _drafter(seed: int):
-    import torch
-    from transformers import LlamaConfig
-
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.dflash.config import make_drafter_config
-
-    target = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    torch.manual_seed(seed)
-    return DFlashDrafter(make_drafter_config(target, num_draft_layers=1, block_size=4, target_layer_ids=[1, 3],
-                                             mask_token_id=5))
 
 
 @pytest.fixture
@@ -97,12 +86,12 @@ def run_dir(tmp_path):
     run = RunDir(tmp_path / "run").create()
     run.config.write_text("target:\n  path: smollm2\n")
     for step, name in ((10, None), (20, None), (30, None), (20, "best")):
-        drafter = _drafter(seed=step)
+        drafter = tiny_drafter(seed=step)
         opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         save_checkpoint(run.checkpoints, step, drafter, opt, sched, {"epoch": 0, "batch_index": step}, keep_last=5,
                         name=name)
-    save_drafter(_drafter(seed=30), run.export, dtype="float32")
+    save_drafter(tiny_drafter(seed=30), run.export, dtype="float32")
     return run.root
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_drafter
 from dflash_train.cli import main
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -42,18 +43,6 @@ def refused(capsys, argv: list[str], root: Path, *needles: str) -> str:
     return lines[0]
 
 
-def small_drafter(seed: int):
-    import torch
-    from transformers import LlamaConfig
-
-    from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-
-    target = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    torch.manual_seed(seed)
-    return DFlashDrafter(make_drafter_config(target, num_draft_layers=1, block_size=4, target_layer_ids=[1, 3],
-                                             mask_token_id=5))
 
 
 def write_checkpoint(root: Path, step: int) -> Path:
@@ -61,7 +50,7 @@ def write_checkpoint(root: Path, step: int) -> Path:
 
     from dflash_train.train.checkpoint import save_checkpoint
 
-    drafter = small_drafter(seed=step)
+    drafter = tiny_drafter(seed=step)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return save_checkpoint(root, step, drafter, opt, sched, {"epoch": 0, "batch_index": step}, keep_last=5)
@@ -79,7 +68,7 @@ def run(tmp_path) -> Path:
     r.metrics.write_text('{"step": 10, "loss": 1.0}\n')
     for step in (10, 20):
         write_checkpoint(r.checkpoints, step)
-    save_drafter(small_drafter(seed=20), r.export, dtype="float32")
+    save_drafter(tiny_drafter(seed=20), r.export, dtype="float32")
     return r.root
 
 
@@ -205,7 +194,7 @@ def test_prepare_overwrite_moves_the_earlier_dataset_aside(tmp_path, capsys, cap
 def drafter_dir(tmp_path) -> Path:
     from dflash_train.model.io import save_drafter
 
-    return save_drafter(small_drafter(seed=1), tmp_path / "drafter", dtype="float32")
+    return save_drafter(tiny_drafter(seed=1), tmp_path / "drafter", dtype="float32")
 
 
 def eval_argv(target, drafter: Path, out: Path, *extra: str, data: str = "mt-bench") -> list[str]:
