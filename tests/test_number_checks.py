@@ -384,3 +384,15 @@ def test_eval_finishes_with_every_dataset_and_shows_a_progress_bar(tiny_target_d
                            "--overwrite")) == 0
     err = capsys.readouterr().err
     assert f"{first}:" not in err and f"{second}:" not in err, err
+
+
+def test_eval_replay_shows_a_progress_bar_per_dataset(tiny_target_dir, two_datasets, tmp_path, capsys):
+    first, second = map(str, two_datasets[1])
+    out = tmp_path / "r.json"
+    assert main(_eval_argv(tiny_target_dir, two_datasets, out, "--replay", "--limit", "2")) == 0
+    err = capsys.readouterr().err
+    # every turn generated, then replayed: 2 prompts of one turn -> 4 of 4
+    assert f"{first} (replay): 100%" in err and f"{second} (replay): 100%" in err and "4/4" in err, err
+    assert main(_eval_argv(tiny_target_dir, two_datasets, out, "--replay", "--limit", "2", "--no-progress",
+                           "--overwrite")) == 0
+    assert "(replay)" not in capsys.readouterr().err

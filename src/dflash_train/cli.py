@@ -212,7 +212,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             report = evaluate_by_replay(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,
                                         tree_budgets=budgets, limit=args.limit, stop_token_ids=stops,
                                         template_kwargs=template_kwargs, on_dataset=save,
-                                        skip_damaged_files=args.skip_damaged_files)
+                                        skip_damaged_files=args.skip_damaged_files, progress=not args.no_progress)
         return _finish_eval(args, report)
     with torch.no_grad():
         report = evaluate(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,

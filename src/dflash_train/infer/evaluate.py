@@ -204,11 +204,12 @@ def evaluate_by_replay(
     batch_size: int = 32,
     on_dataset: Optional[Callable[[dict], None]] = None,
     skip_damaged_files: bool = False,
+    progress: bool = False,
 ) -> dict:
     """`evaluate`'s report for greedy block and DDTree decoding, by replay (`infer.replay`): the same tokens
     and accept lengths, from one batched target generation and one drafter pass per turn; nothing is timed.
     Dataset by dataset, each followed by `on_dataset(report so far)`, as `evaluate`; `skip_damaged_files` as
-    `evaluate`'s."""
+    `evaluate`'s. `progress`: a bar per dataset on stderr, over its turns generated and then replayed."""
     report: dict = {"config": {**report_config(max_new_tokens, 0.0, drafter.block_size, tree_budgets),
                                "method": "replay"}, "datasets": {}, "outputs": []}
     damaged: Optional[list] = [] if skip_damaged_files else None
@@ -216,9 +217,12 @@ def evaluate_by_replay(
     _with_damaged(report, damaged)
     for ds, items in prompts.items():
         items = [{"dataset": ds, **item} for item in items]
-        part = replay_reports(target, tokenizer, {"drafter": drafter}, items, max_new_tokens=max_new_tokens,
-                              tree_budgets=tree_budgets, stop_token_ids=stop_token_ids,
-                              template_kwargs=template_kwargs, batch_size=batch_size)["drafter"]
+        turns = sum(len(item["turns"]) for item in items)
+        with tqdm(total=2 * turns, desc=f"{ds} (replay)", unit="turn", dynamic_ncols=True, disable=not progress,
+                  file=sys.stderr) as bar:
+            part = replay_reports(target, tokenizer, {"drafter": drafter}, items, max_new_tokens=max_new_tokens,
+                                  tree_budgets=tree_budgets, stop_token_ids=stop_token_ids,
+                                  template_kwargs=template_kwargs, batch_size=batch_size, done=bar.update)["drafter"]
         report["outputs"] += part["outputs"]
         report["datasets"].update(part["datasets"])  # a dataset without prompts has no entry
         if on_dataset:
@@ -237,13 +241,16 @@ def replay_reports(
     stop_token_ids: Optional[list[int]] = None,
     template_kwargs: Optional[dict] = None,
     batch_size: int = 32,
+    done: Optional[Callable[[int], None]] = None,
 ) -> dict[str, dict]:
     """One replay report per drafter (all of one block size) over the same prompts (`{"dataset", "id",
-    "turns"}`, datasets in order of first appearance): the target's continuations are generated once."""
+    "turns"}`, datasets in order of first appearance): the target's continuations are generated once.
+    `done(n)`: progress, n turns at a time, twice per turn (generated, then replayed)."""
     stops = list(stop_token_ids or [])
     block_size = next(iter(drafters.values())).block_size
-    corpus = build_corpus(target, tokenizer, items, max_new_tokens, block_size, stops, batch_size, template_kwargs)
-    records = replay_records(target, tokenizer, drafters, corpus, max_new_tokens, tree_budgets, stops)
+    corpus = build_corpus(target, tokenizer, items, max_new_tokens, block_size, stops, batch_size, template_kwargs,
+                          done)
+    records = replay_records(target, tokenizer, drafters, corpus, max_new_tokens, tree_budgets, stops, done)
     modes = [m.name for m in make_modes(tree_budgets, measure_speedup=False)]
     datasets = list(dict.fromkeys(i["dataset"] for i in items))
     order = {ds: [i["id"] for i in items if i["dataset"] == ds] for ds in datasets}

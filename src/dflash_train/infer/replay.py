@@ -63,9 +63,9 @@ def _cache_kwarg(target) -> str:
 
 @torch.no_grad()
 def greedy_continuations(target, prompts: list[list[int]], num_new: int, batch_size: int = 32,
-                         pad_id: int = 0) -> list[list[int]]:
+                         pad_id: int = 0, done: Optional[Callable[[int], None]] = None) -> list[list[int]]:
     """The target's greedy continuation of every prompt, `num_new` tokens each (no stopping), in batches
-    of prompts of similar length (left padding)."""
+    of prompts of similar length (left padding). `done(n)`: called as each batch of n prompts is finished."""
     device = next(target.parameters()).device
     kwarg = _cache_kwarg(target)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -91,6 +91,8 @@ def greedy_continuations(target, prompts: list[list[int]], num_new: int, batch_s
         table = torch.stack(generated, 1).tolist()
         for r, i in enumerate(rows):
             out[i] = table[r]
+        if done:
+            done(len(rows))
     return [o for o in out]  # type: ignore[misc]
 
 
@@ -254,7 +256,8 @@ def replay_turn(target, drafter: Drafter, turn: ReplayTurn, max_new: int, tree_b
 
 
 def build_corpus(target, tokenizer, items: list[dict], max_new: int, block_size: int, stops: Iterable[int],
-                 batch_size: int = 32, template_kwargs: Optional[dict] = None) -> list[ReplayTurn]:
+                 batch_size: int = 32, template_kwargs: Optional[dict] = None,
+                 done: Optional[Callable[[int], None]] = None) -> list[ReplayTurn]:
     """Every turn of every item (`{"dataset", "id", "turns"}`) with the target's greedy continuation. A later
     turn's prompt holds the earlier turns' answers as decoding would have written them (`finish`ed, decoded),
     so multi-turn prompts (MT-Bench) replay exactly what `run_prompt` would decode."""
@@ -268,7 +271,7 @@ def build_corpus(target, tokenizer, items: list[dict], max_new: int, block_size:
         for k in rows:
             histories[k].append({"role": "user", "content": items[k]["turns"][t]})
             prompts.append(prompt_ids(tokenizer, histories[k], template_kwargs))
-        conts = greedy_continuations(target, prompts, max_new + block_size - 1, batch_size, pad)
+        conts = greedy_continuations(target, prompts, max_new + block_size - 1, batch_size, pad, done)
         for k, prompt, cont in zip(rows, prompts, conts):
             answer = tokenizer.decode(finish(cont, max_new, stops), skip_special_tokens=True)
             histories[k].append({"role": "assistant", "content": answer})
@@ -316,9 +319,13 @@ def prompt_records(turns: Iterable[dict]) -> list[dict]:
 
 
 def replay_records(target, tokenizer, drafters: dict[str, Drafter], corpus: list[ReplayTurn], max_new: int,
-                   tree_budgets: Sequence[int], stops: Iterable[int]) -> dict[str, list[dict]]:
-    """Per drafter: one record per prompt (`prompt_records`) of every turn of `corpus`."""
+                   tree_budgets: Sequence[int], stops: Iterable[int],
+                   done: Optional[Callable[[int], None]] = None) -> dict[str, list[dict]]:
+    """Per drafter: one record per prompt (`prompt_records`) of every turn of `corpus`. `done(1)`: called as
+    each turn is replayed (by every drafter)."""
     turns: dict[str, list[dict]] = {name: [] for name in drafters}
     for name, rec in turn_records(target, tokenizer, drafters, corpus, max_new, tree_budgets, stops):
         turns[name].append(rec)
+        if done and name == next(iter(drafters)):
+            done(1)
     return {name: prompt_records(recs) for name, recs in turns.items()}
