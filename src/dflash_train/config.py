@@ -464,9 +464,12 @@ def _sections() -> dict[str, architectures.Options]:
     return {name: o for name in architectures.names() if (o := architectures.options(name)).section is not None}
 
 
-def _aliases() -> dict[str, str]:
+def old_key_names() -> dict[str, str]:
     """Old flat key -> its key now, e.g. `drafter.X` -> `NAME.X` (the architectures' `Options.aliases`)."""
     return {old: f"{name}.{new}" for name, o in _sections().items() for old, new in o.aliases.items()}
+
+
+_aliases = old_key_names
 
 
 def _move_aliases(tree: dict, moved: dict[str, str]) -> dict:
