@@ -119,7 +119,10 @@ def _old_shape(cfg) -> dict:
     return plain
 
 
-def test_old_flat_keys_load_under_their_new_names_with_one_warning(caplog):
+def test_old_flat_keys_load_under_their_new_names_with_one_warning(caplog, monkeypatch):
+    from dflash_train import config
+
+    monkeypatch.setattr(config, "_WARNED", set())  # warned once per process: this test's keys may have been before
     with caplog.at_level(logging.WARNING, logger="dflash_train.config"):
         cfg = config_from_dict({"drafter": {"architecture": "dflash2", "selector_top_k": 12},
                                 "objective": {"selector_loss_weight": 0.5}}, ["drafter.selector_rank=4"])
@@ -154,7 +157,8 @@ def test_a_dflash_config_yaml_written_before_the_sections_loads_unchanged():
 
 @pytest.mark.parametrize("arch", ["dflash", "dflash2"])
 def test_a_run_whose_config_yaml_has_the_old_keys_resumes_with_no_change(tmp_path, arch, tiny_target_dir,
-                                                                       counting_jsonl):
+                                                                       counting_jsonl, caplog, monkeypatch):
+    from dflash_train import config
     from dflash_train.rundir import RunDir
     from dflash_train.train.admission import admit_start, flatten
 
@@ -166,8 +170,12 @@ def test_a_run_whose_config_yaml_has_the_old_keys_resumes_with_no_change(tmp_pat
     (run.checkpoints / "step-00000002").mkdir(parents=True)
     (run.checkpoints / "step-00000002" / "trainer_state.json").write_text("{}")
     run.config.write_text(yaml.safe_dump(_old_shape(fresh), sort_keys=False))
-    start = admit_start(None, ["optim.max_steps=6"], run.root, resume=True, check_owner=False)
+    monkeypatch.setattr(config, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="dflash_train.config"):
+        start = admit_start(None, ["optim.max_steps=6"], run.root, resume=True, check_owner=False)
     assert start.changes == {"optim.max_steps": (4, 6)}
+    # the run's config.yaml is read twice (as recorded, as asked): one deprecation line
+    assert len([r for r in caplog.records if "deprecated config keys" in r.getMessage()]) == 1
     assert flatten(start.cfg) == {**flatten(fresh), "optim.max_steps": 6}
     # a new-shape CONFIG given with --resume is the same run; a changed section key is refused by its name
     dump_config(fresh, tmp_path / "new.yaml")
