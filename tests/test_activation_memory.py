@@ -100,7 +100,7 @@ def test_the_step_estimate_bounds_the_live_bytes_of_a_real_training_step(case):
     ids = [0, 1, 2, 3, 4] if shape.get("hidden_size") == 128 else [1, 3, 4]
     cfg = _config(rows, length, block, anchors, chunk, arch)
     arch = cfg.drafter.architecture
-    dcfg = architecture(arch).config_for_run(model.config, cfg.drafter, ids, 5)
+    dcfg = architecture(arch).config_for_run(model.config, cfg, ids, 5)
     torch.manual_seed(1)
     drafter = architecture(arch).drafter_class(dcfg)
     capture = TargetCapture.from_model(model, ids)
@@ -151,7 +151,7 @@ def test_a_plan_whose_activations_cannot_fit_stops_before_loading_naming_the_tok
         cfg = config_from_dict({"target": {"path": str(tiny_target_dir)}, "drafter": {"num_draft_layers": 2},
                                 "data": {"max_length": 4096, "token_budget": token_budget, "max_batch_size": 16}})
         ids = [1, 3]
-        dcfg = architecture("dflash").config_for_run(tc, cfg.drafter, ids, 5)
+        dcfg = architecture("dflash").config_for_run(tc, cfg, ids, 5)
         return rank_need(cfg, tiny_target_dir, tc, dcfg, ids, torch.bfloat16, torch.bfloat16, "colocated", False)
 
     big, what = need(65536)

@@ -534,7 +534,7 @@ def test_acceptance_from_selector_is_refused_where_there_is_no_selector_or_no_ac
                           "objective": {"acceptance_from": "selector", "slot_weighting": "gamma"}})
     cfg = config_from_dict({"drafter": {"architecture": "dflash2"},
                             "objective": {"acceptance_from": "selector", "slot_weighting": "dpace"}})
-    assert cfg.objective.acceptance_from == "selector"
+    assert cfg.options.acceptance_from == "selector"
 
 
 def test_the_selector_trains_at_its_own_learning_rate_through_the_schedule(target):
@@ -585,8 +585,8 @@ def test_a_selector_rows_choice_is_refused_without_a_selector():
     with pytest.raises(ConfigError, match=r"'objective.selector_rows'.*drafter.architecture=dflash2"):
         config_from_dict({"objective": {"selector_rows": "all"}})
     assert config_from_dict({"drafter": {"architecture": "dflash2"},
-                             "objective": {"selector_rows": "all"}}).objective.selector_rows == "all"
-    assert config_from_dict({"drafter": {"architecture": "dflash2"}}).objective.selector_rows == "covered"
+                             "objective": {"selector_rows": "all"}}).options.selector_rows == "all"
+    assert config_from_dict({"drafter": {"architecture": "dflash2"}}).options.selector_rows == "covered"
 
 
 def test_factored_codebooks_are_the_heads_rows_through_two_projections_and_start_as_the_identity(target):

@@ -310,6 +310,8 @@ def _schema(cls=Config, prefix="") -> dict[str, object]:
     out = {}
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
+        if not f.metadata.get("section", True):  # Config.options: not a YAML key
+            continue
         tp = hints[f.name]
         if is_dataclass(tp):
             out[f"{prefix}{f.name}"] = tp

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash_train.cli import build_parser, main
-from dflash_train.config import NUMBER_RULES, numeric_keys
+from dflash_train.config import NUMBER_RULES, number_rules, numeric_keys
 from dflash_train.numbers import POSITIVE_INT, Rule, rule_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -220,7 +220,9 @@ def test_every_numeric_config_key_has_a_range():
     keys = numeric_keys()
     assert {"optim.lr", "optim.max_steps", "optim.betas", "drafter.target_layer_ids", "drafter.sliding_window",
             "run.seed", "run.save_every", "data.max_length"} <= set(keys)
-    assert set(keys) == set(NUMBER_RULES), "keys without a range in config.NUMBER_RULES (or ranges of no key)"
+    assert {"dflash2.selector_top_k", "dflash2.selector_lr_scale"} <= set(keys)  # the architectures' sections too
+    assert set(keys) == set(number_rules()), ("keys without a range in config.NUMBER_RULES or their architecture's "
+                                              "Options.number_rules (or ranges of no key)")
 
 
 def _override(key: str, value: str) -> str:
@@ -231,7 +233,7 @@ def _override(key: str, value: str) -> str:
     return f"{key}={value}"
 
 
-CONFIG_CASES = [(key, value) for key, rule in NUMBER_RULES.items() for value in _invalid_values(rule)]
+CONFIG_CASES = [(key, value) for key, rule in number_rules().items() for value in _invalid_values(rule)]
 
 
 @pytest.mark.parametrize("key,value", CONFIG_CASES, ids=[f"{k}={v}" for k, v in CONFIG_CASES])
@@ -245,7 +247,7 @@ def test_a_config_number_outside_its_range_is_refused_before_any_model_loads(key
     assert line.startswith("error: ") and f"config key '{key}" in line, line
     if value not in ("abc", "nan", "inf", "1.5"):  # those are refused as the wrong type, by name
         each = "each item " if key in ("optim.betas", "drafter.target_layer_ids") else ""
-        assert f"': {each}must be {NUMBER_RULES[key].describe()}" in line, line
+        assert f"': {each}must be {number_rules()[key].describe()}" in line, line
     assert _tree(tmp_path) == before
 
 

@@ -511,8 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the exported weights (default: %(default)s)")
     x.add_argument("--target", default=None,
-                   help="the target (path or embedded name) whose lm_head a DFlash2 drafter with factored selector "
-                        "codebooks is exported with (default: the target the run's config.yaml names)")
+                   help="the target (path or embedded name) whose lm_head a drafter with a training-time layout (e.g. "
+                        "factored codebooks) is exported with (default: the target the run's config.yaml names)")
     x.set_defaults(func=cmd_export)
 
     doc = sub.add_parser("doctor", help="versions, GPUs, a flex_attention compile smoke test, cache dir, verdict")

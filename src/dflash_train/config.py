@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import re
 import reprlib
@@ -19,13 +20,14 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
-from .architectures import NAMES as ARCHITECTURE_NAMES
+from . import architectures
 from .errors import ConfigError
 from .numbers import (ALL_IF_ZERO, BLOCK_SIZE, FRACTION, INDEX, NON_NEGATIVE_NUMBER, POSITIVE_INT, POSITIVE_NUMBER,
                       TRAINING_SEED, Rule)
 from .runtime import write_text_atomic
 from .trackers import TRACKERS, tracker_unavailable
 
+log = logging.getLogger(__name__)
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 80, 80, 8, 8
 _INT_LIMIT = 2**63  # ints are counts, ids and seeds: beyond int64 nothing downstream can use them
@@ -77,8 +79,9 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    # The drafter architecture (`algorithms/`): dflash (the reference block drafter) or dflash2 (block-local
-    # convolutions and a candidate selector over each slot's top-k tokens; docs/architectures/).
+    # The drafter architecture (`algorithms/`; docs/architectures/): dflash, the reference block drafter, or another
+    # registered one. An architecture's own keys sit in a section named after it (`NAME.key`; the sections after
+    # `parallel` on this page), accepted only when drafter.architecture names it.
     architecture: str = "dflash"
     # Decoder layers of the drafter.
     num_draft_layers: int = 5
@@ -104,28 +107,6 @@ class DrafterConfig:
     # layers (and its final norm as the target's), read from the target's safetensors; fc stays
     # random. Needs the target's layer shape (the four keys above at null).
     init_from_target: bool = False
-    # drafter.architecture dflash2 only: the block-local convolutions' taps and channels per dynamic tap, and
-    # the candidate selector's rank and candidates per slot (the reference's values, but 32 candidates: +1.3% block
-    # tau over 16 at equal steps, 64 no better, the same 8B step time; docs/results/quality.md).
-    conv_kernel_size: int = 2
-    # dflash2 only: channels that share one dynamic convolution tap.
-    conv_group_size: int = 16
-    # dflash2 only: rank of the candidate selector's pair scores (its codebooks are [vocab, rank]).
-    selector_rank: int = 256
-    # dflash2 only: candidates per slot the selector chooses among (the unary logits' top-k).
-    selector_top_k: int = 32
-    # dflash2 only: the candidate selector's learning rate over optim.lr. Its pair term is a product of three
-    # small factors at the identity start (two codebooks, one of them zero, and the hidden projection), so at
-    # the common rate it takes many steps to reach the unary logits' scale. Measured at 3 and 10: the selector fits
-    # the training batches better and decodes worse (docs/results/quality.md), so 1 stays the default.
-    selector_lr_scale: float = 1.0
-    # dflash2 only: the selector's two [vocab, rank] codebooks. free: trained tables (the reference's layout). factored:
-    # each is the target's lm_head rows times a trained [hidden -> rank] projection, so an update to one token's
-    # pairs moves the pairs of tokens with similar lm_head rows too (a free row moves only when its token occurs);
-    # checkpoints hold the projections, the export the tables computed from them (the reference layout either way).
-    # Measured (docs/results/quality.md): the tau of free tables (1.774 against 1.777 block), 0.8 GiB less at the 8B
-    # shape; with objective.selector_rows=all it collapses (1.410: the forced-in labels pull the shared projections).
-    selector_codebooks: Literal["free", "factored"] = "free"
     # Compile the drafter's layers for training (torch.compile/inductor, two graphs shared by all layers,
     # dynamic batch and length, compiled in the warm-up): fuses the norms, RoPE, SiLU x mul and residual
     # adds around the matmuls. CUDA only: a CPU device refuses it.
@@ -211,19 +192,6 @@ class ObjectiveConfig:
     acceptance_floor: float = 0.05
     # slot_weighting dpace: the share of each factor that does not depend on the drafter's probability.
     dpace_alpha: float = 0.5
-    # drafter.architecture dflash2 only: weight of the selector's loss next to the unary slot loss.
-    selector_loss_weight: float = 1.0
-    # drafter.architecture dflash2 only: the counted slots the selector's loss is taken over. covered: only those
-    # whose label is among the top-k already, the slots where decoding can pick it (the rest add 0; the loss keeps
-    # the unary loss's normaliser, so it scales with the coverage). all: every one, the label forced into the
-    # candidates where the top-k misses it (the public ports' practice): a label decoding can never pick, whose loss
-    # (~10 nats at the start) pushes the drafter's hidden states; measured worse (1.755 against 1.777 block tau,
-    # unary accuracy 0.188 against 0.196; docs/results/quality.md).
-    selector_rows: Literal["all", "covered"] = "covered"
-    # drafter.architecture dflash2 with slot_weighting acceptance or dpace: whose probability of each label the
-    # weights are made of. unary: the unary logits' softmax (as DFlash); selector: softmax(S) over the slot's
-    # candidates with the label forced in, given the true previous token (what DFlash2's decoding accepts).
-    acceptance_from: Literal["unary", "selector"] = "unary"
     # Share alpha of the target's softmax(logits / distill_temperature) mixed into the one-hot label.
     distill_weight: float = 0.0
     # The temperature of the target's softmax that distill_weight mixes in.
@@ -312,6 +280,9 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Not a YAML key: drafter.architecture's own section (an instance of its `Options.section`, read from the YAML
+    # section named after the architecture), or None when it declares none. Only that architecture's code reads it.
+    options: Any = field(default=None, metadata={"section": False})
 
     @property
     def keeps_head_gradient(self) -> bool:
@@ -398,9 +369,15 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"config key '{key}': unsupported type {tp}")
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
+def _section_fields() -> list[dataclasses.Field]:
+    """The fields of `Config` that are YAML sections (all but `options`)."""
+    return [f for f in dataclasses.fields(Config) if f.metadata.get("section", True)]
+
+
+def _build(cls: type, data: Any, prefix: str, also_valid: tuple[str, ...] = ()) -> Any:
+    """`cls` from the mapping `data` (`also_valid`: more keys the caller takes out before, listed as valid)."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.metadata.get("section", True)}
     where = prefix.rstrip(".") or "the top level"
     if data is None:
         data = {}
@@ -409,7 +386,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {}
     for name, value in data.items():
         if name not in fields:
-            valid = ", ".join(sorted(fields))
+            valid = ", ".join(sorted([*fields, *also_valid]))
             raise ConfigError(f"unknown config key '{prefix}{name}'; valid keys in {where}: {valid}")
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
@@ -453,11 +430,12 @@ def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, d
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
 
 
-def _apply_override(tree: dict, item: str) -> None:
+def _apply_override(tree: dict, item: str, renamed: Optional[str] = None) -> None:
+    """`renamed`: the dotted key to set instead of the one `item` names (an old key's new name)."""
     if "=" not in item:
         raise ConfigError(f"override {_quoted(item)} must look like section.key=value (e.g. optim.lr=3e-4)")
     dotted, raw = item.split("=", 1)
-    parts = dotted.strip().split(".")
+    parts = (renamed or dotted.strip()).split(".")
     node = tree
     for part in parts[:-1]:
         child = node.get(part, {})
@@ -475,34 +453,154 @@ def _apply_override(tree: dict, item: str) -> None:
     node[parts[-1]] = value
 
 
+# ---------------------------------------------------------------------------- the architectures' sections
+# Each registered architecture may declare its own keys (`architectures.Options`, in its package's torch-free
+# options.py): a top-level section named after it, built here beside the generic ones, accepted only when
+# drafter.architecture names it, and handed to its code as `Config.options`.
+
+
+def _sections() -> dict[str, architectures.Options]:
+    """Architecture name -> its options, for every registered architecture that declares a section."""
+    return {name: o for name in architectures.names() if (o := architectures.options(name)).section is not None}
+
+
+def old_key_names() -> dict[str, str]:
+    """Old flat key -> its key now, e.g. `drafter.X` -> `NAME.X` (the architectures' `Options.aliases`)."""
+    return {old: f"{name}.{new}" for name, o in _sections().items() for old, new in o.aliases.items()}
+
+
+_aliases = old_key_names
+
+
+def _move_aliases(tree: dict, moved: dict[str, str]) -> dict:
+    """`tree` with the old flat keys it holds moved into their architecture's section (a copy: sections are copied
+    when changed); `moved` gets new key -> old key for each."""
+    tree = dict(tree)
+    for old, new in _aliases().items():
+        section, key = old.split(".")
+        body = tree.get(section)
+        if not isinstance(body, dict) or key not in body:
+            continue
+        new_section, new_key = new.split(".")
+        target = tree.get(new_section)
+        if target is not None and not isinstance(target, dict):
+            continue  # the section itself is malformed: _build names it
+        if isinstance(target, dict) and new_key in target:
+            raise ConfigError(f"config key '{old}' is the old name of '{new}', which is given too: remove '{old}'")
+        body = dict(body)
+        value = body.pop(key)
+        tree[section] = body
+        tree[new_section] = {**(target or {}), new_key: value}
+        moved[new] = old
+    return tree
+
+
+def _check_section_numbers(name: str, options: architectures.Options, section: Any) -> None:
+    hints = _hints(type(section))
+    for key, rule in options.number_rules.items():
+        _check_number(f"{name}.{key}", rule, getattr(section, key), type(None) in get_args(hints[key]))
+
+
+def _build_config(tree: dict, final: bool = False, moved: Optional[dict[str, str]] = None) -> Config:
+    """The generic sections, and each architecture section present (types and ranges). `final`: also refuse a
+    section whose architecture drafter.architecture does not name, and set `options` (the defaults when absent).
+    A section made only of old flat keys at their defaults (`moved`), as every config.yaml written before the
+    sections holds for each architecture, is dropped instead of refused."""
+    sections = _sections()
+    cfg = _build(Config, {k: v for k, v in tree.items() if k not in sections}, "", tuple(sections))
+    built = {name: _build(o.section, tree[name], f"{name}.") for name, o in sections.items() if name in tree}
+    for name, section in built.items():
+        _check_section_numbers(name, sections[name], section)
+    if not final:
+        return cfg
+    arch = cfg.drafter.architecture
+    for name, section in built.items():
+        if name == arch:
+            continue
+        given = tree[name] or {}
+        default = sections[name].section()
+        off = [k for k in given if getattr(section, k) != getattr(default, k)]
+        if given and not off and all(f"{name}.{k}" in (moved or {}) for k in given):
+            continue  # an old config.yaml's flat keys at their defaults: they never applied to this architecture
+        key = (off or list(given) or [""])[0]
+        dotted = f"{name}.{key}" if key else name
+        old = (moved or {}).get(dotted)
+        what = sections[name].about or f"the {name} architecture"
+        fix = (f"leave {old} at {getattr(default, key)!r} (or remove it)" if old else f"remove the {name} section")
+        raise ConfigError(f"config key '{dotted}': applies to {what}; drafter.architecture is {arch!r}: set "
+                          f"drafter.architecture={name} or {fix}")
+    if arch in sections:
+        cfg.options = built.get(arch) or sections[arch].section()
+    return cfg
+
+
+_WARNED: set[tuple[str, ...]] = set()
+
+
+def _warn_renamed(moved: dict[str, str], cfg: Config, source: Optional[str]) -> None:
+    """One warning line per config (per process: a resume reads the run's config.yaml twice) for its old keys."""
+    if not moved or tuple(sorted(moved)) in _WARNED:
+        return
+    _WARNED.add(tuple(sorted(moved)))
+    arch = cfg.drafter.architecture
+    renamed = ", ".join(f"{old} -> {new}" for new, old in moved.items() if new.startswith(f"{arch}."))
+    ignored = ", ".join(old for new, old in moved.items() if not new.startswith(f"{arch}."))
+    parts = ([f"read under their new names: {renamed}"] if renamed else []) + (
+        [f"ignored (at their defaults; drafter.architecture is {arch!r}): {ignored}"] if ignored else [])
+    log.warning("deprecated config keys%s %s; write an architecture's keys in its own section",
+                f" in {source}" if source else "", "; ".join(parts))
+
+
+def _renamed(message: str, moved: dict[str, str]) -> str:
+    """A message about a key given under its old name names that name (and the new one)."""
+    named = re.search(r"config key '([^']+)'", message)
+    if named and named.group(1) in moved:
+        new = named.group(1)
+        return message.replace(f"config key '{new}'", f"config key '{moved[new]}' (now {new})", 1)
+    return message
+
+
 def config_from_dict(data: dict, overrides: list[str] | None = None, source: str | None = None) -> Config:
     """The config of `data` (a parsed YAML file, `source` names it in messages) with dotted overrides
     applied. An error is blamed on what caused it: the file, the override, or (a cross-field check) the
-    override that set the key it names, else the file."""
+    override that set the key it names, else the file. Old flat keys of an architecture's section are read
+    under their new names (one warning)."""
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config section 'the top level' must be a mapping, got {type(data).__name__}")
     suffix = f" ({source})" if source else ""
-    tree = dict(data or {})  # overrides copy the sections they change; nothing else is ever mutated
+    moved: dict[str, str] = {}
     try:
-        _build(Config, tree, "")
+        # overrides copy the sections they change; nothing else is ever mutated
+        tree = _move_aliases(data or {}, moved)
+        _build_config(tree)
     except ConfigError as e:
-        raise ConfigError(f"{e}{suffix}") from None
+        raise ConfigError(f"{_renamed(str(e), moved)}{suffix}") from None
     given: dict[str, str] = {}
+    aliases = _aliases()
     for item in overrides or []:
+        dotted = item.split("=", 1)[0].strip()
+        new = aliases.get(dotted)
         try:
-            _apply_override(tree, item)
-            _build(Config, tree, "")
+            _apply_override(tree, item, new)
+            _build_config(tree)
         except ConfigError as e:
-            named = str(e) if str(e).startswith("override ") else f"override {_quoted(item)}: {e}"
+            message = _renamed(str(e), {**moved, **({new: dotted} if new else {})})
+            named = message if message.startswith("override ") else f"override {_quoted(item)}: {message}"
             raise ConfigError(named) from None
-        given[item.split("=", 1)[0].strip()] = item
-    cfg = _build(Config, tree, "")
+        if new:
+            moved[new] = dotted
+        elif dotted in moved:  # the file's old key, set again under its new name
+            del moved[dotted]
+        given[new or dotted] = item
     try:
+        cfg = _build_config(tree, final=True, moved=moved)
         validate(cfg)
     except ConfigError as e:
         named = re.match(r"config key '([^']+)'", str(e))
         item = given.get(named.group(1)) if named else None
-        raise ConfigError(f"{e} (override {_quoted(item)})" if item else f"{e}{suffix}") from None
+        message = _renamed(str(e), moved)
+        raise ConfigError(f"{message} (override {_quoted(item)})" if item else f"{message}{suffix}") from None
+    _warn_renamed(moved, cfg, source)
     return cfg
 
 
@@ -529,6 +627,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def config_to_dict(cfg: Config) -> dict:
+    """The config as plain YAML data: the generic sections, then drafter.architecture's own (when it has one)."""
+
     def plain(v: Any) -> Any:
         if isinstance(v, tuple):
             return [plain(x) for x in v]
@@ -538,7 +638,10 @@ def config_to_dict(cfg: Config) -> dict:
             return {k: plain(x) for k, x in v.items()}
         return v
 
-    return plain(dataclasses.asdict(cfg))
+    out = {f.name: plain(dataclasses.asdict(getattr(cfg, f.name))) for f in _section_fields()}
+    if cfg.options is not None:
+        out[cfg.drafter.architecture] = plain(dataclasses.asdict(cfg.options))
+    return out
 
 
 def dump_config(cfg: Config, path: Path) -> None:
@@ -560,11 +663,6 @@ NUMBER_RULES: dict[str, Rule] = {
     "drafter.num_attention_heads": POSITIVE_INT,
     "drafter.num_key_value_heads": POSITIVE_INT,
     "drafter.head_dim": POSITIVE_INT,
-    "drafter.conv_kernel_size": POSITIVE_INT,
-    "drafter.conv_group_size": POSITIVE_INT,
-    "drafter.selector_rank": POSITIVE_INT,
-    "drafter.selector_top_k": POSITIVE_INT,
-    "drafter.selector_lr_scale": POSITIVE_NUMBER,
     "drafter.sliding_window": POSITIVE_INT,
     "drafter.output_multiplier": POSITIVE_NUMBER,
     "drafter.final_logit_softcapping": POSITIVE_NUMBER,
@@ -579,7 +677,6 @@ NUMBER_RULES: dict[str, Rule] = {
     "objective.loss_chunk_size": POSITIVE_INT,
     "objective.acceptance_floor": Rule(float, low=0, high=1, low_open=True),
     "objective.dpace_alpha": FRACTION,
-    "objective.selector_loss_weight": NON_NEGATIVE_NUMBER,
     "objective.distill_weight": FRACTION,
     "objective.distill_temperature": POSITIVE_NUMBER,
     "optim.lr": POSITIVE_NUMBER,
@@ -605,10 +702,22 @@ NUMBER_RULES: dict[str, Rule] = {
 }
 
 
+def number_rules() -> dict[str, Rule]:
+    """`NUMBER_RULES` and the ranges of every registered architecture's section (`NAME.key`)."""
+    return {**NUMBER_RULES, **{f"{name}.{key}": rule for name, o in _sections().items()
+                               for key, rule in o.number_rules.items()}}
+
+
+def config_sections() -> list[tuple[str, type]]:
+    """(name, dataclass) of every YAML section: the generic ones, then each architecture's that declares one."""
+    hints = typing.get_type_hints(Config)
+    return [(f.name, hints[f.name]) for f in _section_fields()] + [(n, o.section) for n, o in _sections().items()]
+
+
 def numeric_keys() -> list[str]:
     """Every config key whose value is a number or a list of numbers (optionally null)."""
     keys = []
-    for section, section_type in typing.get_type_hints(Config).items():
+    for section, section_type in config_sections():
         for name, tp in typing.get_type_hints(section_type).items():
             leaves = {a for a in get_args(tp) if a is not type(None) and a is not Ellipsis} or {tp}
             if any(leaf in (int, float) or set(get_args(leaf)) & {int, float} for leaf in leaves):
@@ -621,18 +730,23 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _check_number(key: str, rule: Rule, value: Any, nullable: bool) -> None:
+    items = isinstance(value, (list, tuple))
+    for item in value if items else [value]:
+        problem = None if item is None else rule.problem(item, or_null=nullable and not items)
+        if problem:
+            raise ConfigError(f"config key '{key}': {'each item ' if items else ''}{problem}")
+
+
 def check_numbers(cfg: Config) -> None:
-    """Every number of `cfg` inside its `NUMBER_RULES` range; the message names the key and the range."""
+    """Every number of `cfg` inside its `NUMBER_RULES` range (and its architecture section's); the message names
+    the key and the range."""
     for key, rule in NUMBER_RULES.items():
         section, name = key.split(".")
         owner = getattr(cfg, section)
-        value = getattr(owner, name)
-        nullable = type(None) in get_args(_hints(type(owner))[name])
-        items = isinstance(value, (list, tuple))
-        for item in value if items else [value]:
-            problem = None if item is None else rule.problem(item, or_null=nullable and not items)
-            if problem:
-                raise ConfigError(f"config key '{key}': {'each item ' if items else ''}{problem}")
+        _check_number(key, rule, getattr(owner, name), type(None) in get_args(_hints(type(owner))[name]))
+    if cfg.options is not None:
+        _check_section_numbers(cfg.drafter.architecture, architectures.options(cfg.drafter.architecture), cfg.options)
 
 
 def validate(cfg: Config) -> None:
@@ -644,23 +758,11 @@ def validate(cfg: Config) -> None:
 
     check_numbers(cfg)
     d, o, op, dt, r = cfg.drafter, cfg.objective, cfg.optim, cfg.data, cfg.run
-    need(d.architecture in ARCHITECTURE_NAMES, "drafter.architecture",
-         f"must be one of {', '.join(ARCHITECTURE_NAMES)} (got {d.architecture!r})")
-    need(d.conv_kernel_size <= d.block_size, "drafter.conv_kernel_size",
-         f"must be between 1 and drafter.block_size={d.block_size} (got {d.conv_kernel_size})")
-    for key, value, default in (("drafter.selector_lr_scale", d.selector_lr_scale, 1.0),
-                                ("drafter.selector_codebooks", d.selector_codebooks, "free"),
-                                ("objective.selector_rows", o.selector_rows, "covered")):  # the selector's training
-        need(value == default or d.architecture == "dflash2", key,
-             f"applies to DFlash2's candidate selector; drafter.architecture is {d.architecture!r}: set "
-             f"drafter.architecture=dflash2 or leave {key} at {default}")
-    if o.acceptance_from == "selector":
-        need(d.architecture == "dflash2", "objective.acceptance_from",
-             f"selector reads DFlash2's candidate selector; drafter.architecture is {d.architecture!r}: set "
-             "drafter.architecture=dflash2 or objective.acceptance_from=unary")
-        need(o.slot_weighting in ("acceptance", "dpace"), "objective.acceptance_from",
-             f"selector chooses the probabilities of slot_weighting acceptance or dpace; objective.slot_weighting "
-             f"is {o.slot_weighting!r}")
+    need(d.architecture in architectures.names(), "drafter.architecture",
+         f"must be one of {', '.join(architectures.names())} (got {d.architecture!r})")
+    own = architectures.options(d.architecture)
+    if own.validate is not None:  # the architecture's own cross-checks (its options.py)
+        own.validate(cfg)
     if d.target_layer_ids is not None:
         need(len(d.target_layer_ids) >= 1, "drafter.target_layer_ids", "must list at least one layer (or be null)")
         need(len(set(d.target_layer_ids)) == len(d.target_layer_ids), "drafter.target_layer_ids", "ids must be distinct")
@@ -680,8 +782,7 @@ def validate(cfg: Config) -> None:
     if d.draft_vocab_size:
         need(d.architecture == "dflash", "drafter.draft_vocab_size",
              f"a reduced draft vocabulary is implemented for drafter.architecture=dflash only; {d.architecture} "
-             "scores the target's whole vocabulary (its candidate selector's codebooks are [vocab, rank]): set "
-             "drafter.draft_vocab_size=0 or drafter.architecture=dflash")
+             "scores the target's whole vocabulary: set drafter.draft_vocab_size=0 or drafter.architecture=dflash")
         need(o.distill_weight == 0, "drafter.draft_vocab_size",
              "distillation (objective.distill_weight > 0) mixes in the target's distribution over its whole "
              "vocabulary, which a reduced draft vocabulary cannot express: set objective.distill_weight=0 or "

@@ -1,5 +1,6 @@
 """The configuration reference (docs/guide/config-reference.md), generated from the config schema itself: every
-key's type, default, valid range and the comment written above its field in config.py.
+key's type, default, valid range and the comment written above its field in config.py, then the sections of the
+registered architectures (each one's `options.py`), the same way.
 
     python -m dflash_train.config_reference > docs/guide/config-reference.md
 
@@ -15,7 +16,8 @@ import textwrap
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-from .config import NUMBER_RULES, Config
+from . import architectures
+from .config import config_sections, number_rules
 
 PAGE = "docs/guide/config-reference.md"
 _INTRO = """# Configuration reference
@@ -25,7 +27,8 @@ Every key of a training config, by section: its type, default, valid values and 
 `optim.lr=3e-4 data.train_files=[a.jsonl,b.jsonl]`. An unknown key, a wrong type or a value out of range is
 refused before anything loads, naming the key.
 
-This page is generated from the schema (`src/dflash_train/config.py`): run
+This page is generated from the schema (`src/dflash_train/config.py`, and each architecture's `options.py` for
+the sections named after an architecture): run
 `python -m dflash_train.config_reference > docs/guide/config-reference.md` after changing a key.
 """
 
@@ -78,8 +81,8 @@ def _default_text(f: dataclasses.Field) -> str:
 
 
 def sections() -> list[tuple[str, type]]:
-    return [(f.name, f.type if isinstance(f.type, type) else typing.get_type_hints(Config)[f.name])
-            for f in dataclasses.fields(Config)]
+    """The generic sections, then the registered architectures' (config.config_sections)."""
+    return config_sections()
 
 
 def undocumented() -> list[str]:
@@ -93,14 +96,22 @@ def undocumented() -> list[str]:
 
 def reference_markdown() -> str:
     out = [_INTRO]
+    rules = number_rules()
     for name, cls in sections():
         docs, hints = field_comments(cls), typing.get_type_hints(cls)
         out.append(f"## {name}\n")
+        own = architectures.options(name) if architectures.entry(name) else architectures.NO_OPTIONS
+        about, old_names = own.about, {new: old for old, new in own.aliases.items()}
+        if about:
+            out.append(f"The keys of drafter.architecture={name} ({about}), accepted only when drafter.architecture "
+                       f"names it.\n")
         for f in dataclasses.fields(cls):
             key = f"{name}.{f.name}"
             facts = [_type_text(hints[f.name]), f"default `{_default_text(f)}`"]
-            if key in NUMBER_RULES:
-                facts.append(NUMBER_RULES[key].describe())
+            if key in rules:
+                facts.append(rules[key].describe())
+            if f.name in old_names:
+                facts.append(f"formerly `{old_names[f.name]}` (still read, with a warning)")
             out.append(f"### `{key}`\n\n{'; '.join(facts)}.\n\n{docs.get(f.name, '')}\n")
     return "\n".join(out).rstrip() + "\n"
 

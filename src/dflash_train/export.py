@@ -49,9 +49,9 @@ def target_head_weight(run_dir: Path, target: Optional[str]) -> torch.Tensor:
     trust_remote_code = False
     if target is None:
         if not (run_dir / "config.yaml").is_file():
-            raise ConfigError(f"this checkpoint's DFlash2 selector has factored codebooks, which the export computes "
-                              f"from the target's lm_head, and {run_dir / 'config.yaml'} (the run's config, which "
-                              "names the target) is not there: pass --target PATH")
+            raise ConfigError(f"this checkpoint holds a training-time layout of some weights (e.g. factored codebooks), "
+                              f"which the export computes from the target's lm_head, and {run_dir / 'config.yaml'} "
+                              "(the run's config, which names the target) is not there: pass --target PATH")
         cfg = load_config(run_dir / "config.yaml")
         target, trust_remote_code = cfg.target.path, cfg.target.trust_remote_code
     path = assets.resolve_target(target)
@@ -80,8 +80,8 @@ def checkpoint_weights(checkpoint: Path) -> str:
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", target: Optional[str] = None,
                       overwrite: bool = False) -> Path:
-    """`target`: the target's path, for a drafter whose export needs its lm_head (factored DFlash2 selector
-    codebooks); by default the one the run's config names. `overwrite`: an earlier export in `out` is moved
+    """`target`: the target's path, for a drafter whose export needs its lm_head (`Drafter.export_needs_target_head`:
+    e.g. factored codebooks); by default the one the run's config names. `overwrite`: an earlier export in `out` is moved
     aside (outputs.py says what else is refused). The export is built and checked beside `out` and renamed into
     place, so a failed one leaves `out` as it was."""
     out = Path(out)

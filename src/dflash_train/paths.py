@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+from . import architectures
 from .layout import (DRAFTER_FILES, STATE, InputPathError, has_drafter_files, is_checkpoint, is_exported_drafter,
                      list_checkpoints)
 from .rundir import RunDir
@@ -16,13 +17,19 @@ _STEP = re.compile(r"step-0*(\d+)")
 
 
 def has_training_layout(path: Path) -> bool:
-    """A drafter folder whose weights are a training-time layout the export turns into the reference one (DFlash2's
-    factored selector codebooks: `dflash_config.selector_codebooks: factored`)."""
+    """A drafter folder whose weights are a training-time layout the export turns into the reference one (its
+    architecture's `Options.training_layout` says, from the config.json alone)."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and (config.get("dflash_config") or {}).get("selector_codebooks") == "factored"
+    if not isinstance(config, dict):
+        return False
+    for entry in architectures.entries():
+        if config.get("architectures") == [entry.hf_architecture]:
+            check = architectures.options(entry.name).training_layout
+            return bool(check and check(config))
+    return False
 
 
 def is_run(path: Path) -> bool:

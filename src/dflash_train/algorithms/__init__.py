@@ -1,13 +1,13 @@
-"""The drafter architectures, by the `drafter.architecture` key. Adding one: a package beside `dflash/`
-that defines an `ARCHITECTURE` (see `base.Architecture`), and a line in `architectures.PACKAGES` (the names, which
-config.py checks without importing this package)."""
+"""The drafter architectures, by the `drafter.architecture` key. Adding one: a package beside `dflash/` that
+defines an `ARCHITECTURE` (see `base.Architecture`) and, for config keys of its own, a torch-free `options.py`;
+then a line in `architectures._BUILTIN`, or `architectures.register(...)` at run time (docs/architectures/adding.md)."""
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
 
-from ..architectures import NAMES, PACKAGES
+from .. import architectures as registry
 
 if TYPE_CHECKING:
     from .base import Architecture
@@ -19,16 +19,18 @@ class UnknownArchitecture(ValueError):
 
 def architecture(name: str) -> "Architecture":
     """The registered architecture `name` (imported on first use: this module stays light for the CLI)."""
-    if name not in PACKAGES:
-        raise UnknownArchitecture(f"unknown drafter architecture {name!r}; known: {', '.join(NAMES)}")
-    return importlib.import_module(f"{__name__}.{PACKAGES[name][0]}").ARCHITECTURE
+    entry = registry.entry(name)
+    if entry is None:
+        raise UnknownArchitecture(f"unknown drafter architecture {name!r}; known: {', '.join(registry.names())}")
+    package = importlib.import_module(entry.package) if isinstance(entry.package, str) else entry.package
+    return getattr(package, "ARCHITECTURE", package)
 
 
 def architecture_of_export(config: dict) -> "Architecture":
     """The architecture of an exported drafter, from its config.json's `architectures`."""
     names = config.get("architectures")
-    for name, (_, hf_name) in PACKAGES.items():
-        if names == [hf_name]:
-            return architecture(name)
-    known = ", ".join(hf for _, hf in PACKAGES.values())
+    for entry in registry.entries():
+        if names == [entry.hf_architecture]:
+            return architecture(entry.name)
+    known = ", ".join(e.hf_architecture for e in registry.entries())
     raise UnknownArchitecture(f"not a DFlash drafter config: architectures is {names!r} (this version reads {known})")

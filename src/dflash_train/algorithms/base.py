@@ -36,7 +36,7 @@ class StepStats:
     kept_blocks: torch.Tensor
     grad_norm: torch.Tensor | None = None
     # An architecture's own metrics: `*_loss` values (averaged over micro-batches, logged as they are) and
-    # counts of counted slots (summed, logged as a share of the counted slots), e.g. DFlash2's selector loss.
+    # counts of counted slots (summed, logged as a share of the counted slots), e.g. an extra module's own loss.
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
@@ -377,7 +377,7 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
     def materialized(self, head_weight: torch.Tensor) -> "Drafter":
         """This drafter in its reference layout, for an export: itself, unless some of its trained weights are a
         training-time parametrisation that needs the target's lm_head weight `[V, H]` to become reference tensors
-        (DFlash2's factored selector codebooks)."""
+        (e.g. factored codebooks computed through the target's head)."""
         return self
 
     def tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
@@ -401,13 +401,54 @@ class Objective(Protocol):
 
 
 @dataclass(frozen=True)
+class StepMemory:
+    """An architecture's own terms in the drafter step's activation estimate (train/activation_memory.py
+    `drafter_step_parts`), beside DFlash's, which every architecture's step has; all zero here (DFlash itself).
+    `e` is the compute dtype's bytes. An architecture with more overrides these from its drafter config
+    (`Architecture.step_memory`)."""
+
+    def ce_chunk_per_class(self, e: int) -> int:
+        """Bytes more per [row, class] of one lm_head + CE chunk."""
+        return 0
+
+    def layer_per_query(self, hidden: int) -> int:
+        """Values (compute dtype) more that one drafter layer saves for its backward, per query token."""
+        return 0
+
+    def on_top(self, counted: int, head_classes: int, e: int) -> dict[str, int]:
+        """Named parts that run on top of every layer's saved activations (the estimate counts the largest of
+        these and DFlash's: the lm_head + CE chunk, one layer's backward), over `counted` rows."""
+        return {}
+
+    def loss_rows(self, counted: int) -> int:
+        """Bytes more the loss keeps for its `counted` rows until the backward."""
+        return 0
+
+
+def one_parameter_group(drafter: Drafter, cfg: "Config") -> list[dict]:
+    """Every trained parameter at `optim.lr` (the default `Architecture.parameter_groups`)."""
+    return [{"params": [p for p in drafter.parameters() if p.requires_grad]}]
+
+
+def no_step_memory(drafter_config: "PretrainedConfig") -> StepMemory:
+    return StepMemory()
+
+
+@dataclass(frozen=True)
 class Architecture:
+    """What the registry resolves a `drafter.architecture` to. The run's config reaches an architecture whole
+    (`Config`): its own section, when it declares one (`architectures.Options`), is `cfg.options`."""
+
     name: str  # the `drafter.architecture` value
     hf_architecture: str  # `architectures[0]` of its exported config.json
     drafter_class: Callable[["PretrainedConfig"], Drafter]
-    # (target config, the run's `drafter` config section, target layer ids, mask token id) -> drafter config
+    # (target config, the run's config, target layer ids, mask token id) -> drafter config
     config_for_run: Callable[..., "PretrainedConfig"]
     config_from_dict: Callable[[dict], "PretrainedConfig"]  # an exported config.json -> drafter config
     config_json: Callable[[Drafter, str], dict]  # (drafter, dtype name) -> the config.json it exports
     resolve_backend: Callable[..., Any]  # (requested, device, block_size, training) -> attention backend
     objective: Callable[[Drafter, Any, Any, "Config", torch.dtype], Objective]  # (drafter, target, backend, cfg, dtype)
+    # (drafter, cfg) -> AdamW's parameter groups (a group may set its own "lr"; the schedule scales every group's)
+    parameter_groups: Callable[[Drafter, "Config"], list[dict]] = one_parameter_group
+    # the drafter config -> its terms in the step's activation estimate (train/activation_memory.py)
+    step_memory: Callable[["PretrainedConfig"], StepMemory] = no_step_memory

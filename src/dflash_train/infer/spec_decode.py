@@ -312,7 +312,7 @@ class SpeculativeDecoder:
         highest summed log-probability of their path from the root (a prefix-closed set). `top_lp` holds the
         candidates' log-probabilities, either `[D, k]` (each depth's own distribution, independent of the
         parent: DFlash) or `[D, k, k]` (row p: given candidate p of the depth before as the previous token; depth
-        0's row 0 given the anchor: DFlash2's selector). At most `budget` children per node; only the rows of
+        0's row 0 given the anchor: a pairwise model such as a candidate selector). At most `budget` children per node; only the rows of
         the nodes built are read (a tree of 32 nodes reads at most 33 of them)."""
         top_lp = top_lp.detach().cpu()
         ids = top_ids.tolist()

@@ -12,6 +12,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..algorithms import architecture
+from ..algorithms.base import StepMemory
 from ..config import Config
 from ..model.hf_config import text_config
 from .size_classes import blocks_for
@@ -121,10 +123,7 @@ class DrafterStepSettings:
     loss_chunk: int  # objective.loss_chunk_size
     backend: str  # "flex" or "sdpa"
     compiled_loss: bool  # on a GPU the CE chunk compiles (one fused pass); eager elsewhere
-    selector_top_k: int = 0  # dflash2: the selector's candidates (and rank)
-    selector_rank: int = 0
-    conv_kernel: int = 0  # dflash2: the block convolutions' taps
-    factored_codebooks: bool = False  # dflash2: the selector's [vocab, rank] codebooks computed every micro-batch
+    own: StepMemory = StepMemory()  # the architecture's own terms (`Architecture.step_memory`)
     distill: bool = False
     transformed: bool = False  # output_multiplier != 1 or a softcap
     trainable_params: int = 0  # autocast keeps a compute-dtype copy of each (when compute_bytes < 4)
@@ -139,30 +138,26 @@ def _ce_chunk_bytes(s: DrafterStepSettings, rows: int) -> int:
     """One lm_head + CE chunk `[rows, classes]` (algorithms/dflash/loss.py): the previous chunk's gradient (still
     referenced while the next chunk's logits form), the logits, and the chunk math: compiled (a GPU), one fused
     kernel writing the gradient; eager, the float32 copy of the logits, their shifted copy and its exp live together.
-    More for distillation (the target's logits and its softmax), a score transform (float32 copies) and dflash2's
-    top-k (a padded copy and the gathered groups)."""
+    More for distillation (the target's logits and its softmax), a score transform (float32 copies) and the
+    architecture's own (`StepMemory.ce_chunk_per_class`)."""
     e = s.compute_bytes
     per = 3 * e if s.compiled_loss else 2 * e + (_F32 if e < _F32 else 0) + 2 * _F32
     if s.distill:
         per += e + (_F32 if s.compiled_loss else 8 * _F32)
     if s.transformed:
         per += 6 * _F32
-    if s.selector_top_k:
-        per += 2 * e
+    per += s.own.ce_chunk_per_class(e)
     return rows * s.head_classes * per
 
 
-def drafter_layer_saved(drafter_config, queries: int, context: int, e: int, conv_kernel: int = 0) -> int:
+def drafter_layer_saved(drafter_config, queries: int, context: int, e: int, own: StepMemory = StepMemory()) -> int:
     """What one drafter layer saves for its backward (algorithms/dflash/model.py, eager): per query token the
     residual and normed input of both sublayers (4 H), q before its norm and after RoPE, the attention output, its
     masked copy and o_proj's contiguous input (5 nh*hd), the block's k before its norm (nkv*hd), the MLP's gate, SiLU,
     up and product (4 I); per context token k before its norm; per key (context + block) the concatenated k and v.
-    dflash2's four block convolutions (kernel K): each keeps its K - 1 masked shifted inputs (H each), and the two
-    before a sublayer their output, which the sublayer's projections read (2 H)."""
+    The architecture's own modules add `own.layer_per_query` per query token."""
     h, q, kv, inter = _dims(drafter_config)
-    per_query = 4 * h + 5 * q + kv + 4 * inter
-    if conv_kernel:
-        per_query += (4 * (conv_kernel - 1) + 2) * h
+    per_query = 4 * h + 5 * q + kv + 4 * inter + own.layer_per_query(h)
     return (queries * per_query + context * kv + (context + queries) * 2 * kv) * e
 
 
@@ -182,16 +177,16 @@ def drafter_step_parts(drafter_config, shape: MicroBatchShape, s: DrafterStepSet
     captured states are projected to (fc output and its norm), the block embeddings' layer input and the final
     norm's rows, RoPE tables and masks, then the larger of the two things that run on top of all of that: the
     lm_head + CE's chunk (`_ce_chunk_bytes`) with the gradient rows the loss keeps `[counted, H]`, or the backward of
-    one layer (gradients of its activations, about one layer's saved size). dflash2 adds the selector's top-k
-    candidates and its `[counted, k, rank]` codebook gathers (forward and gradient). With a compute dtype narrower
-    than float32, autocast's copies of the trainable weights are held too."""
+    one layer (gradients of its activations, about one layer's saved size), or one of the architecture's own
+    (`StepMemory.on_top`). With a compute dtype narrower than float32, autocast's copies of the trainable weights
+    are held too."""
     e = s.compute_bytes
     h = drafter_config.hidden_size
     _, qw, kv, _ = _dims(drafter_config)
     context = -(-shape.context // FLEX_TILE) * FLEX_TILE if s.backend == "flex" else shape.context
     ctx_tokens, queries, counted = shape.rows * context, shape.queries, shape.counted
     layers = drafter_config.num_hidden_layers
-    one_layer = drafter_layer_saved(drafter_config, queries, ctx_tokens, e, s.conv_kernel)
+    one_layer = drafter_layer_saved(drafter_config, queries, ctx_tokens, e, s.own)
     parts = {"drafter layers": layers * one_layer,
              "drafter context": ctx_tokens * h * 2 * e + (ctx_tokens * s.captured_layers * h * s.target_bytes
                                                           if s.backend == "flex" else 0),
@@ -200,15 +195,10 @@ def drafter_step_parts(drafter_config, shape: MicroBatchShape, s: DrafterStepSet
         per_row_q = shape.blocks * shape.block_size
         parts["dense masks"] = shape.rows * per_row_q * (shape.context + per_row_q) * (1 + layers)
     on_top = {"lm_head + CE chunk": _ce_chunk_bytes(s, min(s.loss_chunk, counted)) + _head_copy(s, h),
-              "one layer's backward": one_layer}
-    if s.selector_top_k:
-        on_top["selector"] = counted * s.selector_top_k * (2 * s.selector_rank * _F32 + 3 * _F32 + 8) \
-            + counted * 4 * s.selector_rank * _F32
-        if s.factored_codebooks:  # both tables, their float32 copies and gradients
-            on_top["selector"] += 2 * s.head_classes * s.selector_rank * (e + 2 * _F32)
+              "one layer's backward": one_layer, **s.own.on_top(counted, s.head_classes, e)}
     name = max(on_top, key=on_top.get)
     parts[name] = on_top[name]
-    parts["loss rows"] = counted * (h * e + 4 * _F32 + s.selector_top_k * (_F32 + 8))
+    parts["loss rows"] = counted * (h * e + 4 * _F32) + s.own.loss_rows(counted)
     if s.kept_head_gradient:
         parts[KEPT_HEAD_GRADIENT] = counted * s.head_classes * e
     if e < _F32:
@@ -245,7 +235,6 @@ def step_settings(cfg: Config, target_config, drafter_config, layer_ids: list[in
                   compute_dtype: torch.dtype, device_type: str, trainable_params: int) -> DrafterStepSettings:
     """The drafter step's settings of this run (the attention backend as `resolve_backend` picks it)."""
     d, o = cfg.drafter, cfg.objective
-    dflash = getattr(drafter_config, "dflash_config", {}) or {}
     backend = "flex" if device_type == "cuda" and d.attention_backend in ("auto", "flex") else "sdpa"
     return DrafterStepSettings(
         compute_bytes=torch.empty((), dtype=compute_dtype).element_size(),
@@ -253,9 +242,7 @@ def step_settings(cfg: Config, target_config, drafter_config, layer_ids: list[in
         captured_layers=len(layer_ids),
         head_classes=d.draft_vocab_size or text_config(target_config).vocab_size,
         loss_chunk=o.loss_chunk_size, backend=backend, compiled_loss=device_type == "cuda",
-        selector_top_k=int(dflash.get("selector_top_k", 0)), selector_rank=int(dflash.get("selector_rank", 0)),
-        conv_kernel=int(dflash.get("conv_kernel_size", 0)),
-        factored_codebooks=dflash.get("selector_codebooks") == "factored", distill=o.distill_weight > 0,
+        own=architecture(d.architecture).step_memory(drafter_config), distill=o.distill_weight > 0,
         transformed=d.output_multiplier != 1.0 or bool(d.final_logit_softcapping),
         trainable_params=trainable_params, own_head=d.draft_vocab_size > 0,
         kept_head_gradient=cfg.keeps_head_gradient)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import assets
-from ..config import Config, ConfigError, config_to_dict, load_config
+from ..config import Config, ConfigError, config_to_dict, load_config, old_key_names
 from ..data.formats import DamagedDataFile, check_readable, expand_source
 from ..data.store import SPLITS, PreparedDataset, is_prepared
 from ..errors import UserError
@@ -188,7 +188,9 @@ def resume_changes(recorded: Config, asked: Config, run: RunDir, config_path: Op
     """The keys `asked` changes against the run's own config: RESUMABLE ones are returned, any other is refused
     with both values and where the new one came from."""
     before, after = flatten(recorded), flatten(asked)
-    changes = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    # An architecture's section exists only under its drafter.architecture: a key on one side only is a change too.
+    changes = {k: (before.get(k), after.get(k)) for k in dict.fromkeys([*before, *after])
+               if k not in before or k not in after or before[k] != after[k]}
     refused = [k for k in changes if k not in RESUMABLE]
     if refused:
         parts = [f"'{k}' is {changes[k][0]!r} in {run.config} and {changes[k][1]!r} by "
@@ -200,7 +202,8 @@ def resume_changes(recorded: Config, asked: Config, run: RunDir, config_path: Op
 
 
 def _source_of(key: str, config_path: Optional[str], overrides: list[str], max_steps: Optional[int]) -> str:
-    given = [o for o in overrides if o.split("=", 1)[0].strip() == key]
+    names = {key, *(old for old, new in old_key_names().items() if new == key)}  # an override may use an old name
+    given = [o for o in overrides if o.split("=", 1)[0].strip() in names]
     if given:
         return f"the override {given[-1]}"
     if key == "optim.max_steps" and max_steps:

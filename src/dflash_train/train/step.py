@@ -25,15 +25,9 @@ class MicroBatch:
 
 
 def parameter_groups(drafter: Drafter, cfg: Config) -> list[dict]:
-    """The trained parameters at `optim.lr`; DFlash2's candidate selector in a group of its own when
-    `drafter.selector_lr_scale` is not 1 (the schedule scales every group's rate by the same factor)."""
-    scale = cfg.drafter.selector_lr_scale
-    named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
-    if scale == 1.0:
-        return [{"params": [p for _, p in named]}]
-    selector = [p for n, p in named if n.startswith("candidate_selector.")]
-    rest = [p for n, p in named if not n.startswith("candidate_selector.")]
-    return [{"params": rest}, {"params": selector, "lr": cfg.optim.lr * scale}]
+    """AdamW's parameter groups: the architecture's (`Architecture.parameter_groups`; by default every trained
+    parameter at `optim.lr`; a group with an "lr" of its own keeps its ratio through the schedule)."""
+    return architecture(cfg.drafter.architecture).parameter_groups(drafter, cfg)
 
 
 def make_optimizer(drafter: Drafter, cfg: Config, device: torch.device) -> torch.optim.AdamW:

@@ -242,7 +242,7 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
     if cfg.target.sharding == "tp":  # heads and MLP width must split over the group: refused before any load
         check_tp_target(target_config, shard_group_size(cfg, layout, world))
     d = cfg.drafter
-    dcfg = architecture(d.architecture).config_for_run(target_config, d, plan.layer_ids, plan.mask_token_id)
+    dcfg = architecture(d.architecture).config_for_run(target_config, cfg, plan.layer_ids, plan.mask_token_id)
     fp8_saved = check_fp8_shapes(cfg, plan.target_path, plan.target_fp8_layers, plan.target_dtype, dcfg)
     provenance = target_provenance(str(plan.target_path), tokenizer, target_config)
     placement = "colocated" if layout is None else f"split {layout.target_ranks}+{layout.drafter_ranks}"

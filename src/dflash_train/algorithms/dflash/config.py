@@ -45,7 +45,7 @@ def make_drafter_config(
     `sliding_window`: every layer `sliding_attention` with that window (None: all `full_attention`);
     `causal`: in-block causal attention, exported as an explicit top-level `is_causal` either way (a reader's
     default when it is absent depends on the layer type). `output_multiplier` / `final_logit_softcapping`
-    go into `dflash_config` when they are not the defaults (1.0 / off), where DFlash2 readers look.
+    go into `dflash_config` when they are not the defaults (1.0 / off), where newer reference readers look.
     `draft_vocab_size` > 0: the drafter's own lm_head over that many target tokens (top-level `draft_vocab_size`,
     as vLLM reads it; 0 leaves it out: the target's vocabulary and lm_head)."""
     t = text_config(target_config)
@@ -98,8 +98,9 @@ def make_drafter_config(
     return cfg
 
 
-def config_for_run(target_config: PretrainedConfig, d, target_layer_ids: list[int], mask_token_id: int) -> Qwen3Config:
-    """The drafter config of a training run from its `drafter` config section (`config.DrafterConfig`)."""
+def config_for_run(target_config: PretrainedConfig, cfg, target_layer_ids: list[int], mask_token_id: int) -> Qwen3Config:
+    """The drafter config of a training run from its config's `drafter` section (`config.DrafterConfig`)."""
+    d = cfg.drafter
     return make_drafter_config(
         target_config, num_draft_layers=d.num_draft_layers, block_size=d.block_size, target_layer_ids=target_layer_ids,
         mask_token_id=mask_token_id, intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,

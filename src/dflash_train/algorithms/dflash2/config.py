@@ -8,6 +8,7 @@ from transformers import PretrainedConfig, Qwen3Config
 
 from ...errors import ConfigError
 from ..dflash.config import drafter_config_from_dict, drafter_config_json, make_drafter_config, reference_fields
+from .options import options_of
 
 HF_ARCHITECTURE = "DFlash2DraftModel"
 FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # the reference requires them
@@ -28,22 +29,24 @@ def make_dflash2_config(target_config: PretrainedConfig, *, conv_kernel_size: in
     return cfg
 
 
-def config_for_run(target_config: PretrainedConfig, d, target_layer_ids: list[int], mask_token_id: int) -> Qwen3Config:
-    """From the run's `drafter` section; the keys that depend on the target's shape are checked here, before
-    any weight loads."""
+def config_for_run(target_config: PretrainedConfig, run_cfg, target_layer_ids: list[int],
+                   mask_token_id: int) -> Qwen3Config:
+    """From the run's `drafter` and `dflash2` sections; the keys that depend on the target's shape are checked
+    here, before any weight loads."""
+    d, o = run_cfg.drafter, options_of(run_cfg)
     cfg = make_dflash2_config(
-        target_config, conv_kernel_size=d.conv_kernel_size, conv_group_size=d.conv_group_size,
-        selector_rank=d.selector_rank, selector_top_k=d.selector_top_k, selector_codebooks=d.selector_codebooks,
+        target_config, conv_kernel_size=o.conv_kernel_size, conv_group_size=o.conv_group_size,
+        selector_rank=o.selector_rank, selector_top_k=o.selector_top_k, selector_codebooks=o.selector_codebooks,
         num_draft_layers=d.num_draft_layers,
         block_size=d.block_size, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
         intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
         num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim, **reference_fields(d),
     )
-    if cfg.hidden_size % d.conv_group_size:
-        raise ConfigError(f"config key 'drafter.conv_group_size': {d.conv_group_size} does not divide the target's "
+    if cfg.hidden_size % o.conv_group_size:
+        raise ConfigError(f"config key 'dflash2.conv_group_size': {o.conv_group_size} does not divide the target's "
                           f"hidden size {cfg.hidden_size}; pick a divisor (16 in the reference)")
-    if d.selector_top_k > cfg.vocab_size:
-        raise ConfigError(f"config key 'drafter.selector_top_k': {d.selector_top_k} is more than the vocabulary "
+    if o.selector_top_k > cfg.vocab_size:
+        raise ConfigError(f"config key 'dflash2.selector_top_k': {o.selector_top_k} is more than the vocabulary "
                           f"({cfg.vocab_size})")
     return cfg
 

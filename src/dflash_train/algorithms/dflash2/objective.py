@@ -5,14 +5,14 @@ lm_head chunks as the unary CE); the slot's label is forced into the set (it rep
 when missing), the slot's true previous token is the predecessor (teacher forcing: the label of the slot
 before, the anchor for slot 1), and the loss is the cross-entropy of `softmax(S)` over the k candidates
 against the label, with the unary loss's slot weights (made of the unary probabilities of the labels, or with
-`objective.acceptance_from=selector` of the selector's, `softmax(S)` at the label):
+`dflash2.acceptance_from=selector` of the selector's, `softmax(S)` at the label):
 
     loss = CE_unary + selector_loss_weight * sum_rows w_row * CE_k(S_row, label) / sum_rows w_row
 
-With `objective.selector_rows=covered` (the default) the sum runs over the rows whose label is among the strict
+With `dflash2.selector_rows=covered` (the default) the sum runs over the rows whose label is among the strict
 top-k only (the normaliser stays the sum over all rows); `all` takes every row, the label forced in.
 
-Factored codebooks (`drafter.selector_codebooks=factored`) are computed from the target's lm_head once per
+Factored codebooks (`dflash2.selector_codebooks=factored`) are computed from the target's lm_head once per
 micro-batch, inside the graph, so the selector loss trains their two projections.
 
 The candidates' unary scores enter S detached: the selector loss trains the codebooks, the hidden projection
@@ -34,6 +34,7 @@ from ..base import StepStats
 from ..dflash.blocks import Blocks
 from ..dflash.loss import weighted_rows
 from ..dflash.objective import DFlashObjective, block_stats, row_weights
+from .options import options_of
 
 
 def previous_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -60,7 +61,7 @@ def forced_candidates(top_values: torch.Tensor, top_ids: torch.Tensor, labels: t
 class DFlash2Objective(DFlashObjective):
     def rows_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor,
                   final: Optional[torch.Tensor]) -> StepStats:
-        selector = self.drafter.candidate_selector
+        selector, own = self.drafter.candidate_selector, options_of(self.cfg)
         r, head_labels, unscored = self.unary_rows(rows, blocks, idx, final, top_k=self.drafter.selector_top_k)
         labels = blocks.labels.view(-1).index_select(0, idx)
         unary, cand, target, present = forced_candidates(r.top_values, r.top_ids, labels, r.label_logits)
@@ -69,14 +70,14 @@ class DFlash2Objective(DFlashObjective):
         scores = selector.scores(unary.detach(), rows, previous, cand, codebooks)  # [M, k] float32
         selector_ce = F.cross_entropy(scores, target, reduction="none")
         weights = row_weights(self.cfg, blocks, idx)
-        if self.cfg.objective.acceptance_from == "selector":
+        if own.acceptance_from == "selector":
             weights = weights(-selector_ce.detach())  # the selector's log-probability of each label
         result = weighted_rows(r, head_labels, weights, unscored)
         norm = result.weights / result.weight_sum.clamp_min(1e-12)
-        if self.cfg.objective.selector_rows == "covered":  # no loss where the top-k misses the label
+        if own.selector_rows == "covered":  # no loss where the top-k misses the label
             selector_ce = torch.where(present, selector_ce, torch.zeros_like(selector_ce))
         selector_loss = (selector_ce * norm.to(selector_ce.dtype)).sum()
-        loss = result.loss + self.cfg.objective.selector_loss_weight * selector_loss
+        loss = result.loss + own.selector_loss_weight * selector_loss
         correct = (scores.argmax(-1) == target) & present
         stats = block_stats(loss, correct, blocks, idx)
         # beside the selector's hits (`accuracy`): the unary argmax's (DFlash's accuracy, comparable across
