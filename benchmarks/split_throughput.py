@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from throughput import (SHAPES, add_workload_args, benchmark_vocabulary, drafter_flops, drafter_section,  # noqa: E402
+from throughput import (SHAPES, add_workload_args, benchmark_vocabulary, drafter_flops, drafter_sections,  # noqa: E402
                         drafter_shape, matmul_peak_tflops, target_config, target_flops)
 
 
@@ -109,7 +109,7 @@ def main() -> None:
         benchmark_vocabulary(drafter, head.lm_head.weight)
         if args.compile_drafter:
             drafter.compile_layers()
-        cfg = config_from_dict({"drafter": drafter_section(args),
+        cfg = config_from_dict({**drafter_sections(args),
                                 "objective": {"max_anchors": args.anchors},
                                 "data": {"max_length": args.seq, "token_budget": tokens, "max_batch_size": args.batch}})
         backend = resolve_backend("flex" if cuda else "sdpa", device, args.block)

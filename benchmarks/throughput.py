@@ -226,14 +226,14 @@ def benchmark_vocabulary(drafter, target_lm_head: torch.Tensor) -> None:
         drafter.set_draft_vocabulary(torch.arange(drafter.draft_vocab_size), target_lm_head)
 
 
-def drafter_section(args) -> dict:
-    """The benchmark config's `drafter` section."""
-    section = {"architecture": getattr(args, "architecture", "dflash"), "block_size": args.block,
-               "num_draft_layers": args.layers, "draft_vocab_size": args.draft_vocab}
-    if section["architecture"] == "dflash2":
-        section["selector_top_k"] = args.selector_top_k
-        section["selector_codebooks"] = args.selector_codebooks
-    return section
+def drafter_sections(args) -> dict:
+    """The benchmark config's `drafter` section, and its architecture's own section (`dflash2`)."""
+    architecture = getattr(args, "architecture", "dflash")
+    sections = {"drafter": {"architecture": architecture, "block_size": args.block, "num_draft_layers": args.layers,
+                            "draft_vocab_size": args.draft_vocab}}
+    if architecture == "dflash2":
+        sections["dflash2"] = {"selector_top_k": args.selector_top_k, "selector_codebooks": args.selector_codebooks}
+    return sections
 
 
 def preflight_estimate(cfg, target_model, drafter, tcfg, dcfg, ids: list[int]) -> dict:
@@ -371,7 +371,7 @@ def measure_one_side(args) -> None:
         hidden = torch.randn(args.batch, args.seq, len(ids) * shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
         frozen = _Frozen(shape, hidden)
         benchmark_vocabulary(drafter, frozen.lm_head.weight)
-        cfg = config_from_dict({"drafter": drafter_section(args),
+        cfg = config_from_dict({**drafter_sections(args),
                                 "objective": {"max_anchors": args.anchors, "head_gradient": args.head_gradient},
                                 "data": {"max_length": args.seq, "token_budget": args.seq * args.batch}})
         if args.draft_vocab:
@@ -457,9 +457,9 @@ def main() -> None:
     ap.add_argument("--architecture", default="dflash", choices=["dflash", "dflash2"],
                     help="the drafter architecture (full step only; dflash2: reference convolution/selector sizes)")
     ap.add_argument("--selector-top-k", type=int, default=32,
-                    help="drafter.selector_top_k of --architecture dflash2 (its candidates per slot)")
+                    help="dflash2.selector_top_k of --architecture dflash2 (its candidates per slot)")
     ap.add_argument("--selector-codebooks", default="free", choices=("free", "factored"),
-                    help="drafter.selector_codebooks of --architecture dflash2")
+                    help="dflash2.selector_codebooks of --architecture dflash2")
     ap.add_argument("--profile", action="store_true",
                     help="print the top CUDA kernels of one drafter step, then of one target capture")
     ap.add_argument("--cache-dir", default=None, help="inductor cache directory (see --fresh-cache)")
@@ -573,7 +573,7 @@ def main() -> None:
         drafter.compile_layers()
     build_s = time.perf_counter() - t0
 
-    cfg = config_from_dict({"drafter": drafter_section(args),
+    cfg = config_from_dict({**drafter_sections(args),
                             "objective": {"max_anchors": args.anchors, "head_gradient": args.head_gradient},
                             "data": {"max_length": args.seq, "token_budget": args.seq * args.batch,
                                      "max_batch_size": args.batch}})
