@@ -309,8 +309,8 @@ class CheckpointWriter:
             self._written.append(took)
             if snap.copy_s is not None:
                 self._copies.append(snap.copy_s)
-        log.info("checkpoint %s written in %.2f s in the background (%.2f GiB; the loop paid %.3f s for the "
-                 "snapshot)", final, took, snap.nbytes / 2**30, snap.stall_s)
+        log.info("checkpoint %s written in %.2f s in the background (%.1f MiB; the loop paid %.3f s for the "
+                 "snapshot)", final, took, snap.nbytes / 2**20, snap.stall_s)
 
     @property
     def in_flight(self) -> Optional[Path]:
