@@ -180,7 +180,7 @@ def test_the_preflight_counts_the_snapshot_and_refuses_a_host_without_room_for_i
     msg = str(e.value)
     gib = need.total / 2**30
     assert msg.startswith(f"preflight: rank 0 needs about {gib:.1f} GiB of host memory for a checkpoint snapshot"), msg
-    assert f"of 1.0 GiB are available (MemAvailable in /proc/meminfo)" in msg and "smaller drafter" in msg, msg
+    assert "of 1.0 GiB are available (MemAvailable in /proc/meminfo)" in msg and "smaller drafter" in msg, msg
     available, total = preflight.host_memory()
     assert 0 < available <= total
 
