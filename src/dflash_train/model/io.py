@@ -25,14 +25,31 @@ def save_drafter(
     extra_files: Optional[dict[str, str]] = None,
 ) -> Path:
     """Write the drafter atomically: a killed save never leaves a folder that looks complete."""
+    return write_drafter_files(drafter_tensors(drafter, dtype), drafter_config_text(drafter, dtype), out_dir,
+                               extra_files)
+
+
+def drafter_tensors(drafter: Drafter, dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors `save_drafter` writes, on the CPU: weights in `dtype`; integer tensors (a reduced vocabulary's
+    `d2t` offsets, int64 as vLLM reads them) as they are."""
+    return {k: v.detach().to("cpu", dtype_named(dtype) if v.is_floating_point() else v.dtype).contiguous()
+            for k, v in drafter.state_dict().items()}
+
+
+def drafter_config_text(drafter: Drafter, dtype: str) -> str:
+    """The config.json `save_drafter` writes for weights in `dtype`."""
+    return json.dumps(architecture(drafter.architecture).config_json(drafter, dtype), indent=2, sort_keys=True)
+
+
+def write_drafter_files(tensors: dict[str, torch.Tensor], config_text: str, out_dir: str | Path,
+                        extra_files: Optional[dict[str, str]] = None) -> Path:
+    """A drafter folder from its CPU tensors and config.json text (`drafter_tensors`, `drafter_config_text`: a
+    checkpoint writes them from a snapshot taken earlier), atomically."""
     out = Path(out_dir)
     tmp = temp_dir_beside(out)
     try:
-        # Weights in `dtype`; integer tensors (a reduced vocabulary's `d2t` offsets, int64 as vLLM reads them) as they are.
-        tensors = {k: v.detach().to("cpu", dtype_named(dtype) if v.is_floating_point() else v.dtype).contiguous()
-                   for k, v in drafter.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(architecture(drafter.architecture).config_json(drafter, dtype), indent=2, sort_keys=True))
+        (tmp / CONFIG_NAME).write_text(config_text)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
         follow_umask(tmp)

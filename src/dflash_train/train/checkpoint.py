@@ -6,15 +6,27 @@
       trainer_state.json  step, data cursor (epoch, batch index), world size, what it was trained for
 A checkpoint folder exists only complete: it is built as `.step-N.tmp` and renamed; `trainer_state.json`
 is written last inside it and is what marks it valid.
+
+The training loop does not wait for the disk: `CheckpointWriter.save` copies the drafter's weights, the optimizer
+and scheduler state and the trainer record to host memory (`Snapshot.take`: on CUDA into pinned buffers allocated
+at the first save and reused, the copies queued on the compute stream; on the CPU plain clones) and a background
+thread writes that snapshot (`write_snapshot`) while training goes on. One write at most is in flight: the next
+save waits for it first (the buffers are reused). A failed write is raised in the loop at the next step boundary,
+save or wait, as the CheckpointWriteError a synchronous write raises. The files are those `save_checkpoint`, the
+synchronous path, writes from the same state.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import pickle
 import shutil
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,10 +34,16 @@ import torch
 
 from ..errors import DamagedFileError, UserError
 from ..layout import STATE, list_checkpoints
-from ..model.io import load_drafter, save_drafter
+from ..model.io import drafter_config_text, load_drafter, write_drafter_files
 from ..runtime import write_json_atomic
 
 log = logging.getLogger(__name__)
+
+# Tests only: seconds a checkpoint write sleeps before each of its files, so that a test can kill the process or
+# fill the disk in the middle of a write deterministically.
+WRITE_DELAY_ENV = "DFLASH_TEST_CHECKPOINT_WRITE_DELAY"
+# A save that waits longer than this for the previous write says so in train.log.
+WAIT_LOG_S = 1.0
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be resumed from; the message names both sides."""
@@ -84,21 +102,148 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+class HostStaging:
+    """Host memory for the snapshots of one writer. On CUDA: pinned buffers, allocated at the first snapshot and
+    reused by every later one (a buffer is reallocated only if its tensor changes shape or dtype), so that the
+    device-to-host copies need neither an allocation nor a synchronisation; the writer is done with them before
+    the next snapshot overwrites them (one write in flight). On the CPU: plain clones."""
+
+    def __init__(self):
+        self.buffers: dict[Any, torch.Tensor] = {}
+
+    def copy(self, key: Any, t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        t = t.detach()
+        dtype = dtype or t.dtype
+        if t.device.type != "cuda":
+            out = t.to(dtype=dtype, copy=True)
+            return out if out.is_contiguous() else out.contiguous()
+        buf = self.buffer(key, t.shape, dtype)
+        buf.copy_(t, non_blocking=True)
+        return buf
+
+    def buffer(self, key: Any, shape: torch.Size, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
+        """The host buffer of `key`: the one of the last snapshot when its shape and dtype still fit, else new."""
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self.buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+def _host_copy(obj: Any, staging: HostStaging, prefix: str) -> Any:
+    """`obj` (a state dict: nested dicts, lists, tuples, tensors, plain values) with every tensor copied to the host
+    through `staging`, the rest deep-copied: the same structure, types and sharing, so that torch.save writes the
+    same pickle."""
+    memo: dict[int, Any] = {}
+
+    def walk(x: Any, key: tuple) -> None:
+        if isinstance(x, torch.Tensor):
+            if id(x) not in memo:
+                memo[id(x)] = staging.copy((prefix, *key), x)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, (*key, k))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, (*key, i))
+
+    walk(obj, ())
+    return copy.deepcopy(obj, memo)
+
+
+@dataclass
+class Snapshot:
+    """Everything a checkpoint holds, in host memory: what `write_snapshot` writes while training goes on."""
+
+    step: int
+    name: Optional[str]  # "best", or None: step-N
+    weights: dict[str, torch.Tensor]  # the drafter's state dict as drafter/model.safetensors holds it (float32)
+    config_text: str  # drafter/config.json
+    optimizer: dict  # optimizer.pt: {"optimizer": ..., "scheduler": ...}
+    record: dict  # trainer_state.json, less the step
+    ready: Any = None  # CUDA: an event recorded after the copies (the writer waits for it); CPU: None
+    started: Any = None  # CUDA: an event recorded before the copies (the copies' device time)
+    stall_s: float = 0.0  # what taking it cost the caller (host time)
+    copy_s: Optional[float] = field(default=None)  # CUDA: the copies' device time, known once they are done
+
+    @classmethod
+    def take(cls, step: int, drafter, optimizer, scheduler, record: dict[str, Any], name: Optional[str] = None,
+             staging: Optional[HostStaging] = None) -> "Snapshot":
+        t0 = time.perf_counter()
+        staging = staging or HostStaging()
+        params = list(drafter.parameters())
+        cuda = bool(params) and params[0].device.type == "cuda"
+        started = ready = None
+        if cuda:
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+        # As save_drafter writes a checkpoint's drafter/: floating tensors in float32, the others as they are.
+        weights = {k: staging.copy(("drafter", k), v, torch.float32 if v.is_floating_point() else v.dtype)
+                   for k, v in drafter.state_dict().items()}
+        opt = _host_copy({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, staging,
+                         "optimizer")
+        if cuda:
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record()
+        snap = cls(step, name, weights, drafter_config_text(drafter, "float32"), opt, copy.deepcopy(record),
+                   ready, started)
+        snap.stall_s = time.perf_counter() - t0
+        return snap
+
+    def wait_copied(self) -> None:
+        """Block until the device-to-host copies are done (at once on the CPU)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.copy_s = self.started.elapsed_time(self.ready) / 1000
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(t.numel() * t.element_size() for t in self.weights.values())
+        stack = [self.optimizer]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, torch.Tensor):
+                n += x.numel() * x.element_size()
+            elif isinstance(x, dict):
+                stack.extend(x.values())
+            elif isinstance(x, (list, tuple)):
+                stack.extend(x)
+        return n
+
+
+def _test_delay() -> None:
+    delay = float(os.environ.get(WRITE_DELAY_ENV) or 0)
+    if delay > 0:
+        time.sleep(delay)
+
+
 def save_checkpoint(root: Path, step: int, drafter, optimizer, scheduler, state: dict[str, Any], keep_last: int,
                     name: Optional[str] = None) -> Path:
-    """`name` (e.g. "best") writes outside the step-N rotation. Built in `.NAME.tmp`, flushed to disk and
-    renamed into place; on any failure the temp folder is removed, earlier checkpoints stay as they were
-    and CheckpointWriteError says what happened."""
+    """Write a checkpoint now (the synchronous path: a snapshot written at once). `name` (e.g. "best") writes
+    outside the step-N rotation."""
+    return write_snapshot(Snapshot.take(step, drafter, optimizer, scheduler, state, name), root, keep_last)
+
+
+def write_snapshot(snap: Snapshot, root: Path, keep_last: int) -> Path:
+    """Built in `.NAME.tmp`, flushed to disk and renamed into place; on any failure the temp folder is removed,
+    earlier checkpoints stay as they were and CheckpointWriteError says what happened."""
     root = Path(root)
-    final = root / (name or f"step-{step:08d}")
+    final = root / (snap.name or f"step-{snap.step:08d}")
     tmp = root / f".{final.name}.tmp"
     old = None
     try:
+        snap.wait_copied()
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_drafter(drafter, tmp / "drafter", dtype="float32")
-        _save_torch({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-        write_json_atomic(tmp / STATE, {"step": step, **state})
+        _test_delay()
+        write_drafter_files(snap.weights, snap.config_text, tmp / "drafter")
+        _test_delay()
+        _save_torch(snap.optimizer, tmp / "optimizer.pt")
+        _test_delay()
+        write_json_atomic(tmp / STATE, {"step": snap.step, **snap.record})
         for f in sorted(tmp.rglob("*"), reverse=True):
             _fsync(f)
         _fsync(tmp)
@@ -122,11 +267,127 @@ def save_checkpoint(root: Path, step: int, drafter, optimizer, scheduler, state:
             + (f"The newest complete checkpoint, {intact[-1]}, is intact. " if intact else "No earlier checkpoint exists. ")
             + f"Free disk space or fix permissions on {root}, then continue with --resume"
         ) from e
+    for torn in root.glob(".*.old"):  # a process killed between the two renames above: put the old one back
+        kept = root / torn.name[1:-len(".old")]
+        if not kept.exists() and (torn / STATE).is_file():
+            torn.rename(kept)
+        else:
+            shutil.rmtree(torn, ignore_errors=True)
     for stale in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(stale, ignore_errors=True)
-    for torn in [*root.glob(".*.tmp"), *root.glob(".*.old")]:  # left by a process killed mid-write
+    for torn in root.glob(".*.tmp"):  # left by a process killed mid-write
         shutil.rmtree(torn, ignore_errors=True)
     return final
+
+
+class CheckpointWriter:
+    """Rank 0's checkpoints, written in the background: `save` takes a snapshot (the loop's only cost) and a thread
+    writes it. At most one write is in flight: a save waits for the previous write first (logged past
+    WAIT_LOG_S). A failed write raises its CheckpointWriteError in the caller's thread at the next `check`, `save`
+    or `wait`. `timings()` hands the metrics what the saves cost since it was last called."""
+
+    def __init__(self, root: Path, keep_last: int):
+        self.root, self.keep_last = Path(root), keep_last
+        self.staging = HostStaging()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._writing: Optional[Path] = None
+        self._lock = threading.Lock()
+        self._stall_s = 0.0
+        self._written: list[float] = []
+        self._copies: list[float] = []
+
+    def _write(self, snap: Snapshot, final: Path) -> None:
+        t0 = time.perf_counter()
+        try:
+            write_snapshot(snap, self.root, self.keep_last)
+        except BaseException as e:  # raised in the loop's thread (check / save / wait)
+            self._error = e
+            return
+        took = time.perf_counter() - t0
+        with self._lock:
+            self._written.append(took)
+            if snap.copy_s is not None:
+                self._copies.append(snap.copy_s)
+        log.info("checkpoint %s written in %.2f s in the background (%.1f MiB; the loop paid %.3f s for the "
+                 "snapshot)", final, took, snap.nbytes / 2**20, snap.stall_s)
+
+    @property
+    def in_flight(self) -> Optional[Path]:
+        """The checkpoint being written now, or None."""
+        return self._writing if self._thread is not None and self._thread.is_alive() else None
+
+    def check(self) -> None:
+        """Raise the error of a write that failed; never waits."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._join()
+
+    def _join(self) -> None:
+        self._thread.join()
+        self._thread, self._writing = None, None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def wait(self) -> Optional[Path]:
+        """Block until the write in flight (if any) is on disk; raise its error. Returns the folder it wrote."""
+        done = self._writing
+        if self._thread is not None:
+            t0 = time.perf_counter()
+            self._join()
+            waited = time.perf_counter() - t0
+            if waited > WAIT_LOG_S:
+                log.info("waited %.1f s for checkpoint %s to be written", waited, done)
+        return done
+
+    def save(self, step: int, drafter, optimizer, scheduler, record: dict[str, Any], name: Optional[str] = None,
+             wait: bool = False) -> Path:
+        """Snapshot now and write in the background (`wait`: and block until it is written). Returns the folder
+        the checkpoint has once written."""
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            previous = self._writing
+            self._join()
+            waited = time.perf_counter() - t0
+            if waited > WAIT_LOG_S:
+                log.warning("checkpoint at step %d waited %.1f s for the previous one (%s) to be written: the "
+                            "disk is slower than run.save_every steps", step, waited, previous)
+        snap = Snapshot.take(step, drafter, optimizer, scheduler, record, name, self.staging)
+        final = self.root / (name or f"step-{step:08d}")
+        with self._lock:
+            self._stall_s += time.perf_counter() - t0
+        self._writing = final
+        self._thread = threading.Thread(target=self._write, args=(snap, final), name=f"checkpoint-{final.name}",
+                                        daemon=True)
+        self._thread.start()
+        if wait:
+            self.wait()
+        return final
+
+    def timings(self) -> dict[str, float]:
+        """`checkpoint_stall_s` (what the loop paid for saves: waiting for a previous write, the snapshot),
+        `checkpoint_write_s` (background writes finished) and, on CUDA, `checkpoint_copy_s` (the device time of
+        their copies) since the last call; {} when nothing happened."""
+        with self._lock:
+            out = {}
+            if self._stall_s:
+                out["checkpoint_stall_s"] = round(self._stall_s, 4)
+            if self._written:
+                out["checkpoint_write_s"] = round(sum(self._written), 3)
+            if self._copies:
+                out["checkpoint_copy_s"] = round(sum(self._copies), 4)
+            self._stall_s, self._written, self._copies = 0.0, [], []
+            return out
+
+    def close(self) -> None:
+        """On the way out after another error: let the write in flight finish (a complete checkpoint is worth
+        the wait), and log, not raise, its own error."""
+        if self._thread is None:
+            return
+        try:
+            self.wait()
+        except Exception as e:
+            log.error("the checkpoint written when the run failed could not be written either: %s", e)
 
 
 def read_state(ckpt: Path) -> dict:

@@ -5,6 +5,10 @@
 (collated here, or received from the target ranks in the split placement), one optimizer step, then the
 step boundary: compile check, heartbeat, metrics every `log_every`, the recompile-limit and stop votes,
 validation, checkpoints. The end: a last checkpoint and the export in the reference format.
+
+Checkpoints (rank 0) are written in the background (`checkpoint.CheckpointWriter`): a save costs the loop a
+snapshot to host memory; a failed write stops the run at the next step boundary with its CheckpointWriteError.
+A stop, the end of the run and any failure wait for the write in flight.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class Session:
     val: Any = None  # validation data: rank 0 only (every rank with a sharded colocated target)
     stop_ids: list[int] = field(default_factory=list)
     t_start: float = field(default_factory=time.time)
+    writer: Optional[checkpoints.CheckpointWriter] = None  # rank 0's background checkpoint writes
 
     @property
     def lengths(self):
@@ -101,16 +106,32 @@ def memory_gib(device: torch.device) -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
 
-def save(s: Session, state: RunState, name: Optional[str] = None) -> Path:
+def checkpoint_writer(s: Session) -> checkpoints.CheckpointWriter:
+    if s.writer is None:
+        s.writer = checkpoints.CheckpointWriter(s.run.checkpoints, s.cfg.run.keep_last)
+    return s.writer
+
+
+def save(s: Session, state: RunState, name: Optional[str] = None, wait: bool = False) -> Path:
+    """Rank 0: snapshot the state now and write it in the background (`wait`: and wait until it is written).
+    Returns the checkpoint's folder."""
     ts = s.train_step
     record = {**state.cursor(), **s.identity, "skipped_steps": ts.skipped_steps, "best_val_tau": state.best_val}
-    return checkpoints.save_checkpoint(s.run.checkpoints, state.step, ts.drafter, ts.optimizer, ts.scheduler, record,
-                                       s.cfg.run.keep_last, name)
+    return checkpoint_writer(s).save(state.step, ts.drafter, ts.optimizer, ts.scheduler, record, name, wait=wait)
 
 
 def train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
     """Train from `state` to `s.total` steps. Returns the export folder (done) or the checkpoints folder
-    (stopped by `stop`: a signal or a STOP file, agreed on by every drafter rank)."""
+    (stopped by `stop`: a signal or a STOP file, agreed on by every drafter rank). A failure lets the
+    checkpoint write in flight finish first."""
+    try:
+        return _train_loop(s, state, rep, stop)
+    finally:
+        if s.writer is not None:
+            s.writer.close()
+
+
+def _train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
     cfg, ts = s.cfg, s.train_step
     s.t_start = time.time()
     progress = None
@@ -136,6 +157,8 @@ def train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
             rep.report(padding_fraction=round(pad, 4))
         stats = ts(_take_micro_batches(s, state.step, group), state.step)
         compile_layer.check_step_boundary()
+        if s.writer is not None:
+            s.writer.check()  # a background checkpoint write that failed stops the run here
         state.step, state.epoch, state.batch_index = state.step + 1, epoch, next_index
         rep.beat_fields.update(mem_gib=memory_gib(s.device), train_s=round(time.time() - s.t_start, 1),
                                role="colocated" if s.inbox is None else "drafter",
@@ -157,7 +180,7 @@ def train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
             if s.inbox is not None:
                 s.inbox.close()
             if s.is_main:
-                ckpt = save(s, state)
+                ckpt = save(s, state, wait=True)
                 rep.report(phase="stopped", step=state.step, checkpoint=str(ckpt))
                 log.info("stopped at step %d; checkpoint %s (continue with --resume)", state.step, ckpt)
             return s.run.checkpoints
@@ -229,6 +252,8 @@ def _log_window(s: Session, state: RunState, rep: Reporter, window: _Window, sta
     if s.inbox is not None:
         record["transport_wait_s"] = round(s.inbox.wait_s - window.wait, 3)
         window.wait = s.inbox.wait_s
+    if s.writer is not None:  # the saves since the last record: the loop's stall, the background writes
+        record.update(s.writer.timings())
     rep.write_metrics(record)
     rate = (state.step - window.start_step) / max(now - window.t0, 1e-9)
     rep.report(step=state.step, epoch=record["epoch"], eta_s=(s.total - state.step) / max(rate, 1e-9),
@@ -246,7 +271,7 @@ def _stop_before_the_recompile_limit(s: Session, state: RunState, rep: Reporter,
     rank 0's checkpoint is written, so that no rank ends the run before it)."""
     if s.inbox is not None:
         s.inbox.close()
-    ckpt = save(s, state) if s.is_main else None
+    ckpt = save(s, state, wait=True) if s.is_main else None
     if ckpt is not None:
         rep.report(checkpoint=str(ckpt))
     if s.drafters > 1:
@@ -304,7 +329,9 @@ def export_weights(s: Session, state: RunState) -> tuple[object, str]:
 
 def finish(s: Session, state: RunState, rep: Reporter, last_record: dict) -> Path:
     """The last checkpoint and, on rank 0, the export of the best weights (`export_weights`; a previous export,
-    from before a resume that trained further, is moved aside, never overwritten)."""
+    from before a resume that trained further, is moved aside, never overwritten). The last checkpoint is written
+    in the background while the export is (the weights no longer change; `best`, written before it, is complete
+    once its snapshot is taken: one write in flight); the run is done when both are on disk."""
     run = s.run
     if not s.is_main:
         rep.report(phase="done", step=state.step)
@@ -319,6 +346,7 @@ def finish(s: Session, state: RunState, rep: Reporter, last_record: dict) -> Pat
     save_drafter(drafter, run.export, dtype=s.cfg.run.export_dtype,
                  extra_files={CARD_NAME: s.model_card(cfg_yaml, last_record, weights), "training_config.yaml": cfg_yaml,
                               PROVENANCE_NAME: (run.root / PROVENANCE_NAME).read_text()})
+    checkpoint_writer(s).wait()  # the last checkpoint, written meanwhile (a wait over a second is logged)
     rep.report(phase="done", step=state.step, export_dir=str(run.export), export_weights=weights, eta_s=0)
     log.info("done: %d steps in %.0f s; drafter exported to %s (weights: %s)", state.step, time.time() - s.t_start,
              run.export, weights)

@@ -1,5 +1,6 @@
 """Before any weights load: does this rank's GPU have the memory its part of the plan needs, and who
-else holds it? A run that cannot fit says so in seconds instead of failing minutes later."""
+else holds it? Does rank 0's host have the memory for a checkpoint's snapshot? A run that cannot fit says so in
+seconds instead of failing minutes later."""
 
 from __future__ import annotations
 
@@ -192,3 +193,57 @@ def check_gpu(device: torch.device, need: "int | MemoryNeed", rank: int, what: s
         log.warning("rank %d: %s is shared%s", rank, device, held)
     log.info("preflight: rank %d on %s: %.1f GiB free, about %.1f GiB needed for %s%s", rank, device,
              free / 2**30, needed / 2**30, what, parts)
+
+
+# ------------------------------------------------------------------------------- host memory of a checkpoint
+
+
+@dataclass(frozen=True)
+class SnapshotNeed:
+    """The host memory of one checkpoint snapshot (train/checkpoint.py `Snapshot`: rank 0 copies the state there and
+    writes the files from it in the background; on CUDA these are pinned buffers kept for the whole run)."""
+
+    weights: int  # the drafter's state dict in float32 (integer buffers as they are)
+    optimizer: int  # AdamW: two float32 moments a trained parameter, and a step count a tensor
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer
+
+
+def snapshot_need(architecture_name: str, drafter_config) -> SnapshotNeed:
+    """From the drafter's config alone (built on the meta device)."""
+    with torch.device("meta"):
+        drafter = architecture(architecture_name).drafter_class(drafter_config)
+    weights = sum(t.numel() * (4 if t.is_floating_point() else t.element_size()) for t in drafter.state_dict().values())
+    optimizer = sum(2 * p.numel() * 4 + 4 for p in drafter.parameters() if p.requires_grad)
+    return SnapshotNeed(weights, optimizer)
+
+
+def host_memory() -> Optional[tuple[int, int]]:
+    """(available, total) bytes of host memory: MemAvailable and MemTotal of /proc/meminfo (None elsewhere)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_host_snapshot(need: SnapshotNeed, rank: int,
+                        memory: Optional[Callable[[], Optional[tuple[int, int]]]] = None) -> None:
+    """Raise if the host has less available memory than a checkpoint snapshot needs. `memory`: (available, total)
+    bytes, `host_memory` unless given (not checked where it is unknown)."""
+    got = (memory or host_memory)()
+    if got is None:
+        return
+    available, total = got
+    what = (f"{need.total / 2**30:.1f} GiB of host memory for a checkpoint snapshot (drafter weights "
+            f"{need.weights / 2**30:.1f} GiB + optimizer state {need.optimizer / 2**30:.1f} GiB, float32: what a "
+            "save copies out of the training before it is written in the background)")
+    if available < need.total:
+        raise RuntimeError(
+            f"preflight: rank {rank} needs about {what}, but only {available / 2**30:.1f} of {total / 2**30:.1f} "
+            "GiB are available (MemAvailable in /proc/meminfo). Free host memory (other processes on this machine) "
+            "or train a smaller drafter"
+        )
+    log.info("preflight: rank %d: %.1f GiB of host memory available, about %s", rank, available / 2**30, what)

@@ -401,6 +401,8 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
                                          plan.target_dtype, plan.compute_dtype, need_role, a.layout is not None,
                                          share, a.target_fp8_saved_bytes)
         preflight.check_gpu(device, need, ctx.rank, what)
+    if ctx.is_main:  # rank 0 writes the checkpoints, from a snapshot in host memory
+        preflight.check_host_snapshot(preflight.snapshot_need(cfg.drafter.architecture, a.dcfg), ctx.rank)
     data = open_training_data(cfg, a.tokenizer, run.root / "rejects.jsonl" if ctx.is_main else None)
     log.info("data: %s", data.describe())
     batching = (data.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed)
