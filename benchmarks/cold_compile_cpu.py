@@ -77,7 +77,7 @@ def main() -> None:
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.config import config_from_dict
     from dflash_train.data.batch import Batch
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
     from dflash_train.model import target as target_mod
     from dflash_train.train.step import TrainStep
 

@@ -22,7 +22,7 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     warm = {}
     if compile:
-        from dflash_train.model import compile as compile_layer
+        from dflash_train.accel import compile as compile_layer
         from dflash_train.model import target as target_mod
 
         target_mod._COMPILE_DEVICES, target_mod._COMPILE_BACKEND = ("cuda", "cpu"), "eager"

@@ -123,7 +123,7 @@ def counting_jsonl(tmp_path_factory) -> Path:
 @pytest.fixture
 def fresh_dynamo():
     """Dynamo reset before and after (cold caches, no compiled variants left over), recompiles watched."""
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
 
     compile_layer.watch_recompiles()
     torch._dynamo.reset()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.model import compile as compile_layer
+from dflash_train.accel import compile as compile_layer
 
 RACE = textwrap.dedent("""
     import threading, torch
@@ -54,7 +54,7 @@ SEALED = textwrap.dedent("""
     import json, warnings, torch
     import torch.nn.attention.flex_attention as fa
     from torch.nn.attention.flex_attention import flex_attention
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
     from dflash_train.algorithms.dflash.attention import compiled_flex_attention
     q = torch.randn(1, 2, 128, 16)
     flex_attention(q, q, q)  # before the seal: runs (and torch's once-per-process warning is now spent)

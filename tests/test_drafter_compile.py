@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash_train.config import ConfigError, config_from_dict, load_config
-from dflash_train.model import compile as compile_layer
+from dflash_train.accel import compile as compile_layer
 from dflash_train.algorithms.dflash import model as drafter_mod
 from dflash_train.algorithms.dflash.model import DFlashDrafter, DrafterKVCache, sdpa_attention
 from dflash_train.algorithms.dflash.config import make_drafter_config

@@ -17,9 +17,9 @@ from torch import nn
 
 from dflash_train.cli import main
 from dflash_train.config import ConfigError, config_from_dict
-from dflash_train.model import compile as compile_layer
+from dflash_train.accel import compile as compile_layer
 from dflash_train.model import target as target_mod
-from dflash_train.model.fp8 import (FP8, FP8_MAX, Fp8Linear, dequantize, quantize, quantize_decoder_layers,
+from dflash_train.accel.fp8 import (FP8, FP8_MAX, Fp8Linear, dequantize, quantize, quantize_decoder_layers,
                                     quantized_bytes_saved, scales)
 from dflash_train.model.io import load_drafter
 from dflash_train.model.target import TargetCapture, load_target_model, target_fp8_linears

@@ -298,7 +298,7 @@ def test_field_race_replayed_through_our_layer_has_zero_errors():
 EAGER_FLEX_AROUND_THE_SEAL = textwrap.dedent("""
     import json, torch
     from torch.nn.attention.flex_attention import flex_attention
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
     from dflash_train.algorithms.dflash.attention import compiled_flex_attention
     def qkv():
         return [torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
@@ -339,7 +339,7 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
     from torch.nn.attention.flex_attention import flex_attention
 
     from dflash_train.config import config_from_dict
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
     from dflash_train.algorithms.dflash.attention import AttentionBackend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
@@ -605,7 +605,7 @@ def test_compiled_target_capture_matches_eager_and_new_lengths_never_recompile()
     random batch sizes and lengths; after the warm-up those captures compile nothing."""
     import copy
 
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
     from dflash_train.model.target import TargetCapture
 
     compile_layer.watch_recompiles()
@@ -670,7 +670,7 @@ def test_compile_workers_start_before_any_compile(tmp_path):
     is up and ready before anything compiles, so the first compile does not build kernels one at a time."""
     code = textwrap.dedent("""
         import sys, time
-        from dflash_train.model import compile as compile_layer
+        from dflash_train.accel import compile as compile_layer
         from torch._inductor.async_compile import AsyncCompile
         from torch._dynamo.utils import counters
         compile_layer.configure_cache(sys.argv[1])
@@ -723,7 +723,7 @@ def test_inductor_recompiles_a_kernel_whose_elements_cross_two_to_the_31(caplog)
     such a plan up front)."""
     import logging
 
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
 
     compile_layer.watch_recompiles()
     torch._dynamo.reset()
@@ -857,8 +857,8 @@ def test_fp8_target_capture_error_at_the_8b_shape_eager_and_compiled(capsys):
 
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dflash_train.model import compile as compile_layer
-    from dflash_train.model.fp8 import quantize_decoder_layers
+    from dflash_train.accel import compile as compile_layer
+    from dflash_train.accel.fp8 import quantize_decoder_layers
     from dflash_train.model.target import TargetCapture
 
     compile_layer.watch_recompiles()
@@ -915,7 +915,7 @@ def test_fp8_drafter_numerics_against_bf16_eager_and_compiled(capsys, grad_weigh
     through attention.)"""
     import copy
 
-    from dflash_train.model.fp8_training import use_fp8_training
+    from dflash_train.accel.fp8_training import use_fp8_training
 
     torch.backends.cuda.matmul.allow_tf32 = False
     drafter, *rest = _drafter_and_inputs(seed=0)

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_train.config import config_from_dict
 from dflash_train.data.dataset import plan_batches
-from dflash_train.model import compile as compile_layer
+from dflash_train.accel import compile as compile_layer
 from dflash_train.model import target as target_mod
 from dflash_train.algorithms.dflash.attention import AttentionBackend
 from dflash_train.algorithms.dflash.model import DFlashDrafter, sdpa_attention

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.model import compile as compile_layer
+from dflash_train.accel import compile as compile_layer
 from dflash_train.model.target import TargetCapture, load_target_model, read_target_config
 
 VOCAB = 1000

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from dflash_train.config import ConfigError, config_from_dict, load_config
-from dflash_train.model import compile as compile_layer
+from dflash_train.accel import compile as compile_layer
 from dflash_train.model.target import TargetCapture, _warm_up_lengths
 
 

@@ -23,7 +23,7 @@ from ..data.chat import prompt_ids
 from ..data.formats import RowError, iter_source, prompt_turns
 from ..algorithms.base import Drafter
 from ..errors import ConfigError
-from ..model.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
+from ..accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
 from ..model.hf_config import text_config
 from ..model.io import load_drafter
 from ..model.provenance import compare, read_provenance, target_provenance

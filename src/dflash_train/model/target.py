@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from ..errors import ConfigError, ModelError
-from .fp8 import named_linears, quantize_decoder_layers
+from ..accel.fp8 import named_linears, quantize_decoder_layers
 from .hf_config import text_config
 from .hf_model import MULTIMODAL_KEY_MAPPING, checkpoint_keys, decoder_of, is_multimodal, model_class
 
@@ -94,7 +94,7 @@ def compiled_layer_forward(layer_cls: type) -> Callable:
     argument: every layer of the class shares one graph (parameters are graph inputs, not constants),
     and hooks stay outside the graph because they run in `Module.__call__`. Dynamic batch and sequence
     dimensions; Dynamo still specialises a batch of 1, so a warm-up compiles batch 1 and batch >= 2."""
-    from .compile import compiled
+    from ..accel.compile import compiled
 
     backend = _COMPILE_BACKEND
     name = f"target_layer[{backend}]:{layer_cls.__module__}.{layer_cls.__qualname__}"
@@ -240,7 +240,7 @@ class TargetCapture:
         Under the compile layer's lock. Returns timings and graph counts for the run's status."""
         if not self.compile:
             return {}
-        from .compile import graphs_compiled, lock
+        from ..accel.compile import graphs_compiled, lock
 
         tc = text_config(self.model.config)
         head_dim = getattr(tc, "head_dim", None) or self.hidden_size // tc.num_attention_heads

@@ -10,8 +10,8 @@ import torch
 from ..algorithms import architecture
 from ..config import Config
 from ..errors import ConfigError
-from ..model.fp8 import SCALED_MM_MULTIPLE, quantized_bytes_saved, require_fp8_device, unsupported_shapes
-from ..model.fp8_training import fp8_drafter_linears
+from ..accel.fp8 import SCALED_MM_MULTIPLE, quantized_bytes_saved, require_fp8_device, unsupported_shapes
+from ..accel.fp8_training import fp8_drafter_linears
 from ..model.target import target_fp8_linears
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}

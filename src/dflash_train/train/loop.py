@@ -21,7 +21,7 @@ from ..config import Config
 from ..data.batch import collate
 from ..data.dataset import batches_from, padding_fraction, plan_batches
 from ..layout import STATE
-from ..model import compile as compile_layer
+from ..accel import compile as compile_layer
 from ..model.io import load_drafter, save_drafter
 from ..model_card import CARD_NAME, weights_line
 from ..model.provenance import PROVENANCE_NAME

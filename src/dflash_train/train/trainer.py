@@ -25,11 +25,11 @@ from ..data.dataset import plan_batches
 from ..data.label_counts import coverage, draft_vocabulary
 from ..data.source import open_training_data, open_validation_data, require_label_counts
 from ..errors import UserError, debug_enabled, is_user_error
-from ..model import compile as compile_layer
+from ..accel import compile as compile_layer
 from ..algorithms import architecture
 from ..algorithms.base import default_target_layer_ids
 from ..model.drafter_init import init_drafter_from_target
-from ..model.fp8_training import use_fp8_training
+from ..accel.fp8_training import use_fp8_training
 from ..model.provenance import target_provenance, write_provenance
 from ..model.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
 from ..model.tensor_parallel import check_tp_target, load_tp_target
