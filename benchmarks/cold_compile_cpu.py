@@ -78,7 +78,7 @@ def main() -> None:
     from dflash_train.config import config_from_dict
     from dflash_train.data.batch import Batch
     from dflash_train.accel import compile as compile_layer
-    from dflash_train.model import target as target_mod
+    from dflash_train.target import capture as target_mod
     from dflash_train.train.step import TrainStep
 
     add_inductor_options(args.inductor_option)

@@ -317,7 +317,7 @@ def _load_target(path: str, settings: EvalSettings):
     """(target, tokenizer, stop ids, device) for replay, without a drafter."""
     from dflash_train import assets
     from dflash_train.infer.evaluate import load_eval_target
-    from dflash_train.model.target import load_tokenizer
+    from dflash_train.target.capture import load_tokenizer
     from dflash_train.assets import stop_token_ids
     from dflash_train.runtime import resolve_device, resolve_dtype
 
@@ -683,7 +683,7 @@ def prepare_training_data(cfg, data: str, val_fraction: float, prepared: Path, l
     from dflash_train import assets
     from dflash_train.data.prepare import PrepareConfig, prepare, summary
     from dflash_train.data.store import has_label_counts
-    from dflash_train.model.target import load_tokenizer
+    from dflash_train.target.capture import load_tokenizer
 
     data = str(Path(data).resolve())
     want = {"max_length": cfg.data.max_length, "block_size": cfg.drafter.block_size, "val_fraction": val_fraction}

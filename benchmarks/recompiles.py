@@ -76,7 +76,7 @@ def main() -> None:
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetHead, load_tokenizer
+    from dflash_train.target.capture import TargetHead, load_tokenizer
     from dflash_train.train import size_classes
     from dflash_train.train.step import MicroBatch, TrainStep
     from dflash_train.train.trainer import batch_kinds, warm_up

@@ -174,7 +174,7 @@ def use_fp8(args, target, drafter) -> None:
     """--target-fp8 / --drafter-fp8: what target.quantize=fp8 and drafter.fp8 do in training."""
     from dflash_train.accel.fp8 import quantize_decoder_layers
     from dflash_train.accel.fp8_training import use_fp8_training
-    from dflash_train.model.hf_model import decoder_of
+    from dflash_train.target.hf_model import decoder_of
 
     if args.target_fp8 and target is not None:
         quantize_decoder_layers(decoder_of(target.model).layers, max(target.layer_ids) + 1,
@@ -314,7 +314,7 @@ def measure_one_side(args) -> None:
     from dflash_train.algorithms.base import default_target_layer_ids
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.target.capture import TargetCapture
     from dflash_train.algorithms.dflash.blocks import sample_anchors
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
@@ -518,7 +518,7 @@ def main() -> None:
     from dflash_train.algorithms.base import default_target_layer_ids
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
 

@@ -118,7 +118,7 @@ def cpu_drafter_compile_env(folder: Path) -> dict:
 # that every new batch shape a target rank captures is a recompile after the warm-up.
 CPU_TARGET_COMPILE = """
 import dflash_train.config, dflash_train.train.trainer
-import dflash_train.accel.compile as compile_layer, dflash_train.model.target as target_mod
+import dflash_train.accel.compile as compile_layer, dflash_train.target.capture as target_mod
 dflash_train.config.validate_compile_device = lambda *a: None
 dflash_train.train.trainer.validate_compile_device = lambda *a: None
 target_mod._COMPILE_DEVICES = ("cuda", "cpu")

@@ -104,7 +104,7 @@ def test_an_eager_flex_call_in_a_warm_up_is_an_error(tiny_target_dir):
     from dflash_train.algorithms.dflash.attention import AttentionBackend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetCapture, load_target_model
+    from dflash_train.target.capture import TargetCapture, load_target_model
     from dflash_train.train.step import Batch, TrainStep
     from dflash_train.train.trainer import warm_up
 

@@ -170,7 +170,7 @@ def test_a_colocated_step_never_waits_for_the_gpu(compile_layers):
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
 
@@ -238,7 +238,7 @@ def test_colocated_one_gpu_run_with_a_sliding_causal_softcapped_drafter(tmp_path
     from dflash_train.cli import main
     from dflash_train.infer.spec_decode import SpeculativeDecoder
     from dflash_train.model.io import load_drafter
-    from dflash_train.model.target import load_target_model
+    from dflash_train.target.capture import load_target_model
 
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, log_every=5)
     data = json.loads(cfg.read_text())
@@ -343,7 +343,7 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
     from dflash_train.algorithms.dflash.attention import AttentionBackend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetCapture, load_target_model
+    from dflash_train.target.capture import TargetCapture, load_target_model
     from dflash_train.train.step import Batch, TrainStep
     from dflash_train.train.trainer import warm_up
 
@@ -606,7 +606,7 @@ def test_compiled_target_capture_matches_eager_and_new_lengths_never_recompile()
     import copy
 
     from dflash_train.accel import compile as compile_layer
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.target.capture import TargetCapture
 
     compile_layer.watch_recompiles()
     torch._dynamo.reset()
@@ -781,7 +781,7 @@ def test_colocated_one_gpu_run_with_a_reduced_vocabulary_compiles_nothing_after_
     from dflash_train.cli import main
     from dflash_train.infer.spec_decode import SpeculativeDecoder
     from dflash_train.model.io import load_drafter
-    from dflash_train.model.target import load_target_model
+    from dflash_train.target.capture import load_target_model
 
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, log_every=5)
     data = json.loads(cfg.read_text())
@@ -859,7 +859,7 @@ def test_fp8_target_capture_error_at_the_8b_shape_eager_and_compiled(capsys):
 
     from dflash_train.accel import compile as compile_layer
     from dflash_train.accel.fp8 import quantize_decoder_layers
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.target.capture import TargetCapture
 
     compile_layer.watch_recompiles()
     torch._dynamo.reset()

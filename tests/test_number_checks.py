@@ -285,7 +285,7 @@ def test_max_steps_refuses_what_optim_max_steps_refuses_and_zero(tmp_path, capsy
 
 def _no_loading(monkeypatch):
     import dflash_train.infer.evaluate as evaluate
-    import dflash_train.model.target as target
+    import dflash_train.target.capture as target
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model loaded")

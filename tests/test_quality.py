@@ -268,7 +268,7 @@ def test_read_records_ignores_a_torn_line_and_keeps_the_first_duplicate(tmp_path
 def tiny_pair(tiny_target_dir):
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import load_target_model, load_tokenizer
+    from dflash_train.target.capture import load_target_model, load_tokenizer
 
     target = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
     tok = load_tokenizer(tiny_target_dir)

@@ -15,7 +15,7 @@ from dflash_train.config import config_from_dict
 from dflash_train.data.dataset import NO_ASSISTANT, TOO_FEW, load_dataset
 from dflash_train.data.rejects import EXAMPLES
 from dflash_train.data.source import open_training_data, open_validation_data
-from dflash_train.model.target import load_tokenizer
+from dflash_train.target.capture import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -184,7 +184,7 @@ def test_a_model_folder_with_remote_code_is_not_executed(tiny_target_dir, tmp_pa
     """auto_map points at evil.py, which writes a marker when imported. With the default config
     (trust_remote_code false) our loaders refuse an unknown model_type and ignore auto_map for a known one;
     the file never runs either way."""
-    from dflash_train.model.target import load_target_model, load_tokenizer, read_target_config
+    from dflash_train.target.capture import load_target_model, load_tokenizer, read_target_config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     marker = tmp_path / "REMOTE_CODE_RAN"

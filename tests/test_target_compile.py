@@ -12,7 +12,7 @@ import yaml
 
 from dflash_train.config import ConfigError, config_from_dict, load_config
 from dflash_train.accel import compile as compile_layer
-from dflash_train.model.target import TargetCapture, _warm_up_lengths
+from dflash_train.target.capture import TargetCapture, _warm_up_lengths
 
 
 def _qwen3(layers=6, seed=0):

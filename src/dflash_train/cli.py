@@ -278,7 +278,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from . import assets
     from .data.prepare import PrepareConfig, prepare, summary
-    from .model.target import load_tokenizer
+    from .target.capture import load_tokenizer
     from .outputs import check_prepare_out
 
     check_prepare_out(Path(args.out), args.data, args.overwrite)  # before the tokenizer loads

@@ -15,7 +15,7 @@ from .errors import ConfigError
 from .layout import STATE, put_in_place
 from .model_card import CARD_NAME, export_card
 from .model.io import load_drafter, save_drafter
-from .model.provenance import PROVENANCE_NAME
+from .target.provenance import PROVENANCE_NAME
 from .outputs import check_export_out
 from .runtime import dtype_named
 
@@ -44,7 +44,7 @@ def target_head_weight(run_dir: Path, target: Optional[str]) -> torch.Tensor:
     """The target's lm_head weight (float32, CPU): from `target`, or the target the run at `run_dir` trained on."""
     from . import assets
     from .config import load_config
-    from .model.target import load_target_head
+    from .target.capture import load_target_head
 
     trust_remote_code = False
     if target is None:

@@ -12,7 +12,7 @@ from ..config import Config
 from ..errors import ConfigError
 from ..accel.fp8 import SCALED_MM_MULTIPLE, quantized_bytes_saved, require_fp8_device, unsupported_shapes
 from ..accel.fp8_training import fp8_drafter_linears
-from ..model.target import target_fp8_linears
+from ..target.capture import target_fp8_linears
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 

@@ -24,7 +24,7 @@ from ..layout import STATE
 from ..accel import compile as compile_layer
 from ..model.io import load_drafter, save_drafter
 from ..model_card import CARD_NAME, weights_line
-from ..model.provenance import PROVENANCE_NAME
+from ..target.provenance import PROVENANCE_NAME
 from ..rundir import Reporter, RunDir
 from . import checkpoint as checkpoints
 from .dist import StopVote

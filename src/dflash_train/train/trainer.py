@@ -30,10 +30,10 @@ from ..algorithms import architecture
 from ..algorithms.base import default_target_layer_ids
 from ..model.drafter_init import init_drafter_from_target
 from ..accel.fp8_training import use_fp8_training
-from ..model.provenance import target_provenance, write_provenance
-from ..model.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
-from ..model.tensor_parallel import check_tp_target, load_tp_target
-from ..model.target import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
+from ..target.provenance import target_provenance, write_provenance
+from ..target.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
+from ..target.tensor_parallel import check_tp_target, load_tp_target
+from ..target.capture import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
                             read_target_config)
 from ..model_card import training_card
 from ..rundir import Reporter, RunDir, clear_stop_request, stop_requested_since
@@ -349,7 +349,7 @@ class RankSetup:
     steps_per_epoch: int
     total: int
     state: RunState
-    target_mesh: object = None  # target.sharding=fsdp or tp: the target ranks' shard groups (model/shard.py)
+    target_mesh: object = None  # target.sharding=fsdp or tp: the target ranks' shard groups (target/shard.py)
 
     def epochs_left(self) -> range:
         """The epochs whose plans the rest of the run reaches (from the current one, one more for a partial)."""

@@ -135,10 +135,10 @@ class TargetCapture:
     hidden_size: int
     compile: bool = False
     _forwards: list = field(default_factory=list, repr=False)  # per layer: its compiled forward, bound
-    # The decoder is an FSDP2 root (`target.sharding: fsdp`, model/shard.py): a capture runs a decoder cut
+    # The decoder is an FSDP2 root (`target.sharding: fsdp`, target/shard.py): a capture runs a decoder cut
     # after the last captured layer instead of stopping it by an exception (every FSDP post-forward must run).
     sharded: bool = False
-    # Tensor-parallel layers (`target.sharding: tp`, model/tensor_parallel.py): their shard group, whose members
+    # Tensor-parallel layers (`target.sharding: tp`, target/tensor_parallel.py): their shard group, whose members
     # each bring their own batch; a capture runs every member's batch in turn and keeps this rank's.
     tp_group: Any = None
 
