@@ -172,7 +172,7 @@ def fp8_accounting(args, target_parts: dict, drafter_parts: dict, peak_bf16: flo
 
 def use_fp8(args, target, drafter) -> None:
     """--target-fp8 / --drafter-fp8: what target.quantize=fp8 and drafter.fp8 do in training."""
-    from dflash_train.accel.fp8 import quantize_decoder_layers
+    from dflash_train.target.quantize import quantize_decoder_layers
     from dflash_train.accel.fp8_training import use_fp8_training
     from dflash_train.target.hf_model import decoder_of
 

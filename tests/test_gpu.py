@@ -858,7 +858,7 @@ def test_fp8_target_capture_error_at_the_8b_shape_eager_and_compiled(capsys):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from dflash_train.accel import compile as compile_layer
-    from dflash_train.accel.fp8 import quantize_decoder_layers
+    from dflash_train.target.quantize import quantize_decoder_layers
     from dflash_train.target.capture import TargetCapture
 
     compile_layer.watch_recompiles()

@@ -17,9 +17,10 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from ..errors import ConfigError, ModelError
-from ..accel.fp8 import named_linears, quantize_decoder_layers
+from ..accel.fp8 import named_linears
 from .hf_config import text_config
 from .hf_model import MULTIMODAL_KEY_MAPPING, checkpoint_keys, decoder_of, is_multimodal, model_class
+from .quantize import quantize_decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def load_target_model(
     """Load the causal LM of `path`, frozen and in eval mode. A multimodal checkpoint loads its text
     model class (never the vision wrapper), mapping the checkpoint's prefixed weight names. `fp8_layers`
     (`target.quantize=fp8`): the linears of the first that many decoder layers are quantised to FP8 on their
-    way to `device` (`fp8.quantize_decoder_layers`); the rest of the model keeps `dtype`."""
+    way to `device` (`quantize.quantize_decoder_layers`); the rest of the model keeps `dtype`."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     kwargs: dict = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     model_cls, build_config = model_class(config)

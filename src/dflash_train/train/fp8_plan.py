@@ -10,9 +10,10 @@ import torch
 from ..algorithms import architecture
 from ..config import Config
 from ..errors import ConfigError
-from ..accel.fp8 import SCALED_MM_MULTIPLE, quantized_bytes_saved, require_fp8_device, unsupported_shapes
+from ..accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
 from ..accel.fp8_training import fp8_drafter_linears
 from ..target.capture import target_fp8_linears
+from ..target.quantize import quantized_bytes_saved
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
