@@ -27,7 +27,7 @@ from dflash_train.algorithms.dflash2.objective import DFlash2Objective
 from dflash_train.config import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.infer.spec_decode import SpeculativeDecoder
-from dflash_train.model.io import load_drafter, save_drafter
+from dflash_train.algorithms.io import load_drafter, save_drafter
 from dflash_train.target.capture import TargetCapture, load_target_model
 
 D2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=5)

@@ -30,7 +30,7 @@ from dflash_train.errors import ConfigError
 from dflash_train.export import export_checkpoint
 from dflash_train.infer.replay import ReplayTurn, greedy_continuations, replay_turn
 from dflash_train.infer.spec_decode import SpeculativeDecoder
-from dflash_train.model.io import load_drafter, save_drafter
+from dflash_train.algorithms.io import load_drafter, save_drafter
 from dflash_train.target.capture import TargetCapture, load_target_model, load_tokenizer
 from dflash_train.train import preflight
 from dflash_train.train.trainer import choose_draft_vocabulary

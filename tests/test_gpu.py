@@ -237,7 +237,7 @@ def test_colocated_one_gpu_run_with_a_sliding_causal_softcapped_drafter(tmp_path
     and the export carries the fields and decodes losslessly."""
     from dflash_train.cli import main
     from dflash_train.infer.spec_decode import SpeculativeDecoder
-    from dflash_train.model.io import load_drafter
+    from dflash_train.algorithms.io import load_drafter
     from dflash_train.target.capture import load_target_model
 
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, log_every=5)
@@ -478,7 +478,7 @@ def test_dflash2_on_real_data_compiles_nothing_after_the_warm_up_and_learns(tmp_
     from _harness import run
 
     from dflash_train.algorithms.dflash2.model import DFlash2Drafter
-    from dflash_train.model.io import load_drafter
+    from dflash_train.algorithms.io import load_drafter
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps({
@@ -780,7 +780,7 @@ def test_colocated_one_gpu_run_with_a_reduced_vocabulary_compiles_nothing_after_
     decodes losslessly."""
     from dflash_train.cli import main
     from dflash_train.infer.spec_decode import SpeculativeDecoder
-    from dflash_train.model.io import load_drafter
+    from dflash_train.algorithms.io import load_drafter
     from dflash_train.target.capture import load_target_model
 
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, log_every=5)

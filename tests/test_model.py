@@ -12,7 +12,7 @@ from dflash_train.algorithms.dflash.attention import resolve_backend
 from dflash_train.algorithms.base import default_target_layer_ids
 from dflash_train.algorithms.dflash.model import DFlashDrafter, sdpa_attention
 from dflash_train.algorithms.dflash.config import make_drafter_config
-from dflash_train.model.io import load_drafter, save_drafter
+from dflash_train.algorithms.io import load_drafter, save_drafter
 from dflash_train.target.capture import TargetCapture, load_target_model
 from dflash_train.train.step import TrainStep
 

@@ -321,7 +321,7 @@ def two_datasets(tmp_path_factory, tiny_target_dir):
 
     from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.model.io import save_drafter
+    from dflash_train.algorithms.io import save_drafter
 
     root = tmp_path_factory.mktemp("two-datasets")
     cfg = make_drafter_config(AutoConfig.from_pretrained(tiny_target_dir), num_draft_layers=1, block_size=4,

@@ -321,7 +321,7 @@ def test_replay_worker_resumes_from_its_turn_records(tmp_path, tiny_pair, tiny_t
     import dataclasses
 
     from dflash_train.infer.replay import build_corpus
-    from dflash_train.model.io import save_drafter
+    from dflash_train.algorithms.io import save_drafter
 
     target, tok, drafter = tiny_pair
     items = [{"dataset": "s", "id": "a", "turns": ["Name a river.", "Another one."]},
@@ -401,7 +401,7 @@ def test_train_summary_and_markdown(tmp_path):
 
 @pytest.mark.long
 def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair, tiny_target_dir):
-    from dflash_train.model.io import save_drafter
+    from dflash_train.algorithms.io import save_drafter
 
     _, _, drafter = tiny_pair
     given = save_drafter(drafter, tmp_path / "brought-back" / "export", dtype="float32",

@@ -263,7 +263,7 @@ def test_a_toy_section_is_checked_like_any_other(toy_registered):
 def test_a_toy_architecture_from_a_test_file_trains_decodes_exports_and_reloads(toy_registered, tmp_path,
                                                                              tiny_target_dir, counting_jsonl):
     from dflash_train.cli import main
-    from dflash_train.model.io import load_drafter
+    from dflash_train.algorithms.io import load_drafter
 
     cfg = {
         "target": {"path": str(tiny_target_dir)},

@@ -26,7 +26,8 @@ class ConfigError(UserError):
 
 class ModelError(UserError):
     """A model folder, checkpoint or exported drafter that cannot be used as asked (a missing or mismatched
-    tensor, an unreadable config.json); raised by model/, the message names the file and what to do."""
+    tensor, an unreadable config.json); raised by target/ and algorithms/io.py, the message names the file and what
+    to do."""
 
 
 class DamagedFileError(UserError):

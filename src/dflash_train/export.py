@@ -14,7 +14,7 @@ from .algorithms.base import sdpa_attention
 from .errors import ConfigError
 from .layout import STATE, put_in_place
 from .model_card import CARD_NAME, export_card
-from .model.io import load_drafter, save_drafter
+from .algorithms.io import load_drafter, save_drafter
 from .target.provenance import PROVENANCE_NAME
 from .outputs import check_export_out
 from .runtime import dtype_named

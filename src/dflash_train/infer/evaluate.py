@@ -25,7 +25,7 @@ from ..algorithms.base import Drafter
 from ..errors import ConfigError
 from ..accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
 from ..target.hf_config import text_config
-from ..model.io import load_drafter
+from ..algorithms.io import load_drafter
 from ..target.provenance import compare, read_provenance, target_provenance
 from ..target.capture import load_target_model, load_tokenizer, read_target_config, target_fp8_linears
 from ..runtime import write_text_atomic

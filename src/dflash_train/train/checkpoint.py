@@ -22,7 +22,7 @@ import torch
 
 from ..errors import DamagedFileError, UserError
 from ..layout import STATE, list_checkpoints
-from ..model.io import load_drafter, save_drafter
+from ..algorithms.io import load_drafter, save_drafter
 from ..runtime import write_json_atomic
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from ..data.batch import collate
 from ..data.dataset import batches_from, padding_fraction, plan_batches
 from ..layout import STATE
 from ..accel import compile as compile_layer
-from ..model.io import load_drafter, save_drafter
+from ..algorithms.io import load_drafter, save_drafter
 from ..model_card import CARD_NAME, weights_line
 from ..target.provenance import PROVENANCE_NAME
 from ..rundir import Reporter, RunDir

@@ -28,7 +28,7 @@ from ..errors import UserError, debug_enabled, is_user_error
 from ..accel import compile as compile_layer
 from ..algorithms import architecture
 from ..algorithms.base import default_target_layer_ids
-from ..model.drafter_init import init_drafter_from_target
+from ..algorithms.init_from_target import init_drafter_from_target
 from ..accel.fp8_training import use_fp8_training
 from ..target.provenance import target_provenance, write_provenance
 from ..target.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
