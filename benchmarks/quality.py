@@ -757,7 +757,7 @@ def load_eval_items(specs: list[str], data: str, limit: int, overlap_prefix: int
 def parse_variants(specs: list[str], config: str, overrides: list[str]) -> dict[str, list[str]]:
     """--variant NAME=K=V[,K=V...] -> {NAME: [K=V, ...]}; a bad spec or a variant whose config does not
     load fails now, before anything runs."""
-    from dflash_train.config import load_config
+    from dflash_train.config.load import load_config
 
     variants: dict[str, list[str]] = {}
     for spec in specs:
@@ -779,7 +779,7 @@ class Driver:
     (state and times in pipeline.json), under the --deadline-s budget."""
 
     def __init__(self, args: argparse.Namespace):
-        from dflash_train.config import load_config
+        from dflash_train.config.load import load_config
         from dflash_train.pipeline import StageRunner
 
         self.args = args
@@ -840,7 +840,7 @@ class Driver:
     def needs_label_counts(self) -> bool:
         """Whether a run trains a reduced draft vocabulary (`drafter.draft_vocab_size`), chosen from the prepared
         data's label counts (a directory prepared before they existed has none)."""
-        from dflash_train.config import load_config
+        from dflash_train.config.load import load_config
 
         return any(load_config(self.args.config, overrides).drafter.draft_vocab_size
                    for _, overrides in self.runs().values())

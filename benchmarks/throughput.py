@@ -309,7 +309,7 @@ class _Frozen:
 def measure_one_side(args) -> None:
     from transformers import AutoModelForCausalLM
 
-    from dflash_train.config import config_from_dict
+    from dflash_train.config.load import config_from_dict
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.base import default_target_layer_ids
     from dflash_train.algorithms.dflash.model import DFlashDrafter
@@ -513,7 +513,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from dflash_train.config import config_from_dict
+    from dflash_train.config.load import config_from_dict
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.base import default_target_layer_ids
     from dflash_train.algorithms.dflash.model import DFlashDrafter

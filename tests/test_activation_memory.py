@@ -12,7 +12,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 from dflash_train.algorithms import architecture
 from dflash_train.algorithms.dflash.attention import resolve_backend
 from dflash_train.algorithms.dflash.blocks import sample_anchors
-from dflash_train.config import config_from_dict
+from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.train import activation_memory as am
 from dflash_train.train.preflight import drafter_parameters

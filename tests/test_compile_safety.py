@@ -100,7 +100,7 @@ def test_an_eager_flex_call_in_a_warm_up_is_an_error(tiny_target_dir):
     eagerly (the dense fallback itself) fails the warm-up at its first call, before any seal."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dflash_train.config import config_from_dict
+    from dflash_train.config.load import config_from_dict
     from dflash_train.algorithms.dflash.attention import AttentionBackend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config

@@ -20,7 +20,8 @@ from dflash_train.algorithms.dflash.config import drafter_config_from_dict, make
 from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.algorithms.dflash.objective import DFlashObjective
 from dflash_train.cli import main
-from dflash_train.config import config_from_dict, validate_against_target
+from dflash_train.config.load import config_from_dict
+from dflash_train.config.validate import validate_against_target
 from dflash_train.data.batch import Batch
 from dflash_train.data.label_counts import COUNTS_FILE, draft_vocabulary
 from dflash_train.data.prepare import PrepareConfig, prepare, summary

@@ -16,7 +16,8 @@ import yaml
 from torch import nn
 
 from dflash_train.cli import main
-from dflash_train.config import ConfigError, config_from_dict
+from dflash_train.config.load import config_from_dict
+from dflash_train.errors import ConfigError
 from dflash_train.accel import compile as compile_layer
 from dflash_train.target import capture as target_mod
 from dflash_train.accel.fp8 import FP8, FP8_MAX, dequantize, quantize, scales

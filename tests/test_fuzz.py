@@ -36,7 +36,9 @@ import yaml
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from dflash_train.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
+from dflash_train.config.load import config_from_dict, config_to_dict, load_config
+from dflash_train.config.schema import Config
+from dflash_train.errors import ConfigError
 from dflash_train.data.prepare import PrepareConfig, prepare
 from dflash_train.target.capture import load_tokenizer
 

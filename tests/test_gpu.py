@@ -166,7 +166,7 @@ def test_a_colocated_step_never_waits_for_the_gpu(compile_layers):
     batch goes over from pinned memory, anchors, blocks and counted rows are planned on the host copy, and
     a non-finite step is skipped on the device (fused AdamW's found_inf). CUDA's sync debug mode reports
     every wait with the line that caused it; the only ones allowed are in `_SYNCS_NOT_OURS`."""
-    from dflash_train.config import config_from_dict
+    from dflash_train.config.load import config_from_dict
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
@@ -338,7 +338,7 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dflash_train.config import config_from_dict
+    from dflash_train.config.load import config_from_dict
     from dflash_train.accel import compile as compile_layer
     from dflash_train.algorithms.dflash.attention import AttentionBackend
     from dflash_train.algorithms.dflash.model import DFlashDrafter

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_train.config import config_from_dict
+from dflash_train.config.load import config_from_dict
 from dflash_train.data.dataset import plan_batches
 from dflash_train.accel import compile as compile_layer
 from dflash_train.target import capture as target_mod
@@ -169,7 +169,7 @@ def test_a_plan_over_two_to_the_31_is_warned_about_naming_what_to_lower():
 
 
 def _cpu_compile_run(monkeypatch, tiny_target_dir, counting_jsonl):
-    import dflash_train.config as config_mod
+    import dflash_train.config.validate as config_mod
     from dflash_train.algorithms.dflash import model as drafter_mod
     from dflash_train.train import trainer
 

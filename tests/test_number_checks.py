@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash_train.cli import build_parser, main
-from dflash_train.config import NUMBER_RULES, number_rules, numeric_keys
+from dflash_train.config.validate import NUMBER_RULES, number_rules, numeric_keys
 from dflash_train.numbers import POSITIVE_INT, Rule, rule_of
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from dflash_train.cli import main
-from dflash_train.config import config_from_dict
+from dflash_train.config.load import config_from_dict
 from dflash_train.data.dataset import batches_from, padding_fraction, plan_batches
 from dflash_train.data.source import open_training_data
 from dflash_train.target.capture import load_tokenizer

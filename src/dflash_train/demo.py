@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from . import assets
-from .config import config_from_dict
+from .config.load import config_from_dict
 from .data.chat import prompt_ids
 from .data.prepare import PrepareConfig, prepare
 from .data.regen.inputs import RegenSettings

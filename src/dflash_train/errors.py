@@ -20,7 +20,7 @@ class UserError(ValueError):
 
 
 class ConfigError(UserError):
-    """A config that cannot run; the message names the key and what to do. Raised by config.py and by
+    """A config that cannot run; the message names the key and what to do. Raised by config/ and by
     model code that finds a config value its model cannot honour."""
 
 

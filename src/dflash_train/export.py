@@ -43,7 +43,7 @@ def parity_check(source, exported, dtype: torch.dtype, seed: int = 0) -> None:
 def target_head_weight(run_dir: Path, target: Optional[str]) -> torch.Tensor:
     """The target's lm_head weight (float32, CPU): from `target`, or the target the run at `run_dir` trained on."""
     from . import assets
-    from .config import load_config
+    from .config.load import load_config
     from .target.capture import load_target_head
 
     trust_remote_code = False

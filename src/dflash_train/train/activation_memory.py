@@ -14,7 +14,7 @@ import torch
 
 from ..algorithms import architecture
 from ..algorithms.base import StepMemory
-from ..config import Config
+from ..config.schema import Config
 from ..target.hf_config import text_config
 from .size_classes import blocks_for
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..algorithms import architecture
-from ..config import Config
+from ..config.schema import Config
 from ..errors import ConfigError
 from ..accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
 from ..accel.fp8_training import fp8_drafter_linears

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import Config
+from ..config.schema import Config
 from ..data.batch import collate
 from ..data.dataset import batches_from, padding_fraction, plan_batches
 from ..layout import STATE

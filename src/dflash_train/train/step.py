@@ -12,7 +12,7 @@ import torch
 
 from ..algorithms import architecture
 from ..algorithms.base import Drafter, StepStats
-from ..config import Config
+from ..config.schema import Config
 from ..data.batch import Batch
 from ..target.capture import TargetCapture, TargetHead
 from .dist import HostCopy

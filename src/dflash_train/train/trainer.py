@@ -19,7 +19,9 @@ from typing import Optional, Sequence
 import torch
 
 from .. import assets
-from ..config import Config, dump_config, validate_against_target, validate_compile_device, validate_world
+from ..config.load import dump_config
+from ..config.schema import Config
+from ..config.validate import validate_against_target, validate_compile_device, validate_world
 from ..data.batch import Batch, collate
 from ..data.dataset import plan_batches
 from ..data.label_counts import coverage, draft_vocabulary
