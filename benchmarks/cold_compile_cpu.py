@@ -75,10 +75,10 @@ def main() -> None:
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.config import config_from_dict
+    from dflash_train.config.load import config_from_dict
     from dflash_train.data.batch import Batch
-    from dflash_train.model import compile as compile_layer
-    from dflash_train.model import target as target_mod
+    from dflash_train.accel import compile as compile_layer
+    from dflash_train.target import capture as target_mod
     from dflash_train.train.step import TrainStep
 
     add_inductor_options(args.inductor_option)

@@ -108,8 +108,8 @@ def main(argv=None) -> int:
     from dflash_train.infer.spec_decode import SpeculativeDecoder
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.io import load_drafter
-    from dflash_train.model.target import load_target_model, load_tokenizer
+    from dflash_train.algorithms.io import load_drafter
+    from dflash_train.target.capture import load_target_model, load_tokenizer
     from dflash_train.assets import stop_token_ids
 
     if args.threads:

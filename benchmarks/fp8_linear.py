@@ -29,7 +29,7 @@ MODES = ["bf16", "fp8-rowwise", "fp8-tensorwise", "fp8-bf16gw"]
 
 
 def make_linear(mode: str, k: int, n: int, device: torch.device) -> nn.Module:
-    from dflash_train.model.fp8_training import Fp8TrainingLinear
+    from dflash_train.accel.fp8_training import Fp8TrainingLinear
 
     torch.manual_seed(0)
     lin = nn.Linear(k, n, bias=False, device=device)

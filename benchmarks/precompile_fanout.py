@@ -2,7 +2,7 @@
 compile cache, each with its share of the graphs, while the parent builds its models; the parent's warm-up then takes
 every graph from the cache.
 
-One process compiles on one thread (rule 1 of the compile layer, src/dflash_train/model/compile.py), and a cold
+One process compiles on one thread (rule 1 of the compile layer, src/dflash_train/accel/compile.py), and a cold
 compile is mostly single-threaded Python (Dynamo, AOTAutograd, inductor), so a cold first step is the sum of every
 graph's compile. Separate processes compile at once: each child runs the same compiled functions on inputs of the same
 shapes as the parent's warm-up (so the cache keys are the same), compiles only its share (`compile.restrict_to`),

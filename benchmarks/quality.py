@@ -317,7 +317,7 @@ def _load_target(path: str, settings: EvalSettings):
     """(target, tokenizer, stop ids, device) for replay, without a drafter."""
     from dflash_train import assets
     from dflash_train.infer.evaluate import load_eval_target
-    from dflash_train.model.target import load_tokenizer
+    from dflash_train.target.capture import load_tokenizer
     from dflash_train.assets import stop_token_ids
     from dflash_train.runtime import resolve_device, resolve_dtype
 
@@ -368,7 +368,7 @@ def replay_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from dflash_train.infer.evaluate import check_pair
     from dflash_train.infer.replay import ReplayTurn, prompt_records, turn_records
-    from dflash_train.model.io import load_drafter
+    from dflash_train.algorithms.io import load_drafter
     from dflash_train.runtime import write_text_atomic
 
     settings = EvalSettings(**json.loads(args.settings))
@@ -683,7 +683,7 @@ def prepare_training_data(cfg, data: str, val_fraction: float, prepared: Path, l
     from dflash_train import assets
     from dflash_train.data.prepare import PrepareConfig, prepare, summary
     from dflash_train.data.store import has_label_counts
-    from dflash_train.model.target import load_tokenizer
+    from dflash_train.target.capture import load_tokenizer
 
     data = str(Path(data).resolve())
     want = {"max_length": cfg.data.max_length, "block_size": cfg.drafter.block_size, "val_fraction": val_fraction}
@@ -757,7 +757,7 @@ def load_eval_items(specs: list[str], data: str, limit: int, overlap_prefix: int
 def parse_variants(specs: list[str], config: str, overrides: list[str]) -> dict[str, list[str]]:
     """--variant NAME=K=V[,K=V...] -> {NAME: [K=V, ...]}; a bad spec or a variant whose config does not
     load fails now, before anything runs."""
-    from dflash_train.config import load_config
+    from dflash_train.config.load import load_config
 
     variants: dict[str, list[str]] = {}
     for spec in specs:
@@ -779,7 +779,7 @@ class Driver:
     (state and times in pipeline.json), under the --deadline-s budget."""
 
     def __init__(self, args: argparse.Namespace):
-        from dflash_train.config import load_config
+        from dflash_train.config.load import load_config
         from dflash_train.pipeline import StageRunner
 
         self.args = args
@@ -840,7 +840,7 @@ class Driver:
     def needs_label_counts(self) -> bool:
         """Whether a run trains a reduced draft vocabulary (`drafter.draft_vocab_size`), chosen from the prepared
         data's label counts (a directory prepared before they existed has none)."""
-        from dflash_train.config import load_config
+        from dflash_train.config.load import load_config
 
         return any(load_config(self.args.config, overrides).drafter.draft_vocab_size
                    for _, overrides in self.runs().values())

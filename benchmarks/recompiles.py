@@ -32,7 +32,7 @@ def guard_relations() -> dict[str, list[str]]:
     """Per compiled function and variant: the guard lines that relate sizes (not the plain type and dtype checks)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
 
     out = {}
     for name, code in compile_layer._codes.items():
@@ -69,14 +69,14 @@ def main() -> None:
 
     from transformers import Qwen3Config
 
-    from dflash_train.config import config_from_dict
+    from dflash_train.config.load import config_from_dict
     from dflash_train.data.dataset import batches_from, collate, plan_batches
     from dflash_train.data.source import open_training_data
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetHead, load_tokenizer
+    from dflash_train.target.capture import TargetHead, load_tokenizer
     from dflash_train.train import size_classes
     from dflash_train.train.step import MicroBatch, TrainStep
     from dflash_train.train.trainer import batch_kinds, warm_up

@@ -172,9 +172,9 @@ def fp8_accounting(args, target_parts: dict, drafter_parts: dict, peak_bf16: flo
 
 def use_fp8(args, target, drafter) -> None:
     """--target-fp8 / --drafter-fp8: what target.quantize=fp8 and drafter.fp8 do in training."""
-    from dflash_train.model.fp8 import quantize_decoder_layers
-    from dflash_train.model.fp8_training import use_fp8_training
-    from dflash_train.model.hf_model import decoder_of
+    from dflash_train.target.quantize import quantize_decoder_layers
+    from dflash_train.accel.fp8_training import use_fp8_training
+    from dflash_train.target.hf_model import decoder_of
 
     if args.target_fp8 and target is not None:
         quantize_decoder_layers(decoder_of(target.model).layers, max(target.layer_ids) + 1,
@@ -256,7 +256,7 @@ def add_inductor_options(items: list[str]) -> None:
     """`--inductor-option KEY=VALUE`: into the compile layer's options of every inductor compile."""
     import ast
 
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
 
     for item in items:
         key, sep, value = item.partition("=")
@@ -309,17 +309,17 @@ class _Frozen:
 def measure_one_side(args) -> None:
     from transformers import AutoModelForCausalLM
 
-    from dflash_train.config import config_from_dict
+    from dflash_train.config.load import config_from_dict
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.base import default_target_layer_ids
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.target.capture import TargetCapture
     from dflash_train.algorithms.dflash.blocks import sample_anchors
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
 
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
 
     compile_layer.configure_cache(args.cache_dir, fresh=args.fresh_cache)
     compile_layer.watch_recompiles()
@@ -399,7 +399,7 @@ def measure_one_side(args) -> None:
 
 def report_precompile(args, result: dict, started: float) -> None:
     """A precompile child's line: its share compiled into the shared cache, how long it took, what it compiled."""
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
 
     result.update(precompile_only=args.compile_only or True, precompile_s=round(time.time() - started, 1),
                   **compile_layer.compile_phase_totals(), **compile_layer.cache_stats())
@@ -513,16 +513,16 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from dflash_train.config import config_from_dict
+    from dflash_train.config.load import config_from_dict
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.base import default_target_layer_ids
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
 
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
 
     compile_layer.configure_cache(args.cache_dir, fresh=args.fresh_cache)
     fanout = None

@@ -15,15 +15,15 @@ def sharded_capture_rank(rank: int, world: int, init_file: str, target: str, gro
     """`compile`: the sharded capture through `target.compile`'s wiring, Dynamo's eager backend on the CPU."""
     from torch.distributed.tensor import DTensor
 
-    from dflash_train.model.shard import load_sharded_target, rows_of
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.target.shard import load_sharded_target, rows_of
+    from dflash_train.target.capture import TargetCapture
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     warm = {}
     if compile:
-        from dflash_train.model import compile as compile_layer
-        from dflash_train.model import target as target_mod
+        from dflash_train.accel import compile as compile_layer
+        from dflash_train.target import capture as target_mod
 
         target_mod._COMPILE_DEVICES, target_mod._COMPILE_BACKEND = ("cuda", "cpu"), "eager"
         compile_layer.watch_recompiles()
@@ -77,8 +77,8 @@ def _own_aligned_memory(model: torch.nn.Module) -> None:
 def _sharded_and_whole(loader, target: str, world: int, group: int):
     """(this rank's sharded model by `loader`, its peak host GiB, the whole model, its parameters by name, this
     rank's index in its shard group, the group's size)."""
-    from dflash_train.model.shard import SHARD_DIM, peak_host_gib, shard_mesh
-    from dflash_train.model.target import load_target_model
+    from dflash_train.target.shard import SHARD_DIM, peak_host_gib, shard_mesh
+    from dflash_train.target.capture import load_target_model
 
     cpu = torch.device("cpu")
     mesh = shard_mesh(cpu, list(range(world)), group)
@@ -100,8 +100,8 @@ def tp_capture_rank(rank: int, world: int, init_file: str, target: str, group: i
     whole target's (the all-reduce sums in another order: close, not bit-identical)."""
     from torch.distributed.tensor import DTensor
 
-    from dflash_train.model.target import TargetCapture
-    from dflash_train.model.tensor_parallel import load_tp_target
+    from dflash_train.target.capture import TargetCapture
+    from dflash_train.target.tensor_parallel import load_tp_target
     from dflash_train.infer.spec_decode import new_cache
 
     torch.set_num_threads(1)
@@ -158,9 +158,9 @@ def sharded_load_memory_rank(rank: int, world: int, init_file: str, target: str,
                              sharding: str = "fsdp") -> None:
     """How far a sharded load alone raises this process's resident memory at its peak: Linux's peak (VmHWM)
     reset to the current size just before (`clear_refs` 5), so imports and start-up do not hide it."""
-    from dflash_train.model.shard import load_sharded_target, resident_bytes, shard_mesh
-    from dflash_train.model.target import TargetCapture
-    from dflash_train.model.tensor_parallel import load_tp_target
+    from dflash_train.target.shard import load_sharded_target, resident_bytes, shard_mesh
+    from dflash_train.target.capture import TargetCapture
+    from dflash_train.target.tensor_parallel import load_tp_target
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -123,7 +123,7 @@ def counting_jsonl(tmp_path_factory) -> Path:
 @pytest.fixture
 def fresh_dynamo():
     """Dynamo reset before and after (cold caches, no compiled variants left over), recompiles watched."""
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
 
     compile_layer.watch_recompiles()
     torch._dynamo.reset()
@@ -135,7 +135,7 @@ def fresh_dynamo():
 def eager_backend(monkeypatch, fresh_dynamo):
     """Compile the target through Dynamo with its "eager" backend and allow the CPU: the wiring, guards and
     recompiles of `target.compile` without inductor. Fresh Dynamo caches before and after."""
-    import dflash_train.model.target as target_mod
+    import dflash_train.target.capture as target_mod
 
     monkeypatch.setattr(target_mod, "_COMPILE_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(target_mod, "_COMPILE_BACKEND", "eager")

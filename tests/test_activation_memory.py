@@ -12,7 +12,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 from dflash_train.algorithms import architecture
 from dflash_train.algorithms.dflash.attention import resolve_backend
 from dflash_train.algorithms.dflash.blocks import sample_anchors
-from dflash_train.config import config_from_dict
+from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.train import activation_memory as am
 from dflash_train.train.preflight import drafter_parameters
@@ -62,7 +62,7 @@ CAPTURES = {  # name: (target shape, moe, captured layers, rows, length, the par
 
 @pytest.mark.parametrize("case", list(CAPTURES))
 def test_the_capture_estimate_bounds_the_live_bytes_of_a_real_capture(case):
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.target.capture import TargetCapture
 
     shape, moe, ids, rows, length, needed = CAPTURES[case]
     model = _target(moe, **shape)
@@ -93,7 +93,7 @@ STEPS = {  # name: (target shape, architecture, rows, length, block, anchors, CE
 def test_the_step_estimate_bounds_the_live_bytes_of_a_real_training_step(case):
     """One colocated training step (capture included), after a first step made the optimizer state: what it
     allocates minus the parameters' gradients (weights' memory, counted by preflight.needed_bytes)."""
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.target.capture import TargetCapture
 
     shape, arch, rows, length, block, anchors, chunk, dtype, needed = STEPS[case]
     model = _target(**shape)
@@ -142,7 +142,7 @@ def test_a_plan_whose_activations_cannot_fit_stops_before_loading_naming_the_tok
     """The trainer's preflight (`rank_need`, then `check_gpu`) from the config and the checkpoint's headers alone,
     against a pretend free-memory figure: the weights fit, the activations of a 64K-token micro-batch do not; the
     message gives the parts and names data.token_budget first; a quarter of the budget fits."""
-    from dflash_train.model.target import read_target_config
+    from dflash_train.target.capture import read_target_config
     from dflash_train.train.preflight import MARGIN, check_gpu, rank_need
 
     tc = read_target_config(tiny_target_dir)

@@ -19,7 +19,7 @@ import torch
 
 from _harness import assert_same_losses, beat, launch, losses, run, status, stop, wait_until, write_config
 from dflash_train.layout import STATE, list_checkpoints
-from dflash_train.model.io import load_drafter, save_drafter
+from dflash_train.algorithms.io import load_drafter, save_drafter
 from dflash_train.train import checkpoint as ck
 from dflash_train.train.checkpoint import (WRITE_DELAY_ENV, CheckpointWriteError, CheckpointWriter, HostStaging,
                                            Snapshot, load_optimizer_state, newest_valid, read_state)

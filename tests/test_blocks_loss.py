@@ -178,7 +178,7 @@ def test_no_micro_batch_size_gives_the_compiled_chunk_math_a_variant_of_its_own(
     k * chunk + 1 counted rows (seen on the GPU in a real-data warm-up) would compile a second variant, mid-run
     when the warm-up's batches had none. The chunks never hold one row, so one variant serves every count.
     (Dynamo's eager backend on the CPU: the same tracing and guards as the GPU's inductor.)"""
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
     from dflash_train.algorithms.dflash import loss as loss_mod
 
     monkeypatch.setattr(compile_layer, "_compiled", {})

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.model import compile as compile_layer
+from dflash_train.accel import compile as compile_layer
 
 RACE = textwrap.dedent("""
     import threading, torch
@@ -54,7 +54,7 @@ SEALED = textwrap.dedent("""
     import json, warnings, torch
     import torch.nn.attention.flex_attention as fa
     from torch.nn.attention.flex_attention import flex_attention
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
     from dflash_train.algorithms.dflash.attention import compiled_flex_attention
     q = torch.randn(1, 2, 128, 16)
     flex_attention(q, q, q)  # before the seal: runs (and torch's once-per-process warning is now spent)
@@ -100,11 +100,11 @@ def test_an_eager_flex_call_in_a_warm_up_is_an_error(tiny_target_dir):
     eagerly (the dense fallback itself) fails the warm-up at its first call, before any seal."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dflash_train.config import config_from_dict
+    from dflash_train.config.load import config_from_dict
     from dflash_train.algorithms.dflash.attention import AttentionBackend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetCapture, load_target_model
+    from dflash_train.target.capture import TargetCapture, load_target_model
     from dflash_train.train.step import Batch, TrainStep
     from dflash_train.train.trainer import warm_up
 

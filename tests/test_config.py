@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_train.config import ConfigError, config_from_dict, config_to_dict, dump_config, load_config, validate_against_target
+from dflash_train.config.load import config_from_dict, config_to_dict, dump_config, load_config
+from dflash_train.config.validate import validate_against_target
+from dflash_train.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

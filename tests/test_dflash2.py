@@ -24,11 +24,11 @@ from dflash_train.algorithms.dflash2.config import make_dflash2_config
 from dflash_train.algorithms.dflash2.conv import BlockConv
 from dflash_train.algorithms.dflash2.model import DFlash2Drafter
 from dflash_train.algorithms.dflash2.objective import DFlash2Objective
-from dflash_train.config import config_from_dict
+from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.infer.spec_decode import SpeculativeDecoder
-from dflash_train.model.io import load_drafter, save_drafter
-from dflash_train.model.target import TargetCapture, load_target_model
+from dflash_train.algorithms.io import load_drafter, save_drafter
+from dflash_train.target.capture import TargetCapture, load_target_model
 
 D2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=5)
 
@@ -525,7 +525,7 @@ def test_dflash2_with_the_newer_fields_stays_lossless_and_exports_them(target, t
 
 
 def test_acceptance_from_selector_is_refused_where_there_is_no_selector_or_no_acceptance_weighting():
-    from dflash_train.config import ConfigError
+    from dflash_train.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"'objective.acceptance_from'.*drafter.architecture=dflash2"):
         config_from_dict({"objective": {"acceptance_from": "selector"}})
@@ -571,7 +571,7 @@ def test_the_selector_trains_at_its_own_learning_rate_through_the_schedule(targe
 
 
 def test_a_selector_learning_rate_is_refused_without_a_selector():
-    from dflash_train.config import ConfigError
+    from dflash_train.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"'drafter.selector_lr_scale'.*drafter.architecture=dflash2"):
         config_from_dict({"drafter": {"selector_lr_scale": 10}})
@@ -580,7 +580,7 @@ def test_a_selector_learning_rate_is_refused_without_a_selector():
 
 
 def test_a_selector_rows_choice_is_refused_without_a_selector():
-    from dflash_train.config import ConfigError
+    from dflash_train.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"'objective.selector_rows'.*drafter.architecture=dflash2"):
         config_from_dict({"objective": {"selector_rows": "all"}})
@@ -718,7 +718,7 @@ def test_a_factored_dflash2_run_trains_resumes_and_exports_the_reference_layout(
 
 
 def test_factored_codebooks_are_refused_without_a_selector():
-    from dflash_train.config import ConfigError
+    from dflash_train.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"'drafter.selector_codebooks'.*drafter.architecture=dflash2"):
         config_from_dict({"drafter": {"selector_codebooks": "factored"}})

@@ -20,7 +20,8 @@ from dflash_train.algorithms.dflash.config import drafter_config_from_dict, make
 from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.algorithms.dflash.objective import DFlashObjective
 from dflash_train.cli import main
-from dflash_train.config import config_from_dict, validate_against_target
+from dflash_train.config.load import config_from_dict
+from dflash_train.config.validate import validate_against_target
 from dflash_train.data.batch import Batch
 from dflash_train.data.label_counts import COUNTS_FILE, draft_vocabulary
 from dflash_train.data.prepare import PrepareConfig, prepare, summary
@@ -30,8 +31,8 @@ from dflash_train.errors import ConfigError
 from dflash_train.export import export_checkpoint
 from dflash_train.infer.replay import ReplayTurn, greedy_continuations, replay_turn
 from dflash_train.infer.spec_decode import SpeculativeDecoder
-from dflash_train.model.io import load_drafter, save_drafter
-from dflash_train.model.target import TargetCapture, load_target_model, load_tokenizer
+from dflash_train.algorithms.io import load_drafter, save_drafter
+from dflash_train.target.capture import TargetCapture, load_target_model, load_tokenizer
 from dflash_train.train import preflight
 from dflash_train.train.trainer import choose_draft_vocabulary
 from _harness import write_config

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.config import ConfigError, config_from_dict, load_config
-from dflash_train.model import compile as compile_layer
+from dflash_train.config.load import config_from_dict, load_config
+from dflash_train.errors import ConfigError
+from dflash_train.accel import compile as compile_layer
 from dflash_train.algorithms.dflash import model as drafter_mod
 from dflash_train.algorithms.dflash.model import DFlashDrafter, DrafterKVCache, sdpa_attention
 from dflash_train.algorithms.dflash.config import make_drafter_config
@@ -167,7 +168,7 @@ def test_trainer_warm_up_covers_the_planned_batch_kinds_and_steps_never_compile(
     """The trainer's wiring on CPU with the device check lifted and Dynamo's eager backend: the warm-up
     compiles the drafter's graphs for the batch kinds the data plan has (one row, several), then steps add
     none. A budget of 256 tokens fits one of these conversations per batch: one kind, half the graphs."""
-    import dflash_train.config as config_mod
+    import dflash_train.config.validate as config_mod
     from dflash_train.data.batch import Batch
     from dflash_train.train import trainer
     from dflash_train.train.step import TrainStep
@@ -238,7 +239,7 @@ def test_a_run_that_keeps_recompiling_stops_before_the_limit_with_a_checkpoint_a
     shape is a variant): each is logged with its failed guard and counted in metrics.jsonl; the run stops at a step
     boundary, before any function reaches the recompile limit, with a clear error in status.json and a checkpoint
     of that step; --resume (dynamic shapes again, a fresh Dynamo as in a new process) finishes the run."""
-    import dflash_train.config as config_mod
+    import dflash_train.config.validate as config_mod
     from dflash_train.train import trainer
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
@@ -305,7 +306,7 @@ def test_validation_runs_the_warm_ups_graphs_and_compiles_nothing_mid_run(
     apart from training. Here every training batch holds one long conversation and every validation batch
     several short ones (another batch kind): the warm-up runs validation's extreme batches as validation runs
     them, so validating at steps 2, 4 and 6 compiles nothing after the seal."""
-    import dflash_train.config as config_mod
+    import dflash_train.config.validate as config_mod
     from conftest import counting_conversations
     from dflash_train.train import trainer
 

@@ -8,12 +8,13 @@ import torch
 import yaml
 
 from dflash_train.cli import main
-from dflash_train.config import ConfigError, load_config
+from dflash_train.config.load import load_config
+from dflash_train.errors import ConfigError
 from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.algorithms.dflash.config import make_drafter_config
-from dflash_train.model.drafter_init import init_drafter_from_target, init_layer_ids
-from dflash_train.model.io import load_drafter
-from dflash_train.model.target import read_target_config
+from dflash_train.algorithms.init_from_target import init_drafter_from_target, init_layer_ids
+from dflash_train.algorithms.io import load_drafter
+from dflash_train.target.capture import read_target_config
 
 COPIED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from dflash_train.cli import main
-from dflash_train.model.io import load_drafter
+from dflash_train.algorithms.io import load_drafter
 
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def _eval(tmp, target_dir, drafter_dir, data, name, extra=()):
 
 @pytest.mark.long  # trains a drafter on the real SmolLM2 slice first (~65 s on 2 cores)
 def test_trained_drafter_beats_untrained_and_stays_lossless(tmp_path, regen_data, trained_run, smollm2_slice_dir):
-    from dflash_train.model.io import save_drafter
+    from dflash_train.algorithms.io import save_drafter
 
     trained = load_drafter(trained_run / "export")
     torch.manual_seed(0)

@@ -18,11 +18,12 @@ from dflash_train.algorithms.dflash.config import make_drafter_config
 from dflash_train.algorithms.dflash.mask import dense_mask
 from dflash_train.algorithms.dflash.model import DFlashDrafter, sdpa_attention
 from dflash_train.cli import main
-from dflash_train.config import ConfigError, config_from_dict
-from dflash_train.model import compile as compile_layer
-from dflash_train.model.fp8 import dequantize, quantize
-from dflash_train.model.fp8_training import Fp8Matmul, Fp8TrainingLinear, fp8_drafter_linears, use_fp8_training
-from dflash_train.model.io import load_drafter
+from dflash_train.config.load import config_from_dict
+from dflash_train.errors import ConfigError
+from dflash_train.accel import compile as compile_layer
+from dflash_train.accel.fp8 import dequantize, quantize
+from dflash_train.accel.fp8_training import Fp8Matmul, Fp8TrainingLinear, fp8_drafter_linears, use_fp8_training
+from dflash_train.algorithms.io import load_drafter
 from dflash_train.train.fp8_plan import check_fp8_device
 from _harness import write_config
 

@@ -16,13 +16,14 @@ import yaml
 from torch import nn
 
 from dflash_train.cli import main
-from dflash_train.config import ConfigError, config_from_dict
-from dflash_train.model import compile as compile_layer
-from dflash_train.model import target as target_mod
-from dflash_train.model.fp8 import (FP8, FP8_MAX, Fp8Linear, dequantize, quantize, quantize_decoder_layers,
-                                    quantized_bytes_saved, scales)
-from dflash_train.model.io import load_drafter
-from dflash_train.model.target import TargetCapture, load_target_model, target_fp8_linears
+from dflash_train.config.load import config_from_dict
+from dflash_train.errors import ConfigError
+from dflash_train.accel import compile as compile_layer
+from dflash_train.target import capture as target_mod
+from dflash_train.accel.fp8 import FP8, FP8_MAX, dequantize, quantize, scales
+from dflash_train.algorithms.io import load_drafter
+from dflash_train.target.capture import TargetCapture, load_target_model, target_fp8_linears
+from dflash_train.target.quantize import Fp8Linear, quantize_decoder_layers, quantized_bytes_saved
 from dflash_train.train import preflight
 from dflash_train.train.fp8_plan import check_fp8_device, check_fp8_shapes, fp8_target_layers
 

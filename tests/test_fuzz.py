@@ -36,9 +36,11 @@ import yaml
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from dflash_train.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
+from dflash_train.config.load import config_from_dict, config_to_dict, load_config
+from dflash_train.config.schema import Config
+from dflash_train.errors import ConfigError
 from dflash_train.data.prepare import PrepareConfig, prepare
-from dflash_train.model.target import load_tokenizer
+from dflash_train.target.capture import load_tokenizer
 
 SCALE = float(os.environ.get("DFLASH_FUZZ_EXAMPLES", "1"))
 RANDOM = bool(os.environ.get("DFLASH_FUZZ_RANDOM"))  # default: the same examples every run (stable CI)

@@ -166,11 +166,11 @@ def test_a_colocated_step_never_waits_for_the_gpu(compile_layers):
     batch goes over from pinned memory, anchors, blocks and counted rows are planned on the host copy, and
     a non-finite step is skipped on the device (fused AdamW's found_inf). CUDA's sync debug mode reports
     every wait with the line that caused it; the only ones allowed are in `_SYNCS_NOT_OURS`."""
-    from dflash_train.config import config_from_dict
+    from dflash_train.config.load import config_from_dict
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
 
@@ -237,8 +237,8 @@ def test_colocated_one_gpu_run_with_a_sliding_causal_softcapped_drafter(tmp_path
     and the export carries the fields and decodes losslessly."""
     from dflash_train.cli import main
     from dflash_train.infer.spec_decode import SpeculativeDecoder
-    from dflash_train.model.io import load_drafter
-    from dflash_train.model.target import load_target_model
+    from dflash_train.algorithms.io import load_drafter
+    from dflash_train.target.capture import load_target_model
 
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, log_every=5)
     data = json.loads(cfg.read_text())
@@ -298,7 +298,7 @@ def test_field_race_replayed_through_our_layer_has_zero_errors():
 EAGER_FLEX_AROUND_THE_SEAL = textwrap.dedent("""
     import json, torch
     from torch.nn.attention.flex_attention import flex_attention
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
     from dflash_train.algorithms.dflash.attention import compiled_flex_attention
     def qkv():
         return [torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
@@ -338,12 +338,12 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dflash_train.config import config_from_dict
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.config.load import config_from_dict
+    from dflash_train.accel import compile as compile_layer
     from dflash_train.algorithms.dflash.attention import AttentionBackend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetCapture, load_target_model
+    from dflash_train.target.capture import TargetCapture, load_target_model
     from dflash_train.train.step import Batch, TrainStep
     from dflash_train.train.trainer import warm_up
 
@@ -478,7 +478,7 @@ def test_dflash2_on_real_data_compiles_nothing_after_the_warm_up_and_learns(tmp_
     from _harness import run
 
     from dflash_train.algorithms.dflash2.model import DFlash2Drafter
-    from dflash_train.model.io import load_drafter
+    from dflash_train.algorithms.io import load_drafter
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps({
@@ -605,8 +605,8 @@ def test_compiled_target_capture_matches_eager_and_new_lengths_never_recompile()
     random batch sizes and lengths; after the warm-up those captures compile nothing."""
     import copy
 
-    from dflash_train.model import compile as compile_layer
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.accel import compile as compile_layer
+    from dflash_train.target.capture import TargetCapture
 
     compile_layer.watch_recompiles()
     torch._dynamo.reset()
@@ -670,7 +670,7 @@ def test_compile_workers_start_before_any_compile(tmp_path):
     is up and ready before anything compiles, so the first compile does not build kernels one at a time."""
     code = textwrap.dedent("""
         import sys, time
-        from dflash_train.model import compile as compile_layer
+        from dflash_train.accel import compile as compile_layer
         from torch._inductor.async_compile import AsyncCompile
         from torch._dynamo.utils import counters
         compile_layer.configure_cache(sys.argv[1])
@@ -723,7 +723,7 @@ def test_inductor_recompiles_a_kernel_whose_elements_cross_two_to_the_31(caplog)
     such a plan up front)."""
     import logging
 
-    from dflash_train.model import compile as compile_layer
+    from dflash_train.accel import compile as compile_layer
 
     compile_layer.watch_recompiles()
     torch._dynamo.reset()
@@ -780,8 +780,8 @@ def test_colocated_one_gpu_run_with_a_reduced_vocabulary_compiles_nothing_after_
     decodes losslessly."""
     from dflash_train.cli import main
     from dflash_train.infer.spec_decode import SpeculativeDecoder
-    from dflash_train.model.io import load_drafter
-    from dflash_train.model.target import load_target_model
+    from dflash_train.algorithms.io import load_drafter
+    from dflash_train.target.capture import load_target_model
 
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, log_every=5)
     data = json.loads(cfg.read_text())
@@ -857,9 +857,9 @@ def test_fp8_target_capture_error_at_the_8b_shape_eager_and_compiled(capsys):
 
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dflash_train.model import compile as compile_layer
-    from dflash_train.model.fp8 import quantize_decoder_layers
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.accel import compile as compile_layer
+    from dflash_train.target.quantize import quantize_decoder_layers
+    from dflash_train.target.capture import TargetCapture
 
     compile_layer.watch_recompiles()
     torch._dynamo.reset()
@@ -915,7 +915,7 @@ def test_fp8_drafter_numerics_against_bf16_eager_and_compiled(capsys, grad_weigh
     through attention.)"""
     import copy
 
-    from dflash_train.model.fp8_training import use_fp8_training
+    from dflash_train.accel.fp8_training import use_fp8_training
 
     torch.backends.cuda.matmul.allow_tf32 = False
     drafter, *rest = _drafter_and_inputs(seed=0)

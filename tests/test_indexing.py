@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_train.config import config_from_dict
+from dflash_train.config.load import config_from_dict
 from dflash_train.data.dataset import plan_batches
-from dflash_train.model import compile as compile_layer
-from dflash_train.model import target as target_mod
+from dflash_train.accel import compile as compile_layer
+from dflash_train.target import capture as target_mod
 from dflash_train.algorithms.dflash.attention import AttentionBackend
 from dflash_train.algorithms.dflash.model import DFlashDrafter, sdpa_attention
 from dflash_train.algorithms.dflash.config import make_drafter_config
@@ -169,7 +169,7 @@ def test_a_plan_over_two_to_the_31_is_warned_about_naming_what_to_lower():
 
 
 def _cpu_compile_run(monkeypatch, tiny_target_dir, counting_jsonl):
-    import dflash_train.config as config_mod
+    import dflash_train.config.validate as config_mod
     from dflash_train.algorithms.dflash import model as drafter_mod
     from dflash_train.train import trainer
 
@@ -219,7 +219,7 @@ def test_block_counts_from_the_datas_anchor_positions_are_sample_anchors_own(tin
     positions without collating anything, is the one `sample_anchors` draws on the collated batch."""
     from dflash_train.data.batch import collate
     from dflash_train.data.source import open_training_data
-    from dflash_train.model.target import load_tokenizer
+    from dflash_train.target.capture import load_tokenizer
     from dflash_train.algorithms.dflash.blocks import sample_anchors
     from dflash_train.train.size_classes import blocks_for
 
@@ -243,7 +243,7 @@ def test_a_prepared_datasets_anchor_positions_bound_the_real_ones(tmp_path, tiny
     row's length allows."""
     from dflash_train.data.prepare import PrepareConfig, prepare
     from dflash_train.data.source import open_training_data
-    from dflash_train.model.target import load_tokenizer
+    from dflash_train.target.capture import load_tokenizer
 
     tok = load_tokenizer(tiny_target_dir)
     prepare(tok, str(tiny_target_dir), [str(counting_jsonl)], tmp_path / "prep",

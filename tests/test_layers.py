@@ -11,9 +11,9 @@ The layers, lowest first (a module may import its own layer and those below it, 
 0 foundation: the package root, errors, numbers, permissions, procs, runtime (device, dtype, atomic writes),
   layout (the on-disk names and what a folder is), trackers (run.report_to's names), architectures (the
   drafter architectures' names). No torch at import, nothing of the package above them.
-1 run state, inputs and the target: assets, config, rundir, data (but data.prepare, the prepare command) and
-  model (but model.io).
-2 the drafter architectures: algorithms, and model.io (a drafter's files need its architecture).
+1 run state, inputs and the target: assets, config, rundir, data (but data.prepare, the prepare command),
+  target (the frozen target) and accel (the compile layer, the FP8 primitives and training kernels).
+2 the drafter architectures: algorithms (with algorithms.io, a drafter's files, and algorithms.init_from_target).
 3 inference: infer, model_card (a drafter's README with its evaluation table, written by train and export).
 4 training: train.
 5 commands: cli, export, outputs (what each command may write over: it knows every command's output),
@@ -47,9 +47,9 @@ LAYERS: dict[str, int] = {
     "config": 1,
     "rundir": 1,
     "data": 1,
-    "model": 1,
+    "target": 1,
+    "accel": 1,
     "algorithms": 2,
-    "model.io": 2,
     "infer": 3,
     "model_card": 3,
     "train": 4,

@@ -7,7 +7,7 @@ import torch
 
 from dflash_train.algorithms.dflash.mask import dense_mask, flex_block_mask, flex_mask_mod
 from dflash_train.algorithms.dflash.blocks import sample_anchors
-from dflash_train.model import compile as compile_layer
+from dflash_train.accel import compile as compile_layer
 
 
 def brute_force(anchors, keep, context_len, block_size, boundary="<", window=None, causal=False, window_op="<"):

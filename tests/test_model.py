@@ -6,14 +6,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_train.config import config_from_dict
+from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.algorithms.dflash.attention import resolve_backend
 from dflash_train.algorithms.base import default_target_layer_ids
 from dflash_train.algorithms.dflash.model import DFlashDrafter, sdpa_attention
 from dflash_train.algorithms.dflash.config import make_drafter_config
-from dflash_train.model.io import load_drafter, save_drafter
-from dflash_train.model.target import TargetCapture, load_target_model
+from dflash_train.algorithms.io import load_drafter, save_drafter
+from dflash_train.target.capture import TargetCapture, load_target_model
 from dflash_train.train.step import TrainStep
 
 
@@ -265,7 +265,7 @@ def test_not_kept_blocks_give_zero_output_and_finite_gradients():
 def test_a_narrower_drafter_trains_exports_and_reloads_with_its_shape(tiny_target_dir, tmp_path):
     """drafter.intermediate_size / num_attention_heads / num_key_value_heads / head_dim override the
     target's layer shape; the hidden size stays the target's."""
-    from dflash_train.config import ConfigError
+    from dflash_train.errors import ConfigError
 
     model = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
     dcfg = make_drafter_config(model.config, num_draft_layers=1, block_size=4, target_layer_ids=[1, 3],

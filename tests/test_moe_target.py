@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.model import compile as compile_layer
-from dflash_train.model.target import TargetCapture, load_target_model, read_target_config
+from dflash_train.accel import compile as compile_layer
+from dflash_train.target.capture import TargetCapture, load_target_model, read_target_config
 
 VOCAB = 1000
 MOE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash_train.cli import build_parser, main
-from dflash_train.config import NUMBER_RULES, number_rules, numeric_keys
+from dflash_train.config.validate import NUMBER_RULES, number_rules, numeric_keys
 from dflash_train.numbers import POSITIVE_INT, Rule, rule_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,7 +285,7 @@ def test_max_steps_refuses_what_optim_max_steps_refuses_and_zero(tmp_path, capsy
 
 def _no_loading(monkeypatch):
     import dflash_train.infer.evaluate as evaluate
-    import dflash_train.model.target as target
+    import dflash_train.target.capture as target
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model loaded")
@@ -321,7 +321,7 @@ def two_datasets(tmp_path_factory, tiny_target_dir):
 
     from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.model.io import save_drafter
+    from dflash_train.algorithms.io import save_drafter
 
     root = tmp_path_factory.mktemp("two-datasets")
     cfg = make_drafter_config(AutoConfig.from_pretrained(tiny_target_dir), num_draft_layers=1, block_size=4,

@@ -32,7 +32,7 @@ def _last_json(text: str) -> dict:
 
 def test_restrict_to_leaves_the_other_functions_eager_and_must_come_first():
     script = textwrap.dedent("""
-        from dflash_train.model import compile as c
+        from dflash_train.accel import compile as c
         def fn(x):
             return x + 1
         c.restrict_to(("keep",))

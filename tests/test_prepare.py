@@ -22,8 +22,8 @@ from dflash_train.data.dataset import tokenize_row
 from dflash_train.data.formats import RowError, iter_rows, to_messages
 from dflash_train.data.prepare import PrepareConfig, holdout_key, prepare
 from dflash_train.data.store import PreparedDataset
-from dflash_train.model.fingerprints import chat_template_fingerprint, tokenizer_fingerprint
-from dflash_train.model.target import load_tokenizer
+from dflash_train.target.fingerprints import chat_template_fingerprint, tokenizer_fingerprint
+from dflash_train.target.capture import load_tokenizer
 
 END = "<|im_end|>\n"
 

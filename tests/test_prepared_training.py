@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from dflash_train.cli import main
-from dflash_train.config import config_from_dict
+from dflash_train.config.load import config_from_dict
 from dflash_train.data.dataset import batches_from, padding_fraction, plan_batches
 from dflash_train.data.source import open_training_data
-from dflash_train.model.target import load_tokenizer
+from dflash_train.target.capture import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_training_refuses_a_dataset_from_another_tokenizer(prepared, tiny_target
     other = _retokenized_copy(tiny_target_dir, tmp_path / "other-target", special="<|brand_new|>")
     manifest = json.loads((prepared / "manifest.json").read_text())
     theirs = load_tokenizer(other)
-    from dflash_train.model.fingerprints import tokenizer_fingerprint
+    from dflash_train.target.fingerprints import tokenizer_fingerprint
 
     assert tokenizer_fingerprint(theirs) != manifest["tokenizer_fingerprint"]
     cfg = _config(tmp_path / "c.yaml", other, [prepared])

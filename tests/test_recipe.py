@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from dflash_train.config import config_from_dict
+from dflash_train.config.load import config_from_dict
 from dflash_train.algorithms.dflash.blocks import build_blocks, dpace_weights, sample_anchors
 from dflash_train.algorithms.dflash.loss import chunked_weighted_ce
 from dflash_train.algorithms.dflash.objective import row_weights
@@ -231,7 +231,7 @@ def test_gamma_weighting_is_the_decay():
 
 @pytest.fixture(scope="module")
 def tiny64(tiny_target_dir):
-    from dflash_train.model.target import TargetCapture, load_target_model
+    from dflash_train.target.capture import TargetCapture, load_target_model
 
     model = load_target_model(tiny_target_dir, torch.float64, torch.device("cpu"))
     return model, TargetCapture.from_model(model, [1, 3])
@@ -423,7 +423,7 @@ def test_cuda_train_steps_with_every_option_on():
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetCapture
+    from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
 

@@ -13,12 +13,12 @@ from dflash_train.algorithms.dflash.blocks import Blocks
 from dflash_train.algorithms.dflash.config import make_drafter_config
 from dflash_train.algorithms.dflash.model import DFlashDrafter, sdpa_attention
 from dflash_train.algorithms.dflash.objective import DFlashObjective
-from dflash_train.config import config_from_dict
+from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.infer.replay import proposals_from_context
 from dflash_train.infer.spec_decode import SpeculativeDecoder
-from dflash_train.model.io import load_drafter, save_drafter
-from dflash_train.model.target import TargetCapture, load_target_model
+from dflash_train.algorithms.io import load_drafter, save_drafter
+from dflash_train.target.capture import TargetCapture, load_target_model
 from test_mask import brute_force
 
 LAYER_IDS = [1, 4]

@@ -28,7 +28,7 @@ STOPS = [2, 0]  # SmolLM2's <|im_end|>, <|endoftext|> (dflash_target.json of the
 
 @pytest.fixture(scope="module")
 def tiny(tiny_target_dir):
-    from dflash_train.model.target import load_target_model, load_tokenizer
+    from dflash_train.target.capture import load_target_model, load_tokenizer
 
     model = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
     return model, load_tokenizer(tiny_target_dir)

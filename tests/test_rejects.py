@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from dflash_train.cli import main
-from dflash_train.config import config_from_dict
+from dflash_train.config.load import config_from_dict
 from dflash_train.data.dataset import NO_ASSISTANT, TOO_FEW, load_dataset
 from dflash_train.data.rejects import EXAMPLES
 from dflash_train.data.source import open_training_data, open_validation_data
-from dflash_train.model.target import load_tokenizer
+from dflash_train.target.capture import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from dflash_train.infer.replay import ReplayTurn, greedy_continuations, replay_t
 from dflash_train.infer.spec_decode import SpeculativeDecoder
 from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.algorithms.dflash.config import make_drafter_config
-from dflash_train.model.target import load_target_model
+from dflash_train.target.capture import load_target_model
 from _memorise import memorise
 
 
@@ -138,7 +138,7 @@ def test_eval_by_replay_reports_what_decoding_reports_multi_turn(target, tiny_ta
 
     from dflash_train.infer.evaluate import evaluate, evaluate_by_replay
     from dflash_train.infer.replay import build_corpus
-    from dflash_train.model.target import load_tokenizer
+    from dflash_train.target.capture import load_tokenizer
 
     tok = load_tokenizer(tiny_target_dir)
     rows = [{"id": "a", "turns": ["Count to three.", "And back down."]}, {"id": "b", "turns": ["Name a river."]}]

@@ -27,7 +27,7 @@ import torch
 from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.errors import DamagedFileError
 from dflash_train.algorithms.dflash.config import make_drafter_config
-from dflash_train.model.io import load_drafter, save_drafter
+from dflash_train.algorithms.io import load_drafter, save_drafter
 from dflash_train.train.checkpoint import (CheckpointError, check_compatible, load_into, newest_valid, read_state,
                                            save_checkpoint)
 
@@ -163,7 +163,7 @@ def test_every_from_pretrained_takes_trust_remote_code_from_the_config_or_not_at
     assert found >= 5, "the scan found too few from_pretrained calls"
     text = "\n".join(p.read_text() for p in SRC.rglob("*.py"))
     assert "trust_remote_code=True" not in text.replace(" ", "")
-    from dflash_train.config import Config
+    from dflash_train.config.schema import Config
 
     assert Config().target.trust_remote_code is False
 
@@ -184,7 +184,7 @@ def test_a_model_folder_with_remote_code_is_not_executed(tiny_target_dir, tmp_pa
     """auto_map points at evil.py, which writes a marker when imported. With the default config
     (trust_remote_code false) our loaders refuse an unknown model_type and ignore auto_map for a known one;
     the file never runs either way."""
-    from dflash_train.model.target import load_target_model, load_tokenizer, read_target_config
+    from dflash_train.target.capture import load_target_model, load_tokenizer, read_target_config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     marker = tmp_path / "REMOTE_CODE_RAN"

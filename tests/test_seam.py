@@ -20,7 +20,8 @@ import yaml
 from torch import nn
 
 from dflash_train import architectures
-from dflash_train.config import ConfigError, config_from_dict, config_to_dict, dump_config, load_config
+from dflash_train.config.load import config_from_dict, config_to_dict, dump_config, load_config
+from dflash_train.errors import ConfigError
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dflash_train"
 
@@ -120,10 +121,10 @@ def _old_shape(cfg) -> dict:
 
 
 def test_old_flat_keys_load_under_their_new_names_with_one_warning(caplog, monkeypatch):
-    from dflash_train import config
+    from dflash_train.config import load as config_load
 
-    monkeypatch.setattr(config, "_WARNED", set())  # warned once per process: this test's keys may have been before
-    with caplog.at_level(logging.WARNING, logger="dflash_train.config"):
+    monkeypatch.setattr(config_load, "_WARNED", set())  # warned once per process: this test's keys may have been before
+    with caplog.at_level(logging.WARNING, logger="dflash_train.config.load"):
         cfg = config_from_dict({"drafter": {"architecture": "dflash2", "selector_top_k": 12},
                                 "objective": {"selector_loss_weight": 0.5}}, ["drafter.selector_rank=4"])
     assert (cfg.options.selector_top_k, cfg.options.selector_rank, cfg.options.selector_loss_weight) == (12, 4, 0.5)
@@ -158,7 +159,7 @@ def test_a_dflash_config_yaml_written_before_the_sections_loads_unchanged():
 @pytest.mark.parametrize("arch", ["dflash", "dflash2"])
 def test_a_run_whose_config_yaml_has_the_old_keys_resumes_with_no_change(tmp_path, arch, tiny_target_dir,
                                                                        counting_jsonl, caplog, monkeypatch):
-    from dflash_train import config
+    from dflash_train.config import load as config_load
     from dflash_train.rundir import RunDir
     from dflash_train.train.admission import admit_start, flatten
 
@@ -170,8 +171,8 @@ def test_a_run_whose_config_yaml_has_the_old_keys_resumes_with_no_change(tmp_pat
     (run.checkpoints / "step-00000002").mkdir(parents=True)
     (run.checkpoints / "step-00000002" / "trainer_state.json").write_text("{}")
     run.config.write_text(yaml.safe_dump(_old_shape(fresh), sort_keys=False))
-    monkeypatch.setattr(config, "_WARNED", set())
-    with caplog.at_level(logging.WARNING, logger="dflash_train.config"):
+    monkeypatch.setattr(config_load, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="dflash_train.config.load"):
         start = admit_start(None, ["optim.max_steps=6"], run.root, resume=True, check_owner=False)
     assert start.changes == {"optim.max_steps": (4, 6)}
     # the run's config.yaml is read twice (as recorded, as asked): one deprecation line
@@ -263,7 +264,7 @@ def test_a_toy_section_is_checked_like_any_other(toy_registered):
 def test_a_toy_architecture_from_a_test_file_trains_decodes_exports_and_reloads(toy_registered, tmp_path,
                                                                              tiny_target_dir, counting_jsonl):
     from dflash_train.cli import main
-    from dflash_train.model.io import load_drafter
+    from dflash_train.algorithms.io import load_drafter
 
     cfg = {
         "target": {"path": str(tiny_target_dir)},

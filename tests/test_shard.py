@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from _shard_worker import sharded_capture_rank
 from test_moe_target import qwen3_5_moe, qwen3_moe, save
 
-from dflash_train.model.shard import rows_of
+from dflash_train.target.shard import rows_of
 
 
 def dense():

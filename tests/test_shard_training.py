@@ -14,7 +14,9 @@ from conftest import TOKENIZER_FILES
 from test_moe_target import qwen3_moe
 
 from dflash_train.cli import main
-from dflash_train.config import ConfigError, config_from_dict, validate_world
+from dflash_train.config.load import config_from_dict
+from dflash_train.config.validate import validate_world
+from dflash_train.errors import ConfigError
 
 STEPS = 6
 # Tensor parallelism sums each row-parallel matmul's partial products over the ranks (the all-reduce), in another

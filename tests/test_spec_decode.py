@@ -8,7 +8,7 @@ import torch
 from dflash_train.infer.spec_decode import SpeculativeDecoder, speculative_accept
 from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.algorithms.dflash.config import make_drafter_config
-from dflash_train.model.target import load_target_model
+from dflash_train.target.capture import load_target_model
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ from _harness import (assert_same_losses, beat, cpu_drafter_compile_env, cpu_tar
                       status, stop, wait_for_step, wait_until, write_config)
 
 from dflash_train.cli import main
-from dflash_train.config import ConfigError, config_from_dict, validate_world
+from dflash_train.config.load import config_from_dict
+from dflash_train.config.validate import validate_world
+from dflash_train.errors import ConfigError
 from dflash_train.train.transport import NOTE_BYTES, SplitLayout, decode_note, encode_note
 
 
@@ -115,7 +117,7 @@ def test_gradient_accumulation_is_the_mean_over_micro_batches(tiny_target_dir):
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
-    from dflash_train.model.target import TargetCapture, load_target_model
+    from dflash_train.target.capture import TargetCapture, load_target_model
     from dflash_train.data.batch import Batch
     from dflash_train.algorithms.dflash.objective import DFlashObjective
     from dflash_train.train.step import MicroBatch, TrainStep
@@ -309,7 +311,7 @@ def test_a_killed_target_rank_fails_the_run_within_seconds_and_resume_is_exact(s
 
 
 def test_preflight_counts_parameters_from_headers_and_budgets_by_role(tiny_target_dir):
-    from dflash_train.model.target import load_target_model
+    from dflash_train.target.capture import load_target_model
     from dflash_train.train.preflight import MARGIN, check_gpu, checkpoint_parameters, needed_bytes
 
     model = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))

@@ -10,9 +10,10 @@ import pytest
 import torch
 import yaml
 
-from dflash_train.config import ConfigError, config_from_dict, load_config
-from dflash_train.model import compile as compile_layer
-from dflash_train.model.target import TargetCapture, _warm_up_lengths
+from dflash_train.config.load import config_from_dict, load_config
+from dflash_train.errors import ConfigError
+from dflash_train.accel import compile as compile_layer
+from dflash_train.target.capture import TargetCapture, _warm_up_lengths
 
 
 def _qwen3(layers=6, seed=0):
@@ -170,7 +171,7 @@ def test_trainer_warm_up_compiles_the_target_first_and_steps_never_compile(tmp_p
                                                                            counting_jsonl, monkeypatch, eager_backend):
     """The trainer's wiring on CPU, with the device check lifted: the warm-up compiles the target
     (reported in status.json) and the training steps (various batch sizes and lengths) add nothing."""
-    import dflash_train.config as config_mod
+    import dflash_train.config.validate as config_mod
     from dflash_train.train import trainer
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)

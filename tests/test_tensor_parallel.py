@@ -13,8 +13,8 @@ from _shard_worker import tp_capture_rank
 from test_moe_target import qwen3_5_moe, qwen3_moe, save
 
 from dflash_train.errors import ConfigError
-from dflash_train.model import shard
-from dflash_train.model.tensor_parallel import check_tp_target
+from dflash_train.target import shard
+from dflash_train.target.tensor_parallel import check_tp_target
 
 # float32 sums of a few dozen products in another order: a few ulp of the largest value.
 TOLERANCE = 1e-5
@@ -128,8 +128,8 @@ def test_only_a_tensor_parallel_decoder_exchanges_its_members_batches():
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-    from dflash_train.model.shard import shard_mesh
-    from dflash_train.model.tensor_parallel import shard_group_of
+    from dflash_train.target.shard import shard_mesh
+    from dflash_train.target.tensor_parallel import shard_group_of
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

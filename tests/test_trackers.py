@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from dflash_train import rundir, trackers
-from dflash_train.config import ConfigError, config_from_dict, load_config, validate_world
+from dflash_train.config.load import config_from_dict, load_config
+from dflash_train.config.validate import validate_world
+from dflash_train.errors import ConfigError
 from dflash_train.rundir import MetricsWriter, Reporter, RunDir, read_tracker_ids
 from dflash_train.trackers import TrackerPackage, tracker_unavailable
 from dflash_train.train.admission import flatten, resume_changes

@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from dflash_train.cli import main
-from dflash_train.model.io import load_drafter
+from dflash_train.algorithms.io import load_drafter
 
 
 def _write_config(path: Path, target: Path, data: Path, **extra) -> Path:

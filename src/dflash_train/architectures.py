@@ -1,7 +1,7 @@
 """The drafter architectures by name, without importing any of them: the values `drafter.architecture` takes
-(config.py checks them), the `architectures` name of each one's exported config.json, and where each one's code and
-torch-free options live. `algorithms.architecture(name)` resolves a name to its `Architecture`; config.py reads each
-one's config section through `options(name)`.
+(config/validate.py checks them), the `architectures` name of each one's exported config.json, and where each one's
+code and torch-free options live. `algorithms.architecture(name)` resolves a name to its `Architecture`; config/ reads
+each one's config section through `options(name)`.
 
 An architecture is registered by a line in `_BUILTIN` (the packages under `algorithms/`), or at run time with
 `register(...)`, which also takes objects instead of module names (an architecture defined in a test file: see

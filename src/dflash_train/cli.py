@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from .config import validate_world
+from .config.validate import validate_world
 from .data.dataset import FAR_FACTOR
 from .data.formats import BUILTIN_SOURCES
 from .errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, USER_ERRORS, UserError, debug_enabled
@@ -278,7 +278,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from . import assets
     from .data.prepare import PrepareConfig, prepare, summary
-    from .model.target import load_tokenizer
+    from .target.capture import load_tokenizer
     from .outputs import check_prepare_out
 
     check_prepare_out(Path(args.out), args.data, args.overwrite)  # before the tokenizer loads

@@ -1,5 +1,5 @@
 """The configuration reference (docs/guide/config-reference.md), generated from the config schema itself: every
-key's type, default, valid range and the comment written above its field in config.py, then the sections of the
+key's type, default, valid range and the comment written above its field in config/schema.py, then the sections of the
 registered architectures (each one's `options.py`), the same way.
 
     python -m dflash_train.config_reference > docs/guide/config-reference.md
@@ -17,7 +17,8 @@ import typing
 from typing import Any, Literal, get_args, get_origin
 
 from . import architectures
-from .config import config_sections, number_rules
+from .config.schema import config_sections
+from .config.validate import number_rules
 
 PAGE = "docs/guide/config-reference.md"
 _INTRO = """# Configuration reference
@@ -27,7 +28,7 @@ Every key of a training config, by section: its type, default, valid values and 
 `optim.lr=3e-4 data.train_files=[a.jsonl,b.jsonl]`. An unknown key, a wrong type or a value out of range is
 refused before anything loads, naming the key.
 
-This page is generated from the schema (`src/dflash_train/config.py`, and each architecture's `options.py` for
+This page is generated from the schema (`src/dflash_train/config/schema.py`, and each architecture's `options.py` for
 the sections named after an architecture): run
 `python -m dflash_train.config_reference > docs/guide/config-reference.md` after changing a key.
 """

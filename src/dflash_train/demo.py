@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from . import assets
-from .config import config_from_dict
+from .config.load import config_from_dict
 from .data.chat import prompt_ids
 from .data.prepare import PrepareConfig, prepare
 from .data.regen.inputs import RegenSettings
@@ -34,7 +34,7 @@ from .infer.evaluate import (HISTOGRAM_HEADER, format_histogram, iter_prompts, l
                              replay_reports, run_prompt, summarize_records)
 from .infer.spec_decode import SpeculativeDecoder
 from .layout import list_checkpoints
-from .model.target import load_tokenizer
+from .target.capture import load_tokenizer
 from .model_card import link_images, put_eval_table
 from .pipeline import Stage, StageRunner, Unfinished
 from .rundir import RunDir, read_metrics

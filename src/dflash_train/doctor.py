@@ -97,7 +97,7 @@ def flex_smoke_test() -> Check:
 
 
 def cache_check() -> Check:
-    from .model.compile import default_cache_dir
+    from .accel.compile import default_cache_dir
 
     path = default_cache_dir()
     try:
@@ -113,7 +113,7 @@ def cache_check() -> Check:
 
 def compile_workers_check() -> Check:
     """How many inductor compile workers a rank starts here (as `train` sizes them)."""
-    from .model.compile import compile_workers_per_rank, usable_cores
+    from .accel.compile import compile_workers_per_rank, usable_cores
 
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     why = "TORCHINDUCTOR_COMPILE_THREADS" if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else \

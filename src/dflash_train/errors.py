@@ -20,13 +20,14 @@ class UserError(ValueError):
 
 
 class ConfigError(UserError):
-    """A config that cannot run; the message names the key and what to do. Raised by config.py and by
+    """A config that cannot run; the message names the key and what to do. Raised by config/ and by
     model code that finds a config value its model cannot honour."""
 
 
 class ModelError(UserError):
     """A model folder, checkpoint or exported drafter that cannot be used as asked (a missing or mismatched
-    tensor, an unreadable config.json); raised by model/, the message names the file and what to do."""
+    tensor, an unreadable config.json); raised by target/ and algorithms/io.py, the message names the file and what
+    to do."""
 
 
 class DamagedFileError(UserError):

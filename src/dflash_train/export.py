@@ -14,8 +14,8 @@ from .algorithms.base import sdpa_attention
 from .errors import ConfigError
 from .layout import STATE, put_in_place
 from .model_card import CARD_NAME, export_card
-from .model.io import load_drafter, save_drafter
-from .model.provenance import PROVENANCE_NAME
+from .algorithms.io import load_drafter, save_drafter
+from .target.provenance import PROVENANCE_NAME
 from .outputs import check_export_out
 from .runtime import dtype_named
 
@@ -43,8 +43,8 @@ def parity_check(source, exported, dtype: torch.dtype, seed: int = 0) -> None:
 def target_head_weight(run_dir: Path, target: Optional[str]) -> torch.Tensor:
     """The target's lm_head weight (float32, CPU): from `target`, or the target the run at `run_dir` trained on."""
     from . import assets
-    from .config import load_config
-    from .model.target import load_target_head
+    from .config.load import load_config
+    from .target.capture import load_target_head
 
     trust_remote_code = False
     if target is None:

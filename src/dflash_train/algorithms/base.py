@@ -21,7 +21,7 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from ..config import Config
+    from ..config.schema import Config
     from ..data.batch import Batch
 
 

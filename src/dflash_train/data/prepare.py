@@ -20,7 +20,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from ..model.fingerprints import chat_template_fingerprint, chat_template_text, tokenizer_fingerprint
+from ..target.fingerprints import chat_template_fingerprint, chat_template_text, tokenizer_fingerprint
 from ..outputs import check_prepare_out
 from . import store
 from .dataset import tokenize_row

@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from ..errors import DamagedFileError
 from ..layout import put_in_place
-from ..model.fingerprints import chat_template_fingerprint, tokenizer_fingerprint
+from ..target.fingerprints import chat_template_fingerprint, tokenizer_fingerprint
 from ..runtime import read_json_file
 from .chat import Tokenized
 from .label_counts import read_counts

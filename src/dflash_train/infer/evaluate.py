@@ -23,11 +23,11 @@ from ..data.chat import prompt_ids
 from ..data.formats import RowError, iter_source, prompt_turns
 from ..algorithms.base import Drafter
 from ..errors import ConfigError
-from ..model.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
-from ..model.hf_config import text_config
-from ..model.io import load_drafter
-from ..model.provenance import compare, read_provenance, target_provenance
-from ..model.target import load_target_model, load_tokenizer, read_target_config, target_fp8_linears
+from ..accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
+from ..target.hf_config import text_config
+from ..algorithms.io import load_drafter
+from ..target.provenance import compare, read_provenance, target_provenance
+from ..target.capture import load_target_model, load_tokenizer, read_target_config, target_fp8_linears
 from ..runtime import write_text_atomic
 from .replay import build_corpus, replay_records
 from .spec_decode import DecodeResult, SpeculativeDecoder

@@ -14,8 +14,8 @@ import torch
 
 from ..algorithms import architecture
 from ..algorithms.base import StepMemory
-from ..config import Config
-from ..model.hf_config import text_config
+from ..config.schema import Config
+from ..target.hf_config import text_config
 from .size_classes import blocks_for
 
 _F32 = 4
@@ -96,7 +96,7 @@ def target_layer_transient(config, tokens: int, dtype_bytes: int) -> int:
 
 def capture_parts(target_config, layer_ids: list[int], shape: MicroBatchShape, dtype_bytes: int,
                   with_final: bool = False) -> dict[str, int]:
-    """The target capture's peak (model/target.py: no_grad, layers up to the last captured one): the K captured
+    """The target capture's peak (target/capture.py: no_grad, layers up to the last captured one): the K captured
     layer outputs kept `[tokens, K*H]` and, at the end, their concatenated copy (`captured states` counts the kept
     ones, `capture concatenation` the copy, which peaks alone: the layer transients are gone by then, so the larger of
     the copy and one layer's transient with K-1 captured so far); RoPE tables; with distillation the final normed state."""

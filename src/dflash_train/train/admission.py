@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import assets
-from ..config import Config, ConfigError, config_to_dict, load_config, old_key_names
+from ..config.load import config_to_dict, load_config, old_key_names
+from ..config.schema import Config
 from ..data.formats import DamagedDataFile, check_readable, expand_source
 from ..data.store import SPLITS, PreparedDataset, is_prepared
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from ..layout import list_checkpoints
 from ..rundir import ENDED, RunDir, liveness
 

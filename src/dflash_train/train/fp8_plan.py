@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 
 from ..algorithms import architecture
-from ..config import Config
+from ..config.schema import Config
 from ..errors import ConfigError
-from ..model.fp8 import SCALED_MM_MULTIPLE, quantized_bytes_saved, require_fp8_device, unsupported_shapes
-from ..model.fp8_training import fp8_drafter_linears
-from ..model.target import target_fp8_linears
+from ..accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
+from ..accel.fp8_training import fp8_drafter_linears
+from ..target.capture import target_fp8_linears
+from ..target.quantize import quantized_bytes_saved
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 

@@ -21,14 +21,14 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import Config
+from ..config.schema import Config
 from ..data.batch import collate
 from ..data.dataset import batches_from, padding_fraction, plan_batches
 from ..layout import STATE
-from ..model import compile as compile_layer
-from ..model.io import load_drafter, save_drafter
+from ..accel import compile as compile_layer
+from ..algorithms.io import load_drafter, save_drafter
 from ..model_card import CARD_NAME, weights_line
-from ..model.provenance import PROVENANCE_NAME
+from ..target.provenance import PROVENANCE_NAME
 from ..rundir import Reporter, RunDir
 from . import checkpoint as checkpoints
 from .dist import StopVote

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from ..algorithms import architecture
-from ..config import Config
+from ..config.schema import Config
 from .activation_memory import KEPT_HEAD_GRADIENT, ActivationEstimate, activation_estimate
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ import torch
 
 from ..algorithms import architecture
 from ..algorithms.base import Drafter, StepStats
-from ..config import Config
+from ..config.schema import Config
 from ..data.batch import Batch
-from ..model.target import TargetCapture, TargetHead
+from ..target.capture import TargetCapture, TargetHead
 from .dist import HostCopy
 
 

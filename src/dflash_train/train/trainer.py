@@ -19,21 +19,23 @@ from typing import Optional, Sequence
 import torch
 
 from .. import assets
-from ..config import Config, dump_config, validate_against_target, validate_compile_device, validate_world
+from ..config.load import dump_config
+from ..config.schema import Config
+from ..config.validate import validate_against_target, validate_compile_device, validate_world
 from ..data.batch import Batch, collate
 from ..data.dataset import plan_batches
 from ..data.label_counts import coverage, draft_vocabulary
 from ..data.source import open_training_data, open_validation_data, require_label_counts
 from ..errors import UserError, debug_enabled, is_user_error
-from ..model import compile as compile_layer
+from ..accel import compile as compile_layer
 from ..algorithms import architecture
 from ..algorithms.base import default_target_layer_ids
-from ..model.drafter_init import init_drafter_from_target
-from ..model.fp8_training import use_fp8_training
-from ..model.provenance import target_provenance, write_provenance
-from ..model.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
-from ..model.tensor_parallel import check_tp_target, load_tp_target
-from ..model.target import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
+from ..algorithms.init_from_target import init_drafter_from_target
+from ..accel.fp8_training import use_fp8_training
+from ..target.provenance import target_provenance, write_provenance
+from ..target.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
+from ..target.tensor_parallel import check_tp_target, load_tp_target
+from ..target.capture import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
                             read_target_config)
 from ..model_card import training_card
 from ..rundir import Reporter, RunDir, clear_stop_request, stop_requested_since
@@ -349,7 +351,7 @@ class RankSetup:
     steps_per_epoch: int
     total: int
     state: RunState
-    target_mesh: object = None  # target.sharding=fsdp or tp: the target ranks' shard groups (model/shard.py)
+    target_mesh: object = None  # target.sharding=fsdp or tp: the target ranks' shard groups (target/shard.py)
 
     def epochs_left(self) -> range:
         """The epochs whose plans the rest of the run reaches (from the current one, one more for a partial)."""

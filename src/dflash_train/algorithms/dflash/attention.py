@@ -28,7 +28,7 @@ def compiled_flex_attention(dynamic: bool = True) -> Callable:
     compile flex with dynamic shapes, so CPU checks use `dynamic=False`."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from ...model.compile import compiled
+    from ...accel.compile import compiled
 
     name = "flex_attention" if dynamic else "flex_attention_static"
     return compiled(name, flex_attention, dynamic=dynamic)

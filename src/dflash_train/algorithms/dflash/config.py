@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from transformers import PretrainedConfig, Qwen3Config
 
-from ...model.hf_config import text_config
+from ...target.hf_config import text_config
 from ..base import OutputFields, draft_vocab_size_of, layer_kinds
 
 

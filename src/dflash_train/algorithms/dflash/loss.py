@@ -76,7 +76,7 @@ def _chunk_fn(name: str, fn: Callable, device: torch.device, eager: Optional[Cal
     """The compiled chunk math on CUDA (one graph, dynamic rows); elsewhere `eager`, or `fn` itself."""
     if device.type != "cuda":
         return eager or fn
-    from ...model.compile import compiled
+    from ...accel.compile import compiled
 
     return compiled(name, fn, dynamic=True)
 

@@ -190,7 +190,7 @@ class DFlashDrafter(Drafter):
         the attention, which its backend compiles on its own). Dynamic batch and lengths, through the compile
         layer (one process lock, fullgraph). Used by `forward(..., compiled_layers=True)` only: the training
         step; evaluation and decoding keep the eager layers, whose shapes the warm-up does not cover."""
-        from ...model.compile import compiled
+        from ...accel.compile import compiled
 
         backend = backend or COMPILE_BACKEND
         layer = self.layer_class

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ...config import Config
+from ...config.schema import Config
 from ...data.batch import Batch
 from ...runtime import to_device
 from ..base import StepStats, acceptance_estimate, target_to_draft

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from ... import assets
-from ...model.target import load_target_model, load_tokenizer, read_target_config
+from ...target.capture import load_target_model, load_tokenizer, read_target_config
 from ...runtime import resolve_device, resolve_dtype
 from ..batch import left_pad
 from ..chat import prompt_ids

@@ -17,9 +17,10 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from ..errors import ConfigError, ModelError
-from .fp8 import named_linears, quantize_decoder_layers
+from ..accel.fp8 import named_linears
 from .hf_config import text_config
 from .hf_model import MULTIMODAL_KEY_MAPPING, checkpoint_keys, decoder_of, is_multimodal, model_class
+from .quantize import quantize_decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def load_target_model(
     """Load the causal LM of `path`, frozen and in eval mode. A multimodal checkpoint loads its text
     model class (never the vision wrapper), mapping the checkpoint's prefixed weight names. `fp8_layers`
     (`target.quantize=fp8`): the linears of the first that many decoder layers are quantised to FP8 on their
-    way to `device` (`fp8.quantize_decoder_layers`); the rest of the model keeps `dtype`."""
+    way to `device` (`quantize.quantize_decoder_layers`); the rest of the model keeps `dtype`."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     kwargs: dict = dict(dtype=dtype, trust_remote_code=trust_remote_code)
     model_cls, build_config = model_class(config)
@@ -94,7 +95,7 @@ def compiled_layer_forward(layer_cls: type) -> Callable:
     argument: every layer of the class shares one graph (parameters are graph inputs, not constants),
     and hooks stay outside the graph because they run in `Module.__call__`. Dynamic batch and sequence
     dimensions; Dynamo still specialises a batch of 1, so a warm-up compiles batch 1 and batch >= 2."""
-    from .compile import compiled
+    from ..accel.compile import compiled
 
     backend = _COMPILE_BACKEND
     name = f"target_layer[{backend}]:{layer_cls.__module__}.{layer_cls.__qualname__}"
@@ -135,10 +136,10 @@ class TargetCapture:
     hidden_size: int
     compile: bool = False
     _forwards: list = field(default_factory=list, repr=False)  # per layer: its compiled forward, bound
-    # The decoder is an FSDP2 root (`target.sharding: fsdp`, model/shard.py): a capture runs a decoder cut
+    # The decoder is an FSDP2 root (`target.sharding: fsdp`, target/shard.py): a capture runs a decoder cut
     # after the last captured layer instead of stopping it by an exception (every FSDP post-forward must run).
     sharded: bool = False
-    # Tensor-parallel layers (`target.sharding: tp`, model/tensor_parallel.py): their shard group, whose members
+    # Tensor-parallel layers (`target.sharding: tp`, target/tensor_parallel.py): their shard group, whose members
     # each bring their own batch; a capture runs every member's batch in turn and keeps this rank's.
     tp_group: Any = None
 
@@ -240,7 +241,7 @@ class TargetCapture:
         Under the compile layer's lock. Returns timings and graph counts for the run's status."""
         if not self.compile:
             return {}
-        from .compile import graphs_compiled, lock
+        from ..accel.compile import graphs_compiled, lock
 
         tc = text_config(self.model.config)
         head_dim = getattr(tc, "head_dim", None) or self.hidden_size // tc.num_attention_heads

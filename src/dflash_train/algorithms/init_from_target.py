@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import ConfigError
-from .hf_model import checkpoint_keys
+from ..target.hf_model import checkpoint_keys
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..algorithms import UnknownArchitecture, architecture, architecture_of_export
-from ..algorithms.base import Drafter
+from . import UnknownArchitecture, architecture, architecture_of_export
+from .base import Drafter
 from ..errors import DamagedFileError, ModelError
 from ..layout import CONFIG_NAME, STATE, WEIGHTS_NAME
 from ..permissions import follow_umask

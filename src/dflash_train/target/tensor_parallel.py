@@ -3,7 +3,7 @@ own `parallelize_module`: in every decoder layer q/k/v and gate/up are column-pa
 heads and a slice of the MLP width: rows of dim 0), o and down row-parallel (the matching columns of dim 1; their
 partial outputs all-reduced, twice per layer). Activations between the projections stay plain local tensors, so a
 layer's output is a whole, replicated `torch.Tensor`. The embedding, the norms (q/k norms act per head) and the
-lm_head stay whole. Built on the meta device; each rank then reads only its rows or columns (model/shard.py's
+lm_head stay whole. Built on the meta device; each rank then reads only its rows or columns (target/shard.py's
 reader). Dense attention + gated-MLP layers only: a MoE target (or any other layer kind) is refused up front."""
 
 from __future__ import annotations
