@@ -70,7 +70,8 @@ def main() -> None:
     from transformers import Qwen3Config
 
     from dflash_train.config.load import config_from_dict
-    from dflash_train.data.dataset import batches_from, collate, plan_batches
+    from dflash_train.data.batch import collate
+    from dflash_train.data.dataset import batches_from, plan_batches
     from dflash_train.data.source import open_training_data
     from dflash_train.accel import compile as compile_layer
     from dflash_train.algorithms.dflash.attention import resolve_backend
