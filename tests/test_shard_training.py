@@ -137,9 +137,9 @@ def test_bad_sharding_configs_are_refused_at_load(over, message):
 
 
 def _as_dict(cfg):
-    import dataclasses
+    from dflash_train.config.load import config_to_dict
 
-    return dataclasses.asdict(cfg)
+    return config_to_dict(cfg)
 
 
 def test_defaults_and_group_size_must_divide_the_ranks():
