@@ -101,7 +101,9 @@ def test_eval_refuses_a_drafter_of_another_target(tmp_path, trained_run, tiny_ta
     from conftest import make_tiny_target
 
     other = make_tiny_target(tmp_path / "other", tiny_target_dir, layers=3)
-    rc = main(["eval", "--target", str(other), "--drafter", str(trained_run / "export"), "--data", "x.jsonl",
+    prompts = tmp_path / "x.jsonl"  # the data is read (and checked) before the pair
+    prompts.write_text('{"prompt": "Hi"}\n')
+    rc = main(["eval", "--target", str(other), "--drafter", str(trained_run / "export"), "--data", str(prompts),
                "--out", str(tmp_path / "e.json")])
     assert rc == 2
     err = capsys.readouterr().err
