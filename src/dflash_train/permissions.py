@@ -8,6 +8,7 @@ not read an exported drafter.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -15,12 +16,10 @@ from pathlib import Path
 def current_umask() -> int:
     """The process umask. Linux (4.7+) reports it in /proc/self/status; elsewhere it is set and put back
     at once, the only portable way to read it."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
     mask = os.umask(0o077)
     os.umask(mask)
     return mask

@@ -7,6 +7,7 @@ key and listing the valid ones.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -195,11 +196,9 @@ def _apply_override(tree: dict, item: str, renamed: Optional[str] = None) -> Non
         node = child
     value = _parse_scalar(raw)
     # yaml reads "1e-4" as a string; accept it as a number where a float is meant.
-    if isinstance(value, str):
-        try:
-            value = float(value) if any(c in value for c in ".eE") else value
-        except ValueError:
-            pass
+    if isinstance(value, str) and any(c in value for c in ".eE"):
+        with contextlib.suppress(ValueError):
+            value = float(value)
     node[parts[-1]] = value
 
 
