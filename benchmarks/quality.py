@@ -77,7 +77,8 @@ REGEN_MAX_NEW_TOKENS = 256
 REGEN_MAX_TURNS = 1  # first turns, as the reference's data: every turn (0) of 7,728 conversations takes hours
 # Generation is host-bound (HF generate, ~10% of an H200 busy at 64): wider batches go faster; 256 conversations of
 # the longest prompts took ~77 GB of an H200 at 256 new tokens a turn.
-REGEN_BATCH_SIZE = 256
+REGEN_BATCH_SIZE = 1024
+REGEN_BATCH_TOKENS = 400_000  # padded tokens a generate call: ~60 GB for SmolLM2-135M on the H200
 REGEN_FILE = Path("data") / "regen.jsonl"  # under --out
 DEFAULT_EVAL = ("mt-bench", "humaneval", "sharegpt")
 POOLED = ("mt-bench", "sharegpt")  # the reference's tau was measured on these two
@@ -861,7 +862,8 @@ class Driver:
         a = self.args
         return [sys.executable, "-m", "dflash_train", "regen", "--target", self.cfg.target.path,
                 "--data", REGEN_SOURCE, "--limit", str(a.regen_limit), "--max-new-tokens", str(a.regen_max_new_tokens),
-                "--max-turns", str(a.regen_max_turns), "--batch-size", str(a.regen_batch_size), "--device", a.device,
+                "--max-turns", str(a.regen_max_turns), "--batch-size", str(a.regen_batch_size),
+                "--batch-tokens", str(a.regen_batch_tokens), "--device", a.device,
                 "--no-progress", "--out", a.data]
 
     def stage_data(self) -> None:
@@ -1499,9 +1501,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data stage: answer the first N user turns of each conversation, 0 = all (default: "
                         "%(default)s, first turns as the reference's data)")
     p.add_argument("--regen-batch-size", type=int, default=REGEN_BATCH_SIZE,
-                   help="data stage: conversations per generate call, turn by turn (wider is faster: generation is "
-                        "host-bound; the longest prompts' batch of 256 takes ~77 GB of GPU memory); may change between "
-                        "calls, e.g. lower after an out-of-memory error (default: %(default)s)")
+                   help="data stage: conversations per generate call at most, turn by turn (wider is faster: "
+                        "generation is host-bound); may change between calls (default: %(default)s)")
+    p.add_argument("--regen-batch-tokens", type=int, default=REGEN_BATCH_TOKENS, metavar="N",
+                   help="data stage: padded tokens per generate call at most, rows x (longest prompt + max new "
+                        "tokens), which its memory grows with (the longest prompts' batch of 256 rows took ~77 GB); "
+                        "lower it after an out-of-memory error, 0 = no bound (default: %(default)s)")
     p.add_argument("--val-fraction", type=float, default=0.0, help="prepare --val-fraction (0: train on every row)")
     p.add_argument("--eval", action="append", metavar="NAME[=FILE]",
                    help="eval set: mt-bench, humaneval, sharegpt (built-in) or NAME=prompts.jsonl; repeat. "
@@ -1568,6 +1573,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(leave data out of --stages, or leave --data out to regenerate)")
     if min(args.regen_limit, args.regen_max_new_tokens, args.regen_batch_size) < 1:
         raise SystemExit("--regen-limit, --regen-max-new-tokens and --regen-batch-size must be positive")
+    if args.regen_batch_tokens < 0:
+        raise SystemExit("--regen-batch-tokens must be >= 0 (0 = no bound)")
     if args.regen_max_turns < 0:
         raise SystemExit("--regen-max-turns must be >= 0 (0 = every turn)")
     if args.drafter:

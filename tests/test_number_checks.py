@@ -40,6 +40,7 @@ FLAGS: dict[tuple[str, str], tuple[str, list[str]]] = {
     ("regen", "--top-p"): ("a number in (0, 1]", ["0.05", "1"]),
     ("regen", "--stop-token-ids"): ("an integer >= 0", ["0", "2"]),
     ("regen", "--batch-size"): ("a positive integer", ["1", "16"]),
+    ("regen", "--batch-tokens"): ("an integer >= 0 (0 = no bound)", ["0", "600000"]),
     ("regen", "--limit"): ("an integer >= 0 (0 = all)", ["0", "7"]),
     ("regen", "--max-turns"): ("an integer >= 0 (0 = all)", ["0", "1"]),
     ("regen", "--seed"): ("an integer >= 0", ["0", "1234"]),

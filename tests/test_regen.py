@@ -318,3 +318,63 @@ def test_max_turns_answers_only_the_first_turns_and_is_part_of_the_settings(tmp_
     assert main(["regen", "--target", str(tiny_target_dir), "--data", "mt-bench", "--limit", "2",
                  "--max-new-tokens", "4", "--out", str(out), "--no-progress"]) == 2
     assert "max_turns" in capsys.readouterr().err
+
+
+def test_token_batches_partition_in_order_within_both_bounds_and_greedily():
+    import random
+
+    from dflash_train.data.regen.local import token_batches
+
+    rng = random.Random(0)
+    for _ in range(300):
+        lengths = sorted((rng.randint(1, 60) for _ in range(rng.randint(0, 40))), reverse=rng.random() < 0.8)
+        rows, budget, new = rng.randint(1, 12), rng.choice([0, rng.randint(1, 400)]), rng.randint(0, 20)
+        slices = token_batches(lengths, rows, budget, new)
+        assert [i for s in slices for i in s] == list(range(len(lengths)))  # every prompt once, in order
+
+        def width(s):
+            return len(s) * (max(lengths[i] for i in s) + new)
+
+        for n, s in enumerate(slices):
+            assert 1 <= len(s) <= rows
+            assert not budget or len(s) == 1 or width(s) <= budget
+            if n + 1 < len(slices):  # greedy: the next prompt would have broken a bound
+                grown = range(s.start, s.stop + 1)
+                assert len(grown) > rows or (budget and width(grown) > budget)
+
+
+def test_a_token_budget_splits_generate_calls_and_keeps_the_answers(tmp_path, tiny, tiny_target_dir):
+    """Calls within the budget (their padded width seen at the real model's generate), the same greedy answers
+    and the same file as one call per batch."""
+    model, tok = tiny
+    max_new = 6
+    prompts = PROMPTS + ["Tell me a story about a cat who learned to fly over the mountains.", "Ok"]
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in prompts])
+    widths: list[tuple[int, int]] = []
+    real_generate = model.generate
+
+    def recording_generate(*args, **kwargs):
+        widths.append(tuple(kwargs["input_ids"].shape))
+        return real_generate(*args, **kwargs)
+
+    files = []
+    for budget in (0, 90):
+        widths.clear()
+        model.generate = recording_generate
+        try:
+            out = tmp_path / f"out{budget}.jsonl"
+            regenerate(tiny_target_dir, [str(data)], out,
+                       RegenSettings(max_new_tokens=max_new, batch_size=6, batch_tokens=budget, progress=False),
+                       model=model, tokenizer=tok)
+        finally:
+            del model.generate
+        files.append(out.read_bytes())
+        if budget:
+            assert len(widths) > 1 and all(rows * (w + max_new) <= budget or rows == 1 for rows, w in widths)
+        else:
+            assert [rows for rows, _ in widths] == [6]
+    assert files[0] == files[1]
+    gen = LocalGenerator(model, tok, stop_token_ids=STOPS, max_new_tokens=max_new, temperature=0.0, top_p=1.0, seed=0,
+                         batch_tokens=60)
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    assert gen.generate([gen.prompt_ids(c) for c in chats]) == [reference_answer(model, tok, c, max_new) for c in chats]

@@ -20,8 +20,8 @@ from .config.validate import validate_world
 from .data.dataset import FAR_FACTOR
 from .data.formats import BUILTIN_SOURCES
 from .errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, USER_ERRORS, UserError, debug_enabled
-from .numbers import (ALL_IF_ZERO, BLOCK_SIZE, INDEX, POSITIVE_INT, POSITIVE_NUMBER, SEED, TEMPERATURE, TOP_P,
-                      VAL_FRACTION)
+from .numbers import (ALL_IF_ZERO, BLOCK_SIZE, INDEX, NO_BOUND_IF_ZERO, POSITIVE_INT, POSITIVE_NUMBER, SEED,
+                      TEMPERATURE, TOP_P, VAL_FRACTION)
 
 log = logging.getLogger("dflash_train")
 
@@ -303,7 +303,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
     settings = RegenSettings(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         stop_token_ids=args.stop_token_ids, thinking=args.thinking, seed=args.seed, batch_size=args.batch_size,
-        limit=args.limit, max_turns=args.max_turns, sort_window=args.sort_window,
+        batch_tokens=args.batch_tokens, limit=args.limit, max_turns=args.max_turns, sort_window=args.sort_window,
         max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
         device=args.device, progress=not args.no_progress, skip_damaged_files=args.skip_damaged_files)
     if args.export_batch or args.import_batch:
@@ -381,7 +381,11 @@ def _add_regen_parser(subparsers) -> None:
     r.add_argument("--stop-token-ids", type=INDEX.flag, nargs="+", default=None,
                    help="default: the target's stop tokens (dflash_target.json), else its eos token(s)")
     r.add_argument("--batch-size", type=POSITIVE_INT.flag, default=16,
-                   help="conversations per generate call (default: %(default)s)")
+                   help="conversations per generate call, at most (default: %(default)s)")
+    r.add_argument("--batch-tokens", type=NO_BOUND_IF_ZERO.flag, default=0,
+                   help="at most this many padded tokens, rows x (longest prompt + --max-new-tokens), per generate "
+                        "call, whose memory grows with them: with a large --batch-size, short prompts go in wide "
+                        "calls and long ones in narrow calls; 0 = no bound (default: %(default)s)")
     r.add_argument("--limit", type=ALL_IF_ZERO.flag, default=0,
                    help="only the first N input rows, 0 = all (default: %(default)s)")
     r.add_argument("--max-turns", type=ALL_IF_ZERO.flag, default=0,

@@ -113,6 +113,7 @@ POSITIVE_NUMBER = Rule(float, low=0, low_open=True)
 NON_NEGATIVE_NUMBER = Rule(float, low=0)
 FRACTION = Rule(float, low=0, high=1)  # a share or a weight, both ends allowed
 ALL_IF_ZERO = Rule(int, low=0, zero="0 = all")
+NO_BOUND_IF_ZERO = Rule(int, low=0, zero="0 = no bound")
 INDEX = Rule(int, low=0)  # a token id or a layer index
 TEMPERATURE = Rule(float, low=0, zero="0 = greedy")
 TOP_P = Rule(float, low=0, high=1, low_open=True)

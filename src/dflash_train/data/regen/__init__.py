@@ -12,8 +12,9 @@ Output: JSONL, one `{"id": <file:line of the input row>, "messages": [...]}` per
 
 Local generation (`regenerate`), resumable after a kill at any moment:
 - order: the input is cut into windows of `sort_window` consecutive rows; within a window the rows
-  are sorted by prompt length (longest first, ties by input position) and cut into batches of
-  `batch_size`. The batches depend only on the input and these two numbers, never on what is done.
+  are sorted by prompt length (longest first, ties by input position) and cut into batches of at most
+  `batch_size` rows and, when `batch_tokens` is set, at most that many padded tokens (rows x (longest prompt
+  + max_new_tokens)). The batches depend only on the input and these numbers, never on what is done.
 - each batch is generated turn by turn (turn k of every row of the batch that has one, in one
   `generate` call, left padded, KV cache), then its rows are appended to the output in one write,
   flushed and fsynced. A batch with some rows already done is generated again whole (so every row

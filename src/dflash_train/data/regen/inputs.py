@@ -21,6 +21,7 @@ class RegenSettings:
     thinking: Optional[bool] = None  # enable_thinking for the chat template (None: not passed)
     seed: int = 0
     batch_size: int = 16
+    batch_tokens: int = 0  # rows x (longest prompt + max_new_tokens) per generate call at most; 0 = no bound
     limit: int = 0  # the first N input rows (bad ones included); 0 = all
     max_turns: int = 0  # answer only the first N user turns of each row; 0 = all
     sort_window: int = 4096  # rows sorted by prompt length together

@@ -24,12 +24,32 @@ from .journal import Appender, Summary, check_settings, read_done_ids, reject_re
 log = logging.getLogger(__name__)
 
 
+def token_batches(lengths: list[int], max_rows: int, max_tokens: int, new_tokens: int) -> list[range]:
+    """Consecutive slices of prompts (in the given order, longest first for full batches) of at most `max_rows`
+    prompts whose padded width, rows x (longest prompt + `new_tokens`), stays within `max_tokens` (0: no token
+    bound). A prompt wider than the budget on its own goes alone."""
+    out, start = [], 0
+    while start < len(lengths):
+        end, widest = start, 0
+        while end < len(lengths) and end - start < max_rows:
+            widest_next = max(widest, lengths[end])
+            if max_tokens and end > start and (end - start + 1) * (widest_next + new_tokens) > max_tokens:
+                break
+            widest, end = widest_next, end + 1
+        out.append(range(start, end))
+        start = end
+    return out
+
+
 class LocalGenerator:
-    """Batched generation with the target (HF `generate`, left padding, KV cache)."""
+    """Batched generation with the target (HF `generate`, left padding, KV cache). `batch_tokens` (0: off)
+    bounds each generate call's padded width, rows x (longest prompt + max_new_tokens), which is what its
+    memory grows with: a wider call is split, longest prompts first."""
 
     def __init__(self, model, tokenizer, *, stop_token_ids: list[int], max_new_tokens: int, temperature: float,
-                 top_p: float, seed: int, template_kwargs: Optional[dict] = None):
+                 top_p: float, seed: int, template_kwargs: Optional[dict] = None, batch_tokens: int = 0):
         self._model, self.tokenizer = model, tokenizer  # model: a module, or a callable that loads it
+        self.max_new_tokens, self.batch_tokens = max_new_tokens, batch_tokens
         self.stops = set(stop_token_ids)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]
         self.sampling = temperature > 0
@@ -51,7 +71,20 @@ class LocalGenerator:
         return prompt_ids(self.tokenizer, messages, self.template_kwargs)
 
     def generate(self, prompts: list[list[int]], seed_key: str = "") -> list[list[int]]:
-        """New tokens per prompt, up to and including the first stop token."""
+        """New tokens per prompt, up to and including the first stop token; in calls within `batch_tokens`."""
+        if not self.batch_tokens:
+            return self._generate(prompts, seed_key)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        chunks = token_batches([len(prompts[i]) for i in order], len(prompts), self.batch_tokens, self.max_new_tokens)
+        result: list[list[int]] = [[] for _ in prompts]
+        for n, chunk in enumerate(chunks):
+            picked = [order[j] for j in chunk]
+            key = seed_key if len(chunks) == 1 else f"{seed_key}|{n}"
+            for i, toks in zip(picked, self._generate([prompts[i] for i in picked], key)):
+                result[i] = toks
+        return result
+
+    def _generate(self, prompts: list[list[int]], seed_key: str) -> list[list[int]]:
         device = next(self.model.parameters()).device
         ids, mask = left_pad(prompts, self.pad_id)
         width = ids.shape[1]
@@ -109,8 +142,8 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
     """Generate the assistant turns of `sources` with `target` into `out` (resumable; see the package
     docstring). Returns the summary as a dict (`Summary.as_dict`)."""
     s = settings or RegenSettings()
-    if s.max_new_tokens <= 0 or s.batch_size <= 0 or s.sort_window <= 0:
-        raise ValueError("--max-new-tokens, --batch-size and --sort-window must be positive")
+    if s.max_new_tokens <= 0 or s.batch_size <= 0 or s.sort_window <= 0 or s.batch_tokens < 0:
+        raise ValueError("--max-new-tokens, --batch-size and --sort-window must be positive, --batch-tokens >= 0")
     sources = check_sources(sources)
     if not s.skip_damaged_files:
         check_readable(sources, s.limit)  # a damaged file: said before anything is loaded or written
@@ -147,7 +180,8 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
     template_kwargs = {"enable_thinking": s.thinking} if s.thinking is not None else None
     gen = LocalGenerator(model if model is not None else load_model, tokenizer, stop_token_ids=stops,
                          max_new_tokens=s.max_new_tokens,
-                         temperature=s.temperature, top_p=s.top_p, seed=s.seed, template_kwargs=template_kwargs)
+                         temperature=s.temperature, top_p=s.top_p, seed=s.seed, template_kwargs=template_kwargs,
+                         batch_tokens=s.batch_tokens)
 
     summary = Summary(out=str(out), rejects_file=str(rejects_path))
     total = count_rows(sources, s.limit)
@@ -181,8 +215,8 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
             rej_f.write(new_rejects)
             bar.update(len(new_rejects))
             items.sort(key=lambda t: (-t[0], t[1]))
-            for b in range(0, len(items), s.batch_size):
-                batch = items[b: b + s.batch_size]
+            for rows in token_batches([it[0] for it in items], s.batch_size, s.batch_tokens, s.max_new_tokens):
+                batch = items[rows.start: rows.stop]
                 todo = sum(1 for it in batch if it[2].id not in done)
                 for it in batch:
                     if it[2].id in done_rejects:
