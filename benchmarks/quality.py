@@ -473,7 +473,7 @@ def compare_with_decoding(decoded: dict[str, dict], replayed: dict[str, dict], m
 
 def metric_times(run: Path) -> dict[int, float]:
     """Step -> seconds of training after the first logged step (metrics `time` stamps)."""
-    from dflash_train.rundir import read_metrics
+    from dflash_train.run.metrics import read_metrics
 
     if not (run / "metrics.jsonl").is_file():
         return {}
@@ -1301,7 +1301,7 @@ def _file_sha256(path: Path) -> str:
 def train_summary(run: Path, last_n: int = 10) -> dict:
     """Steps, loss, accuracy per block position (last record, and the mean of the last `last_n` records:
     each record is one training batch, teacher-forced) and timings of a run directory."""
-    from dflash_train.rundir import read_metrics
+    from dflash_train.run.metrics import read_metrics
 
     records = []
     if (run / "metrics.jsonl").is_file():

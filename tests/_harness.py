@@ -39,7 +39,7 @@ def write_config(path: Path, target: Path, data: Path, **over) -> Path:
 
 def losses(run: Path) -> dict[int, float]:
     out = {}
-    from dflash_train.rundir import read_metrics
+    from dflash_train.run.metrics import read_metrics
 
     for r in read_metrics(run):
         if "loss" in r:

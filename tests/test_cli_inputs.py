@@ -80,7 +80,7 @@ def run_dir(tmp_path):
     import torch
 
     from dflash_train.algorithms.io import save_drafter
-    from dflash_train.rundir import RunDir
+    from dflash_train.run.directory import RunDir
     from dflash_train.train.checkpoint import save_checkpoint
 
     run = RunDir(tmp_path / "run").create()

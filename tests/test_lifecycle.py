@@ -223,7 +223,7 @@ def test_resume_without_a_run_or_a_checkpoint_says_so_at_once(setup, tmp_path, c
 def test_a_run_on_another_host_is_judged_by_its_pulse(tmp_path):
     """Where the kernel cannot be asked (another node), a run is alive while its files keep being touched and
     `silent` once they stop for longer than SILENT_S."""
-    from dflash_train.rundir import SILENT_S, Pulse, format_status
+    from dflash_train.run.status import SILENT_S, Pulse, format_status
 
     now = time.time()
     elsewhere = {"phase": "training", "step": 40, "total_steps": 100, "heartbeat": now - 30, "eta_s": 60,

@@ -60,7 +60,7 @@ def write_checkpoint(root: Path, step: int) -> Path:
 def run(tmp_path) -> Path:
     """A finished run: config, status, metrics, two checkpoints (different weights) and export/."""
     from dflash_train.algorithms.io import save_drafter
-    from dflash_train.rundir import RunDir
+    from dflash_train.run.directory import RunDir
 
     r = RunDir(tmp_path / "run").create()
     r.config.write_text("target:\n  path: smollm2\n")
@@ -108,7 +108,7 @@ def test_export_never_writes_into_a_run(run, tmp_path, capsys, part):
 
 
 def test_export_refuses_a_live_run(tmp_path, capsys):
-    from dflash_train.rundir import RunDir
+    from dflash_train.run.directory import RunDir
 
     ckpt = write_checkpoint(tmp_path / "ckpts", 10)
     live = RunDir(tmp_path / "live").create()

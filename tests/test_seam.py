@@ -160,7 +160,7 @@ def test_a_dflash_config_yaml_written_before_the_sections_loads_unchanged():
 def test_a_run_whose_config_yaml_has_the_old_keys_resumes_with_no_change(tmp_path, arch, tiny_target_dir,
                                                                        counting_jsonl, caplog, monkeypatch):
     from dflash_train.config import load as config_load
-    from dflash_train.rundir import RunDir
+    from dflash_train.run.directory import RunDir
     from dflash_train.train.admission import admit_start, flatten
 
     fresh = config_from_dict({"target": {"path": str(tiny_target_dir)}, "data": {"train_files": [str(counting_jsonl)]},
@@ -188,7 +188,7 @@ def test_a_run_whose_config_yaml_has_the_old_keys_resumes_with_no_change(tmp_pat
 
 
 def test_a_resume_that_changes_the_architecture_names_its_keys_not_a_crash(tmp_path):
-    from dflash_train.rundir import RunDir
+    from dflash_train.run.directory import RunDir
     from dflash_train.train.admission import resume_changes
 
     dflash2 = config_from_dict({"drafter": {"architecture": "dflash2"}})

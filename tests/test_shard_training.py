@@ -208,7 +208,7 @@ def test_every_rank_validates_with_a_sharded_target_and_rank_0_records_the_unsha
     capture and each decoding step needs the whole shard group), rank 0 alone records it; the validation
     records and the losses are those of the unsharded run, whose rank 0 validates alone (tp: to float32
     rounding; the accepted tokens the same)."""
-    from dflash_train.rundir import read_metrics
+    from dflash_train.run.metrics import read_metrics
 
     target_dir = request.getfixturevalue("tiny_target_dir" if target == "dense" else "moe_target_dir")
 

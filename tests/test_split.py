@@ -323,7 +323,7 @@ def test_preflight_counts_parameters_from_headers_and_budgets_by_role(tiny_targe
 
 
 def test_status_names_the_side_that_limits_a_split_run():
-    from dflash_train.rundir import bound_side, format_ranks
+    from dflash_train.run.status import bound_side, format_ranks
 
     now = 1000.0
     drafter = {"rank": 0, "role": "drafter", "phase": "training", "step": 9, "time": now - 1, "train_s": 100.0,

@@ -12,11 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train import rundir, trackers
+from dflash_train import trackers
 from dflash_train.config.load import config_from_dict, load_config
 from dflash_train.config.validate import validate_world
 from dflash_train.errors import ConfigError
-from dflash_train.rundir import MetricsWriter, Reporter, RunDir, read_tracker_ids
+from dflash_train.run.directory import RunDir
+from dflash_train.run.metrics import MetricsWriter
+from dflash_train.run.reporter import Reporter
+from dflash_train.run.tracker_runs import read_tracker_ids
+from dflash_train.runtime import write_json_atomic
 from dflash_train.trackers import TrackerPackage, tracker_unavailable
 from dflash_train.train.admission import flatten, resume_changes
 
@@ -153,7 +157,7 @@ def test_mlflow_honours_the_users_tracking_uri(run: RunDir, tmp_path: Path, clea
 
 def test_mlflow_starts_a_new_run_when_the_recorded_one_is_gone(run: RunDir, clean_env) -> None:
     pytest.importorskip("mlflow")
-    rundir.write_json_atomic(run.trackers, {"mlflow": {"run_id": "0123456789abcdef0123456789abcdef"}})
+    write_json_atomic(run.trackers, {"mlflow": {"run_id": "0123456789abcdef0123456789abcdef"}})
     writer = MetricsWriter(run, tensorboard=False, trackers=["mlflow"], params=PARAMS)
     writer.close()
     run_id = read_tracker_ids(run)["mlflow"]["run_id"]

@@ -113,7 +113,8 @@ def test_a_refused_start_keeps_what_was_in_the_directory_and_puts_an_overwritten
 def test_a_trace_left_by_a_refused_start_does_not_block_the_fixed_command(tmp_path, tiny_target_dir,
                                                                            counting_jsonl, capsys):
     """A detached or torchrun start cannot take its trace back; the next fresh start clears it (only it)."""
-    from dflash_train.rundir import RunDir, StatusWriter
+    from dflash_train.run.directory import RunDir
+    from dflash_train.run.status import StatusWriter
 
     run = RunDir(tmp_path / "R").create()
     (run.root / "train.log").write_text("the failed start's log\n")
@@ -151,7 +152,7 @@ def test_mask_token_must_not_be_pad_or_eos(tmp_path, tiny_target_dir, counting_j
 def test_train_log_rotates_and_stays_bounded(tmp_path, monkeypatch):
     import logging
 
-    from dflash_train.rundir import RunDir
+    from dflash_train.run.directory import RunDir
 
     monkeypatch.setattr(RunDir, "log_max_bytes", 4096)
     run = RunDir(tmp_path / "r").create()
@@ -171,7 +172,9 @@ def test_train_log_rotates_and_stays_bounded(tmp_path, monkeypatch):
 
 
 def test_metrics_rotate_into_parts_that_readers_follow_and_resume_truncates(tmp_path, monkeypatch):
-    from dflash_train.rundir import MetricsWriter, RunDir, metrics_parts, read_metrics, read_status
+    from dflash_train.run.directory import RunDir
+    from dflash_train.run.metrics import MetricsWriter, metrics_parts, read_metrics
+    from dflash_train.run.status import read_status
     from dflash_train.train.trainer import _truncate_metrics
 
     monkeypatch.setattr(MetricsWriter, "max_bytes", 2048)

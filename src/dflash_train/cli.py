@@ -144,7 +144,8 @@ def _say_undone(done: Optional[str]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .rundir import RunDir, format_ranks, format_status, read_heartbeats, read_status, run_verdict
+    from .run.directory import RunDir
+    from .run.status import format_ranks, format_status, read_heartbeats, read_status, run_verdict
 
     while True:
         status, last = read_status(args.run_dir)

@@ -37,7 +37,8 @@ from .layout import list_checkpoints
 from .target.capture import load_tokenizer
 from .model_card import link_images, put_eval_table
 from .pipeline import Stage, StageRunner, Unfinished
-from .rundir import RunDir, read_metrics
+from .run.directory import RunDir
+from .run.metrics import read_metrics
 from .runtime import resolve_device, resolve_dtype
 from .train.trainer import train
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from .layout import STATE, OutputRefused, holds_something
-from .rundir import RunDir
+from .run.directory import RunDir
 
 Input = tuple[str, Path]  # (the flag that gave it, the path)
 

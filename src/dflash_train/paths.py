@@ -11,7 +11,7 @@ from pathlib import Path
 from . import architectures
 from .layout import (DRAFTER_FILES, STATE, InputPathError, has_drafter_files, is_checkpoint, is_exported_drafter,
                      list_checkpoints)
-from .rundir import RunDir
+from .run.directory import RunDir
 
 _STEP = re.compile(r"step-0*(\d+)")
 

@@ -2,7 +2,7 @@
 kill) never sees half done.
 
 torch is imported inside the functions that need it: `dflash-train status` and
-`stop` import this module (through rundir) and start in 0.1 s, and importing torch alone takes 1.7 s
+`stop` import this module (through run/) and start in 0.1 s, and importing torch alone takes 1.7 s
 (measured on the 2-core CPU machine).
 """
 

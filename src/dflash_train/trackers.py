@@ -1,5 +1,5 @@
 """The experiment trackers `run.report_to` may name, and whether each one's package can run here: what
-config/validate.py checks before any model loads. The trackers themselves (their runs, trackers.json) are rundir.py's."""
+config/validate.py checks before any model loads. The trackers' runs (trackers.json) are run/tracker_runs.py's."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ from ..data.formats import DamagedDataFile, check_readable, expand_source
 from ..data.store import SPLITS, PreparedDataset, is_prepared
 from ..errors import ConfigError, UserError
 from ..layout import list_checkpoints
-from ..rundir import ENDED, RunDir, liveness
+from ..run.directory import ENDED, RunDir
+from ..run.status import liveness
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from typing import Optional
 
 from .. import procs
 from ..errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR
-from ..rundir import ENDED, RunDir, StatusWriter, read_heartbeats, request_stop_file
+from ..run.directory import ENDED, RunDir, request_stop_file
+from ..run.status import StatusWriter, read_heartbeats
 
 GRACE_S = 10.0
 # The launcher's start time, inherited by its ranks: a STOP file older than it is stale (trainer.StopRequest).

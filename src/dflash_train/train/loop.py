@@ -29,7 +29,8 @@ from ..accel import compile as compile_layer
 from ..algorithms.io import load_drafter, save_drafter
 from ..model_card import CARD_NAME, weights_line
 from ..target.provenance import PROVENANCE_NAME
-from ..rundir import Reporter, RunDir
+from ..run.directory import RunDir
+from ..run.reporter import Reporter
 from . import checkpoint as checkpoints
 from .dist import StopVote
 from ..algorithms.base import StepStats

@@ -1,7 +1,7 @@
 """One rank's whole run: admit the start (every check that needs no weights, before anything is written),
 set the rank up (process group, data plan, preflight), build the target and the drafter, continue from a
 checkpoint on resume, warm up, then the training loop (`loop.py`) or, on a split target rank, serve hidden
-states. The run directory tells at any moment what is happening (`rundir.Reporter`)."""
+states. The run directory tells at any moment what is happening (`run.reporter.Reporter`)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ from ..target.tensor_parallel import check_tp_target, load_tp_target
 from ..target.capture import (TargetCapture, default_mask_token_id, load_target_head, load_target_model, load_tokenizer,
                             read_target_config)
 from ..model_card import training_card
-from ..rundir import Reporter, RunDir, clear_stop_request, stop_requested_since
+from ..run.directory import RunDir, clear_stop_request, stop_requested_since
+from ..run.reporter import Reporter
 from ..runtime import resolve_device, resolve_dtype, write_text_atomic
 from . import checkpoint as checkpoints
 from . import indexing, preflight, size_classes
@@ -628,7 +629,7 @@ def serve_target(target: TargetCapture, layout: SplitLayout, groups, start_step:
 def _truncate_metrics(path: Path, step: int) -> None:
     """A resumed run re-logs the steps after its checkpoint: drop the killed run's records of them,
     newest file first, across rotated parts (a part left empty is removed)."""
-    from ..rundir import metrics_parts
+    from ..run.metrics import metrics_parts
 
     for part in reversed(metrics_parts(path.parent)):
         lines = part.read_text().splitlines()
