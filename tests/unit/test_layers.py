@@ -28,7 +28,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "dflash_train"
 
 # module or package (relative to dflash_train; "__init__" is the package root itself) -> layer. A package's line

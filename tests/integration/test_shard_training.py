@@ -11,7 +11,7 @@ import torch
 
 from _harness import assert_same_losses, beat, kill_rank_and_time, losses, run, status, write_config
 from conftest import TOKENIZER_FILES
-from test_moe_target import qwen3_moe
+from _moe_targets import qwen3_moe
 
 from dflash_train.cli import main
 from dflash_train.config.load import config_from_dict

@@ -5,8 +5,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-spec = importlib.util.spec_from_file_location("plan_split", Path(__file__).parent.parent / "benchmarks" / "plan_split.py")
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+spec = importlib.util.spec_from_file_location("plan_split", Path(__file__).parents[2] / "benchmarks" / "plan_split.py")
 plan = importlib.util.module_from_spec(spec)
 sys.modules["plan_split"] = plan  # its dataclasses look their module up
 spec.loader.exec_module(plan)

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).parent.parent / "src"
+SRC = Path(__file__).parents[2] / "src"
 _spec = importlib.util.spec_from_file_location("precompile_fanout",
-                                               Path(__file__).parent.parent / "benchmarks" / "precompile_fanout.py")
+                                               Path(__file__).parents[2] / "benchmarks" / "precompile_fanout.py")
 _fanout = sys.modules["precompile_fanout"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
 _spec.loader.exec_module(_fanout)
 Fanout = _fanout.Fanout
-WORKER = Path(__file__).parent / "_aot_cache_worker.py"
+WORKER = Path(__file__).parents[1] / "helpers" / "_aot_cache_worker.py"
 
 
 def _env() -> dict:

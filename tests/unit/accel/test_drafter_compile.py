@@ -366,8 +366,8 @@ def test_a_warm_start_takes_the_fp8_drafter_graphs_from_aotautograds_cache(tmp_p
     import subprocess
     import sys
 
-    worker = Path(__file__).parent / "_aot_cache_worker.py"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    worker = Path(__file__).parents[2] / "helpers" / "_aot_cache_worker.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[3] / "src")}
     stats, saved = [], []
     for run in ("cold", "warm"):
         out = tmp_path / f"{run}.pt"

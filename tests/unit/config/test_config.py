@@ -9,7 +9,7 @@ from dflash_train.config.load import config_from_dict, config_to_dict, dump_conf
 from dflash_train.config.validate import validate_against_target
 from dflash_train.errors import ConfigError
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 def test_defaults_are_the_published_recipe():

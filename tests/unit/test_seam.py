@@ -23,7 +23,7 @@ from dflash_train import architectures
 from dflash_train.config.load import config_from_dict, config_to_dict, dump_config, load_config
 from dflash_train.errors import ConfigError
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "dflash_train"
+SRC = Path(__file__).resolve().parents[2] / "src" / "dflash_train"
 
 # ------------------------------------------------------------------------------------------------ no names leak
 

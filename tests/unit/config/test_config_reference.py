@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dflash_train.config_reference import PAGE, field_comments, reference_markdown, undocumented
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_every_config_key_has_a_comment_in_the_schema():

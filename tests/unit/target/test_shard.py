@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from _shard_worker import sharded_capture_rank
-from test_moe_target import qwen3_5_moe, qwen3_moe, save
+from _moe_targets import qwen3_5_moe, qwen3_moe, save
 
 from dflash_train.target.shard import rows_of
 

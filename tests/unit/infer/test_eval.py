@@ -97,7 +97,7 @@ def test_export_from_a_checkpoint_reloads_with_identical_outputs(tmp_path, train
 def test_eval_refuses_a_drafter_of_another_target(tmp_path, trained_run, tiny_target_dir, capsys):
     """The check reads only config.json files: it fails before any target weights load."""
     import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[2]))
     from conftest import make_tiny_target
 
     other = make_tiny_target(tmp_path / "other", tiny_target_dir, layers=3)
