@@ -48,7 +48,7 @@ def setup(request, tmp_path_factory, tiny_target_dir, counting_jsonl):
     in the hidden-state transport)."""
     marks = request.config.getoption("-m", default="") or ""
     if request.param == "split" and ("chaos" not in marks or "not chaos" in marks):
-        pytest.skip("split chaos trials run in the full sweep (-m chaos); tests/test_split.py covers the split by default")
+        pytest.skip("split chaos trials run in the full sweep (-m chaos); tests/integration/test_split.py covers the split by default")
     root = tmp_path_factory.mktemp(f"chaos-{request.param}")
     extra = {"parallel__placement": "split", "run__eval_every": 0} if request.param == "split" else {}
     cfg = write_config(root / "c.yaml", tiny_target_dir, counting_jsonl, run__save_every=3, run__keep_last=2, **extra)

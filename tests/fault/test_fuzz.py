@@ -13,7 +13,7 @@ at fault, never another exception. A Config that loads has only finite floats an
 Every crash found so far is pinned below as an @example. Example counts scale with
 DFLASH_FUZZ_EXAMPLES (a multiplier, default 1); DFLASH_FUZZ_RANDOM=1 draws new examples each run
 (default: derandomized, the same examples every run). Long sweep:
-    DFLASH_FUZZ_EXAMPLES=20 DFLASH_FUZZ_RANDOM=1 pytest tests/test_fuzz.py --hypothesis-show-statistics
+    DFLASH_FUZZ_EXAMPLES=20 DFLASH_FUZZ_RANDOM=1 pytest tests/fault/test_fuzz.py --hypothesis-show-statistics
 """
 
 from __future__ import annotations

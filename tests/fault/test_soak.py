@@ -7,7 +7,7 @@ from /proc every few seconds. What must hold:
   maximum is at most +FD_TOLERANCE above the second quarter's median;
 - metrics.jsonl grows linearly: exactly one record per log step, records of about constant size;
 - checkpoints stay bounded (run.keep_last) with no temp folder left; train.log, metrics.jsonl and
-  TensorBoard rotate at 64 MiB per file (tests/test_train_run.py checks the rotation), far beyond a
+  TensorBoard rotate at 64 MiB per file (tests/unit/train/test_train_run.py checks the rotation), far beyond a
   soak run: the bytes per step are printed.
 
 `pytest -m soak` runs the long one (DFLASH_SOAK_STEPS, default 2000 steps); the default run has a mini

@@ -158,7 +158,7 @@ def _qwen3_target(layers=32, seed=0):
 
 
 # Per quantised matmul at most sqrt(2) * 2^-4 = 0.088 relative (both operands rounded by up to 2^-4); a branch
-# (attention: q/k/v then o; MLP: gate/up then down) chains two: sqrt(2) * 0.088 = 0.125 (tests/test_fp8_target.py).
+# (attention: q/k/v then o; MLP: gate/up then down) chains two: sqrt(2) * 0.088 = 0.125 (tests/unit/target/test_fp8_target.py).
 # Deeper layers add their own rounding, independent of the earlier layers': the bound after L layers grows as
 # sqrt(L). (The first GPU run, against a flat 0.125, measured 0.152 after 2 and 0.201 after 4 layers of the 8B
 # shape; bf16 0.013 / 0.017.)

@@ -1,7 +1,7 @@
-"""One process of tests/test_drafter_compile.py's warm-start test: a small FP8 drafter's compiled layers through
+"""One process of tests/unit/accel/test_drafter_compile.py's warm-start test: a small FP8 drafter's compiled layers through
 inductor on the CPU, one forward and backward under bf16 autocast, with the compile cache in argv[1]. Saves the
 output and the gradients to argv[2] and prints the compile caches' counters as JSON. An optional argv[3] makes it
-a precompile child of tests/test_precompile.py: only the compiled functions named like one of its comma-separated
+a precompile child of tests/benchmarks/test_precompile.py: only the compiled functions named like one of its comma-separated
 parts compile (`compile.restrict_to`); the line then also carries the graphs it compiled. Not a test module."""
 
 import json

@@ -21,7 +21,7 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREAD
 
 
 def write_config(path: Path, target: Path, data: Path, **over) -> Path:
-    """The tests/test_distributed.py config; `section__key=value` overrides."""
+    """The tests/integration/test_distributed.py config; `section__key=value` overrides."""
     cfg = {
         "target": {"path": str(target)},
         "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},

@@ -1,4 +1,4 @@
-"""One rank of the sharded-target tests (tests/test_shard.py), started by torch.multiprocessing over gloo: load
+"""One rank of the sharded-target tests (tests/unit/target/test_shard.py), started by torch.multiprocessing over gloo: load
 the target sharded, check each local shard against transformers' own full load, and capture. Not a test module."""
 
 from __future__ import annotations

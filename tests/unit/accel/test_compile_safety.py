@@ -86,7 +86,7 @@ def test_after_the_seal_every_eager_flex_call_raises_whatever_ran_before():
     """One eager flex_attention call before the seal, others after: every later eager route raises, although
     torch warns only once per process and that warning was spent before the seal (the old seal, a warnings
     filter, let them all run); the compiled call runs, and so does an explicitly allowed reference call. CPU
-    flex has no backward: tests/test_gpu.py checks the eager backward too."""
+    flex has no backward: tests/gpu/ checks the eager backward too."""
     proc = subprocess.run([sys.executable, "-c", SEALED], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """`drafter.compile` on CPU: the config key and its refusal on a CPU device, the compiled layers against the
 eager ones (outputs and gradients, AOTAutograd's joint graph as inductor gets it), two graphs shared by all
 layers that no later batch size or length recompiles (no duck sizing), and the trainer's warm-up covering
-batches of one row and of several. Inductor numerics and speed are checked on a GPU (tests/test_gpu.py,
+batches of one row and of several. Inductor numerics and speed are checked on a GPU (tests/gpu/,
 benchmarks/throughput.py --compile-drafter)."""
 
 import copy

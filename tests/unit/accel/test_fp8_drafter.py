@@ -2,7 +2,7 @@
 quantised along the contracted dimension (and against the exact float64 linear), the operand layouts the CUDA
 kernel needs, autocast dtypes, which drafter linears switch (same parameters, same names), the compiled layers
 (AOTAutograd's joint graph; inductor on the CPU: slow), the refusals, and a CPU training run that learns and
-exports. Inductor on a GPU and the numerics against bf16 there: tests/test_gpu.py."""
+exports. Inductor on a GPU and the numerics against bf16 there: tests/gpu/."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 with the option off, and the compiled wiring traced by Dynamo's "eager" backend (no inductor): one
 graph per layer class for every layer, batch 1 and >= 2 warmed, new lengths never recompile, the
 early stop and `with_final` still work, a recompile-limit hit raises. Inductor numerics are checked
-on a GPU (tests/test_gpu.py)."""
+on a GPU (tests/gpu/)."""
 
 import json
 

@@ -148,4 +148,4 @@ def test_shipped_gpu_configs_match_their_descriptions():
     assert (f.data.token_budget, f.data.max_batch_size) == (49152, 64)
     assert (f.parallel.placement, f.parallel.target_ranks, f.run.eval_every) == ("split", 5, 0)
     assert (f.drafter.num_attention_heads, f.drafter.intermediate_size) == (32, 17408)
-    assert q.target.compile and f.target.compile  # the GPU configs compile the target (tests/test_gpu.py covers it)
+    assert q.target.compile and f.target.compile  # the GPU configs compile the target (tests/gpu/ covers it)

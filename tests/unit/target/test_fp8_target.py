@@ -2,7 +2,7 @@
 quantisation against its float64 error bound, the quantised linear against a float64 product of the same
 quantised operands, the captured hidden states of a tiny random Qwen3 against a float32 capture, the loading
 (which layers, what memory), the refusals before any weights load, and a CPU training run that learns and
-exports. Inductor's fusion and the CUDA kernel are checked on a GPU (tests/test_gpu.py)."""
+exports. Inductor's fusion and the CUDA kernel are checked on a GPU (tests/gpu/)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The activation estimate (train/activation_memory.py) against the live tensors of real eager runs on CPU: a capture
 of tiny random Qwen3 targets (dense and MoE) and real drafter training steps (dflash, dflash2; float32 and bfloat16
-autocast), measured op by op (tests/_live_bytes.py). The estimate must bound the measured peak, stay within 2.5x
+autocast), measured op by op (tests/helpers/_live_bytes.py). The estimate must bound the measured peak, stay within 2.5x
 of it, and each shape's dominant named part must be needed (the estimate without it falls below the measurement)."""
 
 import numpy as np

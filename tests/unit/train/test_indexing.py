@@ -2,7 +2,7 @@
 computes are the real tensors' of the compiled functions (recorded op by op on CPU), its plan maximum is the
 brute-force one, a plan over 2^31 - 1 is warned about naming what to lower, and the trainer reports it (and
 warns, then trains: the warm-up compiles the largest batches, so nothing recompiles mid-run). That inductor's 32-bit guard recompiles a kernel past 2^31 is checked on a GPU
-(tests/test_gpu.py)."""
+(tests/gpu/)."""
 
 import json
 import re
