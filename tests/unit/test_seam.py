@@ -1,0 +1,305 @@
+"""The seam between the generic stack and the drafter architectures: an architecture lives wholly in its package.
+
+- the generic code names no architecture but the default (a grep);
+- an architecture's own config keys are a section named after it, accepted only under its drafter.architecture;
+  the old flat keys still load (one warning), and a run whose config.yaml has them resumes with no change;
+- an architecture defined in a test file alone, registered at run time, trains, decodes, exports and reloads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from dflash_train import architectures
+from dflash_train.config.load import config_from_dict, config_to_dict, dump_config, load_config
+from dflash_train.errors import ConfigError
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "dflash_train"
+
+# ------------------------------------------------------------------------------------------------ no names leak
+
+# Identifiers of one architecture's modules and keys that no other code may use (besides its name).
+OWN_IDENTIFIERS = {"dflash2": ("selector_", "conv_kernel", "candidate_selector")}
+
+
+def _leaks(src: Path) -> list[str]:
+    found = []
+    for name in [n for n in architectures.names() if n != architectures.DEFAULT]:
+        words = [re.compile(rf"\b{re.escape(name)}\b"), *map(re.compile, map(re.escape, OWN_IDENTIFIERS.get(name, ())))]
+        for path in sorted(src.rglob("*.py")):
+            rel = path.relative_to(src)
+            if rel.parts[:2] == ("algorithms", name):
+                continue
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if rel == Path("architectures.py") and line.lstrip().startswith(f'Registered("{name}"'):
+                    continue  # the registry line
+                if any(w.search(line) for w in words):
+                    found.append(f"{rel}:{number}: {line.strip()}")
+    return found
+
+
+def test_generic_code_names_no_architecture_but_the_default():
+    leaks = _leaks(SRC)
+    assert not leaks, ("architecture names or identifiers outside their package (move the code behind "
+                       "`Architecture` / `architectures.Options`):\n" + "\n".join(leaks))
+
+
+def test_the_leak_check_finds_a_planted_name(tmp_path):
+    (tmp_path / "train").mkdir(parents=True)
+    (tmp_path / "train" / "step.py").write_text('if cfg.drafter.architecture == "dflash2":\n    x.selector_top_k\n')
+    (tmp_path / "algorithms" / "dflash2").mkdir(parents=True)
+    (tmp_path / "algorithms" / "dflash2" / "model.py").write_text("self.candidate_selector = 1\n")
+    assert _leaks(tmp_path) == ['train/step.py:1: if cfg.drafter.architecture == "dflash2":',
+                                "train/step.py:2: x.selector_top_k"]
+
+
+# ------------------------------------------------------------------------------------------------ the sections
+
+
+def test_an_architecture_section_loads_and_dumps_in_the_new_shape(tmp_path):
+    cfg = config_from_dict({"drafter": {"architecture": "dflash2"}, "dflash2": {"selector_top_k": 16}},
+                           ["dflash2.selector_rows=all"])
+    assert (cfg.options.selector_top_k, cfg.options.selector_rows, cfg.options.conv_kernel_size) == (16, "all", 2)
+    dump_config(cfg, tmp_path / "c.yaml")
+    written = yaml.safe_load((tmp_path / "c.yaml").read_text())
+    assert written["dflash2"]["selector_top_k"] == 16 and "selector_top_k" not in written["drafter"]
+    assert "selector_rows" not in written["objective"] and "options" not in written
+    assert config_to_dict(load_config(tmp_path / "c.yaml")) == config_to_dict(cfg)
+    plain = config_from_dict({})
+    assert plain.options is None and "dflash2" not in config_to_dict(plain)
+
+
+@pytest.mark.parametrize("tree,overrides,message", [
+    ({"dflash2": {"selector_top_k": 16}}, [],
+     r"^config key 'dflash2.selector_top_k': applies to DFlash2's .*drafter.architecture is 'dflash': set "
+     r"drafter.architecture=dflash2 or remove the dflash2 section$"),
+    ({}, ["dflash2.selector_rank=8"], r"'dflash2.selector_rank'.*remove the dflash2 section \(override "),
+    ({"drafter": {"architecture": "dflash2"}, "dflash2": {"selector_top_k": 0}}, [],
+     r"'dflash2.selector_top_k': must be a positive integer"),
+    ({"drafter": {"architecture": "dflash2"}, "dflash2": {"nope": 1}}, [],
+     r"unknown config key 'dflash2.nope'; valid keys in dflash2: acceptance_from, "),
+    ({"drafter": {"architecture": "dflash2", "block_size": 4}, "dflash2": {"conv_kernel_size": 5}}, [],
+     r"'dflash2.conv_kernel_size': must be between 1 and drafter.block_size=4"),
+    ({"drafter": {"architecture": "dflash2"}, "dflash2": {"acceptance_from": "selector"},
+      "objective": {"slot_weighting": "gamma"}}, [], r"'dflash2.acceptance_from'.*'gamma'"),
+    ({"drafter": {"selector_top_k": 8}, "dflash2": {"selector_top_k": 8}}, [],
+     r"'drafter.selector_top_k' is the old name of 'dflash2.selector_top_k', which is given too"),
+    ({"options": {}}, [], r"unknown config key 'options'; valid keys in the top level: data, dflash2, drafter"),
+])
+def test_a_section_is_refused_naming_the_key_and_what_to_do(tree, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(tree, overrides)
+
+
+def test_a_section_given_before_its_architecture_in_the_overrides_is_accepted():
+    cfg = config_from_dict({}, ["dflash2.selector_top_k=64", "drafter.architecture=dflash2"])
+    assert cfg.options.selector_top_k == 64
+
+
+# ------------------------------------------------------------------------------------------------ the old flat keys
+
+
+def _old_shape(cfg) -> dict:
+    """The config as dump_config wrote it before the sections: the architecture's keys flat under drafter and
+    objective (every key, at its value)."""
+    plain = config_to_dict(cfg)
+    section = plain.pop(cfg.drafter.architecture, None) or dataclasses.asdict(
+        architectures.options("dflash2").section())
+    for old, new in architectures.options("dflash2").aliases.items():
+        where, key = old.split(".")
+        plain[where][key] = section[new]
+    return plain
+
+
+def test_old_flat_keys_load_under_their_new_names_with_one_warning(caplog, monkeypatch):
+    from dflash_train.config import load as config_load
+
+    monkeypatch.setattr(config_load, "_WARNED", set())  # warned once per process: this test's keys may have been before
+    with caplog.at_level(logging.WARNING, logger="dflash_train.config.load"):
+        cfg = config_from_dict({"drafter": {"architecture": "dflash2", "selector_top_k": 12},
+                                "objective": {"selector_loss_weight": 0.5}}, ["drafter.selector_rank=4"])
+    assert (cfg.options.selector_top_k, cfg.options.selector_rank, cfg.options.selector_loss_weight) == (12, 4, 0.5)
+    lines = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(lines) == 1, lines
+    for old, new in (("drafter.selector_top_k", "dflash2.selector_top_k"), ("drafter.selector_rank",
+                                                                            "dflash2.selector_rank"),
+                     ("objective.selector_loss_weight", "dflash2.selector_loss_weight")):
+        assert f"{old} -> {new}" in lines[0]
+
+
+def test_old_flat_keys_keep_their_refusals_and_name_the_key_as_written():
+    with pytest.raises(ConfigError, match=r"^config key 'drafter.selector_lr_scale' \(now dflash2.selector_lr_scale\)"
+                                          r": applies to .*set drafter.architecture=dflash2 or leave "
+                                          r"drafter.selector_lr_scale at 1.0"):
+        config_from_dict({"drafter": {"selector_lr_scale": 10}})
+    with pytest.raises(ConfigError, match=r"^override 'drafter.selector_top_k=0': config key 'drafter.selector_top_k' "
+                                          r"\(now dflash2.selector_top_k\): must be a positive integer"):
+        config_from_dict({"drafter": {"architecture": "dflash2"}}, ["drafter.selector_top_k=0"])
+
+
+def test_a_dflash_config_yaml_written_before_the_sections_loads_unchanged():
+    """Every older config.yaml holds the flat keys at their defaults, whatever the architecture: for dflash they
+    are dropped (they never applied), and the config is the one written."""
+    cfg = config_from_dict({"optim": {"lr": 1e-3}})
+    old = _old_shape(cfg)
+    assert old["drafter"]["selector_top_k"] == 32
+    again = config_from_dict(old)
+    assert again == cfg and again.options is None
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_a_run_whose_config_yaml_has_the_old_keys_resumes_with_no_change(tmp_path, arch, tiny_target_dir,
+                                                                       counting_jsonl, caplog, monkeypatch):
+    from dflash_train.config import load as config_load
+    from dflash_train.run.directory import RunDir
+    from dflash_train.train.admission import admit_start, flatten
+
+    fresh = config_from_dict({"target": {"path": str(tiny_target_dir)}, "data": {"train_files": [str(counting_jsonl)]},
+                              "drafter": {"architecture": arch, "block_size": 4},
+                              **({"dflash2": {"selector_top_k": 8, "selector_rows": "all"}} if arch == "dflash2" else {}),
+                              "optim": {"max_steps": 4}})
+    run = RunDir(tmp_path / "run")
+    (run.checkpoints / "step-00000002").mkdir(parents=True)
+    (run.checkpoints / "step-00000002" / "trainer_state.json").write_text("{}")
+    run.config.write_text(yaml.safe_dump(_old_shape(fresh), sort_keys=False))
+    monkeypatch.setattr(config_load, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="dflash_train.config.load"):
+        start = admit_start(None, ["optim.max_steps=6"], run.root, resume=True, check_owner=False)
+    assert start.changes == {"optim.max_steps": (4, 6)}
+    # the run's config.yaml is read twice (as recorded, as asked): one deprecation line
+    assert len([r for r in caplog.records if "deprecated config keys" in r.getMessage()]) == 1
+    assert flatten(start.cfg) == {**flatten(fresh), "optim.max_steps": 6}
+    # a new-shape CONFIG given with --resume is the same run; a changed section key is refused by its name
+    dump_config(fresh, tmp_path / "new.yaml")
+    assert admit_start(str(tmp_path / "new.yaml"), [], run.root, resume=True, check_owner=False).changes == {}
+    if arch == "dflash2":
+        with pytest.raises(ConfigError, match=r"'dflash2.selector_top_k' is 8 in .* and 16 by the override "
+                                              r"drafter.selector_top_k=16"):
+            admit_start(None, ["drafter.selector_top_k=16"], run.root, resume=True, check_owner=False)
+
+
+def test_a_resume_that_changes_the_architecture_names_its_keys_not_a_crash(tmp_path):
+    from dflash_train.run.directory import RunDir
+    from dflash_train.train.admission import resume_changes
+
+    dflash2 = config_from_dict({"drafter": {"architecture": "dflash2"}})
+    with pytest.raises(ConfigError, match=r"'drafter.architecture' is 'dflash2' .* and 'dflash'"):
+        resume_changes(dflash2, config_from_dict({}), RunDir(tmp_path), None, ["drafter.architecture=dflash"], None)
+
+
+# ------------------------------------------------------------------------------------------------ a toy architecture
+# Defined here alone: a DFlash drafter whose final hidden states go through one trained scalar gate, started at
+# the value of its one config key (`toy.gate_init`), written into its drafter config and exported.
+
+from dflash_train.algorithms.base import Architecture  # noqa: E402
+from dflash_train.algorithms.dflash.attention import resolve_backend  # noqa: E402
+from dflash_train.algorithms.dflash.config import drafter_config_from_dict, drafter_config_json  # noqa: E402
+from dflash_train.algorithms.dflash.config import config_for_run as dflash_config_for_run  # noqa: E402
+from dflash_train.algorithms.dflash.model import DFlashDrafter  # noqa: E402
+from dflash_train.algorithms.dflash.objective import DFlashObjective  # noqa: E402
+from dflash_train.numbers import POSITIVE_NUMBER  # noqa: E402
+
+TOY_HF = "ToyGateDraftModel"
+
+
+@dataclasses.dataclass
+class ToyOptions:
+    # The start value of the toy drafter's gate on its final hidden states.
+    gate_init: float = 1.0
+
+
+class ToyDrafter(DFlashDrafter):
+    architecture = "toy"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.toy_gate = nn.Parameter(torch.tensor(float(config.dflash_config["toy_gate_init"])))
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs) * self.toy_gate.to(args[1].dtype)
+
+
+def _toy_config_for_run(target_config, cfg, target_layer_ids, mask_token_id):
+    out = dflash_config_for_run(target_config, cfg, target_layer_ids, mask_token_id)
+    out.architectures = [TOY_HF]
+    out.dflash_config["toy_gate_init"] = cfg.options.gate_init
+    return out
+
+
+TOY = Architecture(name="toy", hf_architecture=TOY_HF, drafter_class=ToyDrafter, config_for_run=_toy_config_for_run,
+                   config_from_dict=lambda data: drafter_config_from_dict(data, TOY_HF),
+                   config_json=drafter_config_json, resolve_backend=resolve_backend, objective=DFlashObjective)
+TOY_OPTIONS = architectures.Options(section=ToyOptions, number_rules={"gate_init": POSITIVE_NUMBER},
+                                    about="the toy drafter's gate")
+
+
+@pytest.fixture
+def toy_registered():
+    architectures.register("toy", TOY_HF, TOY, TOY_OPTIONS)
+    try:
+        yield
+    finally:
+        architectures.unregister("toy")
+    assert "toy" not in architectures.names()
+
+
+def test_a_toy_section_is_checked_like_any_other(toy_registered):
+    assert config_from_dict({"drafter": {"architecture": "toy"}}).options == ToyOptions()
+    with pytest.raises(ConfigError, match=r"'toy.gate_init': must be a number > 0"):
+        config_from_dict({"drafter": {"architecture": "toy"}, "toy": {"gate_init": 0}})
+    with pytest.raises(ConfigError, match=r"'toy.gate_init': applies to the toy drafter's gate; drafter.architecture "
+                                          r"is 'dflash': set drafter.architecture=toy or remove the toy section"):
+        config_from_dict({"toy": {"gate_init": 2.0}})
+
+
+def test_a_toy_architecture_from_a_test_file_trains_decodes_exports_and_reloads(toy_registered, tmp_path,
+                                                                             tiny_target_dir, counting_jsonl):
+    from dflash_train.cli import main
+    from dflash_train.algorithms.io import load_drafter
+
+    cfg = {
+        "target": {"path": str(tiny_target_dir)},
+        "drafter": {"architecture": "toy", "num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},
+        "toy": {"gate_init": 0.5},
+        "data": {"train_files": [str(counting_jsonl)], "max_length": 256, "token_budget": 1024, "max_batch_size": 4},
+        "objective": {"max_anchors": 16, "gamma": 4.0},
+        "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.05},
+        "run": {"device": "cpu", "log_every": 1, "save_every": 3, "progress_bar": False, "eval_every": 0,
+                "export_dtype": "float32"},
+    }
+    (tmp_path / "toy.yaml").write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "run"
+    assert main(["train", str(tmp_path / "toy.yaml"), "--run-dir", str(run), "--max-steps", "3"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert yaml.safe_load((run / "config.yaml").read_text())["toy"] == {"gate_init": 0.5}
+
+    exported = load_drafter(run / "export")
+    assert type(exported) is ToyDrafter and exported.config.dflash_config["toy_gate_init"] == 0.5
+    gate = float(exported.toy_gate.detach())
+    assert gate != 0.5 and abs(gate - 0.5) < 0.1  # trained, from the key's start
+    assert json.loads((run / "export" / "config.json").read_text())["architectures"] == [TOY_HF]
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--target", str(tiny_target_dir), "--drafter", str(run / "export"), "--data",
+                 str(counting_jsonl), "--limit", "2", "--max-new-tokens", "8", "--out", str(out), "--no-progress",
+                 "--device", "cpu"]) == 0
+    result = json.loads(out.read_text())
+    body = result["datasets"][str(counting_jsonl)]
+    assert body["modes"]["block"]["tau"] >= 1 and body["lossless_mismatches"] == []
+
+    assert main(["export", str(run / "checkpoints" / "step-00000003"), "--out", str(tmp_path / "E"),
+                 "--dtype", "float32"]) == 0
+    again = load_drafter(tmp_path / "E")
+    assert type(again) is ToyDrafter
+    for (name, a), (_, b) in zip(exported.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
