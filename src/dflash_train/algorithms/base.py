@@ -452,3 +452,6 @@ class Architecture:
     parameter_groups: Callable[[Drafter, "Config"], list[dict]] = one_parameter_group
     # the drafter config -> its terms in the step's activation estimate (train/activation_memory.py)
     step_memory: Callable[["PretrainedConfig"], StepMemory] = no_step_memory
+    # Whether its objective reads the target's final normed hidden states (target.capture(..., with_final=True)):
+    # the step's memory estimate then counts them and their counted rows, as it does for distillation.
+    needs_target_final: bool = False

@@ -1,0 +1,21 @@
+"""DSpark's `Architecture`: what the registry (`algorithms.architecture("dspark")`) resolves."""
+
+from __future__ import annotations
+
+from ..base import Architecture
+from ..dflash.attention import resolve_backend
+from .config import HF_ARCHITECTURE, config_for_run, dspark_config_from_dict, dspark_config_json
+from .model import DSparkDrafter
+from .objective import DSparkObjective
+
+ARCHITECTURE = Architecture(
+    name="dspark",
+    hf_architecture=HF_ARCHITECTURE,
+    drafter_class=DSparkDrafter,
+    config_for_run=config_for_run,
+    config_from_dict=dspark_config_from_dict,
+    config_json=dspark_config_json,
+    resolve_backend=resolve_backend,
+    objective=DSparkObjective,
+    needs_target_final=True,
+)

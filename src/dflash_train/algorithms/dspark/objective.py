@@ -1,0 +1,75 @@
+"""The DSpark objective on one micro-batch (the reference's): with slot weights w (`blocks.slot_weights` times the
+cumulative mask) normalised over the micro-batch's counted slots,
+  L = ce_weight * sum w CE + l1_weight * sum w ||p - p_t||_1 + confidence_weight * sum w BCE(c, c*),
+where p is the drafter's Markov-corrected distribution (the previous token teacher-forced), p_t the target's at the
+position that predicted the label (its final normed hidden state through the frozen lm_head), and
+`c* = clamp(1 - ||p - p_t||_1 / 2, 0, 1)`, detached, the slot's analytic acceptance at temperature 1."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ...data.batch import Batch
+from ...runtime import to_device
+from ..base import StepStats
+from ..dflash.objective import DFlashObjective
+from .blocks import plan
+from .loss import chunked_dspark_rows
+from .options import options_of
+
+
+class DSparkObjective(DFlashObjective):
+    def __call__(self, batch: Batch, generator: torch.Generator, call: Optional[Callable] = None,
+                 hidden: Optional[torch.Tensor] = None) -> StepStats:
+        if hidden is not None:
+            raise ValueError("DSpark needs the target's final hidden states, which a capture computed on another rank "
+                             "(parallel.placement=split) does not carry")
+        hidden, final = self.target.capture(batch.input_ids, with_final=True)
+        o, d = self.cfg.objective, self.drafter
+        host = batch.host if batch.host is not None else batch
+        blocks, prev = plan(host.input_ids, host.loss_mask, host.lengths, d.block_size, o.max_anchors, generator,
+                            d.mask_token_id, options_of(self.cfg).decay_gamma, self.backend.blocks_multiple_of,
+                            o.max_anchors_per_batch)
+        device = batch.input_ids.device
+        idx = to_device(blocks.counted.view(-1).nonzero().squeeze(1), device)
+        blocks, prev = blocks.to(device), to_device(prev, device)
+        every = torch.arange(blocks.counted.numel(), device=device)
+        out = self.block_rows(batch, hidden, blocks, every, call or d)  # [B*N*bs, H]
+        with self.autocast(device):
+            return self.dspark_loss(out, final, blocks, prev, idx)
+
+    def dspark_loss(self, out: torch.Tensor, final: torch.Tensor, blocks, prev: torch.Tensor,
+                    idx: torch.Tensor) -> StepStats:
+        d, opts = self.drafter, options_of(self.cfg)
+        shape = blocks.labels.shape
+        feature, embedding = d.markov(out.view(*shape, -1), prev)
+        rows = out.index_select(0, idx)
+        pick = (lambda x: None if x is None else x.reshape(-1, x.shape[-1]).index_select(0, idx))
+        feature, embedding = pick(feature), pick(embedding)
+        b, s, h = final.shape
+        source = blocks.block_positions + torch.arange(b, device=final.device).view(-1, 1) * s  # label pos - 1
+        target_rows = final.reshape(b * s, h).index_select(0, source.view(-1).index_select(0, idx))
+        w = blocks.weights.view(-1).index_select(0, idx).to(torch.promote_types(rows.dtype, torch.float32))
+        norm = w / w.sum().clamp_min(1e-12)
+        res = chunked_dspark_rows(rows, feature, self.target.lm_head.weight,
+                                  d.markov_head.markov_w2.weight if d.markov_rank else None, target_rows,
+                                  blocks.labels.view(-1).index_select(0, idx), opts.ce_weight * norm,
+                                  opts.l1_weight * norm, self.cfg.objective.loss_chunk_size)
+        loss = res.loss
+        acceptance = (1 - res.l1 / 2).clamp(0, 1)  # detached: the chunked terms carry no gradient here
+        extra = {"ce_loss": (res.ce * norm).sum().detach(), "l1_loss": (res.l1 * norm).sum().detach(),
+                 "acceptance_loss": (acceptance * norm).sum()}
+        if d.with_confidence:
+            logit = d.confidence(rows, embedding)
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(logit, acceptance.to(logit.dtype),
+                                                                       reduction="none")
+            conf = (bce * norm.to(bce.dtype)).sum()
+            loss = loss + opts.confidence_weight * conf
+            extra["confidence_loss"] = conf.detach()
+        correct = torch.zeros(blocks.counted.numel(), dtype=torch.bool, device=rows.device)
+        correct = correct.index_put((idx,), res.correct).view(shape)
+        accepted = correct.long().cumprod(-1).sum(-1)  # drafts accepted before the first miss
+        return StepStats(loss=loss, correct_per_slot=correct.sum((0, 1)), counted_per_slot=blocks.counted.sum((0, 1)),
+                         accepted_sum=((1 + accepted) * blocks.keep).sum(), kept_blocks=blocks.keep.sum(), extra=extra)

@@ -1,0 +1,73 @@
+"""DSpark's own config keys: the `dspark:` section of a run config (override `dspark.markov_rank=128`), their ranges
+and cross-checks. Torch-free: the config loader imports it before anything heavy loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ...architectures import Options
+from ...errors import ConfigError
+from ...numbers import NON_NEGATIVE_NUMBER, POSITIVE_NUMBER, Rule
+
+NAME = "dspark"
+
+
+@dataclass
+class DSparkOptions:
+    # Rank r of the Markov head (its two tables are [vocab, r]); 0 turns the head off. 256 in every published config.
+    markov_rank: int = 256
+    # vanilla: a bias from the previous token alone (the paper's); gated: that bias gated by the slot's hidden state;
+    # rnn: a recurrent state over the block's previous tokens and hidden states. vLLM serves vanilla only.
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    # Train and export the confidence head (each slot's predicted acceptance, for confidence-based truncation).
+    confidence_head: bool = True
+    # The confidence head reads the previous token's Markov embedding beside the slot's hidden state (needs
+    # markov_rank > 0).
+    confidence_head_with_markov: bool = True
+    # Weight of the cross-entropy against the data's next token (0.1 in the reference).
+    ce_weight: float = 0.1
+    # Weight of the L1 distance between the drafter's and the target's distributions (0.9 in the reference; the full
+    # L1, twice the total variation).
+    l1_weight: float = 0.9
+    # Weight of the confidence head's BCE against the analytic acceptance 1 - L1/2 (1.0 in the reference).
+    confidence_weight: float = 1.0
+    # Slot k's loss weight is exp(-k / decay_gamma) (k = 0 for the anchor's own prediction): 4.0 in the reference
+    # code, whatever the block size. DSpark weighs its slots so alone: objective.slot_weighting and
+    # objective.gamma do not apply to it.
+    decay_gamma: float = 4.0
+
+
+def options_of(cfg: Any) -> DSparkOptions:
+    """The run's `dspark` section (its defaults for a config built without one, e.g. `Config()`)."""
+    found = getattr(cfg, "options", None)
+    return found if isinstance(found, DSparkOptions) else DSparkOptions()
+
+
+def validate(cfg: Any) -> None:
+    o = options_of(cfg)
+    if o.markov_rank == 0 and o.markov_head_type != "vanilla":
+        raise ConfigError(f"config key 'dspark.markov_head_type': {o.markov_head_type} needs a Markov head; "
+                          "dspark.markov_rank is 0: set a rank > 0 or leave the type vanilla")
+    if o.confidence_head and o.confidence_head_with_markov and o.markov_rank == 0:
+        raise ConfigError("config key 'dspark.confidence_head_with_markov': needs dspark.markov_rank > 0; set it "
+                          "false or give the Markov head a rank")
+    if o.confidence_weight > 0 and not o.confidence_head:
+        raise ConfigError(f"config key 'dspark.confidence_weight': {o.confidence_weight} weighs a confidence head "
+                          "that dspark.confidence_head=false turns off; set it to 0 or turn the head on")
+    if o.ce_weight + o.l1_weight <= 0:
+        raise ConfigError("config key 'dspark.ce_weight': dspark.ce_weight and dspark.l1_weight are both 0, so "
+                          "nothing trains the drafter's distribution; give one of them a weight > 0")
+    if cfg.objective.distill_weight > 0:
+        raise ConfigError("config key 'objective.distill_weight': DSpark has its own term against the target's "
+                          "distribution (dspark.l1_weight); set objective.distill_weight to 0")
+
+
+OPTIONS = Options(
+    section=DSparkOptions,
+    number_rules={"markov_rank": Rule(int, low=0, zero="0 = no Markov head"), "ce_weight": NON_NEGATIVE_NUMBER,
+                  "l1_weight": NON_NEGATIVE_NUMBER, "confidence_weight": NON_NEGATIVE_NUMBER,
+                  "decay_gamma": POSITIVE_NUMBER},
+    validate=validate,
+    about="DSpark's Markov and confidence heads and its loss",
+)
