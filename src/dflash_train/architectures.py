@@ -61,6 +61,7 @@ class Registered:
 _BUILTIN = (
     Registered("dflash", "DFlashDraftModel", "dflash_train.algorithms.dflash"),
     Registered("dflash2", "DFlash2DraftModel", "dflash_train.algorithms.dflash2", "dflash_train.algorithms.dflash2.options"),
+    Registered("domino", "DominoDraftModel", "dflash_train.algorithms.domino", "dflash_train.algorithms.domino.options"),
 )
 _REGISTRY: dict[str, Registered] = {r.name: r for r in _BUILTIN}
 DEFAULT = "dflash"
