@@ -44,7 +44,7 @@ def config_for_run(target_config: PretrainedConfig, run_cfg, target_layer_ids: l
 
 
 def check_domino_fields(data: dict[str, Any]) -> None:
-    """The fields SGLang's reader requires, checked as it checks them (ValueError naming the field)."""
+    """What SGLang's reader requires of a Domino config.json, checked as it does (a ValueError that names each key)."""
     dflash = data.get("dflash_config")
     if not isinstance(dflash, dict):
         raise ValueError("not a Domino drafter config: missing dflash_config")
