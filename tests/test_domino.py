@@ -153,3 +153,13 @@ def test_the_objective_equals_a_dense_float64_reference(target, prefix, lam):
         assert (gru.abs().sum() > 0) == (lam < 1)  # the correction trains only with weight on the final loss
     finally:
         target.float()
+
+
+def test_greedy_decoding_through_the_correction_is_lossless_and_the_tree_is_refused(target):
+    """A drafter whose correction changes its drafts: block decoding gives the target's own greedy tokens."""
+    d = domino(target, perturb=0.5)
+    dec = SpeculativeDecoder(target, d, stop_token_ids=[2])
+    prompt = torch.randint(3, 49152, (9,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert dec.generate_block(prompt, 24).tokens == dec.generate_target_only(prompt, 24).tokens
+    with pytest.raises(ValueError, match="without --tree-budget"):
+        dec.generate_tree(prompt, 8, 6)
