@@ -62,6 +62,7 @@ _BUILTIN = (
     Registered("dflash", "DFlashDraftModel", "dflash_train.algorithms.dflash"),
     Registered("dflash2", "DFlash2DraftModel", "dflash_train.algorithms.dflash2", "dflash_train.algorithms.dflash2.options"),
     Registered("dspark", "Qwen3DSparkModel", "dflash_train.algorithms.dspark", "dflash_train.algorithms.dspark.options"),
+    Registered("domino", "DominoDraftModel", "dflash_train.algorithms.domino", "dflash_train.algorithms.domino.options"),
 )
 _REGISTRY: dict[str, Registered] = {r.name: r for r in _BUILTIN}
 DEFAULT = "dflash"

@@ -93,7 +93,7 @@ def test_an_architecture_section_loads_and_dumps_in_the_new_shape(tmp_path):
       "objective": {"slot_weighting": "gamma"}}, [], r"'dflash2.acceptance_from'.*'gamma'"),
     ({"drafter": {"selector_top_k": 8}, "dflash2": {"selector_top_k": 8}}, [],
      r"'drafter.selector_top_k' is the old name of 'dflash2.selector_top_k', which is given too"),
-    ({"options": {}}, [], r"unknown config key 'options'; valid keys in the top level: data, dflash2, drafter"),
+    ({"options": {}}, [], r"unknown config key 'options'; valid keys in the top level: data, dflash2, domino, drafter"),
 ])
 def test_a_section_is_refused_naming_the_key_and_what_to_do(tree, overrides, message):
     with pytest.raises(ConfigError, match=message):

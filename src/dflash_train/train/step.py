@@ -85,6 +85,7 @@ class TrainStep:
     ):
         self.drafter, self.target, self.backend, self.cfg = drafter, target, backend, cfg
         self.compute_dtype = compute_dtype
+        self.total_steps = total_steps
         # The loss on one micro-batch, also what validation and the warm-up run.
         self.objective = architecture(cfg.drafter.architecture).objective(drafter, target, backend, cfg, compute_dtype)
         # `group` / `replicas`: the ranks that train the drafter together (DDP); `rank`: this rank's index.
@@ -134,6 +135,9 @@ class TrainStep:
             micro = [MicroBatch(micro)]
         self.drafter.train()
         self.optimizer.zero_grad(set_to_none=True)
+        begin = getattr(self.objective, "begin_step", None)
+        if begin is not None:  # an objective with a schedule of its own (e.g. a loss weight over the run)
+            begin(step, self.total_steps)
         parts: list[StepStats] = []
         for k, mb in enumerate(micro):
             # Anchors depend only on (seed, step, rank, k): a resumed run draws the same ones.

@@ -1,0 +1,132 @@
+"""Domino's training objective: the shifted labels (slot k of the block at a predicts `input_ids[a + k + 1]`,
+every slot counted, weight `exp(-k / gamma)`), the GRU teacher-forced over the block's ground-truth tokens, and
+`(1 - l) * final + l * base`: the cross-entropies of the corrected and of the backbone's scores, `l` falling
+linearly from `domino.lambda_base_start` to 0 over `domino.lambda_base_decay_ratio` of the run.
+
+Both go through DFlash's chunked lm_head + CE (`loss.chunked_ce_rows`): the corrected scores are a linear head over
+`[z ; a]` with the weight `[lm_head ; embed_proj[2]]` (`a` the bottleneck, zero on the pure-draft slots), so
+neither `[rows, vocab]` logits tensor exists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from ..base import StepStats
+from ..dflash.blocks import Blocks, build_blocks, sample_anchors
+from ..dflash.loss import chunked_ce_rows, weighted_rows
+from ..dflash.objective import DFlashObjective
+from ...data.batch import Batch
+from ...runtime import to_device
+from .model import DominoDrafter
+from .options import options_of
+
+
+@dataclass
+class DominoBlocks(Blocks):
+    tokens: torch.Tensor  # [B, N, bs] long: the ground-truth tokens at a + 0 .. a + bs - 1 (the GRU's inputs)
+
+    def to(self, device: torch.device) -> "DominoBlocks":
+        return DominoBlocks(**{f.name: to_device(getattr(self, f.name), device) for f in fields(self)})
+
+
+def lambda_base(step: int, total_steps: int, start: float, decay_ratio: float) -> float:
+    """The base loss's weight at `step`: `start * (1 - min(step / horizon, 1))`, horizon
+    `max(1, floor(total_steps * decay_ratio))`; 0 with no horizon (decay_ratio or total_steps 0)."""
+    horizon = int(total_steps * decay_ratio)
+    if horizon <= 0:
+        return 0.0
+    return min(max(start * (1.0 - min(step / horizon, 1.0)), 0.0), 1.0)
+
+
+def shifted_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
+                   keep: torch.Tensor, block_size: int, mask_token_id: int, gamma: float) -> DominoBlocks:
+    """DFlash's blocks at `anchors` (inputs, positions, the mask's layout) with the labels one token on: slot k
+    predicts `input_ids[a + k + 1]`, counted iff the block is kept, `a + k + 1 < length` and
+    `loss_mask[a + k + 1]`, weighed `exp(-k / gamma)`."""
+    same = build_blocks(input_ids, loss_mask, lengths, anchors, keep, block_size, mask_token_id, gamma)
+    after = build_blocks(input_ids, loss_mask, lengths, anchors + 1, keep, block_size, mask_token_id, gamma)
+    seq = input_ids.shape[1]
+    first = (anchors + 1).clamp(max=seq - 1)
+    first_counted = keep & (anchors + 1 < lengths.view(-1, 1)) & (torch.gather(loss_mask, 1, first) > 0)
+    counted = torch.cat([first_counted.unsqueeze(-1), after.counted[..., 1:]], dim=-1)
+    k = torch.arange(block_size, device=input_ids.device, dtype=torch.float32)
+    weights = torch.exp(-k / gamma).view(1, 1, -1) * counted
+    return DominoBlocks(anchors=same.anchors, keep=same.keep, block_ids=same.block_ids,
+                        block_positions=same.block_positions, labels=after.labels, weights=weights, counted=counted,
+                        tokens=same.labels)
+
+
+def shifted_stats(loss: torch.Tensor, correct_rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> StepStats:
+    """The step's sums: in the shifted layout every slot drafts, so a block's acceptance estimate is 1 plus the
+    leading run of correct slots from slot 0."""
+    correct = torch.zeros_like(blocks.counted).view(-1).index_put((idx,), correct_rows).view(blocks.labels.shape)
+    accept = 1 + correct.long().cumprod(-1).sum(-1)
+    return StepStats(loss=loss, correct_per_slot=correct.sum((0, 1)), counted_per_slot=blocks.counted.sum((0, 1)),
+                     accepted_sum=(accept * blocks.keep).sum(), kept_blocks=blocks.keep.sum())
+
+
+class DominoObjective(DFlashObjective):
+    drafter: DominoDrafter
+
+    def __init__(self, drafter, target, backend, cfg, compute_dtype):
+        super().__init__(drafter, target, backend, cfg, compute_dtype)
+        self.lambda_base = lambda_base(0, 0, 0.0, 0.0)
+
+    def begin_step(self, step: int, total_steps: int) -> None:
+        """The base loss's weight for this optimizer step (`TrainStep` calls this before its micro-batches)."""
+        o = options_of(self.cfg)
+        self.lambda_base = lambda_base(step, total_steps, o.lambda_base_start, o.lambda_base_decay_ratio)
+
+    def plan_blocks(self, batch: Batch, generator: torch.Generator) -> tuple[DominoBlocks, torch.Tensor]:
+        o, bs = self.cfg.objective, self.drafter.block_size
+        plan = batch.host if batch.host is not None else batch
+        anchors, keep = sample_anchors(plan.loss_mask, plan.lengths, bs, o.max_anchors, generator,
+                                       self.backend.blocks_multiple_of, o.max_anchors_per_batch)
+        blocks = shifted_blocks(plan.input_ids, plan.loss_mask, plan.lengths, anchors, keep, bs,
+                                self.drafter.mask_token_id, o.gamma)
+        idx = blocks.counted.view(-1).nonzero().squeeze(1)
+        device = batch.input_ids.device
+        return blocks.to(device), to_device(idx, device)
+
+    def __call__(self, batch: Batch, generator: torch.Generator, call=None,
+                 hidden: Optional[torch.Tensor] = None) -> StepStats:
+        hidden, _ = self.capture(batch, hidden)
+        blocks, idx = self.plan_blocks(batch, generator)
+        rows = self.block_rows(batch, hidden, blocks, idx, call or self.drafter)
+        with self.autocast(batch.input_ids.device):
+            return self.domino_loss(rows, blocks, idx)
+
+    def prefix_rows(self, blocks: DominoBlocks, idx: torch.Tensor) -> torch.Tensor:
+        """The GRU's states `[M, G]` of the counted rows, over the target's embeddings of the blocks' ground-truth
+        tokens (teacher forcing)."""
+        b, n, bs = blocks.tokens.shape
+        with torch.no_grad():
+            embeds = self.target.embed_tokens(blocks.tokens.view(b * n, bs))
+        states = self.drafter.prefix_states(embeds)
+        return states.reshape(b * n * bs, -1).index_select(0, idx)
+
+    def domino_loss(self, rows: torch.Tensor, blocks: DominoBlocks, idx: torch.Tensor) -> StepStats:
+        drafter, o = self.drafter, self.cfg.objective
+        labels = blocks.labels.view(-1).index_select(0, idx)
+        weights = blocks.weights.view(-1).index_select(0, idx)
+        head = self.target.lm_head.weight
+        slot = idx % drafter.block_size
+        corrected = (slot >= drafter.pure_draft_prefix_len).unsqueeze(1)
+        features = drafter.correction_features(rows, self.prefix_rows(blocks, idx))
+        features = torch.where(corrected, features, torch.zeros_like(features))
+        joint_rows = torch.cat([rows, features.to(rows.dtype)], dim=1)
+        joint_head = torch.cat([head, drafter.embed_proj[2].weight.to(head.dtype)], dim=1)  # [V, H + E]
+        transform = dict(output_multiplier=drafter.output_multiplier, softcap=drafter.final_logit_softcapping)
+        final = weighted_rows(chunked_ce_rows(joint_rows, joint_head, labels, o.loss_chunk_size, **transform),
+                              labels, weights, False)
+        base = weighted_rows(chunked_ce_rows(rows, head, labels, o.loss_chunk_size, **transform),
+                             labels, weights, False)
+        lam = self.lambda_base
+        loss = (1.0 - lam) * final.loss + lam * base.loss
+        stats = shifted_stats(loss, final.correct, blocks, idx)
+        stats.extra = {"final_loss": final.loss.detach(), "base_loss": base.loss.detach(),
+                       "base_accuracy": base.correct.sum()}
+        return stats
