@@ -207,8 +207,8 @@ def validate_sharding(cfg: Config) -> None:
 
 
 def validate_compile_device(cfg: Config, device_type: str) -> None:
-    """`target.compile` and `drafter.compile` need a CUDA device (run at config load for run.device=cpu, and
-    once `auto` resolves)."""
+    """`target.compile`, `drafter.compile` and the flex attention backend need a CUDA device to train (run at
+    config load for run.device=cpu, and once `auto` resolves)."""
     for key, on, what in (("target.compile", cfg.target.compile, "the target's decoder layers"),
                           ("drafter.compile", cfg.drafter.compile, "the drafter's layers")):
         if on and device_type != "cuda":
@@ -216,6 +216,12 @@ def validate_compile_device(cfg: Config, device_type: str) -> None:
                 f"config key '{key}': compiles {what} with inductor for CUDA GPUs, but the run's device is "
                 f"{device_type} (run.device={cfg.run.device}); set {key}=false"
             )
+    if cfg.drafter.attention_backend == "flex" and device_type != "cuda":
+        raise ConfigError(
+            f"config key 'drafter.attention_backend': flex needs a CUDA device for training (FlexAttention has no "
+            f"CPU backward), but the run's device is {device_type} (run.device={cfg.run.device}); set "
+            f"drafter.attention_backend=sdpa (or auto)"
+        )
 
 
 def validate_trackers(cfg: Config) -> None:

@@ -201,3 +201,11 @@ def test_trainer_warm_up_compiles_the_target_first_and_steps_never_compile(tmp_p
     assert status["target_compiled_graphs"] == 1 and status["target_recompiled_after_warmup"] == 0
     records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 6 and records[-1]["recompiles"] == records[0]["recompiles"]
+
+
+def test_flex_attention_on_a_cpu_training_run_is_refused_at_config_load():
+    with pytest.raises(ConfigError, match=r"'drafter.attention_backend'.*CUDA.*cpu.*attention_backend=sdpa"):
+        config_from_dict({"drafter": {"attention_backend": "flex"}, "run": {"device": "cpu"}})
+    for backend in ("sdpa", "auto"):
+        config_from_dict({"drafter": {"attention_backend": backend}, "run": {"device": "cpu"}})
+    config_from_dict({"drafter": {"attention_backend": "flex"}, "run": {"device": "cuda"}})
