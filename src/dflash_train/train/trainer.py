@@ -39,8 +39,9 @@ from ..target.capture import (TargetCapture, default_mask_token_id, load_target_
                             read_target_config)
 from ..model_card import training_card
 from ..run.directory import RunDir, clear_stop_request, stop_requested_since
+from ..run.metrics import truncate_metrics
 from ..run.reporter import Reporter
-from ..runtime import resolve_device, resolve_dtype, write_text_atomic
+from ..runtime import resolve_device, resolve_dtype
 from . import checkpoint as checkpoints
 from . import indexing, preflight, size_classes
 from .admission import flatten, holds_run_message, with_step_cap
@@ -523,7 +524,7 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
         train_step.skipped_steps = saved.get("skipped_steps", 0)
         log.info("resumed from %s: step %d, epoch %d, batch %d", ckpt, state.step, state.epoch, state.batch_index)
         if ctx.is_main:
-            _truncate_metrics(run.metrics, state.step)
+            truncate_metrics(run.metrics, state.step)
     inbox = None
     if a.layout is not None:
         inbox = DrafterInbox(a.layout, ctx.rank, cfg.data.token_budget, cfg.data.max_batch_size,
@@ -624,27 +625,3 @@ def serve_target(target: TargetCapture, layout: SplitLayout, groups, start_step:
     outbox.close()
     log.info("target rank served %d micro-batches; %.1f s waiting for the drafters", outbox.sent, outbox.wait_s)
     return at, note
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """A resumed run re-logs the steps after its checkpoint: drop the killed run's records of them,
-    newest file first, across rotated parts (a part left empty is removed)."""
-    from ..run.metrics import metrics_parts
-
-    for part in reversed(metrics_parts(path.parent)):
-        lines = part.read_text().splitlines()
-        keep = []
-        for line in lines:
-            try:
-                if json.loads(line)["step"] <= step:
-                    keep.append(line)
-            except (json.JSONDecodeError, KeyError):
-                continue  # a torn last line from the kill
-        if len(keep) == len(lines):
-            break  # this part, and every older one, ends at or before the checkpoint
-        if not keep and part != path:
-            part.unlink()
-            continue
-        write_text_atomic(part, "".join(line + "\n" for line in keep))  # a kill leaves the old file
-        if keep:
-            break
