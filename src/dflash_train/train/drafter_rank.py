@@ -29,7 +29,6 @@ from .step import TrainStep
 from .target_load import load_target
 from .transport import DrafterInbox
 
-
 log = logging.getLogger(__name__)
 
 
@@ -92,7 +91,6 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
                    lambda cfg_yaml, record, weights: training_card(cfg_yaml, plan.target_path, plan.layer_ids,
                                                                    plan.mask_token_id, record, weights),
                    inbox, val, stop_ids)
-
 
 
 def choose_draft_vocabulary(drafter, data, target_lm_head: torch.Tensor) -> dict:

@@ -32,7 +32,6 @@ from .admission import holds_run_message
 from .fp8_plan import check_fp8_device, check_fp8_shapes, fp8_target_layers
 from .transport import SplitLayout
 
-
 log = logging.getLogger(__name__)
 
 
@@ -47,7 +46,6 @@ class Plan:
     target_dtype: torch.dtype
     compute_dtype: torch.dtype
     target_fp8_layers: int = 0  # target.quantize=fp8: decoder layers 0..n-1 load in FP8
-
 
 
 def plan_run(cfg: Config) -> tuple[Plan, object]:
@@ -77,7 +75,6 @@ def plan_run(cfg: Config) -> tuple[Plan, object]:
     return Plan(target_path, layer_ids, int(mask), device, target_dtype, compute_dtype, fp8_layers), tokenizer
 
 
-
 @dataclass
 class Admitted:
     """What a rank knows before it writes anything: the split layout, the resolved plan and tokenizer, the
@@ -95,10 +92,8 @@ class Admitted:
     target_fp8_saved_bytes: int = 0  # target.quantize=fp8: what the quantised linears save (preflight)
 
 
-
 DRAFTER_SHAPE = ("num_hidden_layers", "hidden_size", "intermediate_size", "block_size", "num_attention_heads",
                  "num_key_value_heads", "head_dim")
-
 
 
 def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> Admitted:
@@ -136,7 +131,6 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
                     fp8_saved)
 
 
-
 def take_over(run: RunDir, cfg: Config, changes: Optional[dict], since: float) -> None:
     """Rank 0 of an admitted start makes the run directory its own: the config it runs, the changes a resume
     made (logged and appended to resumes.jsonl), and no stale stop request."""
@@ -151,11 +145,9 @@ def take_over(run: RunDir, cfg: Config, changes: Optional[dict], since: float) -
         clear_stop_request(run)
 
 
-
 def target_rank_ids(layout: Optional[SplitLayout], world: int) -> list[int]:
     """The ranks that run the target: all (colocated), or the split placement's last ones."""
     return list(range(world)) if layout is None else list(range(layout.drafter_ranks, world))
-
 
 
 def shard_group_size(cfg: Config, layout: Optional[SplitLayout], world: int) -> int:

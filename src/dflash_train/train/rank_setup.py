@@ -25,7 +25,6 @@ from . import indexing, preflight
 from .loop import RunState
 from .rank_admission import Admitted, shard_group_size, target_rank_ids
 
-
 log = logging.getLogger(__name__)
 
 
@@ -51,7 +50,6 @@ class RankSetup:
         """The epochs whose plans the rest of the run reaches (from the current one, one more for a partial)."""
         return range(self.state.epoch,
                      self.state.epoch + math.ceil((self.total - self.state.step) / self.steps_per_epoch) + 1)
-
 
 
 def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh_compile_cache: bool) -> RankSetup:
@@ -115,7 +113,6 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
                       steps_per_epoch, total, state, mesh)
     check_indexing(cfg, a, setup, rep)
     return setup
-
 
 
 def check_indexing(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter) -> None:

@@ -12,13 +12,11 @@ import time
 from ..run.directory import RunDir, stop_requested_since
 from .launch import LAUNCH_TIME_ENV
 
-
 log = logging.getLogger(__name__)
 
 
 class StoppedDuringStartUp(Exception):
     """SIGTERM / SIGINT before the training loop: nothing to checkpoint, so stop at once."""
-
 
 
 class StopRequest:
@@ -53,7 +51,6 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return self.signalled or stop_requested_since(self.run, self.since)
-
 
 
 def launch_time() -> float:

@@ -22,7 +22,6 @@ from .target_load import load_target
 from .transport import SplitLayout, TargetOutbox
 from .warmup import batch_kinds
 
-
 log = logging.getLogger(__name__)
 
 
@@ -47,11 +46,9 @@ def run_target_rank(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter, stop:
     beat(step, phase="done", **({"recompile_limit_near": note} if note else {}))
 
 
-
 # The compiled variants one capture can add per compiled function: the layers of one class share one graph per
 # shape, and a class whose layers differ in a guarded attribute (sliding-window and full attention) takes two.
 CAPTURE_VARIANTS = 2
-
 
 
 def serve_target(target: TargetCapture, layout: SplitLayout, groups, start_step: int, data, pad_id: int, cfg: Config,

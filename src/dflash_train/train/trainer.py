@@ -24,7 +24,6 @@ from .stop import StopRequest, StoppedDuringStartUp, launch_time
 from .target_rank import run_target_rank
 from .warmup import warm_up_drafter_rank
 
-
 log = logging.getLogger(__name__)
 
 

@@ -21,7 +21,6 @@ from .rank_setup import RankSetup
 from .step import TrainStep
 from .validate import evaluating, validation_batches_to_warm_up, validation_loss
 
-
 log = logging.getLogger(__name__)
 
 
@@ -36,13 +35,11 @@ def _other_batch_size(batch: Batch, hidden: Optional[torch.Tensor]) -> tuple[Bat
             None if hidden is None else hidden.repeat(2, 1, 1))
 
 
-
 def batch_kinds(planned: list[list[int]]) -> tuple[bool, bool]:
     """(one-row batches, batches of several rows) in an epoch's plan: Dynamo compiles the two apart, so a
     warm-up compiles what the data has (one kind costs half the compile time)."""
     rows = {len(b) for b in planned}
     return min(rows) == 1, max(rows) > 1
-
 
 
 def warm_up(train_step: TrainStep, batch, cache_dir: Path, validation: Sequence[tuple[int, Batch]] = (),
@@ -97,7 +94,6 @@ def warm_up(train_step: TrainStep, batch, cache_dir: Path, validation: Sequence[
     log.info("warm-up done in %.1f s (compile cache %s: %d hits, %d misses)", info["warmup_s"], cache_dir,
              info["fxgraph_cache_hit"], info["fxgraph_cache_miss"])
     return info
-
 
 
 def warm_up_drafter_rank(s: Session, a: Admitted, r: RankSetup, rep: Reporter) -> dict:
