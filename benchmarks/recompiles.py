@@ -80,7 +80,7 @@ def main() -> None:
     from dflash_train.target.capture import TargetHead, load_tokenizer
     from dflash_train.train import size_classes
     from dflash_train.train.step import MicroBatch, TrainStep
-    from dflash_train.train.trainer import batch_kinds, warm_up
+    from dflash_train.train.warmup import batch_kinds, warm_up
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.options is not None:

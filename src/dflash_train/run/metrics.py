@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..runtime import publish
+from ..runtime import publish, write_text_atomic
 from .directory import RunDir
 from .tracker_runs import Tracker, open_tracker
 
@@ -32,6 +32,28 @@ def read_metrics(root: str | Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return records
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """A resumed run re-logs the steps after its checkpoint: drop the killed run's records of them,
+    newest file first, across rotated parts (a part left empty is removed)."""
+    for part in reversed(metrics_parts(path.parent)):
+        lines = part.read_text().splitlines()
+        keep = []
+        for line in lines:
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (json.JSONDecodeError, KeyError):
+                continue  # a torn last line from the kill
+        if len(keep) == len(lines):
+            break  # this part, and every older one, ends at or before the checkpoint
+        if not keep and part != path:
+            part.unlink()
+            continue
+        write_text_atomic(part, "".join(line + "\n" for line in keep))  # a kill leaves the old file
+        if keep:
+            break
 
 
 def record_scalars(record: dict[str, Any]) -> dict[str, float]:

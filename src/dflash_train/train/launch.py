@@ -24,7 +24,7 @@ from ..run.directory import ENDED, RunDir, request_stop_file
 from ..run.status import StatusWriter, read_heartbeats
 
 GRACE_S = 10.0
-# The launcher's start time, inherited by its ranks: a STOP file older than it is stale (trainer.StopRequest).
+# The launcher's start time, inherited by its ranks: a STOP file older than it is stale (stop.StopRequest).
 LAUNCH_TIME_ENV = "DFLASH_LAUNCH_TIME"
 
 

@@ -1,7 +1,8 @@
 """The training loop of a drafter rank: one sitting, from the first planned step to the export.
 
-`trainer.train` admits the start, sets the rank up (target, drafter, data, resume, warm-up) into a
-`Session`, and hands it here with the `RunState` to continue from. Each step: take the micro-batches
+`trainer.train` admits the start and sets the rank up; `drafter_rank.build_drafter_rank` builds the target,
+the drafter, its data and the resumed state into a `Session`, `warmup.warm_up_drafter_rank` compiles, and
+`trainer.train` hands the Session here with the `RunState` to continue from. Each step: take the micro-batches
 (collated here, or received from the target ranks in the split placement), one optimizer step, then the
 step boundary: compile check, heartbeat, metrics every `log_every`, the recompile-limit and stop votes,
 validation, checkpoints. The end: a last checkpoint and the export in the reference format.
@@ -56,7 +57,7 @@ class RunState:
 
 @dataclass
 class Session:
-    """Everything a drafter rank's loop uses, built by `trainer.train` before the first step."""
+    """Everything a drafter rank's loop uses, built by `drafter_rank.build_drafter_rank` before the first step."""
 
     cfg: Config
     run: RunDir

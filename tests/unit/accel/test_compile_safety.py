@@ -106,7 +106,7 @@ def test_an_eager_flex_call_in_a_warm_up_is_an_error(tiny_target_dir):
     from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture, load_target_model
     from dflash_train.train.step import Batch, TrainStep
-    from dflash_train.train.trainer import warm_up
+    from dflash_train.train.warmup import warm_up
 
     model = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
     cfg = config_from_dict({"drafter": {"block_size": 16, "num_draft_layers": 1}, "objective": {"max_anchors": 8},

@@ -170,11 +170,11 @@ def test_trainer_warm_up_covers_the_planned_batch_kinds_and_steps_never_compile(
     none. A budget of 256 tokens fits one of these conversations per batch: one kind, half the graphs."""
     import dflash_train.config.validate as config_mod
     from dflash_train.data.batch import Batch
-    from dflash_train.train import trainer
+    from dflash_train.train import rank_admission, trainer
     from dflash_train.train.step import TrainStep
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
-    monkeypatch.setattr(trainer, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(rank_admission, "validate_compile_device", lambda *a: None)
     monkeypatch.setattr(drafter_mod, "COMPILE_BACKEND", "eager")
     rows_seen, graphs_at = [], []
     original_step = TrainStep.__call__
@@ -240,10 +240,10 @@ def test_a_run_that_keeps_recompiling_stops_before_the_limit_with_a_checkpoint_a
     boundary, before any function reaches the recompile limit, with a clear error in status.json and a checkpoint
     of that step; --resume (dynamic shapes again, a fresh Dynamo as in a new process) finishes the run."""
     import dflash_train.config.validate as config_mod
-    from dflash_train.train import trainer
+    from dflash_train.train import rank_admission, trainer
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
-    monkeypatch.setattr(trainer, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(rank_admission, "validate_compile_device", lambda *a: None)
     monkeypatch.setattr(drafter_mod, "COMPILE_BACKEND", "eager")
     monkeypatch.setattr(compile_layer, "RECOMPILE_LIMIT", 16)
     monkeypatch.setattr(compile_layer, "_compiled", {})  # this test's static variants stay out of other tests
@@ -308,10 +308,10 @@ def test_validation_runs_the_warm_ups_graphs_and_compiles_nothing_mid_run(
     them, so validating at steps 2, 4 and 6 compiles nothing after the seal."""
     import dflash_train.config.validate as config_mod
     from conftest import counting_conversations
-    from dflash_train.train import trainer
+    from dflash_train.train import rank_admission, trainer, warmup
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
-    monkeypatch.setattr(trainer, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(rank_admission, "validate_compile_device", lambda *a: None)
     monkeypatch.setattr(drafter_mod, "COMPILE_BACKEND", "eager")
     short = []
     for row in counting_conversations(12, seed=3):
@@ -320,7 +320,7 @@ def test_validation_runs_the_warm_ups_graphs_and_compiles_nothing_mid_run(
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps(r) + "\n" for r in short))
     after_warm_up, kinds_seen = [], []
-    original = trainer.warm_up
+    original = warmup.warm_up
 
     def warm_up(*args, **kwargs):
         info = original(*args, **kwargs)
@@ -328,7 +328,7 @@ def test_validation_runs_the_warm_ups_graphs_and_compiles_nothing_mid_run(
         kinds_seen.append(kwargs["kinds"])
         return info
 
-    monkeypatch.setattr(trainer, "warm_up", warm_up)
+    monkeypatch.setattr(warmup, "warm_up", warm_up)
     cfg = config_from_dict({
         "target": {"path": str(tiny_target_dir)},
         "drafter": {"num_draft_layers": 2, "block_size": 4, "attention_backend": "sdpa", "compile": True},

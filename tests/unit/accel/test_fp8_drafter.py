@@ -244,9 +244,9 @@ def test_compiled_fp8_layers_equal_the_eager_ones(fresh_dynamo, backend):
 
 
 def test_shapes_and_dtypes_fp8_refuses(tmp_path, tiny_target_dir, counting_jsonl, capsys, monkeypatch):
-    from dflash_train.train import trainer
+    from dflash_train.train import target_load
 
-    monkeypatch.setattr(trainer, "load_target_model", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr(target_load, "load_target_model", lambda *a, **k: pytest.fail("weights loaded"))
     cfg = {"target": {"path": str(tiny_target_dir)},
            "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa", "fp8": True,
                        "intermediate_size": 120},

@@ -61,13 +61,13 @@ def test_cli_names_the_key_before_anything_starts(tmp_path, capsys):
 
 
 def test_auto_resolving_to_cpu_is_refused_before_weights_load(tiny_target_dir, monkeypatch):
-    from dflash_train.train import trainer
+    from dflash_train.train import rank_admission, target_load
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(trainer, "load_target_model", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr(target_load, "load_target_model", lambda *a, **k: pytest.fail("weights loaded"))
     cfg = config_from_dict({"target": {"path": str(tiny_target_dir), "compile": True}})
     with pytest.raises(ConfigError, match=r"'target.compile'.*device is cpu \(run.device=auto\)"):
-        trainer.plan_run(cfg)
+        rank_admission.plan_run(cfg)
 
 
 def test_a_cpu_model_refuses_the_compiled_capture():
@@ -172,10 +172,10 @@ def test_trainer_warm_up_compiles_the_target_first_and_steps_never_compile(tmp_p
     """The trainer's wiring on CPU, with the device check lifted: the warm-up compiles the target
     (reported in status.json) and the training steps (various batch sizes and lengths) add nothing."""
     import dflash_train.config.validate as config_mod
-    from dflash_train.train import trainer
+    from dflash_train.train import rank_admission, trainer, warmup
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
-    monkeypatch.setattr(trainer, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(rank_admission, "validate_compile_device", lambda *a: None)
     cfg = config_from_dict({
         "target": {"path": str(tiny_target_dir), "compile": True},
         "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},
@@ -185,14 +185,14 @@ def test_trainer_warm_up_compiles_the_target_first_and_steps_never_compile(tmp_p
         "run": {"device": "cpu", "log_every": 1, "save_every": 100, "progress_bar": False, "eval_every": 0},
     })
     after_warm_up = []
-    original = trainer.warm_up
+    original = warmup.warm_up
 
     def warm_up(*args, **kwargs):
         info = original(*args, **kwargs)
         after_warm_up.append(compile_layer.graphs_compiled())
         return info
 
-    monkeypatch.setattr(trainer, "warm_up", warm_up)
+    monkeypatch.setattr(warmup, "warm_up", warm_up)
     trainer.train(cfg, tmp_path / "R", max_steps=6)
     assert compile_layer.graphs_compiled() == after_warm_up[0]  # no step compiled anything
     status = json.loads((tmp_path / "R" / "status.json").read_text())

@@ -34,7 +34,7 @@ from dflash_train.infer.spec_decode import SpeculativeDecoder
 from dflash_train.algorithms.io import load_drafter, save_drafter
 from dflash_train.target.capture import TargetCapture, load_target_model, load_tokenizer
 from dflash_train.train import preflight
-from dflash_train.train.trainer import choose_draft_vocabulary
+from dflash_train.train.drafter_rank import choose_draft_vocabulary
 from _harness import write_config
 from _memorise import memorise
 

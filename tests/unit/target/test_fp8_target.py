@@ -183,10 +183,10 @@ def test_the_key_is_typed_and_off_by_default():
 def test_shapes_scaled_mm_refuses_fail_before_any_weights_load(tmp_path, tokenizer_dir, counting_jsonl, capsys,
                                                                monkeypatch):
     from conftest import make_tiny_target
-    from dflash_train.train import trainer
+    from dflash_train.train import target_load
 
     target = make_tiny_target(tmp_path / "odd", tokenizer_dir, layers=3, intermediate_size=120)
-    monkeypatch.setattr(trainer, "load_target_model", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr(target_load, "load_target_model", lambda *a, **k: pytest.fail("weights loaded"))
     cfg = {"target": {"path": str(target), "quantize": "fp8"},
            "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa",
                        "target_layer_ids": [0, 1], "intermediate_size": 128},

@@ -171,10 +171,10 @@ def test_a_plan_over_two_to_the_31_is_warned_about_naming_what_to_lower():
 def _cpu_compile_run(monkeypatch, tiny_target_dir, counting_jsonl):
     import dflash_train.config.validate as config_mod
     from dflash_train.algorithms.dflash import model as drafter_mod
-    from dflash_train.train import trainer
+    from dflash_train.train import rank_admission, trainer
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
-    monkeypatch.setattr(trainer, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(rank_admission, "validate_compile_device", lambda *a: None)
     monkeypatch.setattr(drafter_mod, "COMPILE_BACKEND", "eager")
     return trainer, config_from_dict({
         "target": {"path": str(tiny_target_dir)},

@@ -173,9 +173,8 @@ def test_train_log_rotates_and_stays_bounded(tmp_path, monkeypatch):
 
 def test_metrics_rotate_into_parts_that_readers_follow_and_resume_truncates(tmp_path, monkeypatch):
     from dflash_train.run.directory import RunDir
-    from dflash_train.run.metrics import MetricsWriter, metrics_parts, read_metrics
+    from dflash_train.run.metrics import MetricsWriter, metrics_parts, read_metrics, truncate_metrics
     from dflash_train.run.status import read_status
-    from dflash_train.train.trainer import _truncate_metrics
 
     monkeypatch.setattr(MetricsWriter, "max_bytes", 2048)
     run = RunDir(tmp_path / "r").create()
@@ -196,7 +195,7 @@ def test_metrics_rotate_into_parts_that_readers_follow_and_resume_truncates(tmp_
     # a resume from step 57 drops the killed run's later records, across parts, and removes emptied parts
     with open(parts[-1], "a") as f:
         f.write('{"step": 201, "lo')  # a torn line from the kill
-    _truncate_metrics(run.metrics, 57)
+    truncate_metrics(run.metrics, 57)
     assert [r["step"] for r in read_metrics(run.root)] == list(range(1, 58))
     assert all(p.stat().st_size > 0 for p in metrics_parts(run.root) if p.name != "metrics.jsonl")
     assert read_status(run.root)[1]["step"] == 57
