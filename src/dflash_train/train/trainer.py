@@ -28,7 +28,7 @@ from ..data.label_counts import coverage, draft_vocabulary
 from ..data.source import open_training_data, open_validation_data, require_label_counts
 from ..errors import UserError, debug_enabled, is_user_error
 from ..accel import compile as compile_layer
-from ..algorithms import architecture
+from ..algorithms import architecture, reads_target_final
 from ..algorithms.base import default_target_layer_ids
 from ..algorithms.init_from_target import init_drafter_from_target
 from ..accel.fp8_training import use_fp8_training
@@ -126,7 +126,8 @@ def warm_up(train_step: TrainStep, batch, cache_dir: Path, validation: Sequence[
     t0 = time.time()
     compile_layer.begin_warm_up()
     # target.compile: the target's layers first, batch 1 and >= 2, lengths near the first batch's (no-op when off)
-    target_info = train_step.target.warm_up(batch.input_ids.shape[1], *kinds) \
+    target_info = train_step.target.warm_up(batch.input_ids.shape[1], *kinds,
+                                            with_final=reads_target_final(train_step.cfg)) \
         if isinstance(train_step.target, TargetCapture) else {}
     graphs = compile_layer.graphs_compiled()
     batches = [(batch, hidden), _other_batch_size(batch, hidden)] if all(kinds) else [(batch, hidden)]
@@ -469,7 +470,7 @@ def run_target_rank(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter, stop:
     target = TargetCapture.from_model(load_target(cfg, a.plan, r, rep), a.plan.layer_ids, compile=cfg.target.compile)
     if target.compile:  # this rank's only compiled code: warm it before serving any step
         rep.report(phase="warmup")
-        target.warm_up(cfg.data.max_length, *batch_kinds(r.epoch0))
+        target.warm_up(cfg.data.max_length, *batch_kinds(r.epoch0), with_final=reads_target_final(cfg))
     compile_layer.seal()  # from here a compile counts as a recompile after the warm-up, with its guard
     groups = (g for _, _, _, g in micro_batch_groups(r.batching, r.per_step, r.state.epoch, r.state.batch_index))
     rep.report(phase="training", step=r.state.step)
