@@ -41,6 +41,7 @@ def main() -> None:
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture, TargetHead
+    from dflash_train.algorithms.base import DraftWork
     from dflash_train.algorithms.dflash.blocks import sample_anchors
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
@@ -138,9 +139,9 @@ def main() -> None:
         b0 = batch_for(0)
         anchors, keep = sample_anchors(b0.loss_mask.cpu(), b0.lengths.cpu(), args.block, args.anchors,
                                        torch.Generator().manual_seed(0), backend.blocks_multiple_of)
-        counted = int(out.counted_per_slot.sum())
-        d_flops = drafter_flops(dshape, [args.seq] * args.batch, args.layers, len(ids), keep, anchors, counted,
-                                args.block)
+        # received batches have no host copy, so the step counted no blocks: the same draw, on the host
+        work = DraftWork.of(anchors, keep, args.block, int(out.counted_per_slot.sum()))
+        d_flops = drafter_flops(dshape, tokens, work, args.layers, len(ids))
         stats = torch.tensor([compute, inbox.wait_s - wait_start, elapsed], device=device, dtype=torch.float64)
         result["drafter_ask_s_per_step"] = round(asking / args.steps, 4)
     gathered = [torch.zeros(3, device=device, dtype=torch.float64) for _ in range(world)]

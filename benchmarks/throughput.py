@@ -4,11 +4,12 @@
     PYTHONPATH=src python benchmarks/throughput.py --part target --shape qwen3-8b --batch 4 --seq 2048 --compile-target
 
 Reports tokens/s (target tokens), time per part, MFU against a measured bf16 matmul peak, and peak
-memory. FLOP accounting (docs/results/performance.md): matmuls + attention over unmasked entries; target
-layers up to the last captured one; drafter forward + backward (weights and inputs), lm_head
-forward + input gradient on counted rows; no weight gradient for frozen parts. With `--draft-vocab N` the
-drafter's own trained lm_head [N, hidden] instead: forward, input and weight gradient (its backward also forms
-the logits again, which counts as no useful FLOP).
+memory. FLOP accounting: the training loop's own (src/dflash_train/train/flops.py, docs/guide/runs.md
+"Efficiency"): matmuls + attention over unmasked entries; target layers up to the last captured one; drafter
+forward + backward (weights and inputs) over the blocks the timed step drafted, lm_head forward + input
+gradient on counted rows; no weight gradient for frozen parts. With `--draft-vocab N` the drafter's own trained
+lm_head [N, hidden] instead: forward, input and weight gradient (its backward also forms the logits again,
+which counts as no useful FLOP).
 
     PYTHONPATH=src python benchmarks/throughput.py --shape qwen3-8b --compile-target --compile-drafter --draft-vocab 32768
 
@@ -94,59 +95,9 @@ def fp8_matmul_peak_tflops() -> float:
     return 2 * n**3 / t / 1e12
 
 
-def layer_matmul_params(c: dict) -> int:
-    """Matmul weights one token goes through in one layer: for a MoE layer the router and its active experts
-    only (so the target's MFU counts active parameters, not the resident ones)."""
-    h, nh, nkv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    attention = h * nh * hd * 2 + h * nkv * hd * 2
-    if "num_experts" in c:
-        return attention + h * c["num_experts"] + c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
-    return attention + 3 * h * c["intermediate_size"]
-
-
-def layer_resident_params(c: dict) -> int:
-    """Matmul weights one layer holds (every expert of a MoE layer): what a sharded target gathers per layer."""
-    if "num_experts" not in c:
-        return layer_matmul_params(c)
-    h = c["hidden_size"]
-    attention = layer_matmul_params({**c, "num_experts_per_tok": 0}) - h * c["num_experts"]
-    return attention + h * c["num_experts"] + c["num_experts"] * 3 * h * c["moe_intermediate_size"]
-
-
-def target_flop_parts(c: dict, lengths: list[int], last_layer: int) -> dict[str, float]:
-    """The target's FLOPs by kind: `linears` (q/k/v/o and the MLP: FP8 with --target-fp8) and `attention`."""
-    layers = last_layer + 1
-    per_token = 2 * layer_matmul_params(c) * layers
-    attn = sum(4 * c["num_attention_heads"] * c["head_dim"] * (s * (s + 1) / 2) for s in lengths) * layers
-    return {"linears": per_token * sum(lengths), "attention": attn}
-
-
-def target_flops(c: dict, lengths: list[int], last_layer: int) -> float:
-    return sum(target_flop_parts(c, lengths, last_layer).values())
-
-
-def drafter_flops(c: dict, lengths: list[int], n_layers: int, k: int, keep: torch.Tensor,
-                  anchors: torch.Tensor, counted_rows: int, block_size: int) -> float:
-    return sum(drafter_flop_parts(c, lengths, n_layers, k, keep, anchors, counted_rows, block_size).values())
-
-
-def drafter_flop_parts(c: dict, lengths: list[int], n_layers: int, k: int, keep: torch.Tensor,
-                       anchors: torch.Tensor, counted_rows: int, block_size: int) -> dict[str, float]:
-    """Forward FLOPs x 3 (backward = 2 x forward) for trainable matmuls; lm_head: forward + input grad. By kind:
-    `linears` (fc, q/k/v/o, MLP: FP8 with --drafter-fp8), `attention`, `lm_head`."""
-    h, nh, nkv, hd, i = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
-                         c["intermediate_size"])
-    linears = 0.0
-    for s, n_kept in zip(lengths, keep.sum(1).tolist()):
-        q = n_kept * block_size
-        linears += 2 * s * k * h * h  # fc
-        per_layer = 2 * q * (h * nh * hd * 2 + 3 * h * i) + 2 * (s + q) * h * nkv * hd * 2
-        linears += per_layer * n_layers
-    visible = ((anchors * keep).sum() + keep.sum() * block_size) * block_size  # keys seen per query, summed
-    attention = 4 * nh * hd * float(visible) * n_layers
-    draft_vocab = c.get("draft_vocab_size")  # a trained head: forward, input and weight gradient
-    lm_head = 2 * counted_rows * h * (draft_vocab or c["vocab_size"]) * (3 if draft_vocab else 2)
-    return {"linears": 3 * linears, "attention": 3 * attention, "lm_head": lm_head}
+# The FLOP accounting is the training loop's (src/dflash_train/train/flops.py): one function for both.
+from dflash_train.train.flops import (drafter_flop_parts, drafter_flops, layer_matmul_params,  # noqa: E402,F401
+                                      layer_resident_params, target_flop_parts, target_flops)
 
 
 def fp8_accounting(args, target_parts: dict, drafter_parts: dict, peak_bf16: float) -> dict:
@@ -315,7 +266,6 @@ def measure_one_side(args) -> None:
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.dflash.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
-    from dflash_train.algorithms.dflash.blocks import sample_anchors
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
 
@@ -347,7 +297,8 @@ def measure_one_side(args) -> None:
             model.to_empty(device="cuda")
         target = TargetCapture.from_model(model.eval().requires_grad_(False), ids, compile=args.compile_target)
         use_fp8(args, target, None)
-        result.update(compile_target=args.compile_target, **target.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1))
+        result.update(compile_target=args.compile_target, **target.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1,
+                                                                     with_final=False))
         if args.precompile_only:
             return report_precompile(args, result, started)
         target(batch.input_ids)
@@ -383,10 +334,7 @@ def measure_one_side(args) -> None:
         if args.precompile_only:
             return report_precompile(args, result, started)
         t, stats = timed(lambda: step(batch, 2), args.repeat)
-        anchors, keep = sample_anchors(batch.loss_mask.cpu(), batch.lengths.cpu(), args.block, args.anchors,
-                                       torch.Generator().manual_seed(2), backend.blocks_multiple_of)
-        parts = drafter_flop_parts(dshape, lengths, args.layers, len(ids), keep, anchors,
-                                   int(stats.counted_per_slot.sum()), args.block)
+        parts = drafter_flop_parts(dshape, tokens, stats.work, args.layers, len(ids))
         result.update(fp8_accounting(args, {}, parts, peak))
         result.update(seconds=round(t, 4), tokens_per_s=round(tokens / t),
                       mfu=round(sum(parts.values()) / t / 1e12 / peak, 3))
@@ -591,7 +539,8 @@ def main() -> None:
     t = time.perf_counter()
     fanout_info = fanout.wait(600) if fanout is not None else {}
     # The trainer's warm-up order: the target first, then the drafter; batches of several rows only.
-    target_warm = target.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1)
+    # the layers a capture runs: --target-fp8 quantises those, and the layers past them would add graphs
+    target_warm = target.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1, with_final=False)
     step(batch, 0)
     torch.cuda.synchronize()
     first_step_s = time.perf_counter() - t
@@ -630,14 +579,10 @@ def main() -> None:
         print("-- the target's capture, kernels by their own time")
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
 
-    from dflash_train.algorithms.dflash.blocks import sample_anchors
-    anchors, keep = sample_anchors(batch.loss_mask.cpu(), batch.lengths.cpu(), args.block, args.anchors,
-                                   torch.Generator().manual_seed(2), backend.blocks_multiple_of)
-    target_parts = target_flop_parts(shape, lengths, max(ids))
-    drafter_parts = drafter_flop_parts(dshape, lengths, args.layers, len(ids), keep, anchors,
-                                       int(stats.counted_per_slot.sum()), args.block)
-    f_target, f_drafter = sum(target_parts.values()), sum(drafter_parts.values())
     tokens = sum(lengths)
+    target_parts = target_flop_parts(shape, lengths, max(ids))
+    drafter_parts = drafter_flop_parts(dshape, tokens, stats.work, args.layers, len(ids))  # the timed step's blocks
+    f_target, f_drafter = sum(target_parts.values()), sum(drafter_parts.values())
     result = {
         "architecture": args.architecture, "draft_vocab": args.draft_vocab, "shape": args.shape, "batch": args.batch, "seq": args.seq, "block": args.block, "anchors": args.anchors,
         "peak_tflops": round(peak, 1), "build_s": round(build_s, 1), "first_step_s": round(first_step_s, 1),

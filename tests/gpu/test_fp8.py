@@ -78,6 +78,45 @@ def test_fp8_target_capture_error_at_the_8b_shape_eager_and_compiled(capsys):
 
 
 
+@pytest.mark.parametrize("keys", [{}, {"objective": {"distill_weight": 0.5}}, {"drafter": {"architecture": "dspark"}}],
+                         ids=["up-to-the-last-captured-layer", "distill", "reads-the-final-state"])
+def test_an_fp8_target_as_the_plan_quantises_it_compiles_one_layer_graph_per_batch_kind(keys):
+    """target.quantize=fp8 as a run plans it (`fp8_target_layers`: a capture's layers, every layer when the run
+    reads the target's final hidden states) and warms it up (`with_final=reads_target_final`), inductor: the
+    shared layer forward compiles one graph per batch kind (batch >= 2, batch 1), no guard on a linear's type
+    fails (the one recompile is batch 1's size specialisation), and captures of new sizes compile nothing."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dflash_train.accel import compile as compile_layer
+    from dflash_train.algorithms import reads_target_final
+    from dflash_train.config.load import config_from_dict
+    from dflash_train.target.capture import TargetCapture
+    from dflash_train.target.quantize import Fp8Linear, quantize_decoder_layers
+    from dflash_train.train.fp8_plan import fp8_target_layers
+
+    compile_layer.watch_recompiles()
+    torch.manual_seed(0)
+    cfg = config_from_dict({**keys, "target": {"quantize": "fp8"}})
+    tcfg = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, vocab_size=1000)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(tcfg, dtype=torch.bfloat16).eval().requires_grad_(False)
+    layer_ids = [1, 3]
+    fp8_layers = fp8_target_layers(cfg, layer_ids, 6)
+    assert fp8_layers == (6 if reads_target_final(cfg) else 4)
+    quantize_decoder_layers(model.model.layers, fp8_layers, torch.device("cuda"))
+    assert sum(isinstance(layer.mlp.up_proj, Fp8Linear) for layer in model.model.layers) == fp8_layers
+    capture = TargetCapture.from_model(model, layer_ids, compile=True)
+    recompiles = compile_layer.recompiles()
+    info = capture.warm_up(length=300, with_final=reads_target_final(cfg))
+    assert info["target_compiled_graphs"] == 2 and info["target_recompiled_after_warmup"] == 0, info
+    assert compile_layer.recompiles() - recompiles == 1, compile_layer.recompiles() - recompiles
+    graphs = compile_layer.graphs_compiled()
+    for b, s in ((4, 517), (1, 333)):
+        capture.capture(torch.randint(0, 1000, (b, s), device="cuda"), with_final=reads_target_final(cfg))
+    assert compile_layer.graphs_compiled() == graphs
+
+
 @pytest.mark.parametrize("grad_weight", ["rowwise", "tensorwise", "bf16"])
 def test_fp8_drafter_numerics_against_bf16_eager_and_compiled(capsys, grad_weight):
     """drafter.fp8 on the GPU's kernels (flex attention, bf16 autocast), each `drafter.fp8_grad_weight`: the output
@@ -127,7 +166,13 @@ def test_colocated_one_gpu_run_with_fp8_target_and_drafter_compiled_compiles_not
                  "drafter.compile=true", "--run-dir", str(tmp_path / "R"), "--max-steps", "40"]) == 0
     status = json.loads((tmp_path / "R" / "status.json").read_text())
     assert status["phase"] == "done" and status["target_recompiled_after_warmup"] == 0, status
+    # batches of several rows only: one graph, though the tiny target's layers past the captured one stay bf16
+    assert status["target_compiled_graphs"] == 1, status
     records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["recompiles_after_warmup"] == 0 for r in records)
+    from dflash_train.train.flops import peak_tflops
+
+    if peak_tflops(torch.device("cuda", 0)) is not None:  # a GPU of the peak table (H200, H100 SXM)
+        assert all(r["mfu"] is not None and 0 < r["mfu"] < 1 for r in records), records[-1]
     assert records[-1]["loss"] < records[0]["loss"]
 

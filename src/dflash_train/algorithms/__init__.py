@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from .. import architectures as registry
 
 if TYPE_CHECKING:
+    from ..config.schema import Config
     from .base import Architecture
 
 
@@ -24,6 +25,13 @@ def architecture(name: str) -> "Architecture":
         raise UnknownArchitecture(f"unknown drafter architecture {name!r}; known: {', '.join(registry.names())}")
     package = importlib.import_module(entry.package) if isinstance(entry.package, str) else entry.package
     return getattr(package, "ARCHITECTURE", package)
+
+
+def reads_target_final(cfg: "Config") -> bool:
+    """Whether the run's objective reads the target's final normed hidden states (`capture(..., with_final=True)`):
+    distillation, or an architecture that needs them (`Architecture.needs_target_final`). Its captures then run
+    every decoder layer, not only those up to the last captured one."""
+    return cfg.objective.distill_weight > 0 or architecture(cfg.drafter.architecture).needs_target_final
 
 
 def architecture_of_export(config: dict) -> "Architecture":

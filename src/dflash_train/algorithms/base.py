@@ -25,6 +25,29 @@ if TYPE_CHECKING:
     from ..data.batch import Batch
 
 
+@dataclass(frozen=True)
+class DraftWork:
+    """The sizes of a micro-batch's drafter work, counted on the host where its blocks were planned (no device
+    read): the drafter's side of the FLOP accounting (train/flops.py). Counts add up over micro-batches."""
+
+    blocks: int = 0  # kept blocks (the drafted blocks)
+    block_tokens: int = 0  # their query positions: blocks x block size
+    attended: int = 0  # (query, key) pairs of their attention: each query sees the context before its anchor and
+    # its own block (full attention; a sliding-window or in-block causal layer sees fewer)
+    counted_rows: int = 0  # rows through the vocabulary head and the loss
+
+    @staticmethod
+    def of(anchors: torch.Tensor, keep: torch.Tensor, block_size: int, counted_rows: int) -> "DraftWork":
+        """From host `anchors` / `keep` `[B, N]` (not-kept blocks count nothing)."""
+        kept = int(keep.sum())
+        before_anchor = int((anchors * keep).sum())
+        return DraftWork(kept, kept * block_size, (before_anchor + kept * block_size) * block_size, int(counted_rows))
+
+    def __add__(self, other: "DraftWork") -> "DraftWork":
+        return DraftWork(self.blocks + other.blocks, self.block_tokens + other.block_tokens,
+                         self.attended + other.attended, self.counted_rows + other.counted_rows)
+
+
 @dataclass
 class StepStats:
     """Sums over a micro-batch or a step (tensors on the device: read them only when logging)."""
@@ -38,12 +61,15 @@ class StepStats:
     # An architecture's own metrics: `*_loss` values (averaged over micro-batches, logged as they are) and
     # counts of counted slots (summed, logged as a share of the counted slots), e.g. an extra module's own loss.
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Host counts of the drafter's work (`DraftWork`); None where the blocks were planned on the device.
+    work: Optional[DraftWork] = None
 
     @staticmethod
     def sum(parts: "list[StepStats]") -> "StepStats":
         """Counts add up over micro-batches; the losses are their mean."""
         extra = {k: (torch.stack([p.extra[k] for p in parts]).mean() if k.endswith("_loss")
                      else sum(p.extra[k] for p in parts)) for k in parts[0].extra}
+        works = [p.work for p in parts]
         return StepStats(
             loss=torch.stack([p.loss for p in parts]).mean(),
             correct_per_slot=sum(p.correct_per_slot for p in parts),
@@ -51,6 +77,7 @@ class StepStats:
             accepted_sum=sum(p.accepted_sum for p in parts),
             kept_blocks=sum(p.kept_blocks for p in parts),
             extra=extra,
+            work=None if None in works else sum(works[1:], works[0]),
         )
 
 

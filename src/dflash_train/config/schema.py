@@ -225,6 +225,9 @@ class RunConfig:
     # Experiment trackers that get every metrics record besides TensorBoard (always written): "wandb"
     # (offline, RUN/wandb) and "mlflow" (RUN/mlruns, or MLFLOW_TRACKING_URI). Each needs its package.
     report_to: list[str] = field(default_factory=list)
+    # The dense bf16 matmul peak (TFLOP/s per GPU) that the metrics' MFU divides by. null: known GPUs' (H200,
+    # H100 SXM: 790, measured on an H200); elsewhere (a CPU, another GPU) MFU is null unless this sets it.
+    mfu_peak_tflops: Optional[float] = None
 
 
 @dataclass

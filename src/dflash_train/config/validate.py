@@ -64,6 +64,7 @@ NUMBER_RULES: dict[str, Rule] = {
     "run.eval_batches": _COUNT,
     "run.eval_prompts": _COUNT,
     "run.eval_max_new_tokens": POSITIVE_INT,
+    "run.mfu_peak_tflops": POSITIVE_NUMBER,
     "parallel.target_ranks": POSITIVE_INT,
 }
 

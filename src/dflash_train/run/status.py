@@ -218,6 +218,7 @@ def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: O
         acc = last.get("accuracy")
         lines += [
             f"tokens/s:   {last.get('tokens_per_s', 0):,.0f}",
+            *_efficiency_lines(last),
             f"loss:       {last.get('loss', float('nan')):.4f}",
             f"accuracy:   {acc:.3f}" if acc is not None else "accuracy:   -",
             f"tau (est.): {last.get('tau_estimate', float('nan')):.3f}",
@@ -243,6 +244,20 @@ def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: O
     else:
         lines.append("last error: none")
     return "\n".join(lines)
+
+
+def _efficiency_lines(last: dict[str, Any]) -> list[str]:
+    """The last record's model FLOPs a step, MFU and drafted blocks per second (rank 0's GPU; train/flops.py)."""
+    if last.get("step_flops") is None:
+        return []
+    line = (f"efficiency: {last['step_flops'] / 1e12:,.3g} TFLOP a step (target {last['target_flops'] / 1e12:,.3g}, "
+            f"drafter {last['drafter_flops'] / 1e12:,.3g})")
+    if last.get("mfu") is not None:
+        line += (f", MFU {100 * last['mfu']:.1f}% of {last['mfu_peak_tflops']:g} TFLOP/s (target "
+                 f"{100 * last['target_mfu']:.1f}%, drafter {100 * last['drafter_mfu']:.1f}%)")
+    else:
+        line += ", MFU - (no peak for this device: run.mfu_peak_tflops)"
+    return [line, f"blocks/s:   {last['drafted_blocks_per_s']:,.0f} drafted"]
 
 
 def format_ranks(beats: list[dict[str, Any]], now: Optional[float] = None) -> str:

@@ -231,10 +231,15 @@ class TargetCapture:
                 vars(layer).pop("forward", None)
         return torch.cat([captured[lid] for lid in self.layer_ids], dim=-1), final
 
-    def warm_up(self, length: int = 257, one_row: bool = True, several_rows: bool = True) -> dict:
+    def warm_up(self, length: int = 257, one_row: bool = True, several_rows: bool = True,
+                with_final: bool = True) -> dict:
         """Compile what captures will run (no-op unless `compile`): no grad, the weights' dtype and device,
         batch >= 2 and batch 1 (Dynamo specialises size 1; `one_row` / `several_rows`: the kinds the data has),
-        every layer (`with_final`), at lengths from
+        the layers the captures run: every layer with `with_final` (a run that reads the target's final hidden
+        states, `algorithms.reads_target_final`), else those up to the last captured layer, as a capture
+        stops there. The layers share one compiled forward, so running layers that no capture runs can only
+        add graphs: a target quantised to FP8 up to its last captured layer (`train.fp8_plan.fp8_target_layers`)
+        would compile its bf16 layers too, on a failed guard on their linears' type. At lengths from
         `length` up (pass a production length: inductor picks kernel configs from the first sizes it sees)
         that tie no symbol to a model dimension. Then a capture of a third length and batch must reuse the
         graphs (a new compile there is logged as a warning and counted in `target_recompiled_after_warmup`).
@@ -257,9 +262,9 @@ class TargetCapture:
         with lock():
             graphs = graphs_compiled()
             for b, s in ((2, s0),) * several_rows + ((1, s1),) * one_row:
-                self.capture(ids(b, s), with_final=True)
+                self.capture(ids(b, s), with_final=with_final)
             compiled_graphs = graphs_compiled() - graphs
-            self.capture(ids(3 if several_rows else 1, s2), with_final=True)
+            self.capture(ids(3 if several_rows else 1, s2), with_final=with_final)
             again = graphs_compiled() - graphs - compiled_graphs
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..algorithms import architecture
+from ..algorithms import architecture, reads_target_final
 from ..algorithms.base import StepMemory
 from ..config.schema import Config
 from ..target.hf_config import text_config
@@ -243,7 +243,7 @@ def step_settings(cfg: Config, target_config, drafter_config, layer_ids: list[in
         head_classes=d.draft_vocab_size or text_config(target_config).vocab_size,
         loss_chunk=o.loss_chunk_size, backend=backend, compiled_loss=device_type == "cuda",
         own=architecture(d.architecture).step_memory(drafter_config),
-        distill=o.distill_weight > 0 or architecture(d.architecture).needs_target_final,
+        distill=reads_target_final(cfg),
         transformed=d.output_multiplier != 1.0 or bool(d.final_logit_softcapping),
         trainable_params=trainable_params, own_head=d.draft_vocab_size > 0,
         kept_head_gradient=cfg.keeps_head_gradient)

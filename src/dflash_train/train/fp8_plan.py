@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..algorithms import architecture
+from ..algorithms import architecture, reads_target_final
 from ..config.schema import Config
 from ..errors import ConfigError
 from ..accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
@@ -19,11 +19,14 @@ _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
 def fp8_target_layers(cfg: Config, layer_ids: list[int], num_layers: int) -> int:
-    """How many decoder layers (from the first) `target.quantize=fp8` quantises: those the capture runs, up to
-    the last captured layer, or every layer when distillation reads the target's final hidden state. 0: off."""
+    """How many decoder layers (from the first) `target.quantize=fp8` quantises: those the captures run, up to
+    the last captured layer, or every layer when the run reads the target's final hidden states (distillation, or
+    an architecture that needs them: `algorithms.reads_target_final`). 0: off. Every layer a capture runs is
+    quantised alike: the decoder layers share one compiled forward, and a mix of FP8 and bf16 layers would
+    compile a graph for each (a failed guard on the linears' type)."""
     if cfg.target.quantize != "fp8":
         return 0
-    return num_layers if cfg.objective.distill_weight > 0 else max(layer_ids) + 1
+    return num_layers if reads_target_final(cfg) else max(layer_ids) + 1
 
 
 def check_fp8_device(cfg: Config, device: torch.device, target_dtype: torch.dtype,

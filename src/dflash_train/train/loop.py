@@ -29,12 +29,15 @@ from ..layout import STATE
 from ..accel import compile as compile_layer
 from ..algorithms.io import load_drafter, save_drafter
 from ..model_card import CARD_NAME, weights_line
+from ..target.capture import TargetCapture
 from ..target.provenance import PROVENANCE_NAME
 from ..run.directory import RunDir
 from ..run.reporter import Reporter
 from . import checkpoint as checkpoints
+from . import flops
 from .dist import StopVote
-from ..algorithms.base import StepStats
+from ..algorithms import reads_target_final
+from ..algorithms.base import DraftWork, StepStats
 from .step import MicroBatch, TrainStep
 from .transport import DrafterInbox
 from .validate import validate
@@ -79,6 +82,7 @@ class Session:
     stop_ids: list[int] = field(default_factory=list)
     t_start: float = field(default_factory=time.time)
     writer: Optional[checkpoints.CheckpointWriter] = None  # rank 0's background checkpoint writes
+    peak_tflops: Optional[float] = None  # what MFU divides by (flops.peak_tflops; None: MFU not reported)
 
     @property
     def lengths(self):
@@ -136,6 +140,7 @@ def train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
 def _train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
     cfg, ts = s.cfg, s.train_step
     s.t_start = time.time()
+    s.peak_tflops = flops.peak_tflops(s.device, cfg.run.mfu_peak_tflops)
     progress = None
     if cfg.run.progress_bar and s.is_main:
         from tqdm import tqdm  # the bar's module loads only where a bar is drawn
@@ -148,6 +153,7 @@ def _train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
     recompile_vote = StopVote(s.device, s.drafter_group) if s.drafters > 1 else None
     variants_ahead = (2 if recompile_vote else 1) * 2 * (cfg.optim.grad_accum + (cfg.run.eval_batches if s.val else 0))
     window = _Window(state.step)
+    accounting = step_accounting(s)
     last_record: dict = {}
     for epoch, next_index, n_batches, group in micro_batch_groups(s.batching, s.per_step, state.epoch,
                                                                  state.batch_index):
@@ -167,6 +173,8 @@ def _train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
                                **({"transport_wait_s": round(s.inbox.wait_s, 2)} if s.inbox is not None else {}))
         rep.beat(state.step)
         window.tokens += int(sum(s.lengths[i] for rows in group for i in rows))
+        # this rank's micro-batches (the split transport hands a drafter rank the same ones): host sizes only
+        window.add(accounting, [s.lengths[i] for rows in group[s.rank::s.drafters] for i in rows], stats.work)
         if state.step % cfg.run.log_every == 0 or state.step == s.total:
             last_record = _log_window(s, state, rep, window, stats, epoch + next_index / n_batches)
             if progress is not None:
@@ -209,15 +217,39 @@ def _take_micro_batches(s: Session, step: int, group: list[list[int]]) -> list[M
             for rows in group[s.rank::s.drafters]]
 
 
+def step_accounting(s: Session) -> flops.StepAccounting:
+    """The FLOP accounting of this rank's steps: the target's capture when this rank runs it (colocated)."""
+    ts = s.train_step
+    runs_target = s.inbox is None and isinstance(ts.target, TargetCapture)
+    return flops.StepAccounting.of(ts.target.model.config if runs_target else None, ts.drafter.target_layer_ids,
+                                   reads_target_final(s.cfg), ts.drafter)
+
+
 @dataclass
 class _Window:
-    """Tokens and time since the last log line (tokens/s is measured over it)."""
+    """Tokens, time and this rank's model FLOPs and drafted blocks since the last log line (tokens/s and the
+    efficiency fields are measured over it)."""
 
     start_step: int
     tokens: int = 0
     started: float = field(default_factory=time.time)
     wait: float = 0.0  # the inbox's wait time at the window's start
     t0: float = field(default_factory=time.time)  # the loop's start: the ETA's rate
+    steps: int = 0
+    target_flops: float = 0.0
+    drafter_flops: Optional[float] = 0.0  # None once a step's blocks had no host counts
+    blocks: Optional[int] = 0
+
+    def add(self, accounting: flops.StepAccounting, lengths: list[int], work: Optional[DraftWork]) -> None:
+        target, drafter = accounting.step(lengths, work)
+        self.steps += 1
+        self.target_flops += target
+        self.drafter_flops = None if drafter is None or self.drafter_flops is None else self.drafter_flops + drafter
+        self.blocks = None if work is None or self.blocks is None else self.blocks + work.blocks
+
+    def restart(self, now: float) -> None:
+        self.tokens, self.started, self.steps = 0, now, 0
+        self.target_flops, self.drafter_flops, self.blocks = 0.0, 0.0, 0
 
 
 def step_record(stats: StepStats, step: int, epoch: float, tokens: int, seconds: float, lr: float) -> dict:
@@ -249,6 +281,8 @@ def _log_window(s: Session, state: RunState, rep: Reporter, window: _Window, sta
     now = time.time()
     lr = s.train_step.scheduler.get_last_lr()[0]
     record = step_record(stats, state.step, epoch, window.tokens, now - window.started, lr)
+    record.update(flops.efficiency_fields(window.target_flops, window.drafter_flops, window.blocks, window.steps,
+                                          now - window.started, s.peak_tflops))
     record["skipped_steps"] = s.train_step.skipped_steps
     record["peak_mem_gib"] = memory_gib(s.device)
     if s.inbox is not None:
@@ -260,11 +294,25 @@ def _log_window(s: Session, state: RunState, rep: Reporter, window: _Window, sta
     rate = (state.step - window.start_step) / max(now - window.t0, 1e-9)
     rep.report(step=state.step, epoch=record["epoch"], eta_s=(s.total - state.step) / max(rate, 1e-9),
                tokens_per_s=record["tokens_per_s"], loss=record["loss"], skipped_steps=record["skipped_steps"],
-               recompiles_after_warmup=record["recompiles_after_warmup"], last_recompile=compile_layer.last_recompile())
-    log.info("step %d loss %.4f acc %.3f tau~%.2f lr %.2e tok/s %.0f", state.step, record["loss"], record["accuracy"],
-             record["tau_estimate"], lr, record["tokens_per_s"])
-    window.tokens, window.started = 0, now
+               recompiles_after_warmup=record["recompiles_after_warmup"], last_recompile=compile_layer.last_recompile(),
+               mfu=record["mfu"], drafted_blocks_per_s=record["drafted_blocks_per_s"])
+    log.info("step %d loss %.4f acc %.3f tau~%.2f lr %.2e tok/s %.0f%s", state.step, record["loss"], record["accuracy"],
+             record["tau_estimate"], lr, record["tokens_per_s"], efficiency_text(record))
+    window.restart(now)
     return record
+
+
+def efficiency_text(record: dict) -> str:
+    """The log line's efficiency part: TFLOP a step, MFU (with a peak) and drafted blocks per second."""
+    parts = []
+    if record.get("step_flops") is not None:
+        parts.append(f"{record['step_flops'] / 1e12:.3g} TFLOP/step")
+    if record.get("mfu") is not None:
+        parts.append(f"MFU {100 * record['mfu']:.1f}% (target {100 * record['target_mfu']:.1f}%, drafter "
+                     f"{100 * record['drafter_mfu']:.1f}%)")
+    if record.get("drafted_blocks_per_s") is not None:
+        parts.append(f"blocks/s {record['drafted_blocks_per_s']:.0f}")
+    return "".join(f" {p}" for p in parts)
 
 
 def _stop_before_the_recompile_limit(s: Session, state: RunState, rep: Reporter, near: Optional[str]) -> None:

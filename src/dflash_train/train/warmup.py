@@ -12,6 +12,7 @@ import torch
 
 from ..data.batch import Batch, collate
 from ..accel import compile as compile_layer
+from ..algorithms import reads_target_final
 from ..target.capture import TargetCapture
 from ..run.reporter import Reporter
 from . import size_classes
@@ -56,8 +57,9 @@ def warm_up(train_step: TrainStep, batch, cache_dir: Path, validation: Sequence[
     t0 = time.time()
     compile_layer.begin_warm_up()
     # target.compile: the target's layers first, batch 1 and >= 2, lengths near the first batch's (no-op when off)
-    target_info = train_step.target.warm_up(batch.input_ids.shape[1], *kinds) \
-        if isinstance(train_step.target, TargetCapture) else {}
+    target_info = (train_step.target.warm_up(batch.input_ids.shape[1], *kinds,
+                                             with_final=reads_target_final(train_step.cfg))
+                   if isinstance(train_step.target, TargetCapture) else {})
     graphs = compile_layer.graphs_compiled()
     batches = [(batch, hidden), _other_batch_size(batch, hidden)] if all(kinds) else [(batch, hidden)]
     if hidden is not None:  # a split drafter rank: stand-in captures of the shapes a target rank sends

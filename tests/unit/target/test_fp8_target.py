@@ -159,6 +159,18 @@ def test_the_layers_quantised_follow_the_capture():
     assert fp8_target_layers(distill, [1, 4], 6) == 6  # with_final runs every layer
 
 
+def test_an_architecture_that_reads_the_targets_final_state_quantises_every_layer():
+    """Its captures run every layer (`reads_target_final`): all of them FP8 alike, none left in bf16 to compile
+    a second graph of the shared layer forward."""
+    from dflash_train.algorithms import reads_target_final
+
+    plain = config_from_dict({"target": {"quantize": "fp8"}})
+    final = config_from_dict({"target": {"quantize": "fp8"}, "drafter": {"architecture": "dspark"}})
+    assert not reads_target_final(plain) and reads_target_final(final)
+    assert fp8_target_layers(final, [1, 4], 6) == 6
+    assert fp8_target_layers(config_from_dict({"drafter": {"architecture": "dspark"}}), [1, 4], 6) == 0
+
+
 def test_preflight_counts_one_byte_a_quantised_weight_plus_its_scales(tiny_target_dir):
     cfg = config_from_dict({"target": {"path": str(tiny_target_dir), "quantize": "fp8"}})
     saved = check_fp8_shapes(cfg, tiny_target_dir, 5, torch.bfloat16, None)
@@ -246,6 +258,29 @@ def test_the_quantised_layers_compile_in_one_graph_and_equal_eager(cpu_compile):
         # elements off by one e4m3 step (2^-3 relative) is a relative error of ~0.125 * sqrt(f): 0.0115 (f ~ 0.85%)
         # on one CPU, 0.01 on another; the bound allows f up to ~2.5%, far below FP8's own 0.07
         assert max(_layer_errors(got, ref, 128)) < 0.02
+
+
+@pytest.mark.parametrize("cpu_compile", ["eager"], indirect=True)
+def test_a_partly_quantised_target_compiles_one_layer_graph_per_batch_kind(cpu_compile):
+    """FP8 up to the last captured layer (the plan's), the later layers bf16: the warm-up runs the layers the
+    captures run (with_final=False), so every layer it compiles is FP8 and the shared layer forward has one graph
+    per batch kind, no failed guard. Run over every layer (with_final), the bf16 layers fail the guard on their
+    linears' type and compile a second graph: what the plan avoids."""
+    layer_ids = [0, 1]
+    fp8_layers = fp8_target_layers(config_from_dict({"target": {"quantize": "fp8"}}), layer_ids, 4)
+    model = _qwen3(layers=4)
+    quantize_decoder_layers(model.model.layers, fp8_layers, torch.device("cpu"))
+    assert [isinstance(layer.mlp.up_proj, Fp8Linear) for layer in model.model.layers] == [True, True, False, False]
+    counts = {}
+    for with_final in (False, True):
+        torch._dynamo.reset()
+        before = compile_layer.recompiles()
+        capture = TargetCapture.from_model(model, layer_ids, compile=True)
+        info = capture.warm_up(length=40, one_row=False, with_final=with_final)  # one batch kind: batch >= 2
+        counts[with_final] = (info["target_compiled_graphs"], compile_layer.recompiles() - before,
+                              info["target_recompiled_after_warmup"])
+    assert counts[False] == (1, 0, 0), counts
+    assert counts[True] == (2, 1, 0), counts  # once more for the bf16 layers, a recompile
 
 
 def test_a_cpu_run_with_an_fp8_target_learns_and_exports(tmp_path, tiny_target_dir, counting_jsonl, caplog):

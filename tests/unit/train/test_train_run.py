@@ -32,7 +32,9 @@ def finished_run(tmp_path_factory, tiny_target_dir, counting_jsonl):
     root = tmp_path_factory.mktemp("run")
     cfg = _write_config(root / "tiny.yaml", tiny_target_dir, counting_jsonl)
     run_dir = root / "R"
-    rc = main(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", "30", "optim.lr=5e-3"])
+    # a peak for the CPU, so that the MFU fields carry numbers (without one they are null on a CPU)
+    rc = main(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", "30", "optim.lr=5e-3",
+               "run.mfu_peak_tflops=0.5"])
     return rc, run_dir
 
 
@@ -70,8 +72,37 @@ def test_status_reads_the_run(finished_run, capsys):
     capsys.readouterr()
     assert main(["status", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    for field in ("phase:      done", "step:       30 / 30", "tokens/s:", "loss:", "accuracy:", "heartbeat:", "last error: none"):
+    for field in ("phase:      done", "step:       30 / 30", "tokens/s:", "loss:", "accuracy:", "heartbeat:", "last error: none",
+                  "efficiency: ", "MFU ", "of 0.5 TFLOP/s", "blocks/s:   "):
         assert field in out, field
+
+
+def test_metrics_carry_the_steps_flops_mfu_and_drafted_blocks(finished_run, tiny_target_dir):
+    """Each record's efficiency fields (train/flops.py, from host counts): the step's FLOPs are the capture's and
+    the drafter's; MFU is the window's FLOPs over its time (tokens / tokens_per_s) and the peak; drafted blocks
+    per second are the window's blocks over the same time; the target's share is the benchmark's formula for
+    its rows through the last captured layer."""
+    from dflash_train.algorithms.base import default_target_layer_ids
+    from dflash_train.train import flops
+    from dflash_train.target.capture import read_target_config
+
+    _, run_dir = finished_run
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shape = flops.model_shape(read_target_config(tiny_target_dir))
+    layers = max(default_target_layer_ids(shape["num_hidden_layers"], 1)) + 1  # up to the last captured layer
+    linears = 2 * flops.layer_matmul_params(shape) * layers  # a token's
+    causal = 4 * shape["num_attention_heads"] * shape["head_dim"] * layers  # a (query, key) pair's
+    for r in records:
+        seconds, steps = r["tokens"] / r["tokens_per_s"], 5
+        assert r["step_flops"] == pytest.approx(r["target_flops"] + r["drafter_flops"])
+        assert r["target_flops"] > 0 and r["drafter_flops"] > 0 and r["mfu_peak_tflops"] == 0.5
+        assert r["mfu"] == pytest.approx(r["step_flops"] * steps / seconds / 0.5e12)
+        assert r["mfu"] == pytest.approx(r["target_mfu"] + r["drafter_mfu"])
+        assert r["drafted_blocks_per_s"] == pytest.approx(r["drafted_blocks"] / seconds)
+        assert 0 < r["drafted_blocks"] <= 16 * 4 * steps  # max_anchors a row, max_batch_size rows, 5 steps
+        # a row of s tokens: s linears and s (s + 1) / 2 causal pairs, 1 <= (s + 1) / 2 <= (max_length + 1) / 2
+        target = r["target_flops"] * steps
+        assert r["tokens"] * (linears + causal) <= target <= r["tokens"] * (linears + causal * 257 / 2)
 
 
 def test_a_start_refused_for_bad_data_leaves_no_trace_and_the_fixed_command_runs(tmp_path, tiny_target_dir,

@@ -12,11 +12,13 @@ the D-PACE weight, the sum of its smoothed probabilities of getting through each
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Optional
 
 import torch
 
 from ...runtime import to_device
+from ..base import DraftWork
 
 
 @dataclass
@@ -28,13 +30,25 @@ class Blocks:
     labels: torch.Tensor  # [B, N, bs] long
     weights: torch.Tensor  # [B, N, bs] float32 gamma weights, 0 where the slot does not count
     counted: torch.Tensor  # [B, N, bs] bool: the slot is trained
+    # The host counts of the drafter's work on these blocks, taken where they are built on the host (the step
+    # plans them there); None for blocks built on a device (counting them would wait for it).
+    work: Optional[DraftWork] = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.work is None and self.keep.device.type == "cpu":
+            self.work = DraftWork.of(self.anchors, self.keep, self.counted.shape[-1], int(self.counted.sum()))
 
     @property
     def num_blocks(self) -> int:
         return self.anchors.shape[1]
 
+    def moved(self, device: torch.device) -> dict:
+        """The fields on `device` (the host counts kept as they are): a subclass's `to` builds itself from them."""
+        return {f.name: getattr(self, f.name) if f.name == "work" else to_device(getattr(self, f.name), device)
+                for f in fields(self)}
+
     def to(self, device: torch.device) -> "Blocks":
-        return Blocks(**{f.name: to_device(getattr(self, f.name), device) for f in fields(self)})
+        return Blocks(**self.moved(device))
 
 
 def sample_anchors(

@@ -180,4 +180,5 @@ def block_stats(loss: torch.Tensor, correct_rows: torch.Tensor, blocks: Blocks, 
         counted_per_slot=blocks.counted.sum((0, 1)),
         accepted_sum=(accept * blocks.keep).sum(),
         kept_blocks=blocks.keep.sum(),
+        work=blocks.work,
     )

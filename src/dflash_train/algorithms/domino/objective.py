@@ -9,7 +9,7 @@ neither `[rows, vocab]` logits tensor exists."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -29,7 +29,7 @@ class DominoBlocks(Blocks):
     tokens: torch.Tensor  # [B, N, bs] long: the ground-truth tokens at a + 0 .. a + bs - 1 (the GRU's inputs)
 
     def to(self, device: torch.device) -> "DominoBlocks":
-        return DominoBlocks(**{f.name: to_device(getattr(self, f.name), device) for f in fields(self)})
+        return DominoBlocks(**self.moved(device))
 
 
 def lambda_base(step: int, total_steps: int, start: float, decay_ratio: float) -> float:
@@ -65,7 +65,7 @@ def shifted_stats(loss: torch.Tensor, correct_rows: torch.Tensor, blocks: Blocks
     correct = torch.zeros_like(blocks.counted).view(-1).index_put((idx,), correct_rows).view(blocks.labels.shape)
     accept = 1 + correct.long().cumprod(-1).sum(-1)
     return StepStats(loss=loss, correct_per_slot=correct.sum((0, 1)), counted_per_slot=blocks.counted.sum((0, 1)),
-                     accepted_sum=(accept * blocks.keep).sum(), kept_blocks=blocks.keep.sum())
+                     accepted_sum=(accept * blocks.keep).sum(), kept_blocks=blocks.keep.sum(), work=blocks.work)
 
 
 class DominoObjective(DFlashObjective):

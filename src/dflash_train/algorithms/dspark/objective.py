@@ -72,4 +72,5 @@ class DSparkObjective(DFlashObjective):
         correct = correct.index_put((idx,), res.correct).view(shape)
         accepted = correct.long().cumprod(-1).sum(-1)  # drafts accepted before the first miss
         return StepStats(loss=loss, correct_per_slot=correct.sum((0, 1)), counted_per_slot=blocks.counted.sum((0, 1)),
-                         accepted_sum=((1 + accepted) * blocks.keep).sum(), kept_blocks=blocks.keep.sum(), extra=extra)
+                         accepted_sum=((1 + accepted) * blocks.keep).sum(), kept_blocks=blocks.keep.sum(), extra=extra,
+                         work=blocks.work)

@@ -1,0 +1,105 @@
+"""The FLOP accounting of train/flops.py (the training loop's metrics and the throughput benchmarks): its formula
+against the matmuls a tiny real target and drafter run, counted by torch's FlopCounterMode on the CPU, and the
+efficiency fields' arithmetic."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from dflash_train.algorithms import architecture
+from dflash_train.algorithms.base import DraftWork
+from dflash_train.algorithms.dflash.attention import resolve_backend
+from dflash_train.algorithms.dflash.blocks import sample_anchors
+from dflash_train.algorithms.dflash.config import make_drafter_config
+from dflash_train.algorithms.dflash.mask import dense_mask
+from dflash_train.algorithms.dflash.model import DFlashDrafter
+from dflash_train.config.load import config_from_dict
+from dflash_train.data.batch import Batch
+from dflash_train.target.capture import TargetCapture
+from dflash_train.train import flops
+
+H, BS, LAYER_IDS = 64, 4, [0, 2]
+
+
+def _step_under_flop_counter(draft_vocab: int = 0):
+    """One micro-batch of the DFlash objective, forward and backward, on rows of equal length (no padding, every
+    block kept: what runs is what counts); returns (counted matmul FLOPs, stats, target shape, drafter)."""
+    torch.manual_seed(0)
+    tcfg = Qwen3Config(hidden_size=H, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=300)
+    model = AutoModelForCausalLM.from_config(tcfg).eval().requires_grad_(False)
+    target = TargetCapture.from_model(model, LAYER_IDS)
+    dcfg = make_drafter_config(tcfg, num_draft_layers=2, block_size=BS, target_layer_ids=LAYER_IDS, mask_token_id=5,
+                               intermediate_size=80, num_attention_heads=2, draft_vocab_size=draft_vocab)
+    drafter = DFlashDrafter(dcfg)
+    if draft_vocab:
+        drafter.set_draft_vocabulary(torch.arange(draft_vocab), model.lm_head.weight)
+    cfg = config_from_dict({"drafter": {"block_size": BS, "num_draft_layers": 2, "attention_backend": "sdpa",
+                                        "draft_vocab_size": draft_vocab},
+                            "objective": {"max_anchors": 6}})
+    backend = resolve_backend("sdpa", torch.device("cpu"), BS)
+    objective = architecture("dflash").objective(drafter, target, backend, cfg, torch.float32)
+    ids = torch.randint(10, 300, (2, 40), generator=torch.Generator().manual_seed(1))
+    batch = Batch(ids, torch.ones_like(ids), torch.tensor([40, 40]))
+    with FlopCounterMode(display=False) as counter:
+        stats = objective(batch, torch.Generator().manual_seed(0))
+        stats.loss.backward()
+    counts = counter.get_flop_counts()["Global"]
+    # On the CPU, FlopCounterMode counts no sdpa kernel: its matmuls are the linears and the vocabulary head.
+    assert set(counts) == {torch.ops.aten.mm}, counts
+    return counts[torch.ops.aten.mm], stats, flops.model_shape(tcfg), drafter
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 128])
+def test_the_formula_counts_the_matmuls_that_run(draft_vocab):
+    """Every matmul of the capture, the drafter's forward and backward and the vocabulary head, FLOP for FLOP; the
+    one the formula counts and the step skips is the fc's input gradient (the capture needs none: MFU's usual 3x
+    forward). The target's frozen head: forward and input gradient; a trained draft head: its weight gradient too."""
+    counted, stats, target_shape, drafter = _step_under_flop_counter(draft_vocab)
+    work = stats.work
+    assert work == DraftWork(blocks=12, block_tokens=48, attended=work.attended, counted_rows=36)
+    assert work.counted_rows == int(stats.counted_per_slot.sum()) and work.blocks == int(stats.kept_blocks)
+    target = flops.target_flop_parts(target_shape, [40, 40], max(LAYER_IDS))
+    drafter_parts = flops.drafter_flop_parts(flops.drafter_shape(drafter), 80, work, 2, len(LAYER_IDS))
+    fc_input_gradient = 2 * 80 * len(LAYER_IDS) * H * H
+    assert counted == target["linears"] + drafter_parts["linears"] - fc_input_gradient + drafter_parts["lm_head"]
+    assert drafter_parts["lm_head"] == 2 * 36 * H * (draft_vocab or 300) * (3 if draft_vocab else 2)
+
+
+def test_the_attended_pairs_are_the_masks_unmasked_entries():
+    """`DraftWork.attended`, per kept block (its queries see the context before the anchor and their own block),
+    equals the sdpa mask's True entries; blocks not kept count nothing (rows of different lengths)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([50, 23, 37])
+    loss_mask = (torch.rand(3, 50, generator=g) < 0.7).long()
+    anchors, keep = sample_anchors(loss_mask, lengths, BS, 5, g, multiple_of=4)
+    assert not keep.all()  # padded with blocks not kept
+    work = DraftWork.of(anchors, keep, BS, 0)
+    assert work.attended == int(dense_mask(anchors, keep, 50, BS).sum())
+    assert work.blocks == int(keep.sum()) and work.block_tokens == BS * int(keep.sum())
+
+
+def test_target_attention_counts_the_causal_pairs():
+    shape = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, intermediate_size=16)
+    parts = flops.target_flop_parts(shape, [3, 5], last_layer=1)
+    pairs = int(torch.ones(3, 3).tril().sum() + torch.ones(5, 5).tril().sum())
+    assert parts["attention"] == 4 * 2 * 4 * pairs * 2
+    assert parts["linears"] == 2 * (8 * 2 * 4 * 2 + 8 * 1 * 4 * 2 + 3 * 8 * 16) * 2 * 8
+
+
+def test_efficiency_fields_add_up_and_need_a_peak_for_mfu():
+    f = flops.efficiency_fields(target=6e12, drafter=2e12, blocks=300, steps=2, seconds=4.0, peak=1000.0)
+    assert f["step_flops"] == f["target_flops"] + f["drafter_flops"] == 4e12
+    assert f["mfu"] == pytest.approx(f["target_mfu"] + f["drafter_mfu"]) and f["mfu"] == pytest.approx(0.002)
+    assert f["drafted_blocks_per_s"] == 75 and f["mfu_peak_tflops"] == 1000.0
+    cpu = flops.efficiency_fields(target=6e12, drafter=2e12, blocks=300, steps=2, seconds=4.0, peak=None)
+    assert cpu["mfu"] is None and cpu["target_mfu"] is None and cpu["step_flops"] == 4e12
+    uncounted = flops.efficiency_fields(target=6e12, drafter=None, blocks=None, steps=2, seconds=4.0, peak=1000.0)
+    assert uncounted["step_flops"] is None and uncounted["mfu"] is None and uncounted["drafted_blocks_per_s"] is None
+
+
+def test_the_peak_is_the_override_or_none_on_a_cpu():
+    assert flops.peak_tflops(torch.device("cpu")) is None
+    assert flops.peak_tflops(torch.device("cpu"), 312.0) == 312.0
+    assert dict(flops.PEAK_BF16_TFLOPS)["H200"] == flops.H200_BF16_DENSE_TFLOPS == 790.0
