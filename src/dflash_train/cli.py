@@ -20,7 +20,7 @@ from .config.validate import validate_world
 from .data.dataset import FAR_FACTOR
 from .data.formats import BUILTIN_SOURCES
 from .errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, USER_ERRORS, UserError, debug_enabled
-from .numbers import (ALL_IF_ZERO, BLOCK_SIZE, INDEX, NO_BOUND_IF_ZERO, POSITIVE_INT, POSITIVE_NUMBER, SEED,
+from .numbers import (ALL_IF_ZERO, BLOCK_SIZE, FRACTION, INDEX, NO_BOUND_IF_ZERO, POSITIVE_INT, POSITIVE_NUMBER, SEED,
                       TEMPERATURE, TOP_P, VAL_FRACTION)
 
 log = logging.getLogger("dflash_train")
@@ -187,6 +187,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.replay and args.temperature > 0:
         raise ValueError("--replay measures greedy decoding: drop --temperature (or --replay to sample)")
+    if args.replay and args.confidence_threshold > 0:
+        raise ValueError("--replay verifies every draft: drop --confidence-threshold (or --replay)")
     budgets = _tree_budgets(args)
     require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
     check_report_out(Path(args.out), [("--drafter", Path(args.drafter)), ("--target", Path(args.target)),
@@ -220,7 +222,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                           temperature=args.temperature, block_size=args.block_size, tree_budgets=budgets,
                           limit=args.limit, stop_token_ids=stops, template_kwargs=template_kwargs,
                           measure_speedup=not args.no_baseline, progress=not args.no_progress, on_dataset=save,
-                          skip_damaged_files=args.skip_damaged_files)
+                          skip_damaged_files=args.skip_damaged_files, confidence_threshold=args.confidence_threshold)
     return _finish_eval(args, report)
 
 
@@ -479,6 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     e.add_argument("--block-size", type=BLOCK_SIZE.flag, default=None,
                    help="verify this many tokens per step, at most the trained block size (default: trained)")
+    e.add_argument("--confidence-threshold", type=FRACTION.flag, default=0.0,
+                   help="a drafter with a confidence head (DSpark): each step verifies only the drafts before the "
+                        "first whose predicted acceptance is below this (lossless: the drafter's own prediction); "
+                        "the report gives verified_per_step beside tau; 0 = verify every draft (default: "
+                        "%(default)s)")
     e.add_argument("--tree-budget", type=POSITIVE_INT.flag, nargs="*", default=None,
                    help="DDTree node budgets to evaluate as well, e.g. 16 64 (default: none, block verification only)")
     e.add_argument("--limit", type=ALL_IF_ZERO.flag, default=0,

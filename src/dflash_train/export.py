@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -15,9 +16,9 @@ from .errors import ConfigError
 from .layout import STATE, put_in_place
 from .model_card import CARD_NAME, export_card
 from .algorithms.io import load_drafter, save_drafter
-from .target.provenance import PROVENANCE_NAME
+from .target.provenance import PROVENANCE_NAME, serving_record
 from .outputs import check_export_out
-from .runtime import dtype_named
+from .runtime import dtype_named, read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,10 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", targ
     extra = {}
     if (run_dir / "config.yaml").is_file():
         extra["training_config.yaml"] = (run_dir / "config.yaml").read_text()
-    if (run_dir / PROVENANCE_NAME).is_file():
-        extra[PROVENANCE_NAME] = (run_dir / PROVENANCE_NAME).read_text()
-    extra[CARD_NAME] = export_card(checkpoint, checkpoint_weights(checkpoint))
+    if (run_dir / PROVENANCE_NAME).is_file():  # the serving record from the drafter exported (a run may predate it)
+        record = {**read_json_file(run_dir / PROVENANCE_NAME, "remove it to export without a provenance record"), **serving_record(drafter)}
+        extra[PROVENANCE_NAME] = json.dumps(record, indent=1)
+    extra[CARD_NAME] = export_card(checkpoint, checkpoint_weights(checkpoint), serving_record(drafter))
     staging = out.with_name(f".{out.name}.export-{os.getpid()}")
     try:
         save_drafter(drafter, staging, dtype=dtype, extra_files=extra)

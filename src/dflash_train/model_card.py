@@ -25,12 +25,23 @@ def weights_line(step: int, best_tau: Optional[float], best_step: Optional[int])
             f"`dflash-train export RUN/checkpoints/step-{step}` exports the last step's")
 
 
+def serving_line(serving: Optional[dict]) -> str:
+    """How many speculative tokens to serve it with (`target.provenance.serving_record`), as a card line."""
+    if not serving:
+        return ""
+    n = serving["num_speculative_tokens"]
+    return (f"- serve with {n} speculative tokens per step ({serving['architecture']}, block size "
+            f"{serving['block_size']}): vLLM `num_speculative_tokens: {n}`, SGLang "
+            f"`--speculative-num-draft-tokens {n + 1}`\n")
+
+
 def training_card(cfg_yaml: str, target_path: Path, layer_ids: list[int], mask_token_id: int, summary: dict,
-                  weights: str = "") -> str:
+                  weights: str = "", serving: Optional[dict] = None) -> str:
     return (
         _TITLE + "\n"
         "A block-diffusion speculative-decoding drafter trained with dflash-train.\n\n"
         + (f"- weights: {weights}\n" if weights else "")
+        + serving_line(serving)
         + f"- target: `{target_path}`\n"
         f"- target layer ids: {layer_ids}\n"
         f"- mask token id: {mask_token_id}\n"
@@ -45,9 +56,9 @@ def training_card(cfg_yaml: str, target_path: Path, layer_ids: list[int], mask_t
     )
 
 
-def export_card(checkpoint: Path, weights: str = "") -> str:
+def export_card(checkpoint: Path, weights: str = "", serving: Optional[dict] = None) -> str:
     return (_TITLE + f"\nExported by `dflash-train export` from `{checkpoint}`"
-            + (f": {weights}" if weights else "") + ".\n\n"
+            + (f": {weights}" if weights else "") + ".\n\n" + (serving_line(serving) + "\n" if serving else "") +
             "Load with the reference DFlash code or a serving engine's DFlash support.\n")
 
 
@@ -59,8 +70,10 @@ def put_eval_table(drafter_dir: Path, report: dict) -> None:
     c = report["config"]
     how = ("Tau by replay (`dflash-train eval --replay`: the tau of greedy speculative decoding, not timed)"
            if c.get("method") == "replay" else "Produced by `dflash-train eval`")
+    truncation = (f", drafts verified up to the first of confidence below {c['confidence_threshold']}"
+                  if c.get("confidence_threshold") else "")
     text += (f"\nGreedy={c['temperature'] <= 0}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
-             f"block size {c['block_size']}. {how}.\n\n" + markdown_table(report) + "\n")
+             f"block size {c['block_size']}{truncation}. {how}.\n\n" + markdown_table(report) + "\n")
     write_text_atomic(card, text)
 
 

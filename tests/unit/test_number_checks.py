@@ -28,6 +28,7 @@ FLAGS: dict[tuple[str, str], tuple[str, list[str]]] = {
     ("eval", "--max-new-tokens"): ("a positive integer", ["1", "256"]),
     ("eval", "--temperature"): ("a number >= 0 (0 = greedy)", ["0", "0.7", "2"]),
     ("eval", "--block-size"): ("an integer >= 2", ["2", "16"]),
+    ("eval", "--confidence-threshold"): ("a number in [0, 1]", ["0", "0.5", "1"]),
     ("eval", "--tree-budget"): ("a positive integer", ["1", "64"]),
     ("eval", "--limit"): ("an integer >= 0 (0 = all)", ["0", "10"]),
     ("prepare", "--max-length"): ("a positive integer", ["32", "3072"]),

@@ -379,9 +379,30 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
         out = head(hidden.to(head.weight.dtype)).float()
         return transform_logits(out, self.output_multiplier, self.final_logit_softcapping)
 
+    def num_drafts(self, block_size: Optional[int] = None) -> int:
+        """Tokens one block of `block_size` slots (the trained block size by default) drafts: the number of
+        speculative tokens a serving engine must be set to, and what `draft` returns per block. Slot 0 reads the
+        anchor and the other slots are drafts here (DFlash: bs - 1); an architecture whose anchor slot predicts
+        too (the anchor as the first prediction) drafts bs."""
+        return (block_size or self.block_size) - 1
+
+    @property
+    def has_confidence(self) -> bool:
+        """Whether the drafter predicts each draft's acceptance (`draft_with_confidence`), which decoding can use
+        to verify fewer drafts (`eval --confidence-threshold`)."""
+        return False
+
+    def draft_with_confidence(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
+                              temperature: float = 0.0, generator: Optional[torch.Generator] = None
+                              ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """`draft`'s (drafts, q) and each draft's predicted acceptance probability `[n, num_drafts]` (given the
+        drafts before it were accepted), computed from the drafter's own states and drafts only (never from the
+        target), so that truncating on it keeps decoding lossless. Only where `has_confidence`."""
+        raise NotImplementedError(f"the {self.architecture} drafter has no confidence head")
+
     def draft(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor, temperature: float = 0.0,
               generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The drafts `[n, bs-1]` (target ids) for slots 1.. of `n` blocks, from their final hidden states
+        """The drafts `[n, num_drafts]` (target ids; here slots 1..) of `n` blocks, from their final hidden states
         `[n, bs, H]` (slot 0 is the anchor, `anchor_ids [n]`): the argmax of each slot, or with `temperature > 0` a
         sample from `q = softmax(logits / temperature)`, returned too over the target's vocabulary (`[n, bs-1, V]`,
         0 outside a reduced draft vocabulary) for speculative sampling. Every row goes through the head and the

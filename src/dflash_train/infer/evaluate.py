@@ -86,8 +86,11 @@ def run_prompt(dec: SpeculativeDecoder, tokenizer, item: dict, modes: list[Mode]
             res = mode.run(dec, prompt, max_new_tokens)
             answer = tokenizer.decode(res.tokens, skip_special_tokens=True)
             history.append({"role": "assistant", "content": answer})
-            outs.append({"token_ids": res.tokens, "text": answer, "tau": res.tau,
-                         "accept_lengths": list(res.accept_lengths), "decode_s": res.decode_s})
+            out = {"token_ids": res.tokens, "text": answer, "tau": res.tau,
+                   "accept_lengths": list(res.accept_lengths), "decode_s": res.decode_s}
+            if res.verified_lengths:
+                out["verified_lengths"] = list(res.verified_lengths)
+            outs.append(out)
         record["modes"][mode.name] = outs
     return record
 
@@ -96,7 +99,8 @@ def summarize_records(records: list[dict], mode_names: list[str], temperature: f
     """`{"modes": {mode: tau, histogram, tokens, rates[, speedup]}, "lossless_mismatches": [...]}` of one
     dataset's prompt records (as `run_prompt` returns them), in record order. With a "target" mode the
     other modes get a speedup and, when greedy, are checked token for token against it."""
-    per_mode: dict[str, dict] = {m: {"accepts": [], "tokens": 0, "decode_s": 0.0} for m in mode_names}
+    per_mode: dict[str, dict] = {m: {"accepts": [], "tokens": 0, "decode_s": 0.0, "verified": []}
+                                 for m in mode_names}
     first_divergence: list = []
     baseline = "target" in mode_names
     for record in records:
@@ -104,6 +108,11 @@ def summarize_records(records: list[dict], mode_names: list[str], temperature: f
             stats = per_mode[name]
             for out in record["modes"][name]:
                 stats["accepts"] += out["accept_lengths"]
+                # None once an output lacks them (tree modes, replay, reports from before they were recorded)
+                if stats["verified"] is not None and "verified_lengths" in out:
+                    stats["verified"] += out["verified_lengths"]
+                else:
+                    stats["verified"] = None
                 stats["tokens"] += len(out["token_ids"])
                 stats["decode_s"] += out["decode_s"]
         if baseline and temperature <= 0:
@@ -128,6 +137,8 @@ def summarize_records(records: list[dict], mode_names: list[str], temperature: f
             "decode_tokens_per_s": s["tokens"] / s["decode_s"] if s["decode_s"] > 0 else None,
             "time_per_token_ms": 1000 * s["decode_s"] / max(s["tokens"], 1),
         }
+        if s["verified"]:  # tokens the target verified per step (the anchor and the drafts it was given)
+            summary[name]["verified_per_step"] = sum(s["verified"]) / len(s["verified"])
     if baseline:
         base = summary["target"]["time_per_token_ms"]
         for name in mode_names:
@@ -153,15 +164,24 @@ def evaluate(
     progress: bool = False,
     on_dataset: Optional[Callable[[dict], None]] = None,
     skip_damaged_files: bool = False,
+    confidence_threshold: float = 0.0,
 ) -> dict:
-    """Run every mode on every prompt; returns a JSON-ready report. `on_dataset(report)`: the report so far,
+    """Run every mode on every prompt; returns a JSON-ready report. `confidence_threshold` C > 0 (a drafter with
+    a confidence head; block decoding): each step verifies the drafts before the first the drafter predicts
+    accepted with probability below C; the report's `verified_per_step` says how many tokens the target checked. `on_dataset(report)`: the report so far,
     after each dataset (so that a later failure loses none of it). `progress`: a bar per dataset on stderr.
     `skip_damaged_files`: a damaged data file gives its prompts before the damage, and the report lists it under
     "damaged_files"."""
-    dec = SpeculativeDecoder(target, drafter, stop_token_ids, temperature, block_size)
+    if confidence_threshold > 0 and tree_budgets:
+        raise ValueError("--confidence-threshold truncates block verification; DDTree verifies a tree: drop "
+                         "--tree-budget or --confidence-threshold")
+    dec = SpeculativeDecoder(target, drafter, stop_token_ids, temperature, block_size,
+                             confidence_threshold=confidence_threshold)
     modes = make_modes(tree_budgets, measure_speedup)
     report: dict = {"config": report_config(max_new_tokens, temperature, dec.block_size, tree_budgets),
                     "datasets": {}, "outputs": []}
+    if confidence_threshold > 0:
+        report["config"]["confidence_threshold"] = confidence_threshold
     damaged: Optional[list] = [] if skip_damaged_files else None
     prompts = read_prompts(datasets, limit, damaged)
     _with_damaged(report, damaged)
@@ -248,7 +268,8 @@ def replay_reports(
     `done(n)`: progress, n turns at a time, twice per turn (generated, then replayed)."""
     stops = list(stop_token_ids or [])
     block_size = next(iter(drafters.values())).block_size
-    corpus = build_corpus(target, tokenizer, items, max_new_tokens, block_size, stops, batch_size, template_kwargs,
+    verified = 1 + max(d.num_drafts() for d in drafters.values())  # the widest step: the continuation's margin
+    corpus = build_corpus(target, tokenizer, items, max_new_tokens, verified, stops, batch_size, template_kwargs,
                           done)
     records = replay_records(target, tokenizer, drafters, corpus, max_new_tokens, tree_budgets, stops, done)
     modes = [m.name for m in make_modes(tree_budgets, measure_speedup=False)]

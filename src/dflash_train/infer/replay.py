@@ -150,7 +150,7 @@ def proposals_from_context(drafter: Drafter, embed: Callable, lm_head: torch.nn.
         out = drafter(context, drafter.embed_block(embed, block.view(1, -1)).to(dtype), position_ids, sdpa_attention,
                       masks)
         hidden = out[0].view(n, bs, -1)
-        drafts.append(drafter.draft(hidden, lm_head, block[:, 0])[0])  # slots 1..B-1
+        drafts.append(drafter.draft(hidden, lm_head, block[:, 0])[0])  # [n, num_drafts]
         if top_k:
             lp, tid = drafter.tree_candidates(hidden, lm_head, block[:, 0], top_k)
             top_lp.append(lp)
@@ -230,10 +230,11 @@ def replay_turn(target, drafter: Drafter, turn: ReplayTurn, max_new: int, tree_b
     stops = list(stops)
     ids = turn.prompt + turn.continuation
     p = len(turn.prompt)
-    need = max_new + drafter.block_size - 1
+    need = max_new + drafter.num_drafts()
     if len(turn.continuation) < need:
         raise ValueError(f"{turn.dataset}/{turn.id} turn {turn.turn}: continuation has {len(turn.continuation)} "
-                         f"tokens, replay with block size {drafter.block_size} needs {need}")
+                         f"tokens, replay with block size {drafter.block_size} ({drafter.num_drafts()} drafts) needs "
+                         f"{need}")
     hidden_states, argmax = target_out if target_out is not None else target_pass(target, ids)
     ids_t = torch.tensor(ids, device=argmax.device)
     mismatches = int((argmax[p - 1:len(ids) - 1] != ids_t[p:]).sum())

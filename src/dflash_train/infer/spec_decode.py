@@ -31,6 +31,8 @@ class DecodeResult:
     accept_lengths: list[int] = field(default_factory=list)  # tokens gained per target forward
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # tokens the target verified per forward (the anchor and the drafts it was given; block decoding only)
+    verified_lengths: list[int] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -152,7 +154,14 @@ class SpeculativeDecoder:
         temperature: float = 0.0,
         block_size: Optional[int] = None,
         seed: int = 0,
+        confidence_threshold: float = 0.0,
     ):
+        """`confidence_threshold` C > 0: block decoding verifies the drafts before the first whose predicted
+        acceptance (`Drafter.draft_with_confidence`) is below C (the drafter's own prediction, so still lossless)."""
+        if confidence_threshold > 0 and not drafter.has_confidence:
+            raise ValueError(f"a confidence threshold needs a drafter with a confidence head; this "
+                             f"{drafter.architecture} drafter has none: drop --confidence-threshold")
+        self.confidence_threshold = confidence_threshold
         self.target, self.drafter = target, drafter
         self.layer_ids = drafter.target_layer_ids
         self.block_size = block_size or drafter.block_size
@@ -206,10 +215,16 @@ class SpeculativeDecoder:
 
     def _draft(self, context: torch.Tensor, anchor: int, start: int,
                dcache: DrafterKVCache) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(drafts `[B-1]` for slots 1..B-1, their distributions `[B-1, V]` when sampling, else None)."""
+        """(the block's drafts `[num_drafts]`, their distributions `[num_drafts, V]` when sampling, else None); with
+        a confidence threshold, only those before the first draft predicted below it (possibly none)."""
         hidden, anchor_t = self._draft_hidden(context, anchor, start, dcache)
-        drafts, q = self.drafter.draft(hidden, self.lm_head, anchor_t, self.temperature, self.generator)
-        return drafts[0], (q[0] if q is not None else None)
+        if self.confidence_threshold <= 0:
+            drafts, q = self.drafter.draft(hidden, self.lm_head, anchor_t, self.temperature, self.generator)
+            return drafts[0], (q[0] if q is not None else None)
+        drafts, q, conf = self.drafter.draft_with_confidence(hidden, self.lm_head, anchor_t, self.temperature,
+                                                             self.generator)
+        keep = int((conf[0] >= self.confidence_threshold).long().cumprod(0).sum())
+        return drafts[0, :keep], (q[0, :keep] if q is not None else None)
 
     def _tree_candidates(self, context: torch.Tensor, anchor: int, start: int, dcache: DrafterKVCache, k: int):
         """Per slot 1..B-1 its tree candidates (`Drafter.tree_candidates` of this one block)."""
@@ -268,12 +283,13 @@ class SpeculativeDecoder:
         dcache = DrafterKVCache(len(self.drafter.layers))
         tokens, new = [anchor], [anchor]
         accepts: list[int] = []
+        verified: list[int] = []
         start = len(prompt)
         t0 = time.perf_counter()
         while not self._done(tokens, max_new_tokens, new):
             drafts, q = self._draft(context, anchor, start, dcache)
             block = torch.cat([drafts.new_full((1,), anchor), drafts])
-            positions = torch.arange(start, start + self.block_size, device=self.device)
+            positions = torch.arange(start, start + len(block), device=self.device)
             logits, hidden = self._target(block, positions, cache)
             if self.temperature <= 0:
                 # one device -> host copy per step (each .tolist()/int() is a sync on a GPU)
@@ -288,12 +304,14 @@ class SpeculativeDecoder:
                 new = drafts[:n_acc].tolist() + [bonus]
             tokens.extend(new)
             accepts.append(n_acc + 1)
+            verified.append(len(block))
             context = hidden[: n_acc + 1]
             start += n_acc + 1
             trim_cache(cache, start)
             anchor = new[-1]
         _sync(self.device)
-        return DecodeResult(self._finish(tokens, max_new_tokens), accepts, prefill_s, time.perf_counter() - t0)
+        return DecodeResult(self._finish(tokens, max_new_tokens), accepts, prefill_s, time.perf_counter() - t0,
+                            verified)
 
     # ---------------------------------------------------------------- DDTree
 

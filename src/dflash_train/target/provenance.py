@@ -40,6 +40,15 @@ def target_provenance(target_path: str, tokenizer, target_config, template_kwarg
     }
 
 
+def serving_record(drafter) -> dict:
+    """How the drafter is served, recorded beside it so that serving matches training: its architecture, trained
+    block size and the number of speculative tokens one step drafts (`Drafter.num_drafts`: bs - 1 for DFlash,
+    bs where the anchor is the first prediction); vLLM's `num_speculative_tokens`, one less than SGLang's
+    `--speculative-num-draft-tokens`."""
+    return {"architecture": drafter.architecture, "block_size": int(drafter.block_size),
+            "num_speculative_tokens": int(drafter.num_drafts())}
+
+
 def write_provenance(folder: Path, record: dict) -> None:
     write_json_atomic(Path(folder) / PROVENANCE_NAME, record)
 
@@ -73,6 +82,12 @@ def compare(trained: dict, current: dict, drafter, block_size: Optional[int] = N
     for name in ("pad_token_id", "eos_token_id"):
         if current.get(name) is not None and mask == current[name]:
             problems.append(f"mask_token_id {mask} is the tokenizer's {name.split('_')[0]} token")
+    recorded = trained.get("num_speculative_tokens")
+    if recorded is not None and recorded != drafter.num_drafts():
+        problems.append(f"{PROVENANCE_NAME} records {recorded} speculative tokens per step (the number it is served "
+                        f"with), but the {drafter.architecture} drafter config.json describes drafts "
+                        f"{drafter.num_drafts()} (block size {drafter.block_size}): the two files come from different "
+                        "exports or versions; export the checkpoint again (dflash-train export)")
     if block_size is not None and block_size > drafter.block_size:
         problems.append(f"block size {block_size} is larger than the trained {drafter.block_size}")
     return problems

@@ -14,7 +14,7 @@ from ..data.source import open_validation_data
 from ..algorithms import architecture
 from ..algorithms.init_from_target import init_drafter_from_target
 from ..accel.fp8_training import use_fp8_training
-from ..target.provenance import write_provenance
+from ..target.provenance import serving_record, write_provenance
 from ..target.capture import TargetCapture, load_target_head
 from ..model_card import training_card
 from ..run.directory import RunDir
@@ -40,11 +40,11 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
         target = TargetCapture.from_model(load_target(cfg, plan, r, rep), plan.layer_ids, compile=cfg.target.compile)
     else:  # a split drafter rank: the target's embedding and lm_head, never its decoder
         target = load_target_head(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
-    if ctx.is_main:
-        write_provenance(run.root, a.provenance)
     torch.manual_seed(cfg.run.seed)
     arch = architecture(cfg.drafter.architecture)
     drafter = arch.drafter_class(a.dcfg)
+    if ctx.is_main:
+        write_provenance(run.root, {**a.provenance, **serving_record(drafter)})
     if cfg.drafter.init_from_target and not resume:  # a resume loads the checkpoint's weights over it
         init_drafter_from_target(drafter, plan.target_path)
     if drafter.draft_vocab_size and not resume:  # a resume loads the checkpoint's vocabulary and head
@@ -89,7 +89,8 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
     return Session(cfg, run, ctx.rank, ctx.is_main, r.device, train_step, r.data, a.tokenizer.pad_token_id,
                    r.batching, r.per_step, r.drafters, r.drafter_group, r.total, a.identity,
                    lambda cfg_yaml, record, weights: training_card(cfg_yaml, plan.target_path, plan.layer_ids,
-                                                                   plan.mask_token_id, record, weights),
+                                                                   plan.mask_token_id, record, weights,
+                                                                   serving_record(drafter)),
                    inbox, val, stop_ids)
 
 

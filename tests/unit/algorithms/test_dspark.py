@@ -268,3 +268,199 @@ def test_a_dspark_run_trains_resumes_exactly_exports_and_evaluates(tiny_target_d
                  "--device", "cpu"]) == 0
     body = json.loads(out.read_text())["datasets"][str(counting_jsonl)]
     assert body["modes"]["block"]["tau"] >= 1 and body["lossless_mismatches"] == []
+
+
+def confident(target, seed=0) -> DSparkDrafter:
+    """A drafter whose confidence varies from slot to slot (the tiny head's random start is ~0.5 everywhere)."""
+    d = dspark(target, seed=seed)
+    with torch.no_grad():
+        d.confidence_head.proj.weight.normal_(0, 1.0)
+        d.confidence_head.proj.bias.fill_(0.3)
+    return d
+
+
+def test_every_slot_drafts_and_confidence_truncation_stays_lossless_and_verifies_fewer(target):
+    """Greedy block decoding in float32 drafts all bs slots (bs + 1 tokens verified per step without a threshold);
+    with `confidence_threshold` each step verifies the drafts before the first below it, its output still the
+    target's own greedy output, with fewer tokens verified per step; a drafter sure of nothing verifies the anchor
+    alone."""
+    d = confident(target)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (6, 19)]
+    full = SpeculativeDecoder(target, d, stop_token_ids=[2])
+    cut = SpeculativeDecoder(target, d, stop_token_ids=[2], confidence_threshold=0.5)
+    doubtful = confident(target)
+    with torch.no_grad():
+        doubtful.confidence_head.proj.bias.fill_(-1e4)  # every slot predicted rejected
+    never = SpeculativeDecoder(target, doubtful, stop_token_ids=[2], confidence_threshold=0.5)
+    verified = {"full": [], "cut": []}
+    for prompt in prompts:
+        ref = full.generate_target_only(prompt, 24).tokens
+        a, b, c = full.generate_block(prompt, 24), cut.generate_block(prompt, 24), never.generate_block(prompt, 24)
+        assert a.tokens == b.tokens == c.tokens == ref
+        assert set(a.verified_lengths) == {BS + 1}
+        assert set(c.verified_lengths) == {1} and c.tau == 1.0
+        assert all(1 <= n <= v for n, v in zip(b.accept_lengths, b.verified_lengths))
+        verified["full"] += a.verified_lengths
+        verified["cut"] += b.verified_lengths
+    mean = {k: sum(v) / len(v) for k, v in verified.items()}
+    assert mean["cut"] < mean["full"] and len(set(verified["cut"])) > 1  # it truncates, and not always alike
+
+
+def test_the_truncation_reads_the_drafters_confidence_of_each_drafted_token(target):
+    """`draft_with_confidence`: slot k's confidence is sigmoid of the head on its state and the token drafted at
+    slot k - 1 (the anchor for k = 0), the drafter's own: what the decoder truncates on."""
+    d = confident(target)
+    hidden = torch.randn(2, BS, target.config.hidden_size) * 0.05
+    anchors = torch.tensor([5, 300])
+    drafts, _, conf = d.draft_with_confidence(hidden, target.lm_head, anchors)
+    assert drafts.shape == conf.shape == (2, BS)
+    prev = torch.cat([anchors.view(-1, 1), drafts[:, :-1]], 1)
+    x = torch.cat([hidden, d.markov_head.markov_w1(prev)], -1)
+    torch.testing.assert_close(conf, torch.sigmoid(d.confidence_head.proj(x).squeeze(-1)))
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+
+    plain = DFlashDrafter(make_drafter_config(target.config, num_draft_layers=1, block_size=BS,
+                                              target_layer_ids=[1, 4], mask_token_id=16))
+    assert not plain.has_confidence and plain.num_drafts() == BS - 1 and d.num_drafts() == BS
+    with pytest.raises(ValueError, match="needs a drafter with a confidence head; this dflash drafter has none: drop --confidence-threshold"):
+        SpeculativeDecoder(target, plain, confidence_threshold=0.5)
+    with pytest.raises(ValueError, match="this dspark drafter has none"):
+        SpeculativeDecoder(target, dspark(target, confidence=False, with_markov=False), confidence_threshold=0.5)
+
+
+def small_vocab_pair(vocab=8, seed=0):
+    """A 2-layer random target over `vocab` tokens and a DSpark drafter (block 3) with a strong Markov bias: their
+    distributions differ, so speculative sampling must correct the drafts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    tcfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                       tie_word_embeddings=True, initializer_range=0.15)
+    small = LlamaForCausalLM(tcfg).eval()
+    cfg = make_drafter_config(small.config, num_draft_layers=1, block_size=3, target_layer_ids=[0, 1],
+                              mask_token_id=vocab - 1)
+    cfg.architectures = ["Qwen3DSparkModel"]
+    cfg.markov_rank, cfg.markov_head_type = 4, "vanilla"
+    cfg.enable_confidence_head, cfg.confidence_head_with_markov = True, True
+    d = DSparkDrafter(cfg)
+    with torch.no_grad():
+        d.markov_head.markov_w1.weight.normal_(0, 1.0)
+        d.markov_head.markov_w2.weight.normal_(0, 1.0)
+    return small, d.eval()
+
+
+@pytest.mark.long  # a statistical test over 1,500 decodings (one to four minutes on 2 cores)
+def test_sampled_decoding_follows_the_targets_distribution(target):
+    """Speculative sampling with DSpark's Markov-corrected, sequentially drawn drafts is exact: over many runs the
+    2nd and 3rd tokens (decided by the first and second verification steps) follow the target's own sampling
+    distribution (exact marginals by enumeration; chi-square at p = 0.001), while drafts are accepted often."""
+    small, d = small_vocab_pair()
+    v, temperature, trials = 8, 1.0, 1500
+    prompt = [1, 4, 2]
+    with torch.no_grad():
+        p1 = torch.softmax(small(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)
+        seqs = torch.tensor([prompt + [a] for a in range(v)])
+        p2 = torch.softmax(small(seqs).logits[:, -1].double() / temperature, -1)  # [t1, t2]
+        seqs3 = torch.tensor([prompt + [a, b] for a in range(v) for b in range(v)])
+        p3 = torch.softmax(small(seqs3).logits[:, -1].double() / temperature, -1).view(v, v, v)
+    want2 = p1 @ p2
+    want3 = torch.einsum("a,ab,abc->c", p1, p2, p3)
+    dec = SpeculativeDecoder(small, d, temperature=temperature, seed=3)
+    counts2, counts3 = torch.zeros(v, dtype=torch.float64), torch.zeros(v, dtype=torch.float64)
+    accepted = 0
+    for _ in range(trials):
+        out = dec.generate_block(prompt, 3)
+        counts2[out.tokens[1]] += 1
+        counts3[out.tokens[2]] += 1
+        accepted += out.accept_lengths[0] - 1
+    for counts, want in ((counts2, want2), (counts3, want3)):
+        expected = want * trials
+        assert float(((counts - expected) ** 2 / expected).sum()) < 24.3  # chi-square, 7 dof, p = 0.001
+    assert accepted > 0.3 * trials  # the drafts are not all rejected: the accept rule is exercised
+
+
+def dense_dpard_reference(d, target_model, capture, ids, loss_mask, lengths, conf_w, gamma, alpha):
+    """D-PARD in float64 from full logits, block by block: sum_t W_t R_t over the sequences, W_t the suffix sums of
+    the prefix products of alpha + (1 - alpha) * acceptance (1 where a slot does not count), detached; plus the
+    confidence BCE over the exp-decay weights."""
+    blocks, _ = plan(ids, loss_mask, lengths, BS, 6, torch.Generator().manual_seed(7), 16, gamma)
+    labels, prev, counted = brute_force_blocks(ids, loss_mask, lengths, blocks.anchors, blocks.keep)
+    hidden = capture(ids)
+    out = target_model.model(ids).last_hidden_state
+    s = ids.shape[1]
+    pos = torch.cat([torch.arange(s).expand(ids.shape[0], s), blocks.block_positions], 1)
+    h = d(hidden, capture.embed_tokens(blocks.block_ids), pos, sdpa_attention,
+          dense_mask(blocks.anchors, blocks.keep, s, BS)).view(*labels.shape, -1)
+    head = capture.lm_head.weight
+    actor, conf, wsum = 0.0, 0.0, 0.0
+    for r in range(ids.shape[0]):
+        for j in range(labels.shape[1]):
+            state, renyi, factor = None, [], []
+            for k in range(BS):
+                hk = h[r, j, k]
+                f, e, state = d.markov_head.step(hk, prev[r, j, k], state)
+                z = hk @ head.t() + d.markov_head.markov_w2.weight @ f
+                if not counted[r, j, k]:
+                    renyi.append(0.0)
+                    factor.append(1.0)
+                    continue
+                a = int(blocks.anchors[r, j])
+                p = torch.softmax(z, -1)
+                pt = torch.softmax(out[r, a + k] @ head.t(), -1)
+                renyi.append(-2 * torch.log(torch.sqrt(pt.detach() * p).sum()))
+                acc = float((1 - (p - pt).abs().sum() / 2).clamp(0, 1))
+                factor.append(alpha + (1 - alpha) * acc)
+                w = float(torch.exp(torch.tensor(-k / gamma)))
+                logit = d.confidence_head.proj(torch.cat([hk, e]))[0]
+                conf = conf + w * torch.nn.functional.binary_cross_entropy_with_logits(
+                    logit, torch.tensor(acc, dtype=logit.dtype))
+                wsum += w
+            prefix = [float(torch.tensor(factor[:k + 1], dtype=torch.float64).prod()) for k in range(BS)]
+            for t in range(BS):
+                if counted[r, j, t]:
+                    actor = actor + sum(prefix[t:]) * renyi[t]
+    return actor / ids.shape[0] + conf_w * conf / wsum
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "rnn"])
+def test_dpard_equals_a_dense_float64_reference(target, kind):
+    d = dspark(target, kind).double().train()
+    capture = TargetCapture.from_model(target.double(), [1, 4])
+    try:
+        cfg = config_from_dict({"drafter": {"architecture": "dspark", "block_size": BS, "num_draft_layers": 2},
+                                "dspark": {"markov_rank": 8, "markov_head_type": kind, "loss": "dpard",
+                                           "ce_weight": 0, "l1_weight": 0, "confidence_weight": 0.5,
+                                           "decay_gamma": 3.0, "dpard_alpha": 0.3},
+                                "objective": {"max_anchors": 6, "loss_chunk_size": 5},
+                                "data": {"max_length": 64, "token_budget": 256}})
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(3, 400, (2, 30), generator=g)
+        loss_mask = (torch.rand(2, 30, generator=g) < 0.85).long()
+        lengths = torch.tensor([30, 22])
+        objective = DSparkObjective(d, capture, resolve_backend("sdpa", torch.device("cpu"), BS), cfg, torch.float64)
+        stats = objective(Batch(ids, loss_mask, lengths), torch.Generator().manual_seed(7))
+        assert "renyi_loss" in stats.extra
+        params = [p for p in d.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
+        ref = dense_dpard_reference(d, target, capture, ids, loss_mask, lengths, 0.5, 3.0, 0.3)
+        ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
+        torch.testing.assert_close(stats.loss, ref, rtol=1e-7, atol=1e-9)
+        for (n, _), a, b in zip([x for x in d.named_parameters() if x[1].requires_grad], grads, ref_grads):
+            if b is None:
+                assert a is None or not a.abs().any(), n
+                continue
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8, msg=n)
+    finally:
+        target.float()
+
+
+def test_dpard_options_are_checked_naming_their_keys():
+    ok = {"drafter": {"architecture": "dspark"}}
+    assert config_from_dict({**ok, "dspark": {"loss": "dpard", "ce_weight": 0, "l1_weight": 0}}).options.loss == "dpard"
+    with pytest.raises(ConfigError, match=r"'dspark.loss': dpard replaces the CE and L1 terms"):
+        config_from_dict({**ok, "dspark": {"loss": "dpard"}})
+    for alpha in (0, 1):
+        with pytest.raises(ConfigError, match=r"'dspark.dpard_alpha'"):
+            config_from_dict({**ok, "dspark": {"loss": "dpard", "ce_weight": 0, "l1_weight": 0, "dpard_alpha": alpha}})

@@ -118,6 +118,8 @@ def test_eval_refuses_another_chat_template_and_updates_the_model_card(tmp_path,
     export = trained_run / "export"
     provenance = json.loads((export / "dflash_train.json").read_text())
     assert provenance["chat_template_sha256"].startswith("sha256:") and provenance["num_hidden_layers"] == 6
+    assert (provenance["architecture"], provenance["block_size"], provenance["num_speculative_tokens"]) == ("dflash", 4, 3)
+    assert "vLLM `num_speculative_tokens: 3`" in (export / "README.md").read_text()
     other = tmp_path / "other-template"
     shutil.copytree(smollm2_slice_dir, other)
     template = other / "chat_template.jinja"
@@ -133,3 +135,41 @@ def test_eval_refuses_another_chat_template_and_updates_the_model_card(tmp_path,
                  "--max-new-tokens", "8", "--update-card"]) == 0
     text = (card / "README.md").read_text()
     assert "## Evaluation (speculative decoding)" in text and "| block |" in text and "## Training config" in text
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dspark"])
+def test_eval_refuses_an_export_whose_recorded_speculative_tokens_differ(tiny_target_dir, tmp_path, architecture):
+    """The export's dflash_train.json records the number of speculative tokens it is served with (DFlash drafts
+    bs - 1 per block, DSpark bs); the model card says it; eval refuses a drafter that drafts another number."""
+    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.infer.evaluate import load_eval_models
+    from dflash_train.model_card import export_card
+    from dflash_train.target.capture import load_tokenizer, read_target_config
+    from dflash_train.target.provenance import serving_record, target_provenance, write_provenance
+
+    cfg = make_drafter_config(read_target_config(tiny_target_dir), num_draft_layers=1, block_size=5,
+                              target_layer_ids=[1, 4], mask_token_id=16)
+    if architecture == "dspark":
+        from dflash_train.algorithms.dspark.model import DSparkDrafter
+
+        cfg.architectures = ["Qwen3DSparkModel"]
+        cfg.markov_rank, cfg.markov_head_type = 4, "vanilla"
+        cfg.enable_confidence_head, cfg.confidence_head_with_markov = True, True
+        drafter = DSparkDrafter(cfg)
+    else:
+        drafter = DFlashDrafter(cfg)
+    export = save_drafter(drafter, tmp_path / "export", dtype="float32")
+    record = serving_record(load_drafter(export))
+    want = 5 if architecture == "dspark" else 4
+    assert record == {"architecture": architecture, "block_size": 5, "num_speculative_tokens": want}
+    assert f"`num_speculative_tokens: {want}`, SGLang `--speculative-num-draft-tokens {want + 1}`" in export_card(
+        tmp_path, serving=record)
+    tokenizer = load_tokenizer(tiny_target_dir)
+    base = target_provenance(str(tiny_target_dir), tokenizer, read_target_config(tiny_target_dir))
+    write_provenance(export, {**base, **record})
+    load_eval_models(str(tiny_target_dir), str(export), torch.device("cpu"), torch.float32)
+    write_provenance(export, {**base, **record, "num_speculative_tokens": 9 - want})  # the other layout's number
+    with pytest.raises(ValueError, match=rf"records {9 - want} speculative tokens.*drafts {want} \(block size 5\)"):
+        load_eval_models(str(tiny_target_dir), str(export), torch.device("cpu"), torch.float32)

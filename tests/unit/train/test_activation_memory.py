@@ -1,5 +1,5 @@
 """The activation estimate (train/activation_memory.py) against the live tensors of real eager runs on CPU: a capture
-of tiny random Qwen3 targets (dense and MoE) and real drafter training steps (dflash, dflash2; float32 and bfloat16
+of tiny random Qwen3 targets (dense and MoE) and real drafter training steps (dflash, dflash2, dspark; float32 and bfloat16
 autocast), measured op by op (tests/helpers/_live_bytes.py). The estimate must bound the measured peak, stay within 2.5x
 of it, and each shape's dominant named part must be needed (the estimate without it falls below the measurement)."""
 
@@ -86,6 +86,8 @@ STEPS = {  # name: (target shape, architecture, rows, length, block, anchors, CE
     "dflash2's factored codebooks": (dict(vocab_size=30000), "dflash2:factored", 2, 64, 8, 2, 64, torch.float32,
                                      "selector"),
     "bfloat16 autocast": (dict(), "dflash", 2, 128, 16, 4, 64, torch.bfloat16, "lm_head + CE chunk"),
+    "dspark's chunk against the target's distribution": (dict(vocab_size=8000), "dspark", 2, 128, 16, 4, 128,
+                                                          torch.float32, "lm_head + CE chunk"),
 }
 
 

@@ -129,19 +129,39 @@ class DSparkDrafter(DFlashDrafter):
             logits.append(z)
         return torch.stack(ids, 1), torch.stack(logits, 1), (torch.stack(conf, 1) if conf else None)
 
-    def draft(self, hidden, lm_head, anchor_ids, temperature: float = 0.0, generator=None):
-        """Drafts of the first bs-1 slots (the decoder verifies blocks of bs tokens: the anchor and bs-1 drafts),
-        each slot's Markov bias from the token drafted before it; with `temperature > 0` sampled from
-        `q = softmax(corrected logits / T)`, returned for speculative sampling."""
+    def num_drafts(self, block_size: Optional[int] = None) -> int:
+        """Every slot drafts (the anchor is the first prediction): bs speculative tokens per block."""
+        return block_size or self.block_size
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.with_confidence
+
+    def _drafts(self, hidden, lm_head, anchor_ids, temperature: float, generator):
         if temperature <= 0:
-            ids, _, _ = self.sequential_logits(hidden, lm_head, anchor_ids, lambda z: z.argmax(-1))
-            return ids[:, :-1], None
+            ids, _, conf = self.sequential_logits(hidden, lm_head, anchor_ids, lambda z: z.argmax(-1))
+            return ids, None, conf
 
         def sample(z):
             return torch.multinomial(torch.softmax(z / temperature, -1), 1, generator=generator).squeeze(1)
 
-        ids, logits, _ = self.sequential_logits(hidden, lm_head, anchor_ids, sample)
-        return ids[:, :-1], torch.softmax(logits[:, :-1] / temperature, -1)
+        ids, logits, conf = self.sequential_logits(hidden, lm_head, anchor_ids, sample)
+        return ids, torch.softmax(logits / temperature, -1), conf
+
+    def draft(self, hidden, lm_head, anchor_ids, temperature: float = 0.0, generator=None):
+        """Drafts of all bs slots (the decoder verifies the anchor and bs drafts), each slot's Markov bias from the
+        token drafted before it; with `temperature > 0` sampled from `q = softmax(corrected logits / T)`, returned
+        for speculative sampling."""
+        ids, q, _ = self._drafts(hidden, lm_head, anchor_ids, temperature, generator)
+        return ids, q
+
+    def draft_with_confidence(self, hidden, lm_head, anchor_ids, temperature: float = 0.0, generator=None):
+        """`draft`'s and each slot's `sigmoid(confidence logit)`, from its hidden state and the token drafted
+        before it (the drafter's own: non-anticipating)."""
+        if not self.with_confidence:
+            raise NotImplementedError("this DSpark drafter has no confidence head (dspark.confidence_head=false)")
+        ids, q, conf = self._drafts(hidden, lm_head, anchor_ids, temperature, generator)
+        return ids, q, torch.sigmoid(conf)
 
     def tree_candidates(self, hidden, lm_head, anchor_ids, k: int):
         raise NotImplementedError("DDTree over a DSpark drafter is not implemented: evaluate without tree budgets")

@@ -3,7 +3,14 @@ cumulative mask) normalised over the micro-batch's counted slots,
   L = ce_weight * sum w CE + l1_weight * sum w ||p - p_t||_1 + confidence_weight * sum w BCE(c, c*),
 where p is the drafter's Markov-corrected distribution (the previous token teacher-forced), p_t the target's at the
 position that predicted the label (its final normed hidden state through the frozen lm_head), and
-`c* = clamp(1 - ||p - p_t||_1 / 2, 0, 1)`, detached, the slot's analytic acceptance at temperature 1."""
+`c* = clamp(1 - ||p - p_t||_1 / 2, 0, 1)`, detached, the slot's analytic acceptance at temperature 1.
+
+D-PARD (`dspark.loss: dpard`, SpecForge's) replaces the CE and L1 terms by
+  sum over counted slots t of W_t R_t / (the micro-batch's sequences),
+  R_t = -2 log sum_v sqrt(p_t(v) p(v)),   W_t = sum_{k >= t in the block} prod_{i <= k} s_i  (detached),
+  s_i = alpha + (1 - alpha) c*_i for a counted slot, 1 for one that does not count,
+the confidence BCE unchanged. W needs every slot's acceptance first: a gradient-free pass through the chunked head
+computes it, then the chunked loss runs with W as the Renyi coefficients."""
 
 from __future__ import annotations
 
@@ -53,14 +60,25 @@ class DSparkObjective(DFlashObjective):
         target_rows = final.reshape(b * s, h).index_select(0, source.view(-1).index_select(0, idx))
         w = blocks.weights.view(-1).index_select(0, idx).to(torch.promote_types(rows.dtype, torch.float32))
         norm = w / w.sum().clamp_min(1e-12)
-        res = chunked_dspark_rows(rows, feature, self.target.lm_head.weight,
-                                  d.markov_head.markov_w2.weight if d.markov_rank else None, target_rows,
-                                  blocks.labels.view(-1).index_select(0, idx), opts.ce_weight * norm,
-                                  opts.l1_weight * norm, self.cfg.objective.loss_chunk_size)
+        w2 = d.markov_head.markov_w2.weight if d.markov_rank else None
+        labels = blocks.labels.view(-1).index_select(0, idx)
+        chunk = self.cfg.objective.loss_chunk_size
+        renyi_coef = None
+        if opts.loss == "dpard":
+            with torch.no_grad():
+                first = chunked_dspark_rows(rows.detach(), None if feature is None else feature.detach(),
+                                            self.target.lm_head.weight, None if w2 is None else w2.detach(),
+                                            target_rows, labels, torch.zeros_like(norm), torch.zeros_like(norm), chunk)
+            renyi_coef = dpard_weights((1 - first.l1 / 2).clamp(0, 1), blocks.counted, idx,
+                                       opts.dpard_alpha) / shape[0]
+        res = chunked_dspark_rows(rows, feature, self.target.lm_head.weight, w2, target_rows, labels,
+                                  opts.ce_weight * norm, opts.l1_weight * norm, chunk, renyi_coef)
         loss = res.loss
         acceptance = (1 - res.l1 / 2).clamp(0, 1)  # detached: the chunked terms carry no gradient here
         extra = {"ce_loss": (res.ce * norm).sum().detach(), "l1_loss": (res.l1 * norm).sum().detach(),
                  "acceptance_loss": (acceptance * norm).sum()}
+        if renyi_coef is not None:
+            extra["renyi_loss"] = (res.renyi * norm).sum().detach()
         if d.with_confidence:
             logit = d.confidence(rows, embedding)
             bce = torch.nn.functional.binary_cross_entropy_with_logits(logit, acceptance.to(logit.dtype),
@@ -74,3 +92,14 @@ class DSparkObjective(DFlashObjective):
         return StepStats(loss=loss, correct_per_slot=correct.sum((0, 1)), counted_per_slot=blocks.counted.sum((0, 1)),
                          accepted_sum=((1 + accepted) * blocks.keep).sum(), kept_blocks=blocks.keep.sum(), extra=extra,
                          work=blocks.work)
+
+
+def dpard_weights(acceptance: torch.Tensor, counted: torch.Tensor, idx: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PARD's credit of each counted row (`idx` into the flattened `counted [B, N, bs]`, `acceptance` by counted
+    row): `W_t = sum_{k >= t} prod_{i <= k} s_i` along its block, `s_i = alpha + (1 - alpha) acceptance_i` for a
+    counted slot and 1 for one that does not count."""
+    s = torch.ones(counted.numel(), dtype=acceptance.dtype, device=acceptance.device)
+    s = s.index_put((idx,), alpha + (1 - alpha) * acceptance).view(counted.shape)
+    prefix = s.cumprod(-1)
+    suffix = prefix.flip(-1).cumsum(-1).flip(-1)
+    return suffix.reshape(-1).index_select(0, idx)

@@ -36,6 +36,14 @@ class DSparkOptions:
     # code, whatever the block size. DSpark weighs its slots so alone: objective.slot_weighting and
     # objective.gamma do not apply to it.
     decay_gamma: float = 4.0
+    # dspark: ce_weight * CE + l1_weight * L1 (+ the confidence BCE), the paper's. dpard: D-PARD's actor instead, a
+    # Renyi-1/2 divergence to the target per slot, weighted by the detached expected accepted length from that
+    # slot on (from each slot's analytic acceptance), summed per sequence; needs ce_weight and l1_weight 0. The
+    # confidence BCE stays as it is, with the exp(-k / decay_gamma) weights.
+    loss: Literal["dspark", "dpard"] = "dspark"
+    # D-PARD's credit floor: slot i's factor is dpard_alpha + (1 - dpard_alpha) * its acceptance; strictly
+    # between 0 and 1 (0.5 in SpecForge's D-PARD).
+    dpard_alpha: float = 0.5
 
 
 def options_of(cfg: Any) -> DSparkOptions:
@@ -55,7 +63,10 @@ def validate(cfg: Any) -> None:
     if o.confidence_weight > 0 and not o.confidence_head:
         raise ConfigError(f"config key 'dspark.confidence_weight': {o.confidence_weight} weighs a confidence head "
                           "that dspark.confidence_head=false turns off; set it to 0 or turn the head on")
-    if o.ce_weight + o.l1_weight <= 0:
+    if o.loss == "dpard" and (o.ce_weight or o.l1_weight):
+        raise ConfigError(f"config key 'dspark.loss': dpard replaces the CE and L1 terms (dspark.ce_weight "
+                          f"{o.ce_weight}, dspark.l1_weight {o.l1_weight}); set both to 0, or leave dspark.loss dspark")
+    if o.loss == "dspark" and o.ce_weight + o.l1_weight <= 0:
         raise ConfigError("config key 'dspark.ce_weight': dspark.ce_weight and dspark.l1_weight are both 0, so "
                           "nothing trains the drafter's distribution; give one of them a weight > 0")
     if cfg.objective.distill_weight > 0:
@@ -67,7 +78,8 @@ OPTIONS = Options(
     section=DSparkOptions,
     number_rules={"markov_rank": Rule(int, low=0, zero="0 = no Markov head"), "ce_weight": NON_NEGATIVE_NUMBER,
                   "l1_weight": NON_NEGATIVE_NUMBER, "confidence_weight": NON_NEGATIVE_NUMBER,
-                  "decay_gamma": POSITIVE_NUMBER},
+                  "decay_gamma": POSITIVE_NUMBER,
+                  "dpard_alpha": Rule(float, low=0, high=1, low_open=True, high_open=True)},
     validate=validate,
     about="DSpark's Markov and confidence heads and its loss",
 )
