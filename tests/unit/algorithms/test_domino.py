@@ -452,3 +452,23 @@ def test_a_domino_run_killed_and_resumed_reaches_the_uninterrupted_losses_export
                  "--device", "cpu"]) == 0
     body = json.loads(out.read_text())["datasets"][str(counting_jsonl)]
     assert body["modes"]["block"]["tau"] >= 1 and body["lossless_mismatches"] == []
+
+
+def test_the_section_and_the_generic_keys_domino_does_not_support_are_checked_naming_them():
+    base = {"drafter": {"architecture": "domino", "block_size": 4}}
+    cfg = config_from_dict(base)
+    assert cfg.objective.slot_weighting == "gamma" and cfg.objective.gamma == 7.0  # the reference recipes' weights
+    assert (cfg.options.gru_hidden_dim, cfg.options.emb_dim, cfg.options.pure_draft_prefix_len) == (1024, 256, 1)
+    refused = [
+        ({"objective": {"slot_weighting": "dpace"}}, r"'objective.slot_weighting': Domino weighs slot k by "
+                                                     r"exp\(-k / objective.gamma\).*got 'dpace'"),
+        ({"objective": {"slot_weighting": "acceptance"}}, r"'objective.slot_weighting'.*got 'acceptance'"),
+        ({"objective": {"distill_weight": 0.5}}, r"'objective.distill_weight': Domino trains on the dataset's tokens"),
+        ({"drafter": {"architecture": "domino", "block_size": 4, "draft_vocab_size": 100}},
+         r"'drafter.draft_vocab_size'"),
+        ({"domino": {"pure_draft_prefix_len": 4}}, r"'domino.pure_draft_prefix_len': must be below "
+                                                   r"drafter.block_size=4"),
+    ]
+    for extra, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            config_from_dict({**base, **extra})
