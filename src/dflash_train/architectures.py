@@ -31,6 +31,8 @@ class Options:
     - `about`: what the section configures, for the message that refuses it under another drafter.architecture.
     - `training_layout(config_json)`: whether an exported-format folder's weights are a training-time layout the
       export turns into the reference one (a checkpoint's config.json, read without loading anything).
+    - `defaults`: generic keys ("section.key") whose default differs under this architecture (the loader sets them
+      when the config does not give them; `validate` then sees only values a user chose or these).
     """
 
     section: Optional[type] = None
@@ -39,6 +41,7 @@ class Options:
     aliases: Mapping[str, str] = field(default_factory=dict)
     about: str = ""
     training_layout: Optional[Callable[[dict], bool]] = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 NO_OPTIONS = Options()
@@ -54,6 +57,10 @@ class Registered:
     # A module name whose `OPTIONS` is its `Options` (imported with importlib when a config loads: it must not import
     # torch, nor make its package's __init__ import it), an `Options` object, or None (no options).
     options: Union[str, Options, None] = None
+    # What tells its exports apart from another architecture's with the same `hf_architecture`: dotted config.json
+    # keys and the values they hold in its exports (e.g. {"dflash_config.projector_type": "NAME"}). See
+    # `entry_of_export`.
+    export_marks: Mapping[str, Any] = field(default_factory=dict)
 
 
 # The architectures this package ships: drafter.architecture -> where it lives. The order is the order of the
@@ -62,21 +69,25 @@ _BUILTIN = (
     Registered("dflash", "DFlashDraftModel", "dflash_train.algorithms.dflash"),
     Registered("dflash2", "DFlash2DraftModel", "dflash_train.algorithms.dflash2", "dflash_train.algorithms.dflash2.options"),
     Registered("dspark", "Qwen3DSparkModel", "dflash_train.algorithms.dspark", "dflash_train.algorithms.dspark.options"),
-    Registered("domino", "DominoDraftModel", "dflash_train.algorithms.domino", "dflash_train.algorithms.domino.options"),
+    Registered("domino", "DFlashDraftModel", "dflash_train.algorithms.domino", "dflash_train.algorithms.domino.options", {"dflash_config.projector_type": "domino"}),
 )
 _REGISTRY: dict[str, Registered] = {r.name: r for r in _BUILTIN}
 DEFAULT = "dflash"
 
 
-def register(name: str, hf_architecture: str, package: Any, options: Union[str, Options, None] = None) -> Registered:
-    """Add an architecture (see `Registered` for what `package` and `options` may be): `drafter.architecture=NAME`
-    then trains it, and an export whose `architectures` is `[hf_architecture]` loads with it. A name or HF name
-    already registered is refused (`unregister` it first)."""
+def register(name: str, hf_architecture: str, package: Any, options: Union[str, Options, None] = None,
+             export_marks: Optional[Mapping[str, Any]] = None) -> Registered:
+    """Add an architecture (see `Registered` for what `package`, `options` and `export_marks` may be):
+    `drafter.architecture=NAME` then trains it, and an export whose `architectures` is `[hf_architecture]` (and
+    whose keys hold `export_marks`) loads with it. A name already registered, or an HF name registered with the
+    same marks, is refused (`unregister` it first)."""
     if not name.isidentifier() or name in _REGISTRY:
         raise ValueError(f"architecture name {name!r} is taken or not an identifier (registered: {', '.join(names())})")
-    if any(r.hf_architecture == hf_architecture for r in _REGISTRY.values()):
-        raise ValueError(f"the exported architectures name {hf_architecture!r} is already registered")
-    entry = _REGISTRY[name] = Registered(name, hf_architecture, package, options)
+    marks = dict(export_marks or {})
+    if any(r.hf_architecture == hf_architecture and dict(r.export_marks) == marks for r in _REGISTRY.values()):
+        raise ValueError(f"the exported architectures name {hf_architecture!r} is already registered"
+                         + (f" with the marks {marks}" if marks else "") + ": give export_marks that tell them apart")
+    entry = _REGISTRY[name] = Registered(name, hf_architecture, package, options, marks)
     return entry
 
 
@@ -98,6 +109,47 @@ def entry(name: str) -> Optional[Registered]:
 
 def entries() -> tuple[Registered, ...]:
     return tuple(_REGISTRY.values())
+
+
+class NotAnExport(ValueError):
+    """A config.json that no registered architecture exports."""
+
+
+_ABSENT = object()
+
+
+def _value_at(config: Mapping, dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+def entry_of_export(config_json: Mapping) -> Registered:
+    """The architecture whose export `config_json` (a parsed config.json) is: among those whose `hf_architecture`
+    is its `architectures`, the one whose `export_marks` all hold, the one with most marks first. A config.json
+    that holds a key some of them mark, with a value none of them claims, is refused rather than read as the
+    unmarked one (a projector of a kind this version does not know)."""
+    names_ = config_json.get("architectures") if isinstance(config_json, Mapping) else None
+    same = [r for r in _REGISTRY.values() if names_ == [r.hf_architecture]]
+    if not same:
+        known = ", ".join(sorted({r.hf_architecture for r in _REGISTRY.values()}))
+        raise NotAnExport(f"not a DFlash drafter config: architectures is {names_!r} (this version reads "
+                          f"{known})")
+    fits = [r for r in same if all(_value_at(config_json, k) == v for k, v in r.export_marks.items())]
+    best = max(fits, key=lambda r: len(r.export_marks), default=None)
+    marked = sorted({k for r in same for k in r.export_marks})
+    stray = [k for k in marked if _value_at(config_json, k) is not _ABSENT and (best is None or k not in best.export_marks)]
+    if best is None or stray:
+        key = (stray or marked)[0]
+        value = _value_at(config_json, key)
+        claims = ", ".join([f"{r.export_marks[key]!r} ({r.name})" for r in same if key in r.export_marks]
+                           + [f"absent ({r.name})" for r in same if key not in r.export_marks])
+        raise NotAnExport(f"{names_[0]} config with {key} "
+                          f"{'absent' if value is _ABSENT else repr(value)}: this version reads {claims}")
+    return best
 
 
 def options(name: str) -> Options:

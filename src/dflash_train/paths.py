@@ -25,11 +25,12 @@ def has_training_layout(path: Path) -> bool:
         return False
     if not isinstance(config, dict):
         return False
-    for entry in architectures.entries():
-        if config.get("architectures") == [entry.hf_architecture]:
-            check = architectures.options(entry.name).training_layout
-            return bool(check and check(config))
-    return False
+    try:
+        entry = architectures.entry_of_export(config)
+    except architectures.NotAnExport:
+        return False
+    check = architectures.options(entry.name).training_layout
+    return bool(check and check(config))
 
 
 def is_run(path: Path) -> bool:

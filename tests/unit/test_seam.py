@@ -303,3 +303,40 @@ def test_a_toy_architecture_from_a_test_file_trains_decodes_exports_and_reloads(
     assert type(again) is ToyDrafter
     for (name, a), (_, b) in zip(exported.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+# ------------------------------------------------------------------------ exports sharing an architectures name
+
+
+def test_exports_sharing_an_architectures_name_are_told_apart_by_their_marks():
+    """Two architectures may export the same `architectures` name: the registry tells their config.json files
+    apart by the keys each one marks, and refuses a marked key holding a value none of them claims."""
+    marks = {"dflash_config.projector_type": "toy_projector"}
+    architectures.register("toy", "DFlashDraftModel", TOY, TOY_OPTIONS, export_marks=marks)
+    try:
+        def of(**dflash):
+            return architectures.entry_of_export({"architectures": ["DFlashDraftModel"], "dflash_config": dflash}).name
+
+        assert of(projector_type="toy_projector") == "toy"
+        assert of(mask_token_id=3) == architectures.DEFAULT  # no mark: the plain one
+        with pytest.raises(architectures.NotAnExport, match=r"DFlashDraftModel config with "
+                                                            r"dflash_config.projector_type 'other': this version reads "
+                                                            r".*'toy_projector' \(toy\).*absent \(dflash\)"):
+            of(projector_type="other")
+        with pytest.raises(architectures.NotAnExport, match=r"architectures is \['NoSuchModel'\]"):
+            architectures.entry_of_export({"architectures": ["NoSuchModel"]})
+        with pytest.raises(ValueError, match="already registered with the marks"):
+            architectures.register("toy2", "DFlashDraftModel", TOY, None, export_marks=marks)
+    finally:
+        architectures.unregister("toy")
+
+
+def test_an_architecture_changes_a_generic_default_and_a_given_value_stays(toy_registered):
+    options = dataclasses.replace(TOY_OPTIONS, defaults={"objective.slot_weighting": "gamma"})
+    architectures._REGISTRY["toy"] = dataclasses.replace(architectures._REGISTRY["toy"], options=options)
+    assert config_from_dict({"drafter": {"architecture": "toy"}}).objective.slot_weighting == "gamma"
+    given = {"drafter": {"architecture": "toy"}, "objective": {"slot_weighting": "dpace"}}
+    assert config_from_dict(given).objective.slot_weighting == "dpace"
+    overridden = config_from_dict({}, ["drafter.architecture=toy", "objective.slot_weighting=acceptance"])
+    assert overridden.objective.slot_weighting == "acceptance"
+    assert config_from_dict({}).objective.slot_weighting == "acceptance"  # the generic default elsewhere

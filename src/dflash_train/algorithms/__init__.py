@@ -35,10 +35,6 @@ def reads_target_final(cfg: "Config") -> bool:
 
 
 def architecture_of_export(config: dict) -> "Architecture":
-    """The architecture of an exported drafter, from its config.json's `architectures`."""
-    names = config.get("architectures")
-    for entry in registry.entries():
-        if names == [entry.hf_architecture]:
-            return architecture(entry.name)
-    known = ", ".join(e.hf_architecture for e in registry.entries())
-    raise UnknownArchitecture(f"not a DFlash drafter config: architectures is {names!r} (this version reads {known})")
+    """The architecture of an exported drafter, from its config.json (`architectures.entry_of_export`: its
+    `architectures` and the registered export marks); `architectures.NotAnExport`, a ValueError, if none."""
+    return architecture(registry.entry_of_export(config).name)

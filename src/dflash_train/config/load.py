@@ -269,6 +269,10 @@ def _build_config(tree: dict, final: bool = False, moved: Optional[dict[str, str
                           f"drafter.architecture={name} or {fix}")
     if arch in sections:
         cfg.options = built.get(arch) or sections[arch].section()
+    for dotted, value in (sections[arch].defaults if arch in sections else {}).items():
+        section, key = dotted.split(".", 1)
+        if key not in (tree.get(section) or {}):
+            setattr(getattr(cfg, section), key, value)
     return cfg
 
 

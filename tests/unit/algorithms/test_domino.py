@@ -1,14 +1,21 @@
 """Domino: the GRU and its one-step decoding form, the shifted labels, the objective (final and base CE with the
 decaying base weight) against a dense float64 reference with gradients, the base weight's schedule, lossless
-greedy decoding through the sequential correction, its config section, and a real training run with its resume."""
+greedy decoding through the sequential correction, exact sampling through it, the SGLang export layout read back
+by us and by an independent reader, its config section, and a real training run killed and resumed."""
 
 from __future__ import annotations
 
 import json
+import math
+import signal
 
 import pytest
 import torch
+import yaml
+from safetensors import safe_open
 
+from dflash_train import architectures
+from dflash_train.algorithms import architecture_of_export
 from dflash_train.algorithms.base import sdpa_attention
 from dflash_train.algorithms.dflash.attention import resolve_backend
 from dflash_train.algorithms.dflash.blocks import sample_anchors
@@ -16,10 +23,12 @@ from dflash_train.algorithms.dflash.mask import dense_mask
 from dflash_train.algorithms.domino.config import make_domino_config
 from dflash_train.algorithms.domino.model import DominoDrafter
 from dflash_train.algorithms.domino.objective import DominoObjective, lambda_base, shifted_blocks
+from dflash_train.algorithms.io import load_drafter, save_drafter
+from dflash_train.export import parity_check
 from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.errors import ConfigError
-from dflash_train.infer.spec_decode import SpeculativeDecoder
+from dflash_train.infer.spec_decode import SpeculativeDecoder, speculative_accept
 from dflash_train.target.capture import TargetCapture, load_target_model
 
 
@@ -35,8 +44,9 @@ def domino(target, block_size=4, seed=0, prefix=1, perturb=0.0) -> DominoDrafter
     d = DominoDrafter(cfg)
     if perturb:  # a correction large enough to change the argmax of some slots
         with torch.no_grad():
-            for p in d.embed_proj.parameters():
-                p.normal_(0, perturb)
+            d.embed_proj[0].weight.normal_(0, perturb)
+            # the tiny target's tied head scores the mask token ~9 above the rest at an untrained drafter's slots
+            d.embed_proj[2].weight.normal_(0, 8 * perturb)
     return d.eval()
 
 
@@ -163,3 +173,302 @@ def test_greedy_decoding_through_the_correction_is_lossless_and_the_tree_is_refu
     assert dec.generate_block(prompt, 24).tokens == dec.generate_target_only(prompt, 24).tokens
     with pytest.raises(ValueError, match="without --tree-budget"):
         dec.generate_tree(prompt, 8, 6)
+
+
+# ---------------------------------------------------------------------------------------------------- export
+
+# The served layout's tensors (SGLang's DFLASH reader with projector_type domino): DFlash's, then the correction's.
+BACKBONE = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+    f"layers.{i}.{k}" for i in range(2) for k in (
+        "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+CORRECTION = {"prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight"}
+
+
+def test_the_export_is_sglangs_layout_holds_no_target_table_and_reloads(target, tmp_path):
+    d = domino(target, perturb=0.2)
+    d.embed_block(target.get_input_embeddings(), torch.tensor([[5, 16, 16, 16]]))  # as training and decoding do
+    out = save_drafter(d, tmp_path / "E", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3" and "auto_map" not in cfg
+    assert {k: cfg["dflash_config"][k] for k in ("projector_type", "shift_label", "pure_draft_prefix_len",
+                                                  "gru_hidden_dim", "emb_dim", "mask_token_id", "target_layer_ids")} == {
+        "projector_type": "domino", "shift_label": True, "pure_draft_prefix_len": 1, "gru_hidden_dim": 12,
+        "emb_dim": 6, "mask_token_id": 16, "target_layer_ids": [1, 4]}
+    assert cfg["emb_dim"] == 6 and cfg["block_size"] == 4 and cfg["num_target_layers"] == 6
+    h, v = target.config.hidden_size, target.config.vocab_size
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == BACKBONE | CORRECTION  # no embed_tokens, lm_head, GRU biases
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in CORRECTION}
+    assert shapes == {"prefix_gru.weight_ih_l0": (36, h), "prefix_gru.weight_hh_l0": (36, 12),
+                      "embed_proj.0.weight": (6, h + 12), "embed_proj.2.weight": (v, 6)}
+    assert architecture_of_export(cfg).name == "domino"
+    back = load_drafter(out)
+    assert type(back) is DominoDrafter
+    assert d.state_dict().keys() == back.state_dict().keys()
+    for k, t in d.state_dict().items():
+        assert torch.equal(back.state_dict()[k], t), k
+    # the same file without the mark is a DFlash drafter's; with another projector it is refused, naming the key
+    plain = {**cfg, "dflash_config": {k: x for k, x in cfg["dflash_config"].items() if k != "projector_type"}}
+    assert architecture_of_export(plain).name == "dflash"
+    with pytest.raises(architectures.NotAnExport, match="dflash_config.projector_type 'dspark'"):
+        architecture_of_export({**cfg, "dflash_config": {**cfg["dflash_config"], "projector_type": "dspark"}})
+
+
+def test_the_export_parity_check_compares_the_correction_too(target, tmp_path):
+    """The backbone's forward never runs the GRU or the projector: the parity check compares every tensor."""
+    d = domino(target, perturb=0.2)
+    back = load_drafter(save_drafter(d, tmp_path / "E", dtype="float32"))
+    parity_check(d, back, torch.float32)
+    with torch.no_grad():
+        back.prefix_gru.weight_hh_l0[0, 0] += 1e-3
+    with pytest.raises(RuntimeError, match="tensor prefix_gru.weight_hh_l0 differs"):
+        parity_check(d, back, torch.float32)
+
+
+class MinimalDomino:
+    """An independent reading of the served Domino layout (config.json and safetensors by name, plain tensor math):
+    DFlash's backbone over one block per call, context recomputed from every captured feature (no cache), then
+    SGLang's greedy rollout: draft 0 from the backbone's scores, each later one with the correction from a GRU
+    primed on the anchor and the drafts before it."""
+
+    def __init__(self, folder):
+        self.cfg = json.loads((folder / "config.json").read_text())
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            self.w = {k: f.get_tensor(k).float() for k in f.keys()}
+        dc = self.cfg["dflash_config"]
+        assert dc["projector_type"] == "domino" and dc["shift_label"] is True and dc["pure_draft_prefix_len"] == 1
+        self.bs, self.mask_id, self.layer_ids = self.cfg["block_size"], dc["mask_token_id"], dc["target_layer_ids"]
+        self.g = dc["gru_hidden_dim"]
+        self.eps = self.cfg["rms_norm_eps"]
+        self.heads, self.kv, self.hd = self.cfg["num_attention_heads"], self.cfg["num_key_value_heads"], self.cfg["head_dim"]
+        theta = self.cfg.get("rope_theta") or self.cfg["rope_parameters"]["rope_theta"]
+        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.hd, 2).float() / self.hd)
+        self.proposed: list[tuple[list[int], list[int]]] = []  # (drafts, the backbone's own argmaxes) per block
+
+    def rms(self, x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def rope(self, x, pos):
+        f = pos.float()[:, None] * self.inv_freq
+        cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def gru(self, x, h):
+        gi, gh = self.w["prefix_gru.weight_ih_l0"] @ x, self.w["prefix_gru.weight_hh_l0"] @ h
+        g = self.g
+        r, u = torch.sigmoid(gi[:g] + gh[:g]), torch.sigmoid(gi[g:2 * g] + gh[g:2 * g])
+        n = torch.tanh(gi[2 * g:] + r * gh[2 * g:])
+        return (1 - u) * n + u * h
+
+    def backbone(self, features, anchor, start, embed):
+        ctx = self.rms(features @ self.w["fc.weight"].T, self.w["hidden_norm.weight"])
+        x = embed(torch.tensor([anchor] + [self.mask_id] * (self.bs - 1)))
+        qpos, kpos = torch.arange(start, start + self.bs), torch.arange(start + self.bs)
+        for i in range(self.cfg["num_hidden_layers"]):
+            p = f"layers.{i}."
+            u = self.rms(x, self.w[p + "input_layernorm.weight"])
+            q = (u @ self.w[p + "self_attn.q_proj.weight"].T).view(self.bs, self.heads, self.hd)
+            kv_in = torch.cat([ctx, u])
+            k = (kv_in @ self.w[p + "self_attn.k_proj.weight"].T).view(-1, self.kv, self.hd)
+            v = (kv_in @ self.w[p + "self_attn.v_proj.weight"].T).view(-1, self.kv, self.hd)
+            q = self.rope(self.rms(q, self.w[p + "self_attn.q_norm.weight"]).transpose(0, 1), qpos)
+            k = self.rope(self.rms(k, self.w[p + "self_attn.k_norm.weight"]).transpose(0, 1), kpos)
+            rep = self.heads // self.kv
+            att = torch.softmax(q @ k.repeat_interleave(rep, 0).transpose(1, 2) / self.hd ** 0.5, -1)
+            o = (att @ v.transpose(0, 1).repeat_interleave(rep, 0)).transpose(0, 1).reshape(self.bs, -1)
+            x = x + o @ self.w[p + "self_attn.o_proj.weight"].T
+            u = self.rms(x, self.w[p + "post_attention_layernorm.weight"])
+            m = torch.nn.functional.silu(u @ self.w[p + "mlp.gate_proj.weight"].T) * (u @ self.w[p + "mlp.up_proj.weight"].T)
+            x = x + m @ self.w[p + "mlp.down_proj.weight"].T
+        return self.rms(x, self.w["norm.weight"])
+
+    def propose(self, features, anchor, start, embed, head):
+        """features `[start, K*H]` of positions 0..start-1; the block anchored at position `start` -> B-1 drafts."""
+        z = self.backbone(features, anchor, start, embed)[: self.bs - 1]
+        base = head(z)
+        drafts = [int(base[0].argmax())]
+        h = self.gru(embed(torch.tensor(anchor)), torch.zeros(self.g))
+        for i in range(1, self.bs - 1):
+            h = self.gru(embed(torch.tensor(drafts[-1])), h)
+            delta = self.w["embed_proj.2.weight"] @ torch.nn.functional.silu(
+                self.w["embed_proj.0.weight"] @ torch.cat([z[i], h]))
+            drafts.append(int((base[i] + delta).argmax()))
+        self.proposed.append((drafts, base.argmax(-1).tolist()))
+        return drafts
+
+    def generate(self, target, prompt, max_new, stop):
+        """Greedy block decoding with the target run over the whole text each step: (tokens, accept lengths)."""
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+
+        def run(ids):
+            out = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
+            return torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], -1), out.logits[0].argmax(-1)
+
+        feats, nxt = run(prompt)
+        tokens, new, accepts, start = [int(nxt[-1])], [int(nxt[-1])], [], len(prompt)
+        while len(tokens) < max_new and stop not in new:
+            anchor = tokens[-1]
+            drafts = self.propose(feats[:start], anchor, start, embed, head)
+            feats, posterior = run(prompt + tokens + drafts)
+            post = posterior[start:].tolist()
+            n = 0
+            while n < len(drafts) and drafts[n] == post[n]:
+                n += 1
+            new = drafts[:n] + [post[n]]
+            tokens += new
+            accepts.append(n + 1)
+            start += n + 1
+        tokens = tokens[:max_new]
+        return (tokens[: tokens.index(stop) + 1] if stop in tokens else tokens), accepts
+
+
+def test_an_independent_reader_of_the_export_decodes_our_tokens_and_acceptance(target, tmp_path):
+    d = domino(target, perturb=0.5)
+    out = save_drafter(d, tmp_path / "E", dtype="float32")
+    ref = MinimalDomino(out)
+    dec = SpeculativeDecoder(target, load_drafter(out), stop_token_ids=[2])
+    seen = []
+    original = dec._draft
+
+    def recorded(context, anchor, start, dcache):
+        drafts, q = original(context, anchor, start, dcache)
+        seen.append(drafts.tolist())
+        return drafts, q
+
+    dec._draft = recorded
+    prompt = [5, 77, 901, 12, 4, 3000, 18]
+    ours = dec.generate_block(prompt, 20)
+    with torch.no_grad():
+        theirs, accepts = ref.generate(target, prompt, 20, 2)
+    assert [drafts for drafts, _ in ref.proposed] == seen
+    assert theirs == ours.tokens and accepts == ours.accept_lengths
+    assert any(drafts != base for drafts, base in ref.proposed)  # the correction decided some drafts
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+
+
+def test_sampled_block_decoding_through_the_correction_follows_the_target_distribution():
+    """Exact speculative sampling over a Domino block: the first two tokens after the anchor follow the target's
+    joint distribution (chi-square over every pair, fixed seed). An 8-token vocabulary; the second draft is sampled
+    from the corrected scores given the first, and `draft` must return that conditional `q`."""
+    from transformers import Qwen3Config
+
+    v, bs, trials = 8, 3, 12000
+    tcfg = Qwen3Config(vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    cfg = make_domino_config(tcfg, gru_hidden_dim=8, emb_dim=4, num_draft_layers=1, block_size=bs,
+                             target_layer_ids=[1, 2], mask_token_id=v - 1)
+    d = DominoDrafter(cfg).eval()
+    embed, head = torch.nn.Embedding(v, 32), torch.nn.Linear(32, v, bias=False)
+    with torch.no_grad():  # a correction that moves the second slot's distribution
+        d.embed_proj[0].weight.normal_(0, 0.5)
+        d.embed_proj[2].weight.normal_(0, 1.0)
+        head.weight.normal_(0, 0.1)
+    g = torch.Generator().manual_seed(0)
+    p1 = torch.randn(v, generator=g)  # the target's logits for the first token after the anchor
+    p2 = torch.randn(v, v, generator=g)  # ... for the second, given the first
+    p3 = torch.randn(v, v, v, generator=g)  # ... for the bonus, given both
+    anchor = 3
+    hidden = torch.randn(1, bs, 32, generator=g)
+    d.embed_block(embed, torch.tensor([[anchor] + [v - 1] * (bs - 1)]))
+    with torch.no_grad():
+        drafts, q = d.draft(hidden.expand(trials, -1, -1), head, torch.full((trials,), anchor), 1.0, g)
+        base_q = torch.softmax(d.logits(hidden[:, 1], head), -1)[0]
+    counts = torch.zeros(v, v)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of [3, 8] ops: a thread pool's wake-ups would cost more than the math
+    try:
+        for i in range(trials):
+            a, b = drafts[i].tolist()
+            logits = torch.stack([p1, p2[a], p3[a, b]])
+            n_acc, bonus = speculative_accept(drafts[i], q[i], logits, 1.0, g)
+            first = a if n_acc >= 1 else bonus
+            # the second token: this block's when the first draft was accepted, else the next block's (any exact
+            # method: drawn from the target here)
+            if n_acc >= 1:
+                second = b if n_acc == 2 else bonus
+            else:
+                second = int(torch.multinomial(p2[first].softmax(-1), 1, generator=g))
+            counts[first, second] += 1
+    finally:
+        torch.set_num_threads(threads)
+    expected = (p1.softmax(-1)[:, None] * p2.softmax(-1)) * trials
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 103.4, chi2  # chi-square, 63 degrees of freedom, p = 0.001
+    # the second draft's distribution is the corrected one, far from the backbone's own
+    assert float((q[:, 1] - base_q).abs().sum(-1).min()) > 0.2
+
+
+# ---------------------------------------------------------------------------------------------------- a real run
+
+
+@pytest.mark.slow
+def test_a_domino_run_killed_and_resumed_reaches_the_uninterrupted_losses_exports_and_evaluates(
+        tiny_target_dir, counting_jsonl, tmp_path):
+    """Through the CLI in real processes: a run SIGKILLed after its step-2 checkpoint, resumed with --resume,
+    logs the losses of the run that was never stopped (the base weight's schedule included); its export is
+    SGLang's layout and evaluates losslessly."""
+    from _harness import assert_same_losses, launch, losses, run, wait_until
+
+    from dflash_train.cli import main
+
+    cfg = {
+        "target": {"path": str(tiny_target_dir)},
+        "drafter": {"architecture": "domino", "num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},
+        "domino": {"gru_hidden_dim": 16, "emb_dim": 8, "lambda_base_decay_ratio": 1.0},
+        "data": {"train_files": [str(counting_jsonl)], "max_length": 256, "token_budget": 512, "max_batch_size": 2},
+        "objective": {"max_anchors": 16},
+        "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.25, "max_steps": 6},
+        "run": {"device": "cpu", "log_every": 1, "save_every": 2, "progress_bar": False, "eval_every": 0,
+                "export_dtype": "float32"},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    whole, part, log = tmp_path / "whole", tmp_path / "part", tmp_path / "run.log"
+    assert main(["train", str(tmp_path / "c.yaml"), "--run-dir", str(whole)]) == 0
+    proc = launch(["train", str(tmp_path / "c.yaml"), "--run-dir", str(part)], log)
+    try:
+        wait_until(lambda: (part / "checkpoints" / "step-00000002" / "trainer_state.json").is_file(), proc, 300,
+                   "the step-2 checkpoint")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert run(["train", "--run-dir", str(part), "--resume"], log) == 0, log.read_text()[-3000:]
+    assert_same_losses(losses(whole), losses(part), 6)
+    records = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert all("final_loss" in r and "base_loss" in r for r in records if "loss" in r)
+    exported = json.loads((whole / "export" / "config.json").read_text())
+    assert exported["architectures"] == ["DFlashDraftModel"] and exported["dflash_config"]["projector_type"] == "domino"
+    assert exported["dflash_config"]["gru_hidden_dim"] == 16
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--target", str(tiny_target_dir), "--drafter", str(whole / "export"), "--data",
+                 str(counting_jsonl), "--limit", "2", "--max-new-tokens", "8", "--out", str(out), "--no-progress",
+                 "--device", "cpu"]) == 0
+    body = json.loads(out.read_text())["datasets"][str(counting_jsonl)]
+    assert body["modes"]["block"]["tau"] >= 1 and body["lossless_mismatches"] == []
+
+
+def test_the_section_and_the_generic_keys_domino_does_not_support_are_checked_naming_them():
+    base = {"drafter": {"architecture": "domino", "block_size": 4}}
+    cfg = config_from_dict(base)
+    assert cfg.objective.slot_weighting == "gamma" and cfg.objective.gamma == 7.0  # the reference recipes' weights
+    assert (cfg.options.gru_hidden_dim, cfg.options.emb_dim, cfg.options.pure_draft_prefix_len) == (1024, 256, 1)
+    refused = [
+        ({"objective": {"slot_weighting": "dpace"}}, r"'objective.slot_weighting': Domino weighs slot k by "
+                                                     r"exp\(-k / objective.gamma\).*got 'dpace'"),
+        ({"objective": {"slot_weighting": "acceptance"}}, r"'objective.slot_weighting'.*got 'acceptance'"),
+        ({"objective": {"distill_weight": 0.5}}, r"'objective.distill_weight': Domino trains on the dataset's tokens"),
+        ({"drafter": {"architecture": "domino", "block_size": 4, "draft_vocab_size": 100}},
+         r"'drafter.draft_vocab_size'"),
+        ({"domino": {"pure_draft_prefix_len": 4}}, r"'domino.pure_draft_prefix_len': must be below "
+                                                   r"drafter.block_size=4"),
+    ]
+    for extra, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            config_from_dict({**base, **extra})

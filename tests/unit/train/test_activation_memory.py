@@ -36,7 +36,9 @@ def _config(rows: int, length: int, block: int, anchors: int, chunk: int, arch: 
     """`arch`: an architecture name, or dflash2:factored (its selector's codebooks factored through the head)."""
     arch, _, codebooks = arch.partition(":")
     extra = {"selector_codebooks": codebooks} if codebooks else {}
-    return config_from_dict({"drafter": {"block_size": block, "num_draft_layers": layers, "attention_backend": "sdpa",
+    sections = {"domino": {"gru_hidden_dim": 256, "emb_dim": 64}} if arch == "domino" else {}
+    return config_from_dict({**sections,
+                             "drafter": {"block_size": block, "num_draft_layers": layers, "attention_backend": "sdpa",
                                          "architecture": arch, **extra},
                              "objective": {"max_anchors": anchors, "loss_chunk_size": chunk},
                              "data": {"max_length": length, "token_budget": rows * length, "max_batch_size": rows}})
@@ -88,6 +90,7 @@ STEPS = {  # name: (target shape, architecture, rows, length, block, anchors, CE
     "bfloat16 autocast": (dict(), "dflash", 2, 128, 16, 4, 64, torch.bfloat16, "lm_head + CE chunk"),
     "dspark's chunk against the target's distribution": (dict(vocab_size=8000), "dspark", 2, 128, 16, 4, 128,
                                                           torch.float32, "lm_head + CE chunk"),
+    "domino's correction": (dict(vocab_size=8000), "domino", 2, 128, 16, 4, 128, torch.float32, "domino_correction"),
 }
 
 

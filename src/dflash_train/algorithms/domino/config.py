@@ -1,4 +1,7 @@
-"""The Domino drafter config: DFlash's, plus the correction's fields in `dflash_config` (the names SGLang reads)."""
+"""The Domino drafter config: DFlash's, plus the correction's fields in `dflash_config` (the names SGLang reads).
+
+Checkpoints and exports alike are the layout SGLang serves: `architectures: ["DFlashDraftModel"]`, told apart from
+a DFlash drafter by `dflash_config.projector_type: "domino"` (the registry's export mark for this architecture)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,8 @@ from ...errors import ConfigError
 from ..dflash.config import drafter_config_from_dict, drafter_config_json, make_drafter_config, reference_fields
 from .options import options_of
 
-# A training checkpoint's architectures name (SpecForge's); the export writes the served `DFlashDraftModel`.
-HF_ARCHITECTURE = "DominoDraftModel"
-SERVED_ARCHITECTURE = "DFlashDraftModel"
+HF_ARCHITECTURE = "DFlashDraftModel"
+PROJECTOR_TYPE = "domino"
 FIELDS = ("projector_type", "shift_label", "pure_draft_prefix_len", "gru_hidden_dim", "emb_dim")
 
 
@@ -20,8 +22,7 @@ def make_domino_config(target_config: PretrainedConfig, *, gru_hidden_dim: int =
                        pure_draft_prefix_len: int = 1, **dflash: Any) -> Qwen3Config:
     """DFlash's config (`make_drafter_config`, whose keyword arguments pass through) with Domino's fields."""
     cfg = make_drafter_config(target_config, **dflash)
-    cfg.architectures = [HF_ARCHITECTURE]
-    cfg.dflash_config.update(projector_type="domino", shift_label=True,
+    cfg.dflash_config.update(projector_type=PROJECTOR_TYPE, shift_label=True,
                              pure_draft_prefix_len=int(pure_draft_prefix_len), gru_hidden_dim=int(gru_hidden_dim),
                              emb_dim=int(emb_dim))
     cfg.emb_dim = int(emb_dim)  # also at the top level, where SpecForge and ModelOpt write it
@@ -51,7 +52,7 @@ def check_domino_fields(data: dict[str, Any]) -> None:
     missing = [f"dflash_config.{k}" for k in FIELDS if k not in dflash]
     if missing:
         raise ValueError(f"not a Domino drafter config: missing {', '.join(missing)}")
-    if dflash["projector_type"] != "domino":
+    if dflash["projector_type"] != PROJECTOR_TYPE:
         raise ValueError(f"dflash_config.projector_type must be 'domino' (got {dflash['projector_type']!r})")
     if dflash["shift_label"] is not True:
         raise ValueError(f"dflash_config.shift_label: this version reads the shift_label=true layout only (got "
@@ -65,20 +66,20 @@ def check_domino_fields(data: dict[str, Any]) -> None:
 
 
 def domino_config_from_dict(data: dict[str, Any]) -> Qwen3Config:
-    """A Domino drafter config from a config.json: a checkpoint's (`DominoDraftModel`) or an export's
-    (`DFlashDraftModel` with `dflash_config.projector_type: domino`)."""
+    """A Domino drafter config from a config.json (`DFlashDraftModel` with `dflash_config.projector_type:
+    domino`), checked as SGLang checks it."""
     check_domino_fields(data)
-    name = (data.get("architectures") or [None])[0]
-    if name == SERVED_ARCHITECTURE:
-        data = {**data, "architectures": [HF_ARCHITECTURE]}
     cfg = drafter_config_from_dict(data, HF_ARCHITECTURE)
     cfg.emb_dim = int(cfg.dflash_config["emb_dim"])
     return cfg
 
 
 def domino_config_json(drafter, dtype: str) -> dict[str, Any]:
-    """DFlash's config.json with Domino's fields (a checkpoint's: `architectures: ["DominoDraftModel"]`)."""
+    """DFlash's config.json with Domino's fields in `dflash_config` and `emb_dim` at the top level too (SpecForge
+    and ModelOpt write both; SGLang refuses them differing). No `auto_map`: SGLang builds the model itself."""
     data = drafter_config_json(drafter, dtype)
     data["architectures"] = [HF_ARCHITECTURE]
     data["emb_dim"] = int(drafter.config.dflash_config["emb_dim"])
+    data.pop("auto_map", None)
+    check_domino_fields(data)
     return data

@@ -43,8 +43,10 @@ class DominoDrafter(DFlashDrafter):
 
     def embed_block(self, embed: Callable[[torch.Tensor], torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
         """DFlash's block inputs; the target's embedding is kept for `draft`, whose GRU reads the embeddings of the
-        tokens it drafts (decoding always embeds the block first)."""
-        self._token_embed = embed
+        tokens it drafts (decoding always embeds the block first). Kept as a plain attribute: assigned normally, an
+        `nn.Embedding` would join the drafter's modules, and the target's table its state_dict, checkpoints and
+        exports."""
+        object.__setattr__(self, "_token_embed", embed)
         return super().embed_block(embed, block_ids)
 
     def prefix_states(self, token_embeds: torch.Tensor) -> torch.Tensor:

@@ -52,8 +52,9 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"config key 'domino.pure_draft_prefix_len': must be below drafter.block_size={block} "
                           f"(got {o.pure_draft_prefix_len}); SGLang serves 1")
     if cfg.objective.slot_weighting != "gamma":
-        raise ConfigError(f"config key 'objective.slot_weighting': Domino weighs slot k by exp(-k / objective.gamma) "
-                          f"(its shifted layout); set objective.slot_weighting=gamma (got "
+        raise ConfigError(f"config key 'objective.slot_weighting': Domino weighs slot k by exp(-k / objective.gamma), "
+                          f"as its reference trains it (acceptance and dpace weights are not defined for its "
+                          f"corrected chain); remove the key or set objective.slot_weighting=gamma (got "
                           f"{cfg.objective.slot_weighting!r})")
     if cfg.objective.distill_weight > 0:
         raise ConfigError("config key 'objective.distill_weight': Domino trains on the dataset's tokens (hard "
@@ -69,4 +70,6 @@ OPTIONS = Options(
                   "lambda_base_start": FRACTION, "lambda_base_decay_ratio": FRACTION},
     validate=validate,
     about="Domino's GRU logit correction and its base-loss schedule",
+    # exp(-k / gamma) with the generic gamma (7.0, the reference recipes' loss_decay_gamma), not DFlash's default
+    defaults={"objective.slot_weighting": "gamma"},
 )
