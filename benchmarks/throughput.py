@@ -402,8 +402,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_workload_args(ap)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--architecture", default="dflash", choices=["dflash", "dflash2"],
-                    help="the drafter architecture (full step only; dflash2: reference convolution/selector sizes)")
+    ap.add_argument("--architecture", default="dflash", choices=["dflash", "dflash2", "dspark", "domino"],
+                    help="the drafter architecture (full step only; dflash2: reference convolution/selector sizes; "
+                         "dspark, domino: their sections' defaults)")
     ap.add_argument("--selector-top-k", type=int, default=32,
                     help="dflash2.selector_top_k of --architecture dflash2 (its candidates per slot)")
     ap.add_argument("--selector-codebooks", default="free", choices=("free", "factored"),
@@ -451,6 +452,10 @@ def main() -> None:
         ap.error("--selector-codebooks: a dflash2 key; add --architecture dflash2")
     if args.draft_vocab and args.architecture != "dflash":
         ap.error("--draft-vocab: a reduced draft vocabulary is implemented for --architecture dflash only")
+    if args.architecture in ("dspark", "domino") and (args.draft_intermediate or args.draft_heads or args.draft_kv_heads):
+        ap.error(f"--draft-intermediate/--draft-heads/--draft-kv-heads: not taken with --architecture {args.architecture}")
+    if args.architecture in ("dspark", "domino") and args.part != "both":
+        ap.error(f"--part: --architecture {args.architecture} measures the full step only")
     if args.cold_compile_levers:
         os.environ["DFLASH_TRAIN_COLD_COMPILE_LEVERS"] = "1" if args.cold_compile_levers == "on" else "0"
     add_inductor_options(args.inductor_option)
@@ -462,6 +467,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from dflash_train.config.load import config_from_dict
+    from dflash_train.algorithms import architecture, reads_target_final
     from dflash_train.algorithms.dflash.attention import resolve_backend
     from dflash_train.algorithms.base import default_target_layer_ids
     from dflash_train.algorithms.dflash.model import DFlashDrafter
@@ -511,7 +517,15 @@ def main() -> None:
                                    mask_token_id=5, selector_top_k=args.selector_top_k,
                                    selector_codebooks=args.selector_codebooks, **dkwargs)
         drafter = DFlash2Drafter(dcfg).cuda()
-    else:
+    cfg = config_from_dict({**drafter_sections(args),
+                            "objective": {"max_anchors": args.anchors, "head_gradient": args.head_gradient},
+                            "data": {"max_length": args.seq, "token_budget": args.seq * args.batch,
+                                     "max_batch_size": args.batch}})
+    if args.architecture in ("dspark", "domino"):  # built as the trainer builds it, from the run's config
+        arch = architecture(args.architecture)
+        dcfg = arch.config_for_run(tcfg, cfg, ids, 5)
+        drafter = arch.drafter_class(dcfg).cuda()
+    elif args.architecture == "dflash":
         dcfg = make_drafter_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
                                    mask_token_id=5, **dkwargs)
         drafter = DFlashDrafter(dcfg).cuda()
@@ -521,10 +535,6 @@ def main() -> None:
         drafter.compile_layers()
     build_s = time.perf_counter() - t0
 
-    cfg = config_from_dict({**drafter_sections(args),
-                            "objective": {"max_anchors": args.anchors, "head_gradient": args.head_gradient},
-                            "data": {"max_length": args.seq, "token_budget": args.seq * args.batch,
-                                     "max_batch_size": args.batch}})
     estimate = preflight_estimate(cfg, model, drafter, tcfg, dcfg, ids)
     backend = resolve_backend("flex", torch.device("cuda"), args.block)
     step = TrainStep(drafter, target, backend, cfg, 1000, torch.bfloat16, torch.device("cuda"))
@@ -540,7 +550,8 @@ def main() -> None:
     fanout_info = fanout.wait(600) if fanout is not None else {}
     # The trainer's warm-up order: the target first, then the drafter; batches of several rows only.
     # the layers a capture runs: --target-fp8 quantises those, and the layers past them would add graphs
-    target_warm = target.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1, with_final=False)
+    target_warm = target.warm_up(args.seq, one_row=args.batch == 1, several_rows=args.batch > 1,
+                                 with_final=reads_target_final(cfg))
     step(batch, 0)
     torch.cuda.synchronize()
     first_step_s = time.perf_counter() - t
@@ -554,11 +565,14 @@ def main() -> None:
 
     # Drafter alone: the same step with the target's output precomputed.
     hidden = target(batch.input_ids)
+    final_capture = target.capture(batch.input_ids, with_final=True) if reads_target_final(cfg) else None
     real_target = step.target
     class Precomputed:
         embed_tokens, lm_head = real_target.embed_tokens, real_target.lm_head
         def __call__(self, _ids):
             return hidden
+        def capture(self, _ids, with_final=False):
+            return final_capture if with_final else (hidden, None)
     step.target = step.objective.target = Precomputed()  # the objective runs the target it holds
     t_drafter, _ = timed(lambda: step(batch, 3), args.repeat)
     if args.profile:

@@ -1,0 +1,47 @@
+"""GPU test (`pytest -m gpu`): a DSpark run with the drafter and the target compiled compiles in its warm-up only."""
+
+import json
+
+import pytest
+import torch
+
+from _gpu_helpers import _fresh_dynamo_per_test, _gpu_config  # noqa: F401 (the autouse Dynamo reset)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("head", ["vanilla", "rnn"])
+def test_a_compiled_dspark_run_never_recompiles_after_its_warm_up(tmp_path, tiny_target_dir, counting_jsonl, head):
+    """drafter.compile=true and target.compile=true with flex attention and validation: the warm-up compiles the
+    graphs for batches of one row and of several, the target run to its final norm for the L1 term; no step after
+    it compiles again. The flat export decodes losslessly, drafting all B slots."""
+    from dflash_train.algorithms.io import load_drafter
+    from dflash_train.cli import main
+    from dflash_train.infer.spec_decode import SpeculativeDecoder
+    from dflash_train.target.capture import load_target_model
+
+    cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, eval_every=5)
+    assert main(["train", str(cfg), "drafter.architecture=dspark", f"dspark.markov_head_type={head}",
+                 "dspark.markov_rank=16", "drafter.compile=true", "target.compile=true", "data.token_budget=600",
+                 "--run-dir", str(tmp_path / "R"), "--max-steps", "15"]) == 0
+    status = json.loads((tmp_path / "R" / "status.json").read_text())
+    assert status["phase"] == "done" and status["drafter_compiled_graphs"] > 0, status
+    assert status["target_recompiled_after_warmup"] == 0, status
+    records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert steps[-1]["recompiles"] == steps[0]["recompiles"], [r["recompiles"] for r in steps]
+    assert all(r["recompiles_after_warmup"] == 0 for r in steps), [r["recompiles_after_warmup"] for r in steps]
+    assert all(r["loss"] == r["loss"] and "l1_loss" in r and "confidence_loss" in r for r in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+    exported = json.loads((tmp_path / "R" / "export" / "config.json").read_text())
+    assert exported["architectures"] == ["Qwen3DSparkModel"] and exported["markov_head_type"] == head
+    target = load_target_model(tiny_target_dir, torch.float32, torch.device("cuda"))
+    drafter = load_drafter(tmp_path / "R" / "export", device="cuda", dtype=torch.float32)
+    assert drafter.num_drafts() == exported["block_size"]
+    dec = SpeculativeDecoder(target, drafter, stop_token_ids=[])
+    prompt = list(range(100, 140))
+    assert dec.generate_block(prompt, 32).tokens == dec.generate_target_only(prompt, 32).tokens
