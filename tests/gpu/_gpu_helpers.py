@@ -119,6 +119,20 @@ def _gpu_config(path, target, data, **run):
 
 
 
+def _steps_of_a_run_compiled_in_its_warm_up_only(run_dir) -> list[dict]:
+    """A finished run's step records, once its status and metrics show graphs compiled in the warm-up and none
+    after it (neither the drafter's nor the target's); the loss fell."""
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["phase"] == "done" and status["drafter_compiled_graphs"] > 0, status
+    assert status["target_recompiled_after_warmup"] == 0, status
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert steps[-1]["recompiles"] == steps[0]["recompiles"], [r["recompiles"] for r in steps]
+    assert all(r["recompiles_after_warmup"] == 0 for r in steps), [r["recompiles_after_warmup"] for r in steps]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    return steps
+
+
 EAGER_FLEX_AROUND_THE_SEAL = textwrap.dedent("""
     import json, torch
     from torch.nn.attention.flex_attention import flex_attention

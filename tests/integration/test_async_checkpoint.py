@@ -153,17 +153,38 @@ def test_a_checkpoint_moved_aside_by_a_killed_rewrite_is_put_back(tmp_path):
 def test_host_buffers_are_allocated_once_and_reused():
     """On CUDA a snapshot copies into host buffers (pinned there) kept for the next one; a tensor that changes
     shape or dtype gets a new buffer. On the CPU a snapshot is plain clones and keeps no buffers."""
-    staging = HostStaging()
-    a = staging.buffer("k", torch.Size([2, 3]), torch.float32, pin=False)
-    assert staging.buffer("k", torch.Size([2, 3]), torch.float32, pin=False) is a
-    assert staging.buffer("k", torch.Size([3, 3]), torch.float32, pin=False) is not a
-    assert staging.buffer("k", torch.Size([3, 3]), torch.bfloat16, pin=False).dtype == torch.bfloat16
+    staging = HostStaging(pin=False)
+    a = staging.buffer("k", torch.Size([2, 3]), torch.float32)
+    assert staging.buffer("k", torch.Size([2, 3]), torch.float32) is a
+    assert staging.buffer("k", torch.Size([3, 3]), torch.float32) is not a
+    assert staging.buffer("k", torch.Size([3, 3]), torch.bfloat16).dtype == torch.bfloat16
     staging = HostStaging()
     t = torch.arange(6.0)
     c = staging.copy("k", t)
     assert torch.equal(c, t) and c.data_ptr() != t.data_ptr() and staging.buffers == {}
     snap = Snapshot.take(1, *_trained(), {"epoch": 0}, staging=staging)
     assert snap.ready is None and snap.nbytes > 0 and snap.stall_s > 0 and staging.buffers == {}
+
+
+def test_buffers_staged_after_the_first_step_are_the_ones_every_snapshot_uses(tmp_path):
+    """`CheckpointWriter.stage` allocates, in a thread, exactly the buffers a snapshot copies into (the CUDA path,
+    run here on host buffers): the first save then allocates none, and its files hold the state at the save."""
+    drafter, opt, sched = _trained()
+    writer = CheckpointWriter(tmp_path, keep_last=2, staging=HostStaging(pin=False, buffered=True))
+    writer.stage(drafter, opt, sched)
+    writer._staging_thread.join()
+    staged = dict(writer.staging.buffers)
+    assert len(staged) == len(ck.snapshot_tensors(drafter, opt, sched)) > len(drafter.state_dict())
+    for p in drafter.parameters():
+        p.data.add_(1.0)  # the state changes after the staging: the snapshot must copy the new values
+    writer.save(3, drafter, opt, sched, {"epoch": 0}, wait=True)
+    assert writer.staging.buffers.keys() == staged.keys()
+    assert all(writer.staging.buffers[k] is staged[k] for k in staged)  # nothing reallocated
+    loaded = load_drafter(tmp_path / "step-00000003" / "drafter")
+    for name, v in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name].float(), v.float()), name
+    state = ck.load_optimizer_state(tmp_path / "step-00000003")["optimizer"]["state"]
+    assert all(torch.equal(state[i]["exp_avg"], opt.state_dict()["state"][i]["exp_avg"]) for i in state)
 
 
 def test_the_preflight_counts_the_snapshot_and_refuses_a_host_without_room_for_it():

@@ -8,12 +8,12 @@ A checkpoint folder exists only complete: it is built as `.step-N.tmp` and renam
 is written last inside it and is what marks it valid.
 
 The training loop does not wait for the disk: `CheckpointWriter.save` copies the drafter's weights, the optimizer
-and scheduler state and the trainer record to host memory (`Snapshot.take`: on CUDA into pinned buffers allocated
-at the first save and reused, the copies queued on the compute stream; on the CPU plain clones) and a background
-thread writes that snapshot (`write_snapshot`) while training goes on. One write at most is in flight: the next
-save waits for it first (the buffers are reused). A failed write is raised in the loop at the next step boundary,
-save or wait, as the CheckpointWriteError a synchronous write raises. The files are those `save_checkpoint`, the
-synchronous path, writes from the same state.
+and scheduler state and the trainer record to host memory (`Snapshot.take`: on CUDA into pinned buffers that
+`CheckpointWriter.stage` allocates in a thread after the first step and every save reuses, the copies queued on the
+compute stream; on the CPU plain clones) and a background thread writes that snapshot (`write_snapshot`) while
+training goes on. One write at most is in flight: the next save waits for it first (the buffers are reused). A
+failed write is raised in the loop at the next step boundary, save or wait, as the CheckpointWriteError a
+synchronous write raises. The files are those `save_checkpoint`, the synchronous path, writes from the same state.
 """
 
 from __future__ import annotations
@@ -103,46 +103,54 @@ def _describe(e: BaseException) -> str:
 
 
 class HostStaging:
-    """Host memory for the snapshots of one writer. On CUDA: pinned buffers, allocated at the first snapshot and
-    reused by every later one (a buffer is reallocated only if its tensor changes shape or dtype), so that the
+    """Host memory for the snapshots of one writer. On CUDA: pinned buffers, allocated ahead (`allocate`) or at the
+    first snapshot and reused by every later one (a buffer is reallocated only if its tensor changes shape or dtype), so that the
     device-to-host copies need neither an allocation nor a synchronisation; the writer is done with them before
     the next snapshot overwrites them (one write in flight). On the CPU: plain clones."""
 
-    def __init__(self):
+    def __init__(self, pin: bool = True, buffered: Optional[bool] = None):
         self.buffers: dict[Any, torch.Tensor] = {}
+        self.pin = pin
+        self.buffered = buffered  # None: buffers for CUDA tensors only (a test sets True to use them on the CPU)
 
     def copy(self, key: Any, t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         t = t.detach()
         dtype = dtype or t.dtype
-        if t.device.type != "cuda":
+        if not (t.device.type == "cuda" if self.buffered is None else self.buffered):
             out = t.to(dtype=dtype, copy=True)
             return out if out.is_contiguous() else out.contiguous()
         buf = self.buffer(key, t.shape, dtype)
         buf.copy_(t, non_blocking=True)
         return buf
 
-    def buffer(self, key: Any, shape: torch.Size, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
+    def buffer(self, key: Any, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """The host buffer of `key`: the one of the last snapshot when its shape and dtype still fit, else new."""
         buf = self.buffers.get(key)
         if buf is None or buf.shape != shape or buf.dtype != dtype:
-            buf = self.buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=pin)
+            buf = self.buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
         return buf
+
+    def allocate(self, wanted: list[tuple[Any, torch.Size, torch.dtype]]) -> None:
+        """Make the buffers a snapshot of these tensors will use (`snapshot_tensors`), ahead of it: page-locking
+        gigabytes of host memory takes seconds, which the first save would otherwise stall the loop for."""
+        for key, shape, dtype in wanted:
+            self.buffer(key, shape, dtype)
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
 
-def _host_copy(obj: Any, staging: HostStaging, prefix: str) -> Any:
-    """`obj` (a state dict: nested dicts, lists, tuples, tensors, plain values) with every tensor copied to the host
-    through `staging`, the rest deep-copied: the same structure, types and sharing, so that torch.save writes the
-    same pickle."""
-    memo: dict[int, Any] = {}
+def _tensors(obj: Any, prefix: str) -> list[tuple[tuple, torch.Tensor]]:
+    """Each distinct tensor of `obj` (nested dicts, lists, tuples) with its key path, first occurrence first."""
+    seen: set[int] = set()
+    out: list[tuple[tuple, torch.Tensor]] = []
 
     def walk(x: Any, key: tuple) -> None:
         if isinstance(x, torch.Tensor):
-            if id(x) not in memo:
-                memo[id(x)] = staging.copy((prefix, *key), x)
+            if id(x) not in seen:
+                seen.add(id(x))
+                out.append(((prefix, *key), x))
         elif isinstance(x, dict):
             for k, v in x.items():
                 walk(v, (*key, k))
@@ -151,7 +159,27 @@ def _host_copy(obj: Any, staging: HostStaging, prefix: str) -> Any:
                 walk(v, (*key, i))
 
     walk(obj, ())
+    return out
+
+
+def _host_copy(obj: Any, staging: HostStaging, prefix: str) -> Any:
+    """`obj` (a state dict: nested dicts, lists, tuples, tensors, plain values) with every tensor copied to the host
+    through `staging`, the rest deep-copied: the same structure, types and sharing, so that torch.save writes the
+    same pickle."""
+    memo = {id(x): staging.copy(key, x) for key, x in _tensors(obj, prefix)}
     return copy.deepcopy(obj, memo)
+
+
+def _weight_dtype(v: torch.Tensor) -> torch.dtype:
+    """As save_drafter writes a checkpoint's drafter/: floating tensors in float32, the others as they are."""
+    return torch.float32 if v.is_floating_point() else v.dtype
+
+
+def snapshot_tensors(drafter, optimizer, scheduler) -> list[tuple[Any, torch.Size, torch.dtype]]:
+    """(staging key, shape, host dtype) of every tensor `Snapshot.take` copies out, in its order."""
+    weights = [(("drafter", k), v.shape, _weight_dtype(v)) for k, v in drafter.state_dict().items()]
+    opt = _tensors({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, "optimizer")
+    return weights + [(key, x.shape, x.dtype) for key, x in opt]
 
 
 @dataclass
@@ -180,9 +208,7 @@ class Snapshot:
         if cuda:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-        # As save_drafter writes a checkpoint's drafter/: floating tensors in float32, the others as they are.
-        weights = {k: staging.copy(("drafter", k), v, torch.float32 if v.is_floating_point() else v.dtype)
-                   for k, v in drafter.state_dict().items()}
+        weights = {k: staging.copy(("drafter", k), v, _weight_dtype(v)) for k, v in drafter.state_dict().items()}
         opt = _host_copy({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, staging,
                          "optimizer")
         if cuda:
@@ -286,9 +312,10 @@ class CheckpointWriter:
     WAIT_LOG_S). A failed write raises its CheckpointWriteError in the caller's thread at the next `check`, `save`
     or `wait`. `timings()` hands the metrics what the saves cost since it was last called."""
 
-    def __init__(self, root: Path, keep_last: int):
+    def __init__(self, root: Path, keep_last: int, staging: Optional[HostStaging] = None):
         self.root, self.keep_last = Path(root), keep_last
-        self.staging = HostStaging()
+        self.staging = staging or HostStaging()
+        self._staging_thread: Optional[threading.Thread] = None
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._writing: Optional[Path] = None
@@ -340,11 +367,27 @@ class CheckpointWriter:
                 log.info("waited %.1f s for checkpoint %s to be written", waited, done)
         return done
 
+    def stage(self, drafter, optimizer, scheduler) -> None:
+        """Allocate the snapshot's host buffers in a thread, once, while training goes on (call it once the
+        optimizer state exists: after the first step). Nothing to do where snapshots are plain clones (CPU)."""
+        if self._staging_thread is not None:
+            return
+        params = list(drafter.parameters())
+        buffered = self.staging.buffered
+        if not (bool(params) and params[0].device.type == "cuda" if buffered is None else buffered):
+            return
+        wanted = snapshot_tensors(drafter, optimizer, scheduler)
+        self._staging_thread = threading.Thread(target=self.staging.allocate, args=(wanted,),
+                                                name="checkpoint-staging", daemon=True)
+        self._staging_thread.start()
+
     def save(self, step: int, drafter, optimizer, scheduler, record: dict[str, Any], name: Optional[str] = None,
              wait: bool = False) -> Path:
         """Snapshot now and write in the background (`wait`: and block until it is written). Returns the folder
         the checkpoint has once written."""
         t0 = time.perf_counter()
+        if self._staging_thread is not None:
+            self._staging_thread.join()  # long done unless the first save comes within seconds of the first step
         if self._thread is not None:
             previous = self._writing
             self._join()

@@ -167,6 +167,8 @@ def _train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
         compile_layer.check_step_boundary()
         if s.writer is not None:
             s.writer.check()  # a background checkpoint write that failed stops the run here
+        elif s.is_main:  # the first step made the optimizer state: the snapshot's host buffers, in the background
+            checkpoint_writer(s).stage(ts.drafter, ts.optimizer, ts.scheduler)
         state.step, state.epoch, state.batch_index = state.step + 1, epoch, next_index
         rep.beat_fields.update(mem_gib=memory_gib(s.device), train_s=round(time.time() - s.t_start, 1),
                                role="colocated" if s.inbox is None else "drafter",
