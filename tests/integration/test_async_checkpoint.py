@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -172,7 +173,8 @@ def test_buffers_staged_after_the_first_step_are_the_ones_every_snapshot_uses(tm
     drafter, opt, sched = _trained()
     writer = CheckpointWriter(tmp_path, keep_last=2, staging=HostStaging(pin=False, buffered=True))
     writer.stage(drafter, opt, sched)
-    writer._staging_thread.join()
+    while writer.is_staging:
+        time.sleep(0.01)
     staged = dict(writer.staging.buffers)
     assert len(staged) == len(ck.snapshot_tensors(drafter, opt, sched)) > len(drafter.state_dict())
     for p in drafter.parameters():

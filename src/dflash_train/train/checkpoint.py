@@ -381,6 +381,11 @@ class CheckpointWriter:
                                                 name="checkpoint-staging", daemon=True)
         self._staging_thread.start()
 
+    @property
+    def is_staging(self) -> bool:
+        """Whether `stage`'s thread is still allocating the host buffers."""
+        return self._staging_thread is not None and self._staging_thread.is_alive()
+
     def save(self, step: int, drafter, optimizer, scheduler, record: dict[str, Any], name: Optional[str] = None,
              wait: bool = False) -> Path:
         """Snapshot now and write in the background (`wait`: and block until it is written). Returns the folder
