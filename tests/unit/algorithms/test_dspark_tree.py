@@ -150,3 +150,58 @@ def test_eval_says_the_refusal_in_one_line(tiny_target_dir, target, tmp_path, ca
     assert rc == EXIT_USER_ERROR and len(said) == 1, said
     assert said[0].startswith("error:") and "markov_head_type is rnn" in said[0] and "--tree-budget" in said[0]
     assert not (tmp_path / "r.json").exists()
+
+
+def memorise_every_slot(d, target, sequences: list[list[int]], steps: int = 20):
+    """Teach the drafter's base logits these sequences: slot k of the block at a predicts ids[a + k + 1] (the
+    anchor's slot too), so that whole blocks are accepted and the tree's last depth is reached."""
+    from dflash_train.algorithms.base import sdpa_attention
+    from dflash_train.algorithms.dflash.mask import dense_mask
+
+    opt = torch.optim.Adam(d.parameters(), lr=1e-2)
+    batches = []
+    for ids in sequences:
+        with torch.no_grad():
+            hs = target(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        context = torch.cat([hs[i + 1] for i in d.target_layer_ids], -1)
+        anchors = torch.arange(1, len(ids) - BS)
+        window = torch.tensor(ids)[anchors.view(-1, 1) + torch.arange(BS + 1)]
+        inputs = torch.full_like(window[:, :BS], d.mask_token_id)
+        inputs[:, 0] = window[:, 0]
+        positions = torch.cat([torch.arange(len(ids)), (anchors.view(-1, 1) + torch.arange(BS)).view(-1)]).view(1, -1)
+        mask = dense_mask(anchors.view(1, -1), torch.ones(1, len(anchors), dtype=torch.bool), len(ids), BS)
+        embeds = target.get_input_embeddings()(inputs.view(1, -1)).detach()
+        batches.append((context, embeds, positions, mask, window[:, 1:]))
+    d.train()
+    for _ in range(steps):
+        for context, embeds, positions, mask, labels in batches:
+            out = d(context, embeds, positions, sdpa_attention, mask)
+            logits = d.logits(out[0].view(labels.shape[0], BS, -1), target.lm_head)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return d.eval()
+
+
+@pytest.mark.long  # ~30 s: 40 float64 memorising steps before whole blocks are accepted
+def test_replay_of_the_tree_equals_real_decoding(tiny_target_dir):
+    """Replay (`eval --replay`) walks the DSpark tree as deep as real decoding does (bs depths), step for step."""
+    from dflash_train.infer.replay import ReplayTurn, greedy_continuations, replay_turn
+
+    target = load_target_model(tiny_target_dir, torch.float64, torch.device("cpu"))  # no ties to flip
+    max_new = 16
+    prompts_ = prompts()
+    conts = greedy_continuations(target, prompts_, max_new + BS)
+    d = memorise_every_slot(dspark(target).double(), target, [p + c for p, c in zip(prompts_, conts)], steps=40)
+    with torch.no_grad():  # a bias small enough beside the memorised base logits for whole blocks to pass
+        d.markov_head.markov_w2.weight.mul_(0.1)
+    dec = SpeculativeDecoder(target, d, stop_token_ids=[2])
+    longest = 0
+    for i, (p, c) in enumerate(zip(prompts_, conts)):
+        rep = replay_turn(target, d, ReplayTurn("toy", str(i), 0, p, c), max_new, (3, 8), [2])
+        for budget in (3, 8):
+            res = dec.generate_tree(p, max_new, budget)
+            assert rep.modes[f"tree-{budget}"] == (res.tokens, res.accept_lengths), budget
+            longest = max(longest, max(res.accept_lengths))
+    assert longest == BS + 1  # a whole tree path, every depth, was accepted and replayed
