@@ -428,12 +428,17 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
         (e.g. factored codebooks computed through the target's head)."""
         return self
 
+    def check_tree_decoding(self) -> None:
+        """Raise a user error (ValueError naming --tree-budget) where this drafter cannot give DDTree candidates
+        (`tree_candidates`); decoding calls it before the first prompt. Every drafter can here."""
+
     def tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
                         k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each slot's candidate next tokens (target ids, `[n, bs-1, k]`) and their log-probabilities for a DDTree
-        over the block (`SpeculativeDecoder.build_tree_from_top`): `[n, bs-1, k]` when each slot's distribution
-        is its own (here: its `k` best, best first), or `[n, bs-1, k, k]` when it depends on the token before
-        (row p: given candidate p of the slot before; an architecture with a pairwise model overrides this)."""
+        """Each drafted slot's candidate next tokens (target ids, `[n, D, k]`, D = `num_drafts()`: the tree's
+        depth) and their log-probabilities for a DDTree over the block (`SpeculativeDecoder.build_tree_from_top`):
+        `[n, D, k]` when each slot's distribution is its own (here, slots 1..: its `k` best, best first), or
+        `[n, D, k, k]` when it depends on the token before (row p: given candidate p of the depth before; depth
+        0's rows given the anchor; an architecture with a pairwise model overrides this)."""
         log_probs = torch.log_softmax(self.logits(hidden, lm_head)[:, 1:].float(), -1)
         top_lp, top = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
         return top_lp, self.target_ids(top)

@@ -175,6 +175,8 @@ def evaluate(
     if confidence_threshold > 0 and tree_budgets:
         raise ValueError("--confidence-threshold truncates block verification; DDTree verifies a tree: drop "
                          "--tree-budget or --confidence-threshold")
+    if tree_budgets:
+        drafter.check_tree_decoding()
     dec = SpeculativeDecoder(target, drafter, stop_token_ids, temperature, block_size,
                              confidence_threshold=confidence_threshold)
     modes = make_modes(tree_budgets, measure_speedup)
@@ -266,6 +268,9 @@ def replay_reports(
     """One replay report per drafter (all of one block size) over the same prompts (`{"dataset", "id",
     "turns"}`, datasets in order of first appearance): the target's continuations are generated once.
     `done(n)`: progress, n turns at a time, twice per turn (generated, then replayed)."""
+    if tree_budgets:
+        for drafter in drafters.values():
+            drafter.check_tree_decoding()
     stops = list(stop_token_ids or [])
     block_size = next(iter(drafters.values())).block_size
     verified = 1 + max(d.num_drafts() for d in drafters.values())  # the widest step: the continuation's margin

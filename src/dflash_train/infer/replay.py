@@ -99,8 +99,8 @@ def greedy_continuations(target, prompts: list[list[int]], num_new: int, batch_s
 @dataclass
 class Proposals:
     """What the drafter would propose at every anchor `prompt_len + j`, j < `num_anchors`: greedy drafts
-    `[N, B-1]` and the tree candidates per slot (`Drafter.tree_candidates`: ids `[N, B-1, k]`, log-probabilities
-    `[N, B-1, k]` or, given the previous slot's candidate, `[N, B-1, k, k]`)."""
+    `[N, D]` (D = `num_drafts()`) and the tree candidates per drafted slot (`Drafter.tree_candidates`: ids
+    `[N, D, k]`, log-probabilities `[N, D, k]` or, given the previous slot's candidate, `[N, D, k, k]`)."""
 
     drafts: torch.Tensor
     top_lp: Optional[torch.Tensor]
@@ -246,7 +246,7 @@ def replay_turn(target, drafter: Drafter, turn: ReplayTurn, max_new: int, tree_b
     modes = {"block": walk(lambda j: block[j], cont, max_new, stops)}
     if tree_budgets:
         top_lp, top_ids = props.top_lp.cpu(), props.top_ids.cpu()  # the tree builder reads a few rows of each
-        width = drafter.block_size - 1
+        width = drafter.num_drafts()  # the tree's depth
         for budget in tree_budgets:
             modes[f"tree-{budget}"] = walk(
                 lambda j: _tree_accepts(top_lp[j], top_ids[j], budget, cont[j + 1:j + 1 + width]), cont, max_new, stops)

@@ -227,7 +227,8 @@ class SpeculativeDecoder:
         return drafts[0, :keep], (q[0, :keep] if q is not None else None)
 
     def _tree_candidates(self, context: torch.Tensor, anchor: int, start: int, dcache: DrafterKVCache, k: int):
-        """Per slot 1..B-1 its tree candidates (`Drafter.tree_candidates` of this one block)."""
+        """Per drafted slot its tree candidates (`Drafter.tree_candidates` of this one block: one depth per
+        draft)."""
         hidden, anchor_t = self._draft_hidden(context, anchor, start, dcache)
         top_lp, top_ids = self.drafter.tree_candidates(hidden, self.lm_head, anchor_t, k)
         return top_lp[0], top_ids[0]
@@ -385,6 +386,7 @@ class SpeculativeDecoder:
     def generate_tree(self, prompt: list[int], max_new_tokens: int, budget: int) -> DecodeResult:
         if self.temperature > 0:
             raise ValueError("DDTree verification is implemented for greedy decoding (temperature 0)")
+        self.drafter.check_tree_decoding()
         self.drafter.eval()
         cache, context, anchor, prefill_s = self._prefill(prompt)
         dcache = DrafterKVCache(len(self.drafter.layers))

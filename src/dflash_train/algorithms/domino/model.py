@@ -107,6 +107,10 @@ class DominoDrafter(DFlashDrafter):
 
     def tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
                         k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_tree_decoding()
+        raise AssertionError("unreachable: check_tree_decoding refuses")
+
+    def check_tree_decoding(self) -> None:
         raise ValueError("drafter.architecture domino drafts a chain: its correction depends on every token before "
                          "the slot, so per-slot tree candidates would not be the distributions it drafts from; "
                          "evaluate it without --tree-budget")

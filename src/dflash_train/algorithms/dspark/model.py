@@ -163,5 +163,42 @@ class DSparkDrafter(DFlashDrafter):
         ids, q, conf = self._drafts(hidden, lm_head, anchor_ids, temperature, generator)
         return ids, q, torch.sigmoid(conf)
 
-    def tree_candidates(self, hidden, lm_head, anchor_ids, k: int):
-        raise NotImplementedError("DDTree over a DSpark drafter is not implemented: evaluate without tree budgets")
+    def check_tree_decoding(self) -> None:
+        if self.markov_rank and self.markov_head_type == "rnn":
+            raise ValueError("--tree-budget (DDTree) scores each tree node given its parent token only; this DSpark "
+                             "drafter's markov_head_type is rnn, whose bias depends on every token drafted before "
+                             "the slot: evaluate it without --tree-budget (vanilla and gated heads support it)")
+
+    def tree_candidates(self, hidden, lm_head, anchor_ids, k: int, max_elements: int = 1 << 26):
+        """DDTree candidates of all bs slots (depth d: slot d, depth 0 given the anchor). A vanilla or gated
+        Markov bias depends only on the token before the slot (and the slot's own hidden state), so every
+        (parent, child) pair is scored exactly: `[n, bs, k, k]`, row p the log-probabilities
+        `log_softmax(base_d + bias(candidate p of depth d - 1))` at depth d's candidates, which are the `k` best
+        given depth d - 1's best candidate (so the tree's first branch is the greedy block draft). Without a
+        Markov head each slot is independent (`[n, bs, k]`). Rows of blocks in chunks of at most `max_elements`
+        scores at once."""
+        self.check_tree_decoding()
+        base = self.logits(hidden, lm_head)  # [n, bs, V]
+        n, depth, vocab = base.shape
+        k = min(k, vocab)
+        if not self.markov_rank:
+            return torch.log_softmax(base, -1).topk(k, dim=-1)
+        rows = max(1, max_elements // (k * vocab))
+        parts = [self._conditional_candidates(base[i:i + rows], hidden[i:i + rows], anchor_ids[i:i + rows], k)
+                 for i in range(0, n, rows)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def _conditional_candidates(self, base: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor, k: int):
+        n, depth, _ = base.shape
+        parents = anchor_ids.view(n, 1)  # [n, P]: depth 0's one parent, then the k candidates before
+        log_probs, ids = [], []
+        for d in range(depth):
+            h = hidden[:, d:d + 1].expand(n, parents.shape[1], hidden.shape[-1])
+            feature, _, _ = self.markov_head.step(h, parents, None)
+            lp = torch.log_softmax(base[:, d:d + 1] + self.markov_head.bias(feature), -1)  # [n, P, V]
+            cand = lp[:, 0].topk(k, dim=-1).indices  # [n, k], given the best (first) parent
+            scored = lp.gather(-1, cand.unsqueeze(1).expand(n, lp.shape[1], k))  # [n, P, k]
+            log_probs.append(scored.expand(n, k, k))  # depth 0: its one row for every p
+            ids.append(cand)
+            parents = cand
+        return torch.stack(log_probs, 1), torch.stack(ids, 1)
