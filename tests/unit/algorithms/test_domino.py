@@ -407,7 +407,7 @@ def test_sampled_block_decoding_through_the_correction_follows_the_target_distri
 # ---------------------------------------------------------------------------------------------------- a real run
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_domino_run_killed_and_resumed_reaches_the_uninterrupted_losses_exports_and_evaluates(
         tiny_target_dir, counting_jsonl, tmp_path):
     """Through the CLI in real processes: a run SIGKILLed after its step-2 checkpoint, resumed with --resume,
