@@ -398,7 +398,8 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
         """`draft`'s (drafts, q) and each draft's predicted acceptance probability `[n, num_drafts]` (given the
         drafts before it were accepted), computed from the drafter's own states and drafts only (never from the
         target), so that truncating on it keeps decoding lossless. Only where `has_confidence`."""
-        raise NotImplementedError(f"the {self.architecture} drafter has no confidence head")
+        raise ValueError(f"--confidence-threshold: the {self.architecture} drafter has no confidence head; "
+                         "evaluate it without the option")
 
     def draft(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor, temperature: float = 0.0,
               generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -327,6 +327,9 @@ def test_the_truncation_reads_the_drafters_confidence_of_each_drafted_token(targ
         SpeculativeDecoder(target, plain, confidence_threshold=0.5)
     with pytest.raises(ValueError, match="this dspark drafter has none"):
         SpeculativeDecoder(target, dspark(target, confidence=False, with_markov=False), confidence_threshold=0.5)
+    for no_head in (plain, dspark(target, confidence=False, with_markov=False)):  # called directly: the same
+        with pytest.raises(ValueError, match="--confidence-threshold: .* no confidence head"):
+            no_head.draft_with_confidence(hidden, target.lm_head, anchors)
 
 
 def small_vocab_pair(vocab=8, seed=0):

@@ -159,7 +159,8 @@ class DSparkDrafter(DFlashDrafter):
         """`draft`'s and each slot's `sigmoid(confidence logit)`, from its hidden state and the token drafted
         before it (the drafter's own: non-anticipating)."""
         if not self.with_confidence:
-            raise NotImplementedError("this DSpark drafter has no confidence head (dspark.confidence_head=false)")
+            raise ValueError("--confidence-threshold: this DSpark drafter has no confidence head "
+                             "(dspark.confidence_head=false); evaluate it without the option")
         ids, q, conf = self._drafts(hidden, lm_head, anchor_ids, temperature, generator)
         return ids, q, torch.sigmoid(conf)
 
