@@ -130,6 +130,16 @@ def dense_reference(d, target_model, capture, ids, loss_mask, lengths, weights_c
     return total / wsum
 
 
+def objective_on_a_fixed_batch(d, capture, cfg):
+    """(ids, loss mask, lengths, stats) of DSpark's objective in float64 on one fixed two-row batch."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 400, (2, 30), generator=g)
+    loss_mask = (torch.rand(2, 30, generator=g) < 0.85).long()
+    lengths = torch.tensor([30, 22])
+    objective = DSparkObjective(d, capture, resolve_backend("sdpa", torch.device("cpu"), BS), cfg, torch.float64)
+    return ids, loss_mask, lengths, objective(Batch(ids, loss_mask, lengths), torch.Generator().manual_seed(7))
+
+
 @pytest.mark.parametrize("kind,rank,confidence,with_markov", [
     ("vanilla", 8, True, True), ("gated", 8, True, False), ("rnn", 8, True, True), ("vanilla", 0, True, False),
     ("vanilla", 8, False, False)])
@@ -146,12 +156,7 @@ def test_the_objective_equals_a_dense_float64_reference(target, kind, rank, conf
                                            "decay_gamma": weights[3]},
                                 "objective": {"max_anchors": 6, "loss_chunk_size": 5},
                                 "data": {"max_length": 64, "token_budget": 256}})
-        g = torch.Generator().manual_seed(5)
-        ids = torch.randint(3, 400, (2, 30), generator=g)
-        loss_mask = (torch.rand(2, 30, generator=g) < 0.85).long()
-        lengths = torch.tensor([30, 22])
-        objective = DSparkObjective(d, capture, resolve_backend("sdpa", torch.device("cpu"), BS), cfg, torch.float64)
-        stats = objective(Batch(ids, loss_mask, lengths), torch.Generator().manual_seed(7))
+        ids, loss_mask, lengths, stats = objective_on_a_fixed_batch(d, capture, cfg)
         params = [p for p in d.parameters() if p.requires_grad]
         grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
         ref = dense_reference(d, target, capture, ids, loss_mask, lengths, weights)
@@ -438,12 +443,7 @@ def test_dpard_equals_a_dense_float64_reference(target, kind):
                                            "decay_gamma": 3.0, "dpard_alpha": 0.3},
                                 "objective": {"max_anchors": 6, "loss_chunk_size": 5},
                                 "data": {"max_length": 64, "token_budget": 256}})
-        g = torch.Generator().manual_seed(5)
-        ids = torch.randint(3, 400, (2, 30), generator=g)
-        loss_mask = (torch.rand(2, 30, generator=g) < 0.85).long()
-        lengths = torch.tensor([30, 22])
-        objective = DSparkObjective(d, capture, resolve_backend("sdpa", torch.device("cpu"), BS), cfg, torch.float64)
-        stats = objective(Batch(ids, loss_mask, lengths), torch.Generator().manual_seed(7))
+        ids, loss_mask, lengths, stats = objective_on_a_fixed_batch(d, capture, cfg)
         assert "renyi_loss" in stats.extra
         params = [p for p in d.parameters() if p.requires_grad]
         grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
