@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from _reader_math import ReaderMath
+
 from dflash_train.algorithms import architecture
 from dflash_train.algorithms.base import sdpa_attention
 from dflash_train.algorithms.dflash.attention import resolve_backend
@@ -357,7 +359,7 @@ REFERENCE_TENSORS = {
     "mlp.down_proj.weight")}
 
 
-class MinimalDFlash2:
+class MinimalDFlash2(ReaderMath):
     """An independent reading of the reference DFlash2 layout: config.json and safetensors by name, plain tensor
     math, one block per call, context keys recomputed from all captured features every call (no cache)."""
 
@@ -372,15 +374,6 @@ class MinimalDFlash2:
         self.heads, self.kv, self.hd = self.cfg["num_attention_heads"], self.cfg["num_key_value_heads"], self.cfg["head_dim"]
         theta = self.cfg.get("rope_theta") or self.cfg["rope_parameters"]["rope_theta"]
         self.inv_freq = 1.0 / theta ** (torch.arange(0, self.hd, 2).float() / self.hd)
-
-    def rms(self, x, w):
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-    def rope(self, x, pos):
-        f = pos.float()[:, None] * self.inv_freq
-        cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
-        x1, x2 = x.chunk(2, -1)
-        return x * cos + torch.cat([-x2, x1], -1) * sin
 
     def conv(self, p, x, u, side):
         n, h = x.shape

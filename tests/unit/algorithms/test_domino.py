@@ -14,6 +14,8 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from _reader_math import ReaderMath
+
 from dflash_train import architectures
 from dflash_train.algorithms import architecture_of_export
 from dflash_train.algorithms.base import sdpa_attention
@@ -227,7 +229,7 @@ def test_the_export_parity_check_compares_the_correction_too(target, tmp_path):
         parity_check(d, back, torch.float32)
 
 
-class MinimalDomino:
+class MinimalDomino(ReaderMath):
     """An independent reading of the served Domino layout (config.json and safetensors by name, plain tensor math):
     DFlash's backbone over one block per call, context recomputed from every captured feature (no cache), then
     SGLang's greedy rollout: draft 0 from the backbone's scores, each later one with the correction from a GRU
@@ -246,15 +248,6 @@ class MinimalDomino:
         theta = self.cfg.get("rope_theta") or self.cfg["rope_parameters"]["rope_theta"]
         self.inv_freq = 1.0 / theta ** (torch.arange(0, self.hd, 2).float() / self.hd)
         self.proposed: list[tuple[list[int], list[int]]] = []  # (drafts, the backbone's own argmaxes) per block
-
-    def rms(self, x, w):
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-    def rope(self, x, pos):
-        f = pos.float()[:, None] * self.inv_freq
-        cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
-        x1, x2 = x.chunk(2, -1)
-        return x * cos + torch.cat([-x2, x1], -1) * sin
 
     def gru(self, x, h):
         gi, gh = self.w["prefix_gru.weight_ih_l0"] @ x, self.w["prefix_gru.weight_hh_l0"] @ h

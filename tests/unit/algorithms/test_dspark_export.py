@@ -13,11 +13,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from _reader_math import ReaderMath
+
 BS, RANK = 4, 32
 MAX_NEW = 24
 
 
-class MinimalDSpark:
+class MinimalDSpark(ReaderMath):
     """A DeepSpec-layout DSpark drafter: DFlash's Qwen3 backbone (context K/V from `fc` + `hidden_norm` of the
     target's features, in front of the block's), `B` slots `[anchor, mask x (B-1)]`, slot k predicting the token
     after position anchor + k, a Markov bias from the token before each slot, and a confidence head."""
@@ -38,15 +40,6 @@ class MinimalDSpark:
         # embed_tokens / lm_head are optional in the export: the target's when absent
         self.embed = (lambda ids: self.w["embed_tokens.weight"][ids]) if "embed_tokens.weight" in self.w else embed
         self.head_w = self.w.get("lm_head.weight", head.weight.float())
-
-    def rms(self, x, w):
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-    def rope(self, x, pos):
-        f = pos.float()[:, None] * self.inv_freq
-        cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
-        x1, x2 = x.chunk(2, -1)
-        return x * cos + torch.cat([-x2, x1], -1) * sin
 
     def hidden(self, features, anchor, start):
         """The block's final normed states `[B, H]`; `features [start, K*H]` of positions 0..start-1."""
