@@ -231,6 +231,8 @@ def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: O
         lines.append(f"validation: {', '.join(parts)}" + (f" (best tau {best:.3f}, kept in checkpoints/best)" if best else ""))
     if status.get("skipped_steps"):
         lines.append(f"skipped:    {status['skipped_steps']} steps with non-finite loss or gradients")
+    if status.get("checkpoint_error"):
+        lines.append(f"checkpoint: a save failed, training went on: {status['checkpoint_error']}")
     lines.append(f"ETA:        {_duration(status.get('eta_s'))}" if shown == "training" else "ETA:        -")
     if status.get("export_dir"):
         lines.append(f"export:     {status['export_dir']}")

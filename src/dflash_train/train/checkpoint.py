@@ -55,6 +55,11 @@ class CheckpointWriteError(CheckpointError):
     OS error and the newest intact checkpoint."""
 
 
+class ExportWriteError(UserError):
+    """The run's export could not be written (the training itself is complete); the message names the folder, the
+    error, and how to write the export from the last checkpoint."""
+
+
 class _WriteRecorder:
     """A file wrapper that remembers the OSError of a failed write: torch.save reports a failed write only
     as 'unexpected pos N vs M', which says nothing about a full disk."""
@@ -96,7 +101,8 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _describe(e: BaseException) -> str:
+def describe_error(e: BaseException) -> str:
+    """An OS error as `[Errno N] text: file`, anything else as `Type: message`."""
     if isinstance(e, OSError) and e.strerror:
         return f"[Errno {e.errno}] {e.strerror}" + (f": {e.filename}" if e.filename else "")
     return f"{type(e).__name__}: {e}"
@@ -289,7 +295,7 @@ def write_snapshot(snap: Snapshot, root: Path, keep_last: int) -> Path:
             raise
         intact = list_checkpoints(root)
         raise CheckpointWriteError(
-            f"could not write checkpoint {final}: {_describe(e)}. "
+            f"could not write checkpoint {final}: {describe_error(e)}. "
             + (f"The newest complete checkpoint, {intact[-1]}, is intact. " if intact else "No earlier checkpoint exists. ")
             + f"Free disk space or fix permissions on {root}, then continue with --resume"
         ) from e
@@ -309,8 +315,11 @@ def write_snapshot(snap: Snapshot, root: Path, keep_last: int) -> Path:
 class CheckpointWriter:
     """Rank 0's checkpoints, written in the background: `save` takes a snapshot (the loop's only cost) and a thread
     writes it. At most one write is in flight: a save waits for the previous write first (logged past
-    WAIT_LOG_S). A failed write raises its CheckpointWriteError in the caller's thread at the next `check`, `save`
-    or `wait`. `timings()` hands the metrics what the saves cost since it was last called."""
+    WAIT_LOG_S). A failed write costs only that checkpoint while the one before it is intact: `check` and `save`
+    log it and hand it out once (`failed`), training goes on and the next save writes again. A second failure in a
+    row raises its CheckpointWriteError in the caller's thread (at `check` or `save`): from then on every step
+    trained would be lost with it. `wait` (a stop, the end of the run) raises the error of the write it waits for.
+    `timings()` hands the metrics what the saves cost since it was last called."""
 
     def __init__(self, root: Path, keep_last: int, staging: Optional[HostStaging] = None):
         self.root, self.keep_last = Path(root), keep_last
@@ -323,6 +332,8 @@ class CheckpointWriter:
         self._stall_s = 0.0
         self._written: list[float] = []
         self._copies: list[float] = []
+        self._failed_last: Optional[CheckpointWriteError] = None  # the previous write's error, if it failed
+        self.failed: Optional[CheckpointWriteError] = None  # a survived failure not yet handed out (`take_failure`)
 
     def _write(self, snap: Snapshot, final: Path) -> None:
         t0 = time.perf_counter()
@@ -345,23 +356,36 @@ class CheckpointWriter:
         return self._writing if self._thread is not None and self._thread.is_alive() else None
 
     def check(self) -> None:
-        """Raise the error of a write that failed; never waits."""
+        """After a write that ended: a first failure is logged and kept in `failed`; a second in a row raises.
+        Never waits."""
         if self._thread is not None and not self._thread.is_alive():
-            self._join()
+            self._join(tolerate=True)
 
-    def _join(self) -> None:
+    def take_failure(self) -> Optional[CheckpointWriteError]:
+        """A survived write failure, once (for the run's status), or None."""
+        e, self.failed = self.failed, None
+        return e
+
+    def _join(self, tolerate: bool) -> None:
         self._thread.join()
         self._thread, self._writing = None, None
-        if self._error is not None:
-            e, self._error = self._error, None
+        e, self._error = self._error, None
+        if e is None:
+            self._failed_last = None
+            return
+        if not tolerate or self._failed_last is not None or not isinstance(e, CheckpointWriteError):
+            self._failed_last = None
             raise e
+        self._failed_last = self.failed = e
+        log.error("%s. Training goes on: the next checkpoint is written as usual; if it fails too, the run stops "
+                  "there", str(e).split(". Free disk space")[0])
 
     def wait(self) -> Optional[Path]:
         """Block until the write in flight (if any) is on disk; raise its error. Returns the folder it wrote."""
         done = self._writing
         if self._thread is not None:
             t0 = time.perf_counter()
-            self._join()
+            self._join(tolerate=False)
             waited = time.perf_counter() - t0
             if waited > WAIT_LOG_S:
                 log.info("waited %.1f s for checkpoint %s to be written", waited, done)
@@ -395,7 +419,7 @@ class CheckpointWriter:
             self._staging_thread.join()  # long done unless the first save comes within seconds of the first step
         if self._thread is not None:
             previous = self._writing
-            self._join()
+            self._join(tolerate=True)
             waited = time.perf_counter() - t0
             if waited > WAIT_LOG_S:
                 log.warning("checkpoint at step %d waited %.1f s for the previous one (%s) to be written: the "

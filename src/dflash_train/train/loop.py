@@ -166,7 +166,10 @@ def _train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
         stats = ts(_take_micro_batches(s, state.step, group), state.step)
         compile_layer.check_step_boundary()
         if s.writer is not None:
-            s.writer.check()  # a background checkpoint write that failed stops the run here
+            s.writer.check()  # a second failed background write in a row stops the run here
+            failed = s.writer.take_failure()
+            if failed is not None:  # the first: training goes on, the status says what was lost
+                rep.report(checkpoint_error=str(failed))
         elif s.is_main:  # the first step made the optimizer state: the snapshot's host buffers, in the background
             checkpoint_writer(s).stage(ts.drafter, ts.optimizer, ts.scheduler)
         state.step, state.epoch, state.batch_index = state.step + 1, epoch, next_index
@@ -395,9 +398,19 @@ def finish(s: Session, state: RunState, rep: Reporter, last_record: dict) -> Pat
         kept = run.export.rename(run.root / f"export.before-step-{state.step:08d}-{time.strftime('%Y%m%d-%H%M%S')}")
         log.info("the previous export moved to %s", kept)
     drafter, weights = export_weights(s, state)
-    save_drafter(drafter, run.export, dtype=s.cfg.run.export_dtype,
-                 extra_files={CARD_NAME: s.model_card(cfg_yaml, last_record, weights), "training_config.yaml": cfg_yaml,
-                              PROVENANCE_NAME: (run.root / PROVENANCE_NAME).read_text()})
+    try:
+        save_drafter(drafter, run.export, dtype=s.cfg.run.export_dtype,
+                     extra_files={CARD_NAME: s.model_card(cfg_yaml, last_record, weights),
+                                  "training_config.yaml": cfg_yaml,
+                                  PROVENANCE_NAME: (run.root / PROVENANCE_NAME).read_text()})
+    except Exception as e:
+        last = checkpoint_writer(s).wait()  # the last checkpoint's own failure, if any, is the one to report
+        best = run.checkpoints / "best"
+        raise checkpoints.ExportWriteError(
+            f"could not write the export {run.export}: {checkpoints.describe_error(e)}. Training is complete and "
+            f"its last checkpoint {last} is intact: free disk space or fix permissions, then write the export with "
+            f"`dflash-train export {best if state.best_val is not None and (best / STATE).is_file() else last} "
+            f"--out {run.export}`") from e
     checkpoint_writer(s).wait()  # the last checkpoint, written meanwhile (a wait over a second is logged)
     rep.report(phase="done", step=state.step, export_dir=str(run.export), export_weights=weights, eta_s=0)
     log.info("done: %d steps in %.0f s; drafter exported to %s (weights: %s)", state.step, time.time() - s.t_start,
