@@ -258,8 +258,8 @@ def test_checkpoint_directory_replaced_by_a_file_fails_clearly(setup):
 
 @pytest.mark.chaos
 def test_two_rank_run_reports_the_checkpoint_error(setup):
-    """With the launcher: rank 0 cannot write its checkpoint; the launcher stops rank 1 and the status keeps
-    rank 0's own error (path and OS error) beside its verdict."""
+    """With the launcher: rank 0 cannot write its checkpoints; the launcher stops rank 1, and the status keeps
+    rank 0's own error (a user error: path, OS error, intact checkpoint) and names the rank."""
     root, cfg, _, sizes = setup
     run_dir = root / "two-ranks"
     limit = (sizes["model.safetensors"] + sizes["optimizer.pt"]) // 2
@@ -274,10 +274,10 @@ def test_two_rank_run_reports_the_checkpoint_error(setup):
         stop(proc)
     st = status(run_dir)
     err = st["error"]
-    print(f"two ranks: {err['type']}: {err['message']} | secondary: {err.get('secondary')}")
-    assert rc != 0 and st["phase"] == "failed" and st["failed_rank"] == 0, st
-    assert "rank 0 exited with code 2" in err["message"]
-    assert "could not write checkpoint" in err["secondary"] and "File too large" in err["secondary"], err
+    print(f"two ranks: {err['type']}: {err['message']}")
+    assert rc == 2 and st["phase"] == "failed" and st["failed_rank"] == 0, st
+    assert err["type"] == "CheckpointWriteError" and "File too large" in err["message"], err
+    assert "could not write checkpoint" in err["message"] and "--resume" in err["message"], err
     assert newest_valid(run_dir / "checkpoints") == list_checkpoints(run_dir / "checkpoints")[-1]
 
 

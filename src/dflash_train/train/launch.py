@@ -117,6 +117,7 @@ def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: 
                 rank, code = failed[0]
                 if code == EXIT_USER_ERROR:  # the rank said what to fix (status.json, its output): keep that
                     _stop_all(procs)
+                    StatusWriter.resume_from_file(run).update(failed_rank=rank)
                     return EXIT_USER_ERROR
                 beats = {b["rank"]: b for b in read_heartbeats(run)}
                 how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
