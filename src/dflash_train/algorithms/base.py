@@ -35,6 +35,7 @@ class DraftWork:
     attended: int = 0  # (query, key) pairs of their attention: each query sees the context before its anchor and
     # its own block (full attention; a sliding-window or in-block causal layer sees fewer)
     counted_rows: int = 0  # rows through the vocabulary head and the loss
+    target_positions: int = 0  # target positions whose logits the loss forms, each once (DSpark's L1 term)
 
     @staticmethod
     def of(anchors: torch.Tensor, keep: torch.Tensor, block_size: int, counted_rows: int) -> "DraftWork":
@@ -45,7 +46,8 @@ class DraftWork:
 
     def __add__(self, other: "DraftWork") -> "DraftWork":
         return DraftWork(self.blocks + other.blocks, self.block_tokens + other.block_tokens,
-                         self.attended + other.attended, self.counted_rows + other.counted_rows)
+                         self.attended + other.attended, self.counted_rows + other.counted_rows,
+                         self.target_positions + other.target_positions)
 
 
 @dataclass
