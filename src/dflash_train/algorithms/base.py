@@ -463,8 +463,13 @@ class StepMemory:
     `e` is the compute dtype's bytes. An architecture with more overrides these from its drafter config
     (`Architecture.step_memory`)."""
 
-    def ce_chunk_per_class(self, e: int) -> int:
-        """Bytes more per [row, class] of one lm_head + CE chunk."""
+    def ce_chunk_per_class(self, e: int, compiled: bool) -> int:
+        """Bytes more per [row, class] of one lm_head + CE chunk (`compiled`: its math fused, on a GPU)."""
+        return 0
+
+    def head_columns(self) -> int:
+        """Columns the loss appends to its compute-dtype copy of the head `[classes, H]` for its product (DSpark's
+        Markov table), 0 where it uses the head as it is."""
         return 0
 
     def layer_per_query(self, hidden: int) -> int:
