@@ -83,7 +83,7 @@ def main() -> None:
 
     add_inductor_options(args.inductor_option)
     target_mod._COMPILE_DEVICES = ("cuda", "cpu")  # the GPU's compiled functions, compiled for the CPU
-    loss_mod._chunk_fn = lambda name, fn, device, eager=None: compile_layer.compiled(name, fn, dynamic=True)
+    loss_mod.chunk_function = lambda name, fn, device, eager=None: compile_layer.compiled(name, fn, dynamic=True)
 
     bypasses = _watch_aot_cache_bypasses()
     process_t0 = time.perf_counter()

@@ -97,7 +97,7 @@ def fp8_matmul_peak_tflops() -> float:
 
 # The FLOP accounting is the training loop's (src/dflash_train/train/flops.py): one function for both.
 from dflash_train.train.flops import (drafter_flop_parts, drafter_flops, layer_matmul_params,  # noqa: E402,F401
-                                      layer_resident_params, target_flop_parts, target_flops)
+                                      layer_resident_params, own_sizes, target_flop_parts, target_flops)
 
 
 def fp8_accounting(args, target_parts: dict, drafter_parts: dict, peak_bf16: float) -> dict:
@@ -558,14 +558,16 @@ def main() -> None:
     start_to_first_step_s = time.time() - process_start
     step(batch, 1)
 
-    t_target, _ = timed(lambda: target(batch.input_ids), args.repeat)
+    reads_final = reads_target_final(cfg)  # the step runs the target to its final norm: timed and counted so
+    t_target, _ = timed(lambda: target.capture(batch.input_ids, with_final=True) if reads_final
+                        else target(batch.input_ids), args.repeat)
     t_step, stats = timed(lambda: step(batch, 2), args.repeat)
     t_loop, loop_steps = back_to_back(lambda: step(batch, 2), args.repeat)
     peak_mem = torch.cuda.max_memory_allocated() / 2**30
 
     # Drafter alone: the same step with the target's output precomputed.
     hidden = target(batch.input_ids)
-    final_capture = target.capture(batch.input_ids, with_final=True) if reads_target_final(cfg) else None
+    final_capture = target.capture(batch.input_ids, with_final=True) if reads_final else None
     real_target = step.target
     class Precomputed:
         embed_tokens, lm_head = real_target.embed_tokens, real_target.lm_head
@@ -594,7 +596,8 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
 
     tokens = sum(lengths)
-    target_parts = target_flop_parts(shape, lengths, max(ids))
+    target_parts = target_flop_parts(shape, lengths, shape["num_hidden_layers"] - 1 if reads_final else max(ids))
+    dshape.update(own_sizes(drafter))  # DSpark's and Domino's own modules (train/flops.py own_flop_parts)
     drafter_parts = drafter_flop_parts(dshape, tokens, stats.work, args.layers, len(ids))  # the timed step's blocks
     f_target, f_drafter = sum(target_parts.values()), sum(drafter_parts.values())
     result = {
@@ -613,6 +616,8 @@ def main() -> None:
         "step_mfu": round((f_target + f_drafter) / t_step / 1e12 / peak, 3),
         "peak_mem_gib": round(peak_mem, 1), **estimate,
         **fp8_accounting(args, target_parts, drafter_parts, peak),
+        "drafter_tflop_parts": {k: round(v / 1e12, 2) for k, v in drafter_parts.items()},
+        "counted_rows": stats.work.counted_rows, "target_positions": stats.work.target_positions,
     }
     if kernel_builds is not None:
         result.update(kernel_build_summary(kernel_builds))

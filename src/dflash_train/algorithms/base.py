@@ -35,6 +35,7 @@ class DraftWork:
     attended: int = 0  # (query, key) pairs of their attention: each query sees the context before its anchor and
     # its own block (full attention; a sliding-window or in-block causal layer sees fewer)
     counted_rows: int = 0  # rows through the vocabulary head and the loss
+    target_positions: int = 0  # target positions whose logits the loss forms, each once (DSpark's L1 term)
 
     @staticmethod
     def of(anchors: torch.Tensor, keep: torch.Tensor, block_size: int, counted_rows: int) -> "DraftWork":
@@ -45,7 +46,8 @@ class DraftWork:
 
     def __add__(self, other: "DraftWork") -> "DraftWork":
         return DraftWork(self.blocks + other.blocks, self.block_tokens + other.block_tokens,
-                         self.attended + other.attended, self.counted_rows + other.counted_rows)
+                         self.attended + other.attended, self.counted_rows + other.counted_rows,
+                         self.target_positions + other.target_positions)
 
 
 @dataclass
@@ -461,8 +463,13 @@ class StepMemory:
     `e` is the compute dtype's bytes. An architecture with more overrides these from its drafter config
     (`Architecture.step_memory`)."""
 
-    def ce_chunk_per_class(self, e: int) -> int:
-        """Bytes more per [row, class] of one lm_head + CE chunk."""
+    def ce_chunk_per_class(self, e: int, compiled: bool) -> int:
+        """Bytes more per [row, class] of one lm_head + CE chunk (`compiled`: its math fused, on a GPU)."""
+        return 0
+
+    def head_columns(self) -> int:
+        """Columns the loss appends to its compute-dtype copy of the head `[classes, H]` for its product (DSpark's
+        Markov table), 0 where it uses the head as it is."""
         return 0
 
     def layer_per_query(self, hidden: int) -> int:

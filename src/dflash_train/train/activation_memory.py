@@ -146,7 +146,7 @@ def _ce_chunk_bytes(s: DrafterStepSettings, rows: int) -> int:
         per += e + (_F32 if s.compiled_loss else 8 * _F32)
     if s.transformed:
         per += 6 * _F32
-    per += s.own.ce_chunk_per_class(e)
+    per += s.own.ce_chunk_per_class(e, s.compiled_loss)
     return rows * s.head_classes * per
 
 
@@ -163,10 +163,11 @@ def drafter_layer_saved(drafter_config, queries: int, context: int, e: int, own:
 
 def _head_copy(s: DrafterStepSettings, hidden: int) -> int:
     """The lm_head weight in the compute dtype, which the loss casts once when it is held in another (a float32
-    target's head under bfloat16 compute; a reduced draft vocabulary's float32 master head)."""
+    target's head under bfloat16 compute; a reduced draft vocabulary's float32 master head), or joins with an
+    architecture's own columns (`StepMemory.head_columns`) whatever its dtype."""
     held_bytes = _F32 if s.own_head else s.target_bytes
-    if held_bytes != s.compute_bytes:
-        return s.head_classes * hidden * s.compute_bytes
+    if held_bytes != s.compute_bytes or s.own.head_columns():
+        return s.head_classes * (hidden + s.own.head_columns()) * s.compute_bytes
     return 0
 
 

@@ -11,9 +11,14 @@ Useful FLOPs only (docs/results/performance.md), from sizes the host knows (no d
   block's queries see (`algorithms.base.DraftWork`);
 - the vocabulary head in the loss's chunks, over the counted rows: the target's frozen lm_head forward and
   input gradient (2 x), a trained draft-vocabulary head forward and both gradients (3 x; its backward forms the
-  logits again, which counts as no useful FLOP).
-Padding (past a row's length, blocks not kept) is computed but not counted; what an architecture adds to the
-DFlash core (a selector, a recurrent correction) is not counted either.
+  logits again, which counts as no useful FLOP);
+- an architecture's own modules (`own_flop_parts`): DSpark's target logits for its L1 term (forward, once per target
+  position the counted rows read), its Markov head (the bias through the `[V, r]` table over the counted rows, and a
+  gated or rnn head's projection over the block tokens) and its confidence head; Domino's GRU over the block tokens
+  (the target's embeddings need no gradient) and its correction (the bottleneck and the `[V, E]` projection over
+  the counted rows, the pure-draft slots' included: they are formed, then zeroed).
+Padding (past a row's length, blocks not kept) is computed but not counted, nor is DFlash2's selector or D-PARD's
+gradient-free first pass through DSpark's head (a second forward of the same products).
 
 MFU divides by a dense bf16 matmul peak: `PEAK_BF16_TFLOPS` by GPU name, `run.mfu_peak_tflops` to set it; none
 on a CPU or an unknown GPU, where MFU is reported as null.
@@ -123,7 +128,30 @@ def drafter_flop_parts(c: dict, context_tokens: int, work: DraftWork, n_layers: 
     attention = 4 * nh * hd * work.attended * n_layers
     draft_vocab = c.get("draft_vocab_size")
     lm_head = 2 * work.counted_rows * h * (draft_vocab or c["vocab_size"]) * (3 if draft_vocab else 2)
-    return {"linears": 3.0 * (fc + per_layer * n_layers), "attention": 3.0 * attention, "lm_head": float(lm_head)}
+    return {"linears": 3.0 * (fc + per_layer * n_layers), "attention": 3.0 * attention, "lm_head": float(lm_head),
+            **own_flop_parts(c, work)}
+
+
+def own_flop_parts(c: dict, work: DraftWork) -> dict[str, float]:
+    """The FLOPs of an architecture's own modules, forward + backward, from the sizes `drafter_shape` adds: DSpark's
+    (`markov_rank` r, `markov_head_type`, `confidence_width`), Domino's (`gru_hidden_dim` G, `emb_dim` E); none for
+    DFlash."""
+    h, v, m, t = c["hidden_size"], c["vocab_size"], work.counted_rows, work.block_tokens
+    parts: dict[str, float] = {}
+    if "markov_rank" in c:
+        r = c["markov_rank"]
+        projection = {"gated": (h + r) * r, "rnn": (2 * r + h) * 3 * r}.get(c["markov_head_type"], 0)
+        # the target's logits: forward only (frozen), each position once
+        parts["target_logits"] = 2.0 * work.target_positions * h * v
+        # the bias through the table and its two gradients (the feature's and the table's); the projection's three
+        parts["markov"] = 3.0 * 2 * (m * r * v + t * projection)
+        parts["confidence"] = 3.0 * 2 * m * c["confidence_width"]
+    if "gru_hidden_dim" in c:
+        g, e = c["gru_hidden_dim"], c["emb_dim"]
+        # input projection forward and its weight gradient; recurrent product forward, state and weight gradients
+        parts["gru"] = 2.0 * t * 3 * g * (2 * h + 3 * g)
+        parts["correction"] = 3.0 * 2 * m * e * (h + g + v)
+    return parts
 
 
 def drafter_flops(c: dict, context_tokens: int, work: DraftWork, n_layers: int, captured_layers: int) -> float:
@@ -131,11 +159,25 @@ def drafter_flops(c: dict, context_tokens: int, work: DraftWork, n_layers: int, 
 
 
 def drafter_shape(drafter) -> dict:
-    """A drafter's shape (`model_shape` of its config, with its own head's vocabulary when it has one)."""
+    """A drafter's shape (`model_shape` of its config, with its own head's vocabulary when it has one, and the sizes
+    of its architecture's own modules that `own_flop_parts` reads)."""
     shape = model_shape(drafter.config)
     if getattr(drafter, "draft_vocab_size", 0):
         shape["draft_vocab_size"] = drafter.draft_vocab_size
-    return shape
+    return {**shape, **own_sizes(drafter)}
+
+
+def own_sizes(drafter) -> dict:
+    """DSpark's Markov and confidence heads' sizes, Domino's GRU and bottleneck widths; nothing for the others."""
+    kind = getattr(drafter, "architecture", "dflash")
+    if kind == "dspark":
+        r = drafter.markov_rank
+        width = drafter.config.hidden_size + (r if drafter.confidence_with_markov else 0)
+        return {"markov_rank": r, "markov_head_type": drafter.markov_head_type,
+                "confidence_width": width if drafter.with_confidence else 0}
+    if kind == "domino":
+        return {"gru_hidden_dim": drafter.gru_hidden_dim, "emb_dim": drafter.emb_dim}
+    return {}
 
 
 # ------------------------------------------------------------------------------------------------ the loop

@@ -182,7 +182,7 @@ def test_no_micro_batch_size_gives_the_compiled_chunk_math_a_variant_of_its_own(
     from dflash_train.algorithms.dflash import loss as loss_mod
 
     monkeypatch.setattr(compile_layer, "_compiled", {})
-    monkeypatch.setattr(loss_mod, "_chunk_fn", lambda name, fn, device, eager=None: compile_layer.compiled(
+    monkeypatch.setattr(loss_mod, "chunk_function", lambda name, fn, device, eager=None: compile_layer.compiled(
         f"test_{name}", fn, dynamic=True, backend="eager"))
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)

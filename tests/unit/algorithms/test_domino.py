@@ -23,6 +23,7 @@ from dflash_train.algorithms.dflash.attention import resolve_backend
 from dflash_train.algorithms.dflash.blocks import sample_anchors
 from dflash_train.algorithms.dflash.mask import dense_mask
 from dflash_train.algorithms.domino.config import make_domino_config
+from dflash_train.algorithms.domino.loss import chunked_domino_rows
 from dflash_train.algorithms.domino.model import DominoDrafter
 from dflash_train.algorithms.domino.objective import DominoObjective, lambda_base, shifted_blocks
 from dflash_train.algorithms.io import load_drafter, save_drafter
@@ -39,10 +40,12 @@ def target(tiny_target_dir):
     return load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
 
 
-def domino(target, block_size=4, seed=0, prefix=1, perturb=0.0) -> DominoDrafter:
+def domino(target, block_size=4, seed=0, prefix=1, perturb=0.0, **transform) -> DominoDrafter:
+    """`transform`: the score transform's `output_multiplier` and `final_logit_softcapping`."""
     torch.manual_seed(seed)
     cfg = make_domino_config(target.config, gru_hidden_dim=12, emb_dim=6, pure_draft_prefix_len=prefix,
-                             num_draft_layers=2, block_size=block_size, target_layer_ids=[1, 4], mask_token_id=16)
+                             num_draft_layers=2, block_size=block_size, target_layer_ids=[1, 4], mask_token_id=16,
+                             **transform)
     d = DominoDrafter(cfg)
     if perturb:  # a correction large enough to change the argmax of some slots
         with torch.no_grad():
@@ -93,8 +96,9 @@ def test_the_base_weight_falls_linearly_over_its_horizon():
     assert lambda_base(0, 100, 1.0, 0.0) == 0.0 and lambda_base(0, 0, 1.0, 1.0) == 0.0
 
 
-def dense_reference(d, capture, ids, loss_mask, lengths, prefix, lam):
-    """The loss written out: every block's full float64 logits, the GRU unrolled step by step by hand."""
+def dense_reference(d, capture, ids, loss_mask, lengths, prefix, lam, multiplier=1.0, softcap=None):
+    """The loss written out: every block's full float64 logits (the score transform on both), the GRU unrolled step
+    by step by hand."""
     anchors, keep = sample_anchors(loss_mask, lengths, 4, 6, torch.Generator().manual_seed(7), 1)
     hidden = capture(ids)
     loss_f = loss_b = wsum = 0.0
@@ -132,15 +136,21 @@ def dense_reference(d, capture, ids, loss_mask, lengths, prefix, lam):
                     final = base + d.embed_proj[2].weight @ bottleneck
                 w = torch.exp(torch.tensor(-k / 3.0)).double()  # the blocks' weights are float32, as DFlash's
                 y = int(ids[row, p])
+                base, final = base * multiplier, final * multiplier
+                if softcap:
+                    base, final = softcap * torch.tanh(base / softcap), softcap * torch.tanh(final / softcap)
                 loss_f = loss_f - w * torch.log_softmax(final, -1)[y]
                 loss_b = loss_b - w * torch.log_softmax(base, -1)[y]
                 wsum = wsum + w
     return (1 - lam) * loss_f / wsum + lam * loss_b / wsum
 
 
-@pytest.mark.parametrize("prefix,lam", [(1, 0.0), (1, 0.3), (2, 1.0), (2, 0.7)])
-def test_the_objective_equals_a_dense_float64_reference(target, prefix, lam):
-    d = domino(target, prefix=prefix, perturb=0.05).double().train()
+@pytest.mark.parametrize("prefix,lam,chunk,transform", [
+    (1, 0.0, 2048, {}), (1, 0.3, 5, {}), (2, 1.0, 5, {}), (2, 0.7, 2048, {}),
+    (1, 0.4, 7, {"output_multiplier": 1.7, "final_logit_softcapping": 6.0})])
+def test_the_objective_equals_a_dense_float64_reference(target, prefix, lam, chunk, transform):
+    """One lm_head pass for both terms, in chunks of `chunk` rows, with or without the score transform."""
+    d = domino(target, prefix=prefix, perturb=0.05, **transform).double().train()
     capture = TargetCapture.from_model(target.double(), [1, 4])
     try:
         backend = resolve_backend("sdpa", torch.device("cpu"), 4)
@@ -148,12 +158,13 @@ def test_the_objective_equals_a_dense_float64_reference(target, prefix, lam):
         ids = torch.randint(3, 400, (2, 30), generator=g)
         loss_mask = (torch.rand(2, 30, generator=g) < 0.8).long()
         lengths = torch.tensor([30, 22])
-        objective = DominoObjective(d, capture, backend, domino_cfg(), torch.float64)
+        objective = DominoObjective(d, capture, backend, domino_cfg(loss_chunk_size=chunk), torch.float64)
         objective.lambda_base = lam
         stats = objective(Batch(ids, loss_mask, lengths), torch.Generator().manual_seed(7))
         params = [p for p in d.parameters() if p.requires_grad]
         grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
-        ref = dense_reference(d, capture, ids, loss_mask, lengths, prefix, lam)
+        ref = dense_reference(d, capture, ids, loss_mask, lengths, prefix, lam,
+                              transform.get("output_multiplier", 1.0), transform.get("final_logit_softcapping"))
         ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
         torch.testing.assert_close(stats.loss, ref, rtol=1e-10, atol=1e-12)
         names = [n for n, _ in d.named_parameters() if _.requires_grad]
@@ -165,6 +176,39 @@ def test_the_objective_equals_a_dense_float64_reference(target, prefix, lam):
         assert (gru.abs().sum() > 0) == (lam < 1)  # the correction trains only with weight on the final loss
     finally:
         target.float()
+
+
+@pytest.mark.parametrize("transform", [{}, {"output_multiplier": 0.5, "softcap": 4.0}])
+def test_the_chunk_math_compiles_one_graph_that_no_batch_recompiles(monkeypatch, transform):
+    """On CUDA the chunk's elementwise math (both terms, both gradients) compiles with dynamic rows (Dynamo's eager
+    backend on the CPU: the same tracing, one graph with fullgraph, and the same guards): one graph, none more for
+    other row counts, chunk splits or base weights (the weights are tensors, never Python floats)."""
+    from dflash_train.accel import compile as compile_layer
+    from dflash_train.algorithms.domino import loss as loss_mod
+
+    monkeypatch.setattr(compile_layer, "_compiled", {})
+    monkeypatch.setattr(loss_mod, "chunk_function", lambda name, fn, device, eager=None: compile_layer.compiled(
+        f"test_{name}", fn, dynamic=True, backend="eager"))
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    head, correction = torch.randn(40, 12, generator=g), torch.randn(40, 5, generator=g).requires_grad_()
+
+    def run(m: int, chunk: int, lam: float) -> None:
+        hidden = torch.randn(m, 12, generator=g).requires_grad_()
+        features = torch.randn(m, 5, generator=g).requires_grad_()
+        w = torch.rand(m, generator=g)
+        out = chunked_domino_rows(hidden, features, head, correction, torch.randint(0, 40, (m,), generator=g),
+                                  (1 - lam) * w, lam * w, chunk, **transform)
+        out.loss.backward()
+
+    try:
+        run(12, 5, 0.5)
+        before = compile_layer.graphs_compiled()
+        for m, chunk, lam in ((9, 4, 0.0), (19, 4, 1.0), (30, 7, 0.25), (5, 2048, 0.9), (2, 3, 0.5)):
+            run(m, chunk, lam)
+        assert compile_layer.graphs_compiled() == before
+    finally:
+        torch._dynamo.reset()
 
 
 def test_greedy_decoding_through_the_correction_is_lossless_and_the_tree_is_refused(target):

@@ -15,8 +15,9 @@ from dflash_train.algorithms.dflash.attention import resolve_backend
 from dflash_train.algorithms.dflash.config import make_drafter_config
 from dflash_train.algorithms.dflash.mask import dense_mask
 from dflash_train.algorithms.dspark.blocks import plan
+from dflash_train.algorithms.dspark.loss import chunked_dspark_rows, target_positions
 from dflash_train.algorithms.dspark.model import DSparkDrafter
-from dflash_train.algorithms.dspark.objective import DSparkObjective
+from dflash_train.algorithms.dspark.objective import DSparkObjective, rows_by_position
 from dflash_train.algorithms.io import load_drafter, save_drafter
 from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
@@ -467,3 +468,115 @@ def test_dpard_options_are_checked_naming_their_keys():
     for alpha in (0, 1):
         with pytest.raises(ConfigError, match=r"'dspark.dpard_alpha'"):
             config_from_dict({**ok, "dspark": {"loss": "dpard", "ce_weight": 0, "l1_weight": 0, "dpard_alpha": alpha}})
+
+
+# ---------------------------------------------------------------------------------------------- the chunked loss
+
+
+def loss_inputs(m: int, seed: int = 0, dtype=torch.float64, h: int = 12, v: int = 40, r: int = 5, seq: int = 9):
+    """Rows of the chunked loss at random: hidden, feature, the frozen head, the Markov table, the target's final
+    states `[2, seq, h]`, each row's flat position (sorted, rows sharing positions), labels, coefficients."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(m, h, generator=g, dtype=dtype).requires_grad_()
+    feature = torch.randn(m, r, generator=g, dtype=dtype).requires_grad_()
+    head = torch.randn(v, h, generator=g, dtype=dtype) * 0.7
+    w2 = (torch.randn(v, r, generator=g, dtype=dtype) * 0.5).requires_grad_()
+    final = torch.randn(2, seq, h, generator=g, dtype=dtype)
+    source = torch.randint(0, 2 * seq, (m,), generator=g).sort().values
+    labels = torch.randint(0, v, (m,), generator=g)
+    coef = [torch.rand(m, generator=g, dtype=torch.float64) for _ in range(3)]
+    return hidden, feature, head, w2, final, source, labels, coef
+
+
+def dense_rows(hidden, feature, head, w2, target_rows, labels, a, b, c):
+    """The chunked loss from full float64 logits: sum a CE + b L1 (+ c Renyi), and the per-row terms."""
+    z = hidden @ head.t() + (feature @ w2.t() if feature is not None else 0)
+    log_p, log_pt = torch.log_softmax(z, -1), torch.log_softmax(target_rows @ head.t(), -1)
+    ce = -log_p.gather(1, labels.view(-1, 1)).squeeze(1)
+    l1 = (log_p.exp() - log_pt.exp()).abs().sum(-1)
+    renyi = -2 * torch.logsumexp((log_pt + log_p) / 2, -1)
+    loss = (a * ce + b * l1).sum() + ((c * renyi).sum() if c is not None else 0)
+    return loss, ce, l1, renyi, z.argmax(-1) == labels
+
+
+@pytest.mark.parametrize("chunk,shuffled,markov,dpard", [(4, False, True, False), (4, True, True, True),
+                                                          (7, False, False, True), (2048, True, True, False)])
+def test_the_chunked_rows_equal_full_float64_logits_in_any_row_order(chunk, shuffled, markov, dpard):
+    """`chunked_dspark_rows` against the loss from full logits, values and gradients (hidden, feature, Markov table):
+    rows in position order (a chunk reads a short run of target states), or shuffled (a chunk's span is wide: still
+    exact); the Markov bias inside the head's product or none; D-PARD's Renyi term or not."""
+    hidden, feature, head, w2, final, source, labels, (a, b, c) = loss_inputs(23)
+    if shuffled:
+        order = torch.randperm(23, generator=torch.Generator().manual_seed(1))
+        hidden, feature = hidden.detach()[order].requires_grad_(), feature.detach()[order].requires_grad_()
+        source, labels, a, b, c = source[order], labels[order], a[order], b[order], c[order]
+    feature, w2 = (feature, w2) if markov else (None, None)
+    c = c if dpard else None
+    targets = target_positions(final, source, chunk)
+    got = chunked_dspark_rows(hidden, feature, head, w2, targets, labels, a, b, chunk, c)
+    want = dense_rows(hidden, feature, head, w2, final.reshape(-1, final.shape[-1])[source], labels, a, b, c)
+    params = [p for p in (hidden, feature, w2) if p is not None]
+    for name, x, y in zip(("loss", "ce", "l1"), (got.loss, got.ce, got.l1), want[:3]):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12, msg=name)
+    if dpard:
+        torch.testing.assert_close(got.renyi, want[3], rtol=1e-10, atol=1e-12)
+    assert torch.equal(got.correct, want[4])
+    for x, y in zip(torch.autograd.grad(got.loss, params), torch.autograd.grad(want[0], params)):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-12)
+
+
+def test_rows_sharing_a_target_position_read_its_state_once():
+    """`target_positions`: each position's state once, each row pointing at its own; per chunk the run of states its
+    rows read, never a single state (a compiled variant of its own); `rows_by_position` sorts the counted rows by
+    the position that predicted their label, which many rows share."""
+    final = torch.randn(2, 30, 6, dtype=torch.float64)
+    source = torch.tensor([3, 3, 4, 4, 4, 5, 31, 31, 40, 40, 40])
+    targets = target_positions(final, source, 4)
+    assert torch.equal(targets.states, final.reshape(60, 6)[[3, 4, 5, 31, 40]])
+    assert torch.equal(targets.states[targets.where], final.reshape(60, 6)[source])
+    # chunks [0, 4), [4, 8), [8, 11): states 0-1, 1-3, and 4 alone widened to 3-4
+    assert targets.spans == [(0, 2), (1, 4), (3, 5)]
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(20, 400, (2, 40), generator=g)
+    loss_mask = torch.ones(2, 40, dtype=torch.long)
+    blocks, _ = plan(ids, loss_mask, torch.tensor([40, 33]), BS, 12, g, 16, 4.0)
+    idx, source = rows_by_position(blocks, 40)
+    assert torch.equal(idx.sort().values, blocks.counted.view(-1).nonzero().squeeze(1))
+    assert torch.equal(source, source.sort().values)
+    n = blocks.anchors.shape[1]
+    row, block, slot = idx // (n * BS), idx // BS % n, idx % BS
+    assert torch.equal(source, row * 40 + blocks.anchors[row, block] + slot)  # label a + k + 1, read at a + k
+    assert target_positions(torch.randn(2, 40, 6), source, 2048).states.shape[0] == source.unique().numel() < len(idx)
+
+
+def test_the_chunk_math_compiles_one_graph_that_no_batch_recompiles(monkeypatch):
+    """On CUDA the chunk's elementwise math compiles with dynamic rows and target states (Dynamo's eager backend on
+    the CPU: the same tracing, one graph each with fullgraph, and the same guards): one graph for the loss with its
+    gradient, one with D-PARD's Renyi term, one for D-PARD's gradient-free first pass; no other row count, chunk
+    split or span of target states compiles another (no span of one state, no chunk of one row)."""
+    from dflash_train.accel import compile as compile_layer
+    from dflash_train.algorithms.dspark import loss as loss_mod
+
+    monkeypatch.setattr(compile_layer, "_compiled", {})
+    monkeypatch.setattr(loss_mod, "chunk_function", lambda name, fn, device, eager=None: compile_layer.compiled(
+        f"test_{name}", fn, dynamic=True, backend="eager"))
+    torch._dynamo.reset()
+
+    def run(m: int, chunk: int, seed: int) -> None:
+        hidden, feature, head, w2, final, source, labels, (a, b, c) = loss_inputs(m, seed, torch.float32)
+        targets = target_positions(final, source, chunk)
+        chunked_dspark_rows(hidden, feature, head, w2, targets, labels, a, b, chunk).loss.backward()
+        with torch.no_grad():
+            chunked_dspark_rows(hidden.detach(), feature.detach(), head, w2.detach(), targets, labels, a * 0, b * 0,
+                                chunk)
+        chunked_dspark_rows(hidden, feature, head, w2, targets, labels, a * 0, b * 0, chunk, c).loss.backward()
+
+    try:
+        run(12, 5, 0)
+        before = compile_layer.graphs_compiled()
+        for m, chunk, seed in ((9, 4, 1), (19, 4, 2), (30, 7, 3), (5, 2048, 4), (2, 3, 5), (17, 8, 6)):
+            run(m, chunk, seed)
+        assert compile_layer.graphs_compiled() == before
+    finally:
+        torch._dynamo.reset()

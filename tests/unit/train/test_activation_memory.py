@@ -90,7 +90,9 @@ STEPS = {  # name: (target shape, architecture, rows, length, block, anchors, CE
     "bfloat16 autocast": (dict(), "dflash", 2, 128, 16, 4, 64, torch.bfloat16, "lm_head + CE chunk"),
     "dspark's chunk against the target's distribution": (dict(vocab_size=8000), "dspark", 2, 128, 16, 4, 128,
                                                           torch.float32, "lm_head + CE chunk"),
-    "domino's correction": (dict(vocab_size=8000), "domino", 2, 128, 16, 4, 128, torch.float32, "domino_correction"),
+    "domino's correction": (dict(vocab_size=1000), "domino", 2, 128, 16, 4, 128, torch.float32, "domino_correction"),
+    "domino's chunk, both terms": (dict(vocab_size=8000), "domino", 2, 128, 16, 4, 128, torch.float32,
+                                   "lm_head + CE chunk"),
 }
 
 

@@ -103,3 +103,51 @@ def test_the_peak_is_the_override_or_none_on_a_cpu():
     assert flops.peak_tflops(torch.device("cpu")) is None
     assert flops.peak_tflops(torch.device("cpu"), 312.0) == 312.0
     assert dict(flops.PEAK_BF16_TFLOPS)["H200"] == flops.H200_BF16_DENSE_TFLOPS == 790.0
+
+
+OWN_MODULES = {  # name: (architecture, its section, the own parts the formula counts, not 0)
+    "dspark vanilla": ("dspark", {"markov_rank": 8}, {"target_logits", "markov", "confidence"}),
+    "dspark gated, no confidence": ("dspark", {"markov_rank": 8, "markov_head_type": "gated", "confidence_head": False,
+                                               "confidence_weight": 0.0}, {"target_logits", "markov"}),
+    "dspark rnn": ("dspark", {"markov_rank": 8, "markov_head_type": "rnn"}, {"target_logits", "markov", "confidence"}),
+    "domino": ("domino", {"gru_hidden_dim": 24, "emb_dim": 12}, {"gru", "correction"}),
+}
+
+
+@pytest.mark.parametrize("case", list(OWN_MODULES))
+def test_the_formula_counts_dspark_and_domino_modules_that_run(case):
+    """DSpark's and Domino's steps under the FLOP counter, every block kept and every slot of it run: the formula's
+    DFlash core plus the architecture's own parts (`flops.own_flop_parts`) equal the matmuls that run, but for the
+    fc's input gradient (as DFlash's) and, in Domino's GRU, the state gradient of each block's first step (its zero
+    initial state needs none)."""
+    arch, section, own = OWN_MODULES[case]
+    torch.manual_seed(0)
+    tcfg = Qwen3Config(hidden_size=H, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=300)
+    model = AutoModelForCausalLM.from_config(tcfg).eval().requires_grad_(False)
+    target = TargetCapture.from_model(model, LAYER_IDS)
+    cfg = config_from_dict({"drafter": {"architecture": arch, "block_size": BS, "num_draft_layers": 2,
+                                        "attention_backend": "sdpa"},
+                            "objective": {"max_anchors": 6}, arch: section})
+    drafter = architecture(arch).drafter_class(architecture(arch).config_for_run(tcfg, cfg, LAYER_IDS, 5))
+    objective = architecture(arch).objective(drafter, target, resolve_backend("sdpa", torch.device("cpu"), BS), cfg,
+                                             torch.float32)
+    ids = torch.randint(10, 300, (2, 40), generator=torch.Generator().manual_seed(1))
+    with FlopCounterMode(display=False) as counter:
+        stats = objective(Batch(ids, torch.ones_like(ids), torch.tensor([40, 40])), torch.Generator().manual_seed(0))
+        stats.loss.backward()
+    counted = sum(counter.get_flop_counts()["Global"].values())
+    work = stats.work
+    assert work.blocks == 12 and work.block_tokens == 48  # every block kept: the modules run over its slots
+    shape = flops.drafter_shape(drafter)
+    parts = flops.drafter_flop_parts(shape, 80, work, 2, len(LAYER_IDS))
+    assert {k for k in parts if k not in ("linears", "attention", "lm_head") and parts[k]} == own
+    last = tcfg.num_hidden_layers - 1 if arch == "dspark" else max(LAYER_IDS)  # DSpark reads the final norm
+    target_linears = flops.target_flop_parts(flops.model_shape(tcfg), [40, 40], last)["linears"]
+    fc_input_gradient = 2 * 80 * len(LAYER_IDS) * H * H
+    first_state_gradients = work.blocks * 2 * 3 * 24 * 24 if arch == "domino" else 0
+    assert counted == target_linears + sum(parts.values()) - parts["attention"] - fc_input_gradient \
+        - first_state_gradients
+    if arch == "dspark":  # overlapping blocks read each target position once
+        assert 0 < work.target_positions < work.counted_rows
+        assert parts["target_logits"] == 2 * work.target_positions * H * 300

@@ -72,7 +72,7 @@ def _soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, labels: to
     return loss, label_logp, correct, grad
 
 
-def _chunk_fn(name: str, fn: Callable, device: torch.device, eager: Optional[Callable] = None) -> Callable:
+def chunk_function(name: str, fn: Callable, device: torch.device, eager: Optional[Callable] = None) -> Callable:
     """The compiled chunk math on CUDA (one graph, dynamic rows); elsewhere `eager`, or `fn` itself."""
     if device.type != "cuda":
         return eager or fn
@@ -113,7 +113,8 @@ def grouped_topk(scores: torch.Tensor, k: int, group: int = 128) -> tuple[torch.
     return values, ids
 
 
-def _transformed(logits: torch.Tensor, multiplier: float, softcap: Optional[float]) -> tuple[torch.Tensor, object]:
+def transformed_scores(logits: torch.Tensor, multiplier: float,
+                       softcap: Optional[float]) -> tuple[torch.Tensor, object]:
     """(x, dx/dz) for x = softcap * tanh(multiplier * z / softcap) (or multiplier * z), computed at float32 or
     wider; dx/dz is a tensor with a cap, the number `multiplier` without."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -152,13 +153,13 @@ class _ChunkedLinearCE(torch.autograd.Function):
         scored = labels >= 0 if unscored else None
         safe_labels = labels.clamp_min(0) if unscored else labels  # a row without a class reads column 0, then is reset
         if target_hidden is None:
-            ce_chunk = _chunk_fn("ce_chunk", _ce_chunk, hidden.device, eager=_ce_chunk_eager)
+            ce_chunk = chunk_function("ce_chunk", _ce_chunk, hidden.device, eager=_ce_chunk_eager)
         else:
-            soft = _chunk_fn("soft_ce_chunk", _soft_ce_chunk, hidden.device)
+            soft = chunk_function("soft_ce_chunk", _soft_ce_chunk, hidden.device)
         transform = multiplier != 1.0 or bool(softcap)
         for start, end in chunk_bounds(m, chunk_size):
             logits = hidden[start:end] @ w.t()  # [c, V], compute dtype (bf16 under autocast)
-            scores, slope = _transformed(logits, multiplier, softcap) if transform else (logits, None)
+            scores, slope = transformed_scores(logits, multiplier, softcap) if transform else (logits, None)
             if target_hidden is None:
                 out = ce_chunk(scores, safe_labels[start:end])
             else:
@@ -208,14 +209,14 @@ def _weight_gradient(grad_rows: torch.Tensor, hidden: torch.Tensor, w: torch.Ten
                      dtype: torch.dtype) -> torch.Tensor:
     """d(sum_i grad_rows_i CE_i)/dW of a trained head, chunk by chunk: the logits are formed again (the forward
     keeps no `[M, V]` tensor), then `sum_i g_i (softmax_i - onehot_i) h_i^T`, in `dtype` (the master weight's)."""
-    ce_chunk = _chunk_fn("ce_chunk", _ce_chunk, hidden.device, eager=_ce_chunk_eager)
+    ce_chunk = chunk_function("ce_chunk", _ce_chunk, hidden.device, eager=_ce_chunk_eager)
     transform = multiplier != 1.0 or bool(softcap)
     g = grad_rows if scored is None else grad_rows * scored.to(grad_rows.dtype)
     out = torch.zeros(w.shape, dtype=dtype, device=w.device)
     for start, end in chunk_bounds(hidden.shape[0], chunk_size):
         h = hidden[start:end]
         logits = h @ w.t()
-        scores, slope = _transformed(logits, multiplier, softcap) if transform else (logits, None)
+        scores, slope = transformed_scores(logits, multiplier, softcap) if transform else (logits, None)
         grad_logits = ce_chunk(scores, labels[start:end])[3]
         scale = g[start:end].unsqueeze(1)
         if transform:

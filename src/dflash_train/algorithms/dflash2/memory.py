@@ -17,7 +17,7 @@ class DFlash2StepMemory(StepMemory):
     conv_kernel: int  # the block convolutions' taps
     factored: bool  # the selector's [vocab, rank] codebooks computed every micro-batch
 
-    def ce_chunk_per_class(self, e: int) -> int:
+    def ce_chunk_per_class(self, e: int, compiled: bool) -> int:
         """The top-k of each chunk: a padded copy of the logits and the gathered groups."""
         return 2 * e
 

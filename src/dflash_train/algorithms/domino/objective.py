@@ -3,9 +3,9 @@ every slot counted, weight `exp(-k / gamma)`), the GRU teacher-forced over the b
 `(1 - l) * final + l * base`: the cross-entropies of the corrected and of the backbone's scores, `l` falling
 linearly from `domino.lambda_base_start` to 0 over `domino.lambda_base_decay_ratio` of the run.
 
-Both go through DFlash's chunked lm_head + CE (`loss.chunked_ce_rows`): the corrected scores are a linear head over
-`[z ; a]` with the weight `[lm_head ; embed_proj[2]]` (`a` the bottleneck, zero on the pure-draft slots), so
-neither `[rows, vocab]` logits tensor exists."""
+Both go through one chunked pass of the lm_head (`loss.chunked_domino_rows`): the base scores are the corrected ones
+without the correction `embed_proj[2](a)` (`a` the bottleneck, zero on the pure-draft slots), so the two terms share
+one vocabulary-wide product, and neither `[rows, vocab]` logits tensor exists."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import torch
 
 from ..base import StepStats
 from ..dflash.blocks import Blocks, build_blocks, sample_anchors
-from ..dflash.loss import chunked_ce_rows, weighted_rows
 from ..dflash.objective import DFlashObjective
 from ...data.batch import Batch
 from ...runtime import to_device
+from .loss import chunked_domino_rows
 from .model import DominoDrafter
 from .options import options_of
 
@@ -111,22 +111,18 @@ class DominoObjective(DFlashObjective):
     def domino_loss(self, rows: torch.Tensor, blocks: DominoBlocks, idx: torch.Tensor) -> StepStats:
         drafter, o = self.drafter, self.cfg.objective
         labels = blocks.labels.view(-1).index_select(0, idx)
-        weights = blocks.weights.view(-1).index_select(0, idx)
-        head = self.target.lm_head.weight
+        weights = blocks.weights.view(-1).index_select(0, idx).to(torch.promote_types(rows.dtype, torch.float32))
+        norm = weights / weights.sum().clamp_min(1e-12)
         slot = idx % drafter.block_size
         corrected = (slot >= drafter.pure_draft_prefix_len).unsqueeze(1)
         features = drafter.correction_features(rows, self.prefix_rows(blocks, idx))
         features = torch.where(corrected, features, torch.zeros_like(features))
-        joint_rows = torch.cat([rows, features.to(rows.dtype)], dim=1)
-        joint_head = torch.cat([head, drafter.embed_proj[2].weight.to(head.dtype)], dim=1)  # [V, H + E]
-        transform = dict(output_multiplier=drafter.output_multiplier, softcap=drafter.final_logit_softcapping)
-        final = weighted_rows(chunked_ce_rows(joint_rows, joint_head, labels, o.loss_chunk_size, **transform),
-                              labels, weights, False)
-        base = weighted_rows(chunked_ce_rows(rows, head, labels, o.loss_chunk_size, **transform),
-                             labels, weights, False)
         lam = self.lambda_base
-        loss = (1.0 - lam) * final.loss + lam * base.loss
-        stats = shifted_stats(loss, final.correct, blocks, idx)
-        stats.extra = {"final_loss": final.loss.detach(), "base_loss": base.loss.detach(),
-                       "base_accuracy": base.correct.sum()}
+        res = chunked_domino_rows(rows, features, self.target.lm_head.weight, drafter.embed_proj[2].weight, labels,
+                                  (1.0 - lam) * norm, lam * norm, o.loss_chunk_size,
+                                  output_multiplier=drafter.output_multiplier,
+                                  softcap=drafter.final_logit_softcapping)
+        stats = shifted_stats(res.loss, res.final_correct, blocks, idx)
+        stats.extra = {"final_loss": (res.final_ce * norm).sum().detach(),
+                       "base_loss": (res.base_ce * norm).sum().detach(), "base_accuracy": res.base_correct.sum()}
         return stats

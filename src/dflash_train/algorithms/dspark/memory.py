@@ -3,7 +3,8 @@ DFlash's and the target distribution that `needs_target_final` already counts th
 softmax in each lm_head chunk, which also covers the sign of p - p_t and D-PARD's geometric mean, formed in
 place): the Markov head's activations over the block
 slots, the rows the loss keeps until the backward (the target's final states picked for the counted rows, the
-Markov features, the confidence head's inputs) and the Markov table's gradient the chunked loss forms."""
+Markov features, the confidence head's inputs), the Markov table's gradient the chunked loss forms and the joint
+head `[V, H + r]` its product reads."""
 
 from __future__ import annotations
 
@@ -34,9 +35,14 @@ class DSparkStepMemory(StepMemory):
             return (h + r) + 2 * r  # the gate's input, its output and the gated feature
         return (2 * r + h) + 3 * r + 4 * r  # the joint input, its output, the gates and the next state
 
+    def head_columns(self) -> int:
+        """The Markov table beside the lm_head in the loss's joint product `[h ; f] [W ; W2]^T`."""
+        return self.rank
+
     def loss_rows(self, counted: int) -> int:
         """Over the block slots of the counted rows (at most `counted * block_size`) the Markov activations; per
-        counted row the target's final state, the Markov feature and embedding picked for it, their gradient and
+        counted row the target's final state (at most one a row: rows share them), the Markov feature and embedding
+        picked for it, their gradient and
         the confidence head's input (bytes at the widest compute dtype, float32); the Markov table's float32
         gradient `[V, r]`."""
         e = _F32

@@ -14,6 +14,7 @@ computes it, then the chunked loss runs with W as the Renyi coefficients."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -21,9 +22,10 @@ import torch
 from ...data.batch import Batch
 from ...runtime import to_device
 from ..base import StepStats
+from ..dflash.blocks import Blocks
 from ..dflash.objective import DFlashObjective
 from .blocks import plan
-from .loss import chunked_dspark_rows
+from .loss import TargetPositions, chunked_dspark_rows, target_positions
 from .options import options_of
 
 
@@ -39,25 +41,29 @@ class DSparkObjective(DFlashObjective):
         blocks, prev = plan(host.input_ids, host.loss_mask, host.lengths, d.block_size, o.max_anchors, generator,
                             d.mask_token_id, options_of(self.cfg).decay_gamma, self.backend.blocks_multiple_of,
                             o.max_anchors_per_batch)
+        idx, source = rows_by_position(blocks, host.input_ids.shape[1])
+        targets = target_positions(final, source, o.loss_chunk_size)
         device = batch.input_ids.device
-        idx = to_device(blocks.counted.view(-1).nonzero().squeeze(1), device)
+        idx = to_device(idx, device)
         blocks, prev = blocks.to(device), to_device(prev, device)
         every = torch.arange(blocks.counted.numel(), device=device)
         out = self.block_rows(batch, hidden, blocks, every, call or d)  # [B*N*bs, H]
         with self.autocast(device):
-            return self.dspark_loss(out, final, blocks, prev, idx)
+            stats = self.dspark_loss(out, targets, blocks, prev, idx)
+        if stats.work is not None:
+            stats.work = replace(stats.work, target_positions=targets.states.shape[0])
+        return stats
 
-    def dspark_loss(self, out: torch.Tensor, final: torch.Tensor, blocks, prev: torch.Tensor,
+    def dspark_loss(self, out: torch.Tensor, targets: TargetPositions, blocks, prev: torch.Tensor,
                     idx: torch.Tensor) -> StepStats:
+        """The loss of the drafter's block outputs `out [B*N*bs, H]` over the counted rows `idx` (in the order of
+        `targets`, the target's states they read)."""
         d, opts = self.drafter, options_of(self.cfg)
         shape = blocks.labels.shape
         feature, embedding = d.markov(out.view(*shape, -1), prev)
         rows = out.index_select(0, idx)
         pick = (lambda x: None if x is None else x.reshape(-1, x.shape[-1]).index_select(0, idx))
         feature, embedding = pick(feature), pick(embedding)
-        b, s, h = final.shape
-        source = blocks.block_positions + torch.arange(b, device=final.device).view(-1, 1) * s  # label pos - 1
-        target_rows = final.reshape(b * s, h).index_select(0, source.view(-1).index_select(0, idx))
         w = blocks.weights.view(-1).index_select(0, idx).to(torch.promote_types(rows.dtype, torch.float32))
         norm = w / w.sum().clamp_min(1e-12)
         w2 = d.markov_head.markov_w2.weight if d.markov_rank else None
@@ -68,10 +74,10 @@ class DSparkObjective(DFlashObjective):
             with torch.no_grad():
                 first = chunked_dspark_rows(rows.detach(), None if feature is None else feature.detach(),
                                             self.target.lm_head.weight, None if w2 is None else w2.detach(),
-                                            target_rows, labels, torch.zeros_like(norm), torch.zeros_like(norm), chunk)
+                                            targets, labels, torch.zeros_like(norm), torch.zeros_like(norm), chunk)
             renyi_coef = dpard_weights((1 - first.l1 / 2).clamp(0, 1), blocks.counted, idx,
                                        opts.dpard_alpha) / shape[0]
-        res = chunked_dspark_rows(rows, feature, self.target.lm_head.weight, w2, target_rows, labels,
+        res = chunked_dspark_rows(rows, feature, self.target.lm_head.weight, w2, targets, labels,
                                   opts.ce_weight * norm, opts.l1_weight * norm, chunk, renyi_coef)
         loss = res.loss
         acceptance = (1 - res.l1 / 2).clamp(0, 1)  # detached: the chunked terms carry no gradient here
@@ -103,3 +109,14 @@ def dpard_weights(acceptance: torch.Tensor, counted: torch.Tensor, idx: torch.Te
     prefix = s.cumprod(-1)
     suffix = prefix.flip(-1).cumsum(-1).flip(-1)
     return suffix.reshape(-1).index_select(0, idx)
+
+
+def rows_by_position(blocks: Blocks, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the counted rows, indices into the flattened `[B, N, bs]` slots, sorted by the target position that
+    predicted their label; those positions, flat `b * seq + a + k`), from the blocks where they were planned. Rows
+    sharing a position then lie together: a loss chunk forms each position's target logits once."""
+    idx = blocks.counted.view(-1).nonzero().squeeze(1)
+    rows = torch.arange(blocks.block_positions.shape[0], device=idx.device).view(-1, 1) * seq
+    source = (blocks.block_positions + rows).view(-1).index_select(0, idx)
+    order = torch.sort(source, stable=True).indices
+    return idx.index_select(0, order), source.index_select(0, order)
