@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What checkpoints cost a real training run: `dflash-train train` itself, the same run twice, once with a checkpoint
 every `--save-every` steps and once without (only the final one), each in a fresh process with its own empty
-compile cache, one after the other on one GPU.
+compile cache, one after the other on one GPU (each run's checkpoints are deleted once read: the next run needs the disk).
 
     PYTHONPATH=src python benchmarks/checkpoint_run.py --work WORKDIR --data DATA.jsonl.gz --tokenizer TOKDIR \
         --random-target qwen3-8b --steps 300 --save-every 100 [OVERRIDES ...]
@@ -64,13 +64,14 @@ def write_random_target(shape_name: str, tokenizer: Path, out: Path, device: str
 def train_once(name: str, args: argparse.Namespace, target: Path, extra: list[str]) -> dict:
     run_dir = args.work / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    cache = args.work / f"inductor-cache-{name}"
+    cache = args.work / f"compile-cache-{name}"  # each run compiles cold
     shutil.rmtree(cache, ignore_errors=True)
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1",
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "dflash_train", "train", str(args.config), f"target.path={target}",
            f"data.train_files=[{args.data}]", "--run-dir", str(run_dir), "--max-steps", str(args.steps),
-           f"run.log_every={args.log_every}", "run.progress_bar=false", *extra, *args.overrides]
+           f"run.log_every={args.log_every}", "run.progress_bar=false", f"run.compile_cache_dir={cache}", *extra,
+           *args.overrides]
     t0 = time.time()
     with open(args.work / f"{name}.log", "w") as log:
         rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -82,6 +83,9 @@ def train_once(name: str, args: argparse.Namespace, target: Path, extra: list[st
     saves = [r for r in steps if r.get("checkpoint_stall_s")]
     quiet = [r["tokens_per_s"] for r in steps[1:] if not r.get("checkpoint_stall_s")]
     median_quiet = statistics.median(quiet) if quiet else None
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    shutil.rmtree(run_dir / "checkpoints")  # the next run needs the disk: a checkpoint of an 8B drafter is 12 GB
+    shutil.rmtree(cache)
     return {
         "run": name,
         "steps": steps[-1]["step"],
@@ -93,7 +97,7 @@ def train_once(name: str, args: argparse.Namespace, target: Path, extra: list[st
                    "window_tokens_per_s": round(r["tokens_per_s"])} for r in saves],
         "mfu_median": statistics.median([r["mfu"] for r in steps[1:] if r.get("mfu") is not None] or [0]) or None,
         "recompiles_after_warmup": steps[-1].get("recompiles_after_warmup"),
-        "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir()),
+        "checkpoints": checkpoints,
     }
 
 
@@ -117,7 +121,13 @@ def main() -> None:
         ap.error("--random-target needs --tokenizer")
     args.work.mkdir(parents=True, exist_ok=True)
     args.data = args.data.resolve()
-    target = args.target or write_random_target(args.random_target, args.tokenizer, args.work / "target", args.device)
+    target = args.target
+    if target is None:  # in a child process: this one keeps no GPU memory while the runs train
+        target = args.work / "target"
+        code = (f"import sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); from checkpoint_run import "
+                f"write_random_target as w; from pathlib import Path; w({args.random_target!r}, "
+                f"Path({str(args.tokenizer)!r}), Path({str(target)!r}), {args.device!r})")
+        subprocess.run([sys.executable, "-c", code], check=True)
 
     # Without saves: a save_every past the last step leaves only the final checkpoint.
     results = []

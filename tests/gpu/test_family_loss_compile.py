@@ -80,7 +80,8 @@ def test_dsparks_compiled_chunk_math_matches_eager_and_never_recompiles(monkeypa
         assert _rel(x.double(), y.double()) < 1e-2, name
 
     # against float64 from full logits of the same bf16 inputs (the Markov table rounded as the loss rounds it)
-    hidden, feature, head, w2, final, labels, a, b, c = [t.detach().double().cpu() for t in inputs]
+    hidden, feature, head, w2, final, labels, a, b, c = [t.detach().cpu() if t.dtype == torch.long else
+                                                         t.detach().double().cpu() for t in inputs]
     if not dpard:
         z = hidden @ head.t() + feature @ w2.to(torch.bfloat16).double().t()
         log_p = torch.log_softmax(z, -1)
@@ -139,7 +140,8 @@ def test_dominos_compiled_chunk_math_matches_eager_and_never_recompiles(monkeypa
     for name, x, y in zip(("hidden", "features", "correction"), got_grads, want_grads):
         assert _rel(x.double(), y.double()) < 1e-2, name
 
-    hidden, features, head, correction, labels, norm = [t.detach().double().cpu() for t in inputs]
+    hidden, features, head, correction, labels, norm = [t.detach().cpu() if t.dtype == torch.long else
+                                                        t.detach().double().cpu() for t in inputs]
     base = hidden @ head.t()
     final = base + features @ correction.to(torch.bfloat16).double().t()
     if transform:
