@@ -287,6 +287,7 @@ def test_sigterm_stops_the_split_with_a_checkpoint_and_resume_is_exact(setup, si
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~35 s; by default a killed rank is test_distributed's (the same supervisor stops the run)
 def test_a_killed_target_rank_fails_the_run_within_seconds_and_resume_is_exact(setup, single):
     root, cfg = setup
     out, log = root / "kill", root / "kill.log"
