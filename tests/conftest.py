@@ -10,7 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# One intra-op thread in the test process and the processes it starts (unless OMP_NUM_THREADS is set): the tests'
+# models are tiny, and on a 2-core machine a thread pool's wake-ups cost more than the math (the sampling tests'
+# thousands of small ops ran ~20x slower with two threads, a SmolLM2 generation ~3x).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The helper modules (_harness, _shard_worker, ...) are imported by basename from tests in every folder; the
 # spawned ranks of torch.multiprocessing inherit this sys.path.

@@ -11,7 +11,7 @@ Moments (picked by a seeded RNG per trial, printed with the trial):
   mid-step    a random delay after a random step's heartbeat (forward, backward, gradient all-reduce)
   checkpoint  as soon as rank 0's temp folder of a random checkpoint (step 3, 6 or 9) appears (mid-write)
 
-Default CI runs a fast subset (one SIGKILL trial mid-checkpoint-write, one SIGTERM mid-step);
+`pytest -m long` runs a fast subset (one SIGKILL trial mid-checkpoint-write, one SIGTERM mid-step);
 `pytest -m chaos` runs the full sweep (DFLASH_CHAOS_TRIALS SIGKILL trials, default 20, cycling through
 the moments, plus SIGTERM trials); DFLASH_CHAOS_SEED changes the draws.
 """
@@ -219,8 +219,10 @@ def _term_trial(setup, trial: int, moment: str) -> None:
     _resume_and_compare(root, cfg, run_dir, ref, newest is not None, log)
 
 
-FAST = [pytest.param("kill", 0, "checkpoint", id="kill-0-checkpoint"),
-        pytest.param("term", 0, "mid-step", id="term-0-mid-step", marks=pytest.mark.long)]  # ~40 s; SIGTERM: test_distributed
+# ~40 s each, so long: by default a SIGKILLed rank is test_distributed's, a SIGKILL mid-write test_async_checkpoint's,
+# a SIGTERM test_async_checkpoint's
+FAST = [pytest.param("kill", 0, "checkpoint", id="kill-0-checkpoint", marks=pytest.mark.long),
+        pytest.param("term", 0, "mid-step", id="term-0-mid-step", marks=pytest.mark.long)]
 FULL = ([pytest.param("kill", 100 + i, MOMENTS[i % len(MOMENTS)], marks=pytest.mark.chaos,
                       id=f"kill-{100 + i}-{MOMENTS[i % len(MOMENTS)]}") for i in range(TRIALS)]
         + [pytest.param("term", 100 + i, ("step", "mid-step")[i % 2], marks=pytest.mark.chaos,

@@ -297,13 +297,21 @@ def test_exports_checkpoints_and_prepared_data_follow_the_umask(tmp_path, counti
     assert modes(tmp_path / "prepared") == {("dir", dirs), ("file", files)}
 
 
-@pytest.mark.slow
-def test_the_converted_target_cache_follows_the_umask(tmp_path):
+def test_the_converted_target_cache_follows_the_umask(tmp_path, monkeypatch):
+    """The cache's own steps (temp folder, modes, publishing) around a stand-in for the dequantisation (the real
+    conversion, ~25 s: tests/unit/test_assets.py), which leaves owner-only modes that the cache must widen."""
     from dflash_train import assets
 
+    def convert(gguf, out):
+        (out / "tokenizer").mkdir(mode=0o700)
+        for name in ("config.json", assets.TARGET_META, "tokenizer/tokenizer.json"):
+            os.close(os.open(out / name, os.O_CREAT | os.O_WRONLY, 0o600))
+
+    monkeypatch.setattr(assets, "convert_gguf", convert)
     old = os.umask(0o027)
     try:
         path = assets.resolve_target("smollm2", cache_dir=tmp_path)
     finally:
         os.umask(old)
+    assert assets.is_converted_target(path) and path.parent == tmp_path / "targets"
     assert modes(path) == {("dir", "0o750"), ("file", "0o640")}

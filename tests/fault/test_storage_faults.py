@@ -38,6 +38,7 @@ import torch
 from _harness import assert_same_losses, launch, losses, run, status, stop, wait_until, write_config
 from dflash_train.layout import list_checkpoints
 from dflash_train.algorithms.io import load_drafter
+from dflash_train.cli import main
 from dflash_train.train.checkpoint import CheckpointWriteError, newest_valid, read_state, save_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,7 @@ def setup(tmp_path_factory, tiny_target_dir, counting_jsonl):
     root = tmp_path_factory.mktemp("faults")
     cfg = write_config(root / "c.yaml", tiny_target_dir, counting_jsonl, run__save_every=4)
     ref = root / "ref"
-    assert run(["train", str(cfg), "--run-dir", str(ref), "--max-steps", str(STEPS)], root / "ref.log") == 0
+    assert main(["train", str(cfg), "--run-dir", str(ref), "--max-steps", str(STEPS)]) == 0  # in this process
     ckpt = list_checkpoints(ref / "checkpoints")[-1]
     sizes = {"model.safetensors": (ckpt / "drafter" / "model.safetensors").stat().st_size,
              "optimizer.pt": (ckpt / "optimizer.pt").stat().st_size,
@@ -111,8 +112,7 @@ def test_file_size_limit_mid_run_fails_clearly_and_resume_is_exact(setup, victim
         stop(proc)
     if victim == "optimizer.pt":  # torch.save's own error says only "unexpected pos"; ours names the errno
         assert "[Errno 27]" in status(run_dir)["error"]["message"]
-    assert run(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", str(STEPS), "--resume"],
-               root / f"fsize-{victim}.log") == 0
+    assert main(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", str(STEPS), "--resume"]) == 0
     assert status(run_dir)["phase"] == "done"
     assert_same_losses(ref, losses(run_dir), STEPS)
 

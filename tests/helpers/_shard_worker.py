@@ -178,3 +178,11 @@ def sharded_load_memory_rank(rank: int, world: int, init_file: str, target: str,
               "resident_gib": resident_bytes(model) / 2**30, "layer_gib": layer / 2**30}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def in_turn(rank: int, cases: list[tuple[str, tuple]]) -> None:
+    """Several cases' ranks, one after the other, in each spawned process (a new one spends seconds importing
+    torch and transformers): `cases` holds (the name of a rank function above, its arguments after `rank`), each
+    with its own init file and output folder."""
+    for name, args in cases:
+        globals()[name](rank, *args)

@@ -84,6 +84,7 @@ def test_killed_rank_stops_the_run_fast_and_resume_matches(setup, reference):
     assert all(got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7) for s in ref), {s: (ref[s], got[s]) for s in ref}
 
 
+@pytest.mark.long  # by default: test_async_checkpoint's SIGTERM (a write in flight), stopped and resumed exactly
 def test_sigterm_leaves_a_valid_checkpoint_and_resume_is_exact(setup, tmp_path):
     root, _ = setup
     cfg = yaml.safe_load((root / "c.yaml").read_text())
@@ -105,6 +106,7 @@ def test_sigterm_leaves_a_valid_checkpoint_and_resume_is_exact(setup, tmp_path):
     assert all(b[s] == pytest.approx(a[s], rel=1e-6, abs=1e-7) for s in a)
 
 
+@pytest.mark.long  # by default: test_lifecycle's stop, then an exact resume
 def test_stop_command_checkpoints_and_exits(setup, tmp_path, capsys):
     root, cfg = setup
     run = tmp_path / "stopme"

@@ -78,11 +78,19 @@ def test_walk_reproduces_the_decoders_steps_and_stopping(target, max_new):
     assert len(set(seen)) > 1
 
 
-def test_replay_equals_real_decoding_for_block_and_tree(target):
-    bs, max_new = 5, 20
+@pytest.fixture(scope="module")
+def memorised(target):
+    """(prompts, their greedy continuations of 24 tokens, a block-5 drafter taught them): shared by the tests of
+    real decoding along these texts (memorising is most of their time)."""
     prompts = _prompts()
-    conts = greedy_continuations(target, prompts, max_new + bs - 1)
-    drafter = memorise(_drafter(target, bs), target, [p + c for p, c in zip(prompts, conts)])
+    conts = greedy_continuations(target, prompts, 24)
+    return prompts, conts, memorise(_drafter(target, 5), target, [p + c for p, c in zip(prompts, conts)])
+
+
+def test_replay_equals_real_decoding_for_block_and_tree(target, memorised):
+    bs, max_new = 5, 20
+    prompts, conts, drafter = memorised
+    assert all(len(c) == max_new + bs - 1 for c in conts)
     dec = SpeculativeDecoder(target, drafter, stop_token_ids=STOPS)
     taus = []
     for i, (p, c) in enumerate(zip(prompts, conts)):
@@ -169,15 +177,14 @@ def test_cli_eval_replay_refuses_sampling(tmp_path, capsys):
     assert "--replay measures greedy decoding" in capsys.readouterr().err
 
 
-def test_teacher_forced_walk_along_greedy_text_is_real_decoding(target):
+def test_teacher_forced_walk_along_greedy_text_is_real_decoding(target, memorised):
     """Validation's walk along a response that is the target's greedy output takes the steps real decoding
     takes (all but the last, which decoding may extend past the text's end)."""
     from dflash_train.infer.replay import teacher_forced_walk
 
-    bs, n = 5, 20
-    prompts = _prompts()
-    conts = greedy_continuations(target, prompts, n)
-    drafter = memorise(_drafter(target, bs), target, [p + c for p, c in zip(prompts, conts)])
+    n = 20
+    prompts, longer, drafter = memorised
+    conts = [c[:n] for c in longer]  # greedy text of n tokens: the first n of the longer continuations
     dec = SpeculativeDecoder(target, drafter, stop_token_ids=[])
     lengths = []
     for p, c in zip(prompts, conts):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from _shard_worker import sharded_capture_rank
+from _shard_worker import in_turn
 from _moe_targets import qwen3_5_moe, qwen3_moe, save
 
 from dflash_train.target.shard import rows_of
@@ -29,13 +29,36 @@ def moe_six_experts():
     return qwen3_moe(num_experts=6)
 
 
-def _run(tmp_path, build, world, group, compile=False):
+def _case(tmp_path, build, world, group, compile=False):
+    """(the rank function's name, its arguments) for `build`'s target, and the folder its ranks write to."""
     target = save(build, tmp_path / "target")
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(sharded_capture_rank, args=(world, str(out / "init"), str(target), group, [0, 1, 2], str(out), compile),
-             nprocs=world, join=True)
+    return ("sharded_capture_rank", (world, str(out / "init"), str(target), group, [0, 1, 2], str(out), compile)), out
+
+
+def _results(out, world):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _run(tmp_path, build, world, group, compile=False):
+    case, out = _case(tmp_path, build, world, group, compile)
+    mp.spawn(in_turn, args=([case],), nprocs=world, join=True)
+    return _results(out, world)
+
+
+TWO_RANKS = {"dense-2": dense, "moe-2": qwen3_moe}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    """The two-rank cases of the default run, in one pair of processes: {id: each rank's results}."""
+    cases, outs = [], {}
+    for name, build in TWO_RANKS.items():
+        case, outs[name] = _case(tmp_path_factory.mktemp(name), build, 2, 2)
+        cases.append(case)
+    mp.spawn(in_turn, args=(cases,), nprocs=2, join=True)
+    return {name: _results(out, 2) for name, out in outs.items()}
 
 
 def test_rows_split_like_torch_chunk():
@@ -53,8 +76,11 @@ def test_rows_split_like_torch_chunk():
     pytest.param(dense, 4, 4, marks=pytest.mark.long), pytest.param(moe_six_experts, 4, 4, marks=pytest.mark.long),
     pytest.param(qwen3_5_moe, 4, 2, marks=pytest.mark.long),
 ], ids=["dense-2", "moe-2", "dense-4", "moe-4-empty-shard", "qwen3.5-moe-4-two-groups"])
-def test_sharded_target_loads_its_rows_and_captures_exactly(tmp_path, build, world, group):
-    for r, got in enumerate(_run(tmp_path, build, world, group)):
+def test_sharded_target_loads_its_rows_and_captures_exactly(request, tmp_path, build, world, group):
+    case = request.node.callspec.id
+    results = (request.getfixturevalue("two_rank_results")[case] if case in TWO_RANKS
+               else _run(tmp_path, build, world, group))
+    for r, got in enumerate(results):
         assert got["mismatched"] == [], (r, got["mismatched"])
         assert got["sharded_params"] > 0
         assert got["equal"], (r, got["max_diff"])

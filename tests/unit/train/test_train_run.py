@@ -247,7 +247,8 @@ def _same_weights(export: Path, checkpoint: Path) -> bool:
 def test_the_run_exports_its_best_checkpoint_by_validation_tau_and_says_so(tmp_path, tiny_target_dir,
                                                                              counting_jsonl, capsys):
     cfg = _write_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, data__val_files=[str(counting_jsonl)],
-                        run__eval_every=4, run__save_every=4, run__keep_last=5, run__eval_prompts=0)
+                        run__eval_every=4, run__save_every=4, run__keep_last=5, run__eval_prompts=0,
+                        run__eval_batches=1)  # one validation batch: the walk over each of its rows is the cost
     run_dir = tmp_path / "R"
     assert main(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", "8"]) == 0
     vals = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
