@@ -1,7 +1,8 @@
 """Domino: the GRU and its one-step decoding form, the shifted labels, the objective (final and base CE with the
 decaying base weight) against a dense float64 reference with gradients, the base weight's schedule, lossless
 greedy decoding through the sequential correction, exact sampling through it, the SGLang export layout read back
-by us and by an independent reader, its config section, and a real training run killed and resumed."""
+by us and by an independent reader, its config section, and a real training run (exported and evaluated; one killed
+and resumed: long)."""
 
 from __future__ import annotations
 
@@ -444,16 +445,7 @@ def test_sampled_block_decoding_through_the_correction_follows_the_target_distri
 # ---------------------------------------------------------------------------------------------------- a real run
 
 
-@pytest.mark.long
-def test_a_domino_run_killed_and_resumed_reaches_the_uninterrupted_losses_exports_and_evaluates(
-        tiny_target_dir, counting_jsonl, tmp_path):
-    """Through the CLI in real processes: a run SIGKILLed after its step-2 checkpoint, resumed with --resume,
-    logs the losses of the run that was never stopped (the base weight's schedule included); its export is
-    SGLang's layout and evaluates losslessly."""
-    from _harness import assert_same_losses, launch, losses, run, wait_until
-
-    from dflash_train.cli import main
-
+def _run_config(tmp_path, tiny_target_dir, counting_jsonl):
     cfg = {
         "target": {"path": str(tiny_target_dir)},
         "drafter": {"architecture": "domino", "num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},
@@ -465,9 +457,42 @@ def test_a_domino_run_killed_and_resumed_reaches_the_uninterrupted_losses_export
                 "export_dtype": "float32"},
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    return tmp_path / "c.yaml"
+
+
+def test_a_domino_run_trains_exports_sglangs_layout_reloads_and_evaluates_losslessly(tiny_target_dir, counting_jsonl,
+                                                                                     tmp_path):
+    from dflash_train.cli import main
+
+    whole = tmp_path / "whole"
+    assert main(["train", str(_run_config(tmp_path, tiny_target_dir, counting_jsonl)), "--run-dir", str(whole)]) == 0
+    records = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert all("final_loss" in r and "base_loss" in r for r in records if "loss" in r)
+    exported = json.loads((whole / "export" / "config.json").read_text())
+    assert exported["architectures"] == ["DFlashDraftModel"] and exported["dflash_config"]["projector_type"] == "domino"
+    assert exported["dflash_config"]["gru_hidden_dim"] == 16
+    assert type(load_drafter(whole / "export")) is DominoDrafter
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--target", str(tiny_target_dir), "--drafter", str(whole / "export"), "--data",
+                 str(counting_jsonl), "--limit", "2", "--max-new-tokens", "8", "--out", str(out), "--no-progress",
+                 "--device", "cpu"]) == 0
+    body = json.loads(out.read_text())["datasets"][str(counting_jsonl)]
+    assert body["modes"]["block"]["tau"] >= 1 and body["lossless_mismatches"] == []
+
+
+@pytest.mark.long  # ~35 s: the run above again, and one in real processes killed and resumed
+def test_a_domino_run_killed_and_resumed_reaches_the_uninterrupted_losses(tiny_target_dir, counting_jsonl, tmp_path):
+    """Through the CLI in real processes: a run SIGKILLed after its step-2 checkpoint, resumed with --resume,
+    logs the losses of the run that was never stopped (the base weight's schedule included)."""
+    from _harness import assert_same_losses, launch, losses, run, wait_until
+
+    from dflash_train.cli import main
+
+    cfg = _run_config(tmp_path, tiny_target_dir, counting_jsonl)
     whole, part, log = tmp_path / "whole", tmp_path / "part", tmp_path / "run.log"
-    assert main(["train", str(tmp_path / "c.yaml"), "--run-dir", str(whole)]) == 0
-    proc = launch(["train", str(tmp_path / "c.yaml"), "--run-dir", str(part)], log)
+    assert main(["train", str(cfg), "--run-dir", str(whole)]) == 0
+    proc = launch(["train", str(cfg), "--run-dir", str(part)], log)
     try:
         wait_until(lambda: (part / "checkpoints" / "step-00000002" / "trainer_state.json").is_file(), proc, 300,
                    "the step-2 checkpoint")
@@ -478,17 +503,6 @@ def test_a_domino_run_killed_and_resumed_reaches_the_uninterrupted_losses_export
             proc.kill()
     assert run(["train", "--run-dir", str(part), "--resume"], log) == 0, log.read_text()[-3000:]
     assert_same_losses(losses(whole), losses(part), 6)
-    records = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
-    assert all("final_loss" in r and "base_loss" in r for r in records if "loss" in r)
-    exported = json.loads((whole / "export" / "config.json").read_text())
-    assert exported["architectures"] == ["DFlashDraftModel"] and exported["dflash_config"]["projector_type"] == "domino"
-    assert exported["dflash_config"]["gru_hidden_dim"] == 16
-    out = tmp_path / "eval.json"
-    assert main(["eval", "--target", str(tiny_target_dir), "--drafter", str(whole / "export"), "--data",
-                 str(counting_jsonl), "--limit", "2", "--max-new-tokens", "8", "--out", str(out), "--no-progress",
-                 "--device", "cpu"]) == 0
-    body = json.loads(out.read_text())["datasets"][str(counting_jsonl)]
-    assert body["modes"]["block"]["tau"] >= 1 and body["lossless_mismatches"] == []
 
 
 def test_the_section_and_the_generic_keys_domino_does_not_support_are_checked_naming_them():

@@ -239,10 +239,7 @@ def test_export_is_flat_with_the_engines_tensor_names_and_reloads(target, tmp_pa
         assert torch.equal(a, b), n
 
 
-@pytest.mark.long
-def test_a_dspark_run_trains_resumes_exactly_exports_and_evaluates(tiny_target_dir, counting_jsonl, tmp_path):
-    from dflash_train.cli import main
-
+def _run_config(tmp_path, tiny_target_dir, counting_jsonl):
     cfg = {
         "target": {"path": str(tiny_target_dir)},
         "drafter": {"architecture": "dspark", "num_draft_layers": 1, "block_size": BS, "attention_backend": "sdpa"},
@@ -255,25 +252,43 @@ def test_a_dspark_run_trains_resumes_exactly_exports_and_evaluates(tiny_target_d
                 "export_dtype": "float32"},
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    whole, part = tmp_path / "whole", tmp_path / "part"
-    assert main(["train", str(tmp_path / "c.yaml"), "--run-dir", str(whole), "--max-steps", "4"]) == 0
-    assert main(["train", str(tmp_path / "c.yaml"), "--run-dir", str(part), "--max-steps", "2"]) == 0
-    assert main(["train", str(tmp_path / "c.yaml"), "--run-dir", str(part), "--max-steps", "4", "--resume"]) == 0
+    return tmp_path / "c.yaml"
 
-    def losses(run):
-        return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-                if "loss" in r}
 
-    assert sorted(losses(whole)) == [1, 2, 3, 4] and losses(part) == losses(whole)
+def _losses(run):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+def test_a_dspark_run_trains_exports_reloads_and_evaluates_losslessly(tiny_target_dir, counting_jsonl, tmp_path):
+    from dflash_train.cli import main
+
+    whole = tmp_path / "whole"
+    assert main(["train", str(_run_config(tmp_path, tiny_target_dir, counting_jsonl)), "--run-dir", str(whole),
+                 "--max-steps", "4"]) == 0
+    assert sorted(_losses(whole)) == [1, 2, 3, 4]
     rec = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
     assert all("confidence_loss" in r and "l1_loss" in r for r in rec if "loss" in r)
     assert json.loads((whole / "export" / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
+    assert type(load_drafter(whole / "export")) is DSparkDrafter
     out = tmp_path / "eval.json"
     assert main(["eval", "--target", str(tiny_target_dir), "--drafter", str(whole / "export"), "--data",
                  str(counting_jsonl), "--limit", "2", "--max-new-tokens", "8", "--out", str(out), "--no-progress",
                  "--device", "cpu"]) == 0
     body = json.loads(out.read_text())["datasets"][str(counting_jsonl)]
     assert body["modes"]["block"]["tau"] >= 1 and body["lossless_mismatches"] == []
+
+
+@pytest.mark.long  # the run above again, and one stopped at step 2 and resumed
+def test_a_dspark_run_resumes_exactly(tiny_target_dir, counting_jsonl, tmp_path):
+    from dflash_train.cli import main
+
+    cfg = _run_config(tmp_path, tiny_target_dir, counting_jsonl)
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert main(["train", str(cfg), "--run-dir", str(whole), "--max-steps", "4"]) == 0
+    assert main(["train", str(cfg), "--run-dir", str(part), "--max-steps", "2"]) == 0
+    assert main(["train", str(cfg), "--run-dir", str(part), "--max-steps", "4", "--resume"]) == 0
+    assert sorted(_losses(whole)) == [1, 2, 3, 4] and _losses(part) == _losses(whole)
 
 
 def confident(target, seed=0) -> DSparkDrafter:
