@@ -18,8 +18,10 @@ the same kind (ShareGPT first turns, the target's own greedy answers), not the s
 of our training split.
 
 We evaluate every prompt of MT-Bench (80, two turns), HumanEval (164) and held-out ShareGPT (557), greedy, block
-verification and DDTree, and report tau per dataset and pooled, accuracy per block position (training metrics)
-and wall times. Held-out ShareGPT (`assets.iter_sharegpt_split("heldout")`) is disjoint from our training split
+verification and DDTree (not applicable to a drafter that refuses it: Domino, DSpark's rnn head), and report tau
+per dataset and pooled, accuracy per block position (training metrics) and wall times; with `--variant`s of any
+architecture, per variant its drafts per block (DSpark's B slots draft B tokens, the others B - 1), tau, training
+wall time, conditional acceptance per drafted slot and a confidence head's calibration (acceptance_by_slot.json). Held-out ShareGPT (`assets.iter_sharegpt_split("heldout")`) is disjoint from our training split
 by position, not by text: ShareGPT repeats prompts ("continue", pasted texts), and another `--data` file may hold
 any of them. Every eval prompt whose turn equals a training user turn (whitespace collapsed, case folded), or
 shares its first `--overlap-prefix` normalised characters with one, is dropped and counted in the summary.
@@ -33,8 +35,13 @@ resumes, evaluation keeps what it finished. Exit code 3 = not finished yet: run 
     PYTHONPATH=src python benchmarks/quality.py --out runs/quality --data DATA.jsonl.gz   # your data, no regen
     # CPU smoke: ... --regen-limit 16 --regen-max-new-tokens 32 optim.max_steps=3 run.device=cpu \
     #     data.max_batch_size=4 objective.max_anchors=32 --limit 1 --max-new-tokens 16 --workers 2 --device cpu
+    # The architectures side by side (Domino refuses the default's acceptance slot weights):
+    #     ... objective.slot_weighting=acceptance optim.schedule=wsd --variant dflash2=drafter.architecture=dflash2 \
+    #     --variant dspark=drafter.architecture=dspark,drafter.block_size=15 \
+    #     --variant domino=drafter.architecture=domino,objective.slot_weighting=gamma
 
-Everything stays in --out: summary.json, summary.md, driver.log, the stages' logs, run/export (the drafter).
+Everything stays in --out: summary.json, summary.md, acceptance_by_slot.json, driver.log, the stages' logs,
+run/export (the drafter), variants/NAME/export.
 Evaluate an exported drafter again, on CPU or GPU, without training:
 
     PYTHONPATH=src python benchmarks/quality.py --out runs/quality-eval --drafter runs/quality/run/export \
@@ -260,6 +267,17 @@ class EvalSettings:
         return [m.name for m in make_modes(tuple(self.tree_budgets), self.baseline)]
 
 
+@dataclass
+class DecodeJob:
+    """Prompts to decode for real with one drafter: its records, plan and report go to `eval_dir`."""
+
+    drafter: Path
+    items: list[dict]
+    info: dict
+    eval_dir: Path
+    settings: EvalSettings
+
+
 def run_shard(target, tokenizer, drafter, stops: list[int], items: list[dict], out: Path, settings: EvalSettings,
               deadline: Optional[float] = None, done: Optional[set] = None) -> int:
     """Decode `items` ({"dataset", "id", "turns"}) with every mode; append one record per prompt to `out`
@@ -335,7 +353,9 @@ def corpus_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="quality.py corpus")
     p.add_argument("--target", required=True)
     p.add_argument("--items", required=True)
-    p.add_argument("--block-size", type=int, required=True, help="the largest block size to be replayed")
+    p.add_argument("--block-size", type=int, required=True,
+                   help="the widest step to be replayed: 1 + the most drafts of a block (continuations are "
+                        "max_new_tokens + this - 1 tokens)")
     p.add_argument("--settings", required=True)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", required=True)
@@ -1006,52 +1026,76 @@ class Driver:
         cpus = os.cpu_count() or 2
         return max(1, min(12, cpus - 2)) if visible_gpus(self.args.device) else 1
 
-    def decode(self, items: list[dict], info: dict, eval_dir: Optional[Path] = None,
-               settings: Optional["EvalSettings"] = None) -> tuple[bool, dict]:
-        """Real decoding of `items` by worker processes: (complete, eval info). Records of an earlier call
-        with the same prompts, settings and drafter are kept; other ones are moved aside."""
-        from dflash_train.infer.evaluate import report_config
+    def settings_for(self, drafter: Path, **changes) -> "EvalSettings":
+        """This call's eval settings for `drafter`, with `changes`: without DDTree budgets for a drafter that refuses
+        DDTree (its tree modes are not applicable, `drafter_facts`)."""
+        settings = EvalSettings(**{**self.settings.__dict__, **changes})
+        if drafter_facts(drafter)["tree"] is not None:
+            settings.tree_budgets = ()
+        return settings
 
-        drafter = self.drafter_dir
-        eval_dir = eval_dir or self.eval_dir
-        settings = settings or self.settings
+    def decode(self, items: list[dict], info: dict) -> tuple[bool, dict]:
+        """Real decoding of `items` with the drafter under test by worker processes: (complete, eval info)."""
+        job = DecodeJob(self.drafter_dir, items, info, self.eval_dir, self.settings_for(self.drafter_dir))
+        return self.decode_jobs({"default": job})["default"]
+
+    def decode_jobs(self, jobs: dict[str, "DecodeJob"]) -> dict[str, tuple[bool, dict]]:
+        """Real decoding of each job's prompts with its drafter, the worker processes of every job at once (the
+        --workers shared between the jobs by their prompts left, at least one each): per job (complete, eval
+        info). Records of an earlier call with the same prompts, settings and drafter are kept; other ones are
+        moved aside."""
+        todo = {name: self.decode_plan(name, job) for name, job in jobs.items()}
+        left = sum(len(t) for t in todo.values())
+        if left:
+            cmds, sizes = [], []
+            for name, job in jobs.items():
+                if todo[name]:
+                    n = max(1, round(self.workers() * len(todo[name]) / left))
+                    shard_cmds, shards = self.worker_commands(todo[name], job, n)
+                    cmds += shard_cmds
+                    sizes.append(f"{name}: {'+'.join(str(len(sh)) for sh in shards)}")
+            env = child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+            codes, stopped, seconds = run_eval_workers(
+                cmds, env, self.runner, self.args.device, self.log,
+                f"eval: {len(cmds)} workers started (prompts per worker, {'; '.join(sizes)}); logs in each "
+                "eval folder's attempt-NN/")
+            self.runner.add_time("eval_s", seconds)
+            failed = [k for k, code in enumerate(codes) if code != 0 and not (stopped and code < 0)]
+            if failed:
+                tail = cmds[failed[0]][1].read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"eval workers failed ({len(failed)} of {len(cmds)}); {cmds[failed[0]][1]} "
+                                   f"ends:\n{tail}")
+        return {name: self.decode_report(name, job) for name, job in jobs.items()}
+
+    def decode_plan(self, name: str, job: "DecodeJob") -> list[dict]:
+        """The job's prompts still to decode; its eval folder made (moved aside first when it holds records of
+        other prompts, settings or drafter weights) and its plan written."""
         key = hashlib.sha256(json.dumps({
-            "items": [[i["dataset"], i["id"], i["turns"]] for i in items],
-            "settings": settings.__dict__, "drafter": _file_sha256(drafter / "model.safetensors"),
+            "items": [[i["dataset"], i["id"], i["turns"]] for i in job.items],
+            "settings": job.settings.__dict__, "drafter": _file_sha256(job.drafter / "model.safetensors"),
         }, sort_keys=True, default=list).encode()).hexdigest()
-        plan_path = eval_dir / "plan.json"
+        plan_path = job.eval_dir / "plan.json"
         if plan_path.is_file() and json.loads(plan_path.read_text()).get("key") != key:
-            old = eval_dir.with_name(f"eval-stale-{int(time.time())}")
-            self.log(f"eval: prompts, settings or drafter changed since the last call: moving {eval_dir} to {old}")
-            eval_dir.rename(old)
+            old = job.eval_dir.with_name(f"{job.eval_dir.name}-stale-{int(time.time())}")
+            self.log(f"eval {name}: prompts, settings or drafter changed since the last call: moving "
+                     f"{job.eval_dir} to {old}")
+            job.eval_dir.rename(old)
             self.runner.clear_time("eval_s")
-        eval_dir.mkdir(parents=True, exist_ok=True)
-        plan_path.write_text(json.dumps({"key": key, "settings": settings.__dict__, "datasets": info}, indent=1,
-                                        default=list))
-        done = read_records(eval_dir.glob("records-*.jsonl"))
-        todo = [i for i in items if record_key(i["dataset"], i["id"]) not in done]
-        self.log(f"eval: {len(items)} prompts, {len(items) - len(todo)} already done, {len(todo)} to decode")
-        if todo:
-            self.run_workers(todo, drafter, eval_dir, settings)
-            done = read_records(eval_dir.glob("records-*.jsonl"))
-        missing = [i for i in items if record_key(i["dataset"], i["id"]) not in done]
-        config = report_config(settings.max_new_tokens, settings.temperature, drafter_block_size(drafter),
-                               settings.tree_budgets)
-        missing_keys = {record_key(i["dataset"], i["id"]) for i in missing}
-        finished = [i for i in items if record_key(i["dataset"], i["id"]) not in missing_keys]
-        report = merged_report(config, finished, done, settings.mode_names())
-        (eval_dir / "report.json").write_text(json.dumps(report, indent=1))
-        info["_worker_prompt_s"] = round(sum(r.get("wall_s", 0.0) for r in done.values()), 1)
-        info["_report"] = report
-        if missing:
-            self.log(f"eval: {len(missing)} of {len(items)} prompts still to decode: run the same command again")
-        return not missing, info
+        job.eval_dir.mkdir(parents=True, exist_ok=True)
+        plan_path.write_text(json.dumps({"key": key, "settings": job.settings.__dict__, "datasets": job.info},
+                                        indent=1, default=list))
+        done = read_records(job.eval_dir.glob("records-*.jsonl"))
+        todo = [i for i in job.items if record_key(i["dataset"], i["id"]) not in done]
+        self.log(f"eval {name}: {len(job.items)} prompts, {len(job.items) - len(todo)} already done, {len(todo)} "
+                 "to decode")
+        return todo
 
-    def run_workers(self, todo: list[dict], drafter: Path, eval_dir: Path, settings: "EvalSettings") -> None:
-        """Decode `todo` over parallel worker processes (records appended per prompt), up to the deadline."""
-        shards = plan_shards(todo, min(self.workers(), len(todo)))
-        attempt = len(list(eval_dir.glob("attempt-*")))
-        adir = eval_dir / f"attempt-{attempt:02d}"
+    def worker_commands(self, todo: list[dict], job: "DecodeJob", n: int) -> tuple[list[tuple[list[str], Path]], list]:
+        """The worker processes (command, log file) that decode `todo` with the job's drafter in `n` shards
+        (records appended per prompt, up to the deadline), and the shards."""
+        shards = plan_shards(todo, min(n, len(todo)))
+        attempt = len(list(job.eval_dir.glob("attempt-*")))
+        adir = job.eval_dir / f"attempt-{attempt:02d}"
         adir.mkdir()
         deadline = None if self.runner.deadline is None else self.runner.deadline - self.args.eval_stop_margin_s
         cmds = []
@@ -1059,20 +1103,30 @@ class Driver:
             items_file = adir / f"items-{k:02d}.jsonl"
             items_file.write_text("".join(json.dumps(i) + "\n" for i in shard), encoding="utf-8")
             cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--target", self.cfg.target.path,
-                   "--drafter", str(drafter), "--items", str(items_file),
-                   "--settings", json.dumps(settings.__dict__, default=list),
-                   "--out", str(eval_dir / f"records-{attempt:02d}-{k:02d}.jsonl")]
+                   "--drafter", str(job.drafter), "--items", str(items_file),
+                   "--settings", json.dumps(job.settings.__dict__, default=list),
+                   "--out", str(job.eval_dir / f"records-{attempt:02d}-{k:02d}.jsonl")]
             cmds.append((cmd + (["--deadline", str(deadline)] if deadline is not None else []),
                          adir / f"worker-{k:02d}.log"))
-        env = child_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        codes, stopped, seconds = run_eval_workers(
-            cmds, env, self.runner, self.args.device, self.log,
-            f"eval: {len(shards)} workers started ({', '.join(str(len(s)) for s in shards)} prompts); logs in {adir}")
-        self.runner.add_time("eval_s", seconds)
-        failed = [k for k, code in enumerate(codes) if code != 0 and not (stopped and code < 0)]
-        if failed:
-            tail = cmds[failed[0]][1].read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"eval workers {failed} failed; worker {failed[0]}'s log ends:\n{tail}")
+        return cmds, shards
+
+    def decode_report(self, name: str, job: "DecodeJob") -> tuple[bool, dict]:
+        """(complete, the job's eval info with its merged report under "_report") from its records so far."""
+        from dflash_train.infer.evaluate import report_config
+
+        done = read_records(job.eval_dir.glob("records-*.jsonl"))
+        missing = {record_key(i["dataset"], i["id"]) for i in job.items} - set(done)
+        finished = [i for i in job.items if record_key(i["dataset"], i["id"]) not in missing]
+        config = report_config(job.settings.max_new_tokens, job.settings.temperature, drafter_block_size(job.drafter),
+                               job.settings.tree_budgets)
+        report = merged_report(config, finished, done, job.settings.mode_names())
+        (job.eval_dir / "report.json").write_text(json.dumps(report, indent=1))
+        job.info["_worker_prompt_s"] = round(sum(r.get("wall_s", 0.0) for r in done.values()), 1)
+        job.info["_report"] = report
+        if missing:
+            self.log(f"eval {name}: {len(missing)} of {len(job.items)} prompts still to decode: run the same command "
+                     "again")
+        return not missing, job.info
 
     # ------------------------------------------------------------------ tau by replay
 
@@ -1101,7 +1155,8 @@ class Driver:
         rdir.mkdir(parents=True, exist_ok=True)
         (rdir / "partial").mkdir(exist_ok=True)
         drafters = self.replay_drafters()
-        block = max(drafter_block_size(d) for d in drafters.values())
+        # the widest step a drafter verifies: the anchor and its drafts (a DSpark block of B slots drafts B)
+        block = 1 + max(drafter_facts(d)["drafts_per_block"] for d in drafters.values())
         settings = EvalSettings(**{**self.settings.__dict__, "baseline": False})
         corpus_key = hashlib.sha256(json.dumps({
             "items": [[i["dataset"], i["id"], i["turns"]] for i in items], "target": self.cfg.target.path,
@@ -1152,22 +1207,30 @@ class Driver:
 
         records = self.stage_replay(items)
         drafters = self.replay_drafters()
-        modes = EvalSettings(**{**self.settings.__dict__, "baseline": False}).mode_names()
-        reports = {name: merged_report(report_config(self.settings.max_new_tokens, self.settings.temperature,
-                                                     drafter_block_size(drafters[name]), self.settings.tree_budgets),
-                                       items, recs, modes)
+        facts = {name: drafter_facts(d) for name, d in drafters.items()}
+        modes = EvalSettings(**{**self.settings.__dict__, "baseline": False}).mode_names()  # every drafter's, at most
+        own = {name: self.settings_for(d, baseline=False) for name, d in drafters.items()}  # no DDTree where refused
+        reports = {name: merged_report(report_config(own[name].max_new_tokens, own[name].temperature,
+                                                     facts[name]["block_size"], own[name].tree_budgets),
+                                       items, recs, own[name].mode_names())
                    for name, recs in records.items()}
         self.eval_dir.mkdir(parents=True, exist_ok=True)
         (self.eval_dir / "report.json").write_text(json.dumps(reports["default"], indent=1))
         info["_report"], info["_worker_prompt_s"] = reports["default"], None
         pooled_names = [n for n in POOLED if n in reports["default"]["datasets"]]
+        by_slot = {name: {"drafter": facts[name],
+                          "modes": acceptance_by_slot(reports[name], own[name].mode_names(),
+                                                      facts[name]["drafts_per_block"], pooled_names)}
+                   for name in reports}
+        (self.out / "acceptance_by_slot.json").write_text(json.dumps(by_slot, indent=1))
         extra: dict = {"method": "replay", "argmax_mismatches": {
             name: sum(r.get("replay", {}).get("argmax_mismatches", 0) for r in recs.values())
             for name, recs in records.items()}}
         if self.given_drafter is None:
             extra["variants"] = {name: variant_row(self.variants.get(name, []), self.failed.get(name), reports.get(name),
                                                    train_summary(run), modes, pooled_names,
-                                                   self.runner.times.get("train_s" if name == "default" else f"train_s:{name}"))
+                                                   self.runner.times.get("train_s" if name == "default" else f"train_s:{name}"),
+                                                   by_slot.get(name))
                                  for name, (run, _) in self.runs().items()}
         if self.args.curve_every and self.given_drafter is None:
             times = metric_times(self.run)
@@ -1177,31 +1240,43 @@ class Driver:
                               for name in sorted(n for n in reports if n.startswith("step-"))]
         complete = True
         if self.args.check_decode:
-            complete, extra["decode_check"] = self.decode_check(items, info, records["default"], modes)
+            complete, extra["decode_check"] = self.decode_check(items, info, records, drafters)
         return complete, info, extra
 
-    def decode_check(self, items: list[dict], info: dict, replayed: dict[str, dict], modes: list[str]) -> tuple[bool, dict]:
-        """--check-decode N: the first N prompts of each set decoded for real (with the target alone too),
-        compared with replay turn by turn: (complete, the summary's decode_check section)."""
+    def decode_check(self, items: list[dict], info: dict, replayed: dict[str, dict[str, dict]],
+                     drafters: dict[str, Path]) -> tuple[bool, dict]:
+        """--check-decode N: the first N prompts of each set decoded for real with every trained drafter (the
+        default's with the target alone too: its speedup and lossless check), all at once, and compared with their
+        replay turn by turn: (complete, the summary's decode_check section)."""
         per_ds: dict[str, int] = {}
         check_items = []
         for item in items:
             if per_ds.get(item["dataset"], 0) < self.args.check_decode:
                 per_ds[item["dataset"]] = per_ds.get(item["dataset"], 0) + 1
                 check_items.append(item)
-        settings = EvalSettings(**{**self.settings.__dict__, "baseline": True})
+        names = [n for n in drafters if not n.startswith("step-")]  # the trained runs, not the curve's checkpoints
         check_info = {k: dict(v) for k, v in info.items() if not k.startswith("_")}
-        complete, check_info = self.decode(check_items, check_info, self.out / "eval-decode", settings)
-        rep = check_info["_report"]
-        decoded = {record_key(r["dataset"], r["id"]): r for r in rep["outputs"]}
-        return complete, {
-            "prompts": len(decoded), "per_dataset": per_ds,
-            "agreement": compare_with_decoding(decoded, replayed, modes),
+        jobs = {name: DecodeJob(drafters[name], check_items, json.loads(json.dumps(check_info)),
+                                self.out / "eval-decode" / name,
+                                self.settings_for(drafters[name], baseline=name == "default"))
+                for name in names}
+        done = self.decode_jobs(jobs)
+        checks = {}
+        for name, (_, job_info) in done.items():
+            rep = job_info["_report"]
+            decoded = {record_key(r["dataset"], r["id"]): r for r in rep["outputs"]}
+            checks[name] = {
+                "agreement": compare_with_decoding(decoded, replayed[name],
+                                                   [m for m in jobs[name].settings.mode_names() if m != "target"]),
+                "lossless_mismatches": (sum(len(b["lossless_mismatches"]) for b in rep["datasets"].values())
+                                        if jobs[name].settings.baseline else None)}
+        rep = done["default"][1]["_report"]
+        return all(c for c, _ in done.values()), {
+            "prompts": len(check_items), "per_dataset": per_ds, "drafters": checks,
             "speedup": {ds: {m: b["modes"][m].get("speedup") for m in b["modes"] if m != "target"}
                         for ds, b in rep["datasets"].items()},
             "decode_tokens_per_s": {ds: {m: b["modes"][m]["decode_tokens_per_s"] for m in b["modes"]}
                                     for ds, b in rep["datasets"].items()},
-            "lossless_mismatches": sum(len(b["lossless_mismatches"]) for b in rep["datasets"].values()),
         }
 
     # ------------------------------------------------------------------ summary
@@ -1276,18 +1351,65 @@ def pooled_by_mode(datasets: dict[str, dict], modes: list[str]) -> dict[str, dic
 
 
 def variant_row(overrides: list[str], failed: Optional[str], report: Optional[dict], train: dict, modes: list[str],
-                pooled_names: list[str], train_wall_s: Optional[float]) -> dict:
-    """One recipe's line of "Recipes at equal steps"."""
+                pooled_names: list[str], train_wall_s: Optional[float], by_slot: Optional[dict] = None) -> dict:
+    """One recipe's line of "Recipes at equal steps": the drafter (architecture, drafts per block, whether DDTree
+    applies), training, tau per mode pooled and per dataset (None: the mode does not apply to the drafter), and the
+    block walk's conditional acceptance per slot over MT-Bench + ShareGPT with, for a confidence head, its mean
+    prediction (`by_slot`: the drafter's entry of acceptance_by_slot.json)."""
     if failed is not None:
         return {"overrides": overrides, "failed": failed}
-    return {"overrides": overrides, "steps": train.get("steps"), "accuracy_mean_last": train.get("accuracy_mean_last"),
-            "train_wall_s": train_wall_s, "loop_s": train.get("loop_s"),
-            "tau_mt-bench+sharegpt": pooled_tau(report, modes, pooled_names), "tau_all": pooled_tau(report, modes),
-            "tau_block_by_dataset": {ds: b["modes"]["block"]["tau"] for ds, b in report["datasets"].items()}}
+    row = {"overrides": overrides, "steps": train.get("steps"), "accuracy_mean_last": train.get("accuracy_mean_last"),
+           "train_wall_s": train_wall_s, "loop_s": train.get("loop_s"),
+           "tau_mt-bench+sharegpt": pooled_tau(report, modes, pooled_names), "tau_all": pooled_tau(report, modes),
+           "tau_by_dataset": {ds: {m: (b["modes"][m]["tau"] if m in b["modes"] else None) for m in modes}
+                              for ds, b in report["datasets"].items()}}
+    if by_slot is not None:
+        facts = by_slot["drafter"]
+        row.update({k: facts[k] for k in ("architecture", "block_size", "drafts_per_block", "confidence_head")})
+        row["tree_not_applicable"] = facts["tree"]
+        block = by_slot["modes"]["block"]["pooled"]["mt-bench+sharegpt"]
+        row["block_by_slot_mt-bench+sharegpt"] = {k: block[k] for k in ("acceptance", "predicted", "reached")}
+    return row
 
 
 def drafter_block_size(folder: Path) -> int:
     return int(json.loads((Path(folder) / "config.json").read_text())["block_size"])
+
+
+def drafter_facts(folder: Path) -> dict:
+    """What the comparison reads off an exported drafter, from its config.json alone (the drafter built on the meta
+    device, no weights read): its architecture, block size, tokens drafted per block (`Drafter.num_drafts`: B - 1,
+    or B where the anchor's slot drafts too), whether it has a confidence head, and why DDTree does not apply to
+    it (`tree`: the refusal, None where it applies)."""
+    import torch
+
+    from dflash_train.algorithms import architecture_of_export
+    from dflash_train.infer.replay import tree_refusal
+
+    data = json.loads((Path(folder) / "config.json").read_text())
+    arch = architecture_of_export(data)
+    with torch.device("meta"):
+        drafter = arch.drafter_class(arch.config_from_dict(data))
+    return {"architecture": drafter.architecture, "block_size": int(drafter.block_size),
+            "drafts_per_block": int(drafter.num_drafts()), "confidence_head": bool(drafter.has_confidence),
+            "tree": tree_refusal(drafter)}
+
+
+def acceptance_by_slot(report: dict, modes: list[str], width: int, pooled_names: list[str]) -> dict:
+    """Per mode, the conditional acceptance of each drafted slot (`replay.slot_acceptance`: with the mean predicted
+    acceptance of a confidence head, block mode) per dataset and pooled over `pooled_names` and over all sets."""
+    from dflash_train.infer.replay import slot_acceptance
+
+    out = {}
+    for mode in modes:
+        by_ds: dict[str, list[dict]] = {}
+        for rec in report["outputs"]:
+            by_ds.setdefault(rec["dataset"], []).extend(rec["modes"][mode])
+        out[mode] = {"datasets": {ds: slot_acceptance(outs, width) for ds, outs in by_ds.items()},
+                     "pooled": {"mt-bench+sharegpt": slot_acceptance([o for ds in pooled_names
+                                                                          for o in by_ds.get(ds, [])], width),
+                                "all": slot_acceptance([o for outs in by_ds.values() for o in outs], width)}}
+    return out
 
 
 def _file_sha256(path: Path) -> str:
@@ -1433,23 +1555,7 @@ def replay_markdown(s: dict, modes: list[str]) -> list[str]:
              "every step's acceptance from one drafter pass; equal to real greedy speculative decoding up to "
              "floating-point ties (see the check below). Positions where the full-sequence target pass disagrees "
              f"with the batched greedy continuation: {s.get('argmax_mismatches')}.", ""]
-    variants = s.get("variants") or {}
-    if len(variants) > 1:
-        lines += ["## Recipes at equal steps", "",
-                  "| recipe | overrides | steps | train wall s | train accuracy | "
-                  + " | ".join(f"tau {m} (MT-Bench+ShareGPT)" for m in modes) + " | "
-                  + " | ".join(f"tau {m} (all)" for m in modes) + " |",
-                  "|---|---|---|---|---|" + "---|" * (2 * len(modes))]
-        for name, v in variants.items():
-            if "failed" in v:
-                lines.append(f"| {name} | {' '.join(v['overrides'])} | training failed: {v['failed']} |")
-                continue
-            lines.append(f"| {name} | {' '.join(v['overrides']) or '-'} | {_fmt(v['steps'])} | {_fmt(v['train_wall_s'], 1)} | "
-                         f"{_fmt(v['accuracy_mean_last'])} | "
-                         + " | ".join(_fmt(v["tau_mt-bench+sharegpt"].get(m)) for m in modes) + " | "
-                         + " | ".join(_fmt(v["tau_all"].get(m)) for m in modes) + " |")
-        lines += ["", "Train wall s of the variants: several shared one GPU (the default had its own); compare "
-                  "the variants' tau at equal steps, not their wall times.", ""]
+    lines += variants_markdown(s.get("variants") or {}, modes)
     if s.get("curve"):
         lines += ["## Tau against training time (default recipe)", "",
                   "| step | train s after the first logged step | " + " | ".join(f"tau {m} (MT-Bench+ShareGPT)" for m in modes)
@@ -1463,19 +1569,84 @@ def replay_markdown(s: dict, modes: list[str]) -> list[str]:
     check = s.get("decode_check")
     if check:
         lines += ["## Check: real speculative decoding of the first prompts of each set", "",
-                  f"{check['prompts']} prompts ({check['per_dataset']}), decoded step by step with the target alone, "
-                  f"block and DDTree; outputs differing from the target's own: {check['lossless_mismatches']}.", "",
-                  "| mode | turns | identical tokens | identical accept lengths | tau decoded | tau replayed |",
-                  "|---|---|---|---|---|---|"]
-        for m, a in check["agreement"].items():
-            lines.append(f"| {m} | {a['turns']} | {a['identical_tokens']} | {a['identical_accept_lengths']} | "
-                         f"{_fmt(a['tau_decoded'])} | {_fmt(a['tau_replayed'])} |")
-        lines += ["", "| dataset | " + " | ".join(f"speedup {m}" for m in modes) + " | target alone tok/s |",
-                  "|---|" + "---|" * (len(modes) + 1)]
+                  f"{check['prompts']} prompts ({check['per_dataset']}) decoded step by step with each drafter, the "
+                  "default's with the target alone too, and compared with their replay turn by turn (identical tokens "
+                  "are the target's greedy output: replay reads it).", "",
+                  "| drafter | mode | turns | identical tokens | identical accept lengths | tau decoded | tau replayed "
+                  "| outputs differing from the target alone |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, c in check["drafters"].items():
+            for m, a in c["agreement"].items():
+                lines.append(f"| {name} | {m} | {a['turns']} | {a['identical_tokens']} | {a['identical_accept_lengths']} | "
+                             f"{_fmt(a['tau_decoded'])} | {_fmt(a['tau_replayed'])} | {_fmt(c['lossless_mismatches'])} |")
+        lines += ["", "| dataset (default drafter) | " + " | ".join(f"speedup {m}" for m in modes)
+                  + " | target alone tok/s |", "|---|" + "---|" * (len(modes) + 1)]
         for ds, sp in check["speedup"].items():
             lines.append(f"| {ds} | " + " | ".join(f"{_fmt(sp.get(m), 2)}x" if sp.get(m) else "-" for m in modes)
                          + f" | {_fmt(check['decode_tokens_per_s'][ds].get('target'), 1)} |")
         lines.append("")
+    return lines
+
+
+def variants_markdown(variants: dict, modes: list[str]) -> list[str]:
+    """The recipes side by side (more than one): drafter, training, tau per mode pooled and per dataset ("n/a"
+    where a mode does not apply), conditional acceptance per slot, and the confidence heads' calibration."""
+    if len(variants) < 2:
+        return []
+    ok = {n: v for n, v in variants.items() if "failed" not in v}
+
+    def tau(v: dict, taus: dict, m: str) -> str:
+        return "n/a" if m.startswith("tree-") and v.get("tree_not_applicable") else _fmt(taus.get(m))
+
+    lines = ["## Recipes at equal steps", "",
+             "| recipe | architecture | drafts per block | overrides | steps | train wall s | train accuracy | "
+             + " | ".join(f"tau {m} (MT-Bench+ShareGPT)" for m in modes) + " | "
+             + " | ".join(f"tau {m} (all)" for m in modes) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * (2 * len(modes))]
+    for name, v in variants.items():
+        if "failed" in v:
+            lines.append(f"| {name} | | | {' '.join(v['overrides'])} | training failed: {v['failed']} |")
+            continue
+        lines.append(f"| {name} | {v.get('architecture', '-')} | {_fmt(v.get('drafts_per_block'))} | "
+                     f"{' '.join(v['overrides']) or '-'} | {_fmt(v['steps'])} | {_fmt(v['train_wall_s'], 1)} | "
+                     f"{_fmt(v['accuracy_mean_last'])} | "
+                     + " | ".join(tau(v, v["tau_mt-bench+sharegpt"], m) for m in modes) + " | "
+                     + " | ".join(tau(v, v["tau_all"], m) for m in modes) + " |")
+    lines += ["", "Drafts per block: the tokens one step drafts (DFlash-family blocks of B slots draft B - 1, DSpark's "
+              "B); compare recipes at equal drafts per block for equal verification width. Train wall s: the "
+              "training processes of this comparison shared the GPU(s) (the default had its own where there were "
+              "several); compare tau at equal steps, not wall times. n/a: the drafter refuses DDTree.", ""]
+    sets = list(dict.fromkeys(ds for v in ok.values() for ds in v["tau_by_dataset"]))
+    if sets:
+        lines += ["### Tau per dataset (" + " / ".join(modes) + ")", "",
+                  "| recipe | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
+        for name, v in ok.items():
+            lines.append(f"| {name} | " + " | ".join(" / ".join(tau(v, v["tau_by_dataset"].get(ds, {}), m) for m in modes)
+                                                    for ds in sets) + " |")
+        lines.append("")
+    slots = {n: v["block_by_slot_mt-bench+sharegpt"] for n, v in ok.items() if v.get("block_by_slot_mt-bench+sharegpt")}
+    if slots:
+        width = max(len(t["acceptance"]) for t in slots.values())
+        lines += ["### Conditional acceptance per drafted slot (block, MT-Bench + ShareGPT)", "",
+                  "The share of the steps that reached a slot (every draft before it accepted) that accepted it too.",
+                  "", "| recipe | " + " | ".join(str(k + 1) for k in range(width)) + " |", "|---|" + "---|" * width]
+        for name, t in slots.items():
+            lines.append(f"| {name} | " + " | ".join(_fmt(t["acceptance"][k], 2) if k < len(t["acceptance"]) else ""
+                                                    for k in range(width)) + " |")
+        lines.append("")
+        calibrated = {n: t for n, t in slots.items() if t.get("predicted")}
+        if calibrated:
+            lines += ["### Confidence head calibration (block, MT-Bench + ShareGPT)", "",
+                      "Per drafted slot: the mean predicted acceptance (the confidence head's sigmoid) over the steps "
+                      "that reached the slot, against the acceptance measured there (above); steps: how many reached "
+                      "it.", "", "| recipe | | " + " | ".join(str(k + 1) for k in range(width)) + " |",
+                      "|---|---|" + "---|" * width]
+            for name, t in calibrated.items():
+                for label, key, nd in (("predicted", "predicted", 2), ("measured", "acceptance", 2), ("steps", "reached", 0)):
+                    vals = t[key]
+                    lines.append(f"| {name} | {label} | " + " | ".join(
+                        (_fmt(vals[k], nd) if nd else str(vals[k])) if k < len(vals) else "" for k in range(width)) + " |")
+            lines.append("")
     return lines
 
 
@@ -1547,8 +1718,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay (default): tau of greedy speculative decoding from the target's own greedy "
                         "continuations (exact, minutes for every prompt); decode: real step-by-step decoding")
     p.add_argument("--check-decode", type=int, default=0, metavar="N",
-                   help="with --method replay: also decode the first N prompts of each set for real (with the "
-                        "target alone too: speedup) and compare with replay turn by turn")
+                   help="with --method replay: also decode the first N prompts of each set for real with every "
+                        "trained drafter (the default's with the target alone too: speedup) and compare each with "
+                        "its replay turn by turn")
     p.add_argument("--variant", action="append", metavar="NAME=K=V[,K=V...]",
                    help="also train this recipe (the overrides on top of the default's), at the same time, and "
                         "replay it; repeat. The default run keeps GPU 0 to itself when there are several")

@@ -476,3 +476,94 @@ def test_prepared_data_carries_label_counts_for_a_reduced_vocabulary_variant(tmp
     assert "without label counts" in log[-2] and has_label_counts(json.loads((prepared / "manifest.json").read_text()))
     with pytest.raises(ConfigError, match="dflash only"):
         Q.parse_variants(["dflash2=drafter.architecture=dflash2,drafter.draft_vocab_size=64"], str(config), [])
+
+
+# --------------------------------------------------------------------------- variants of every architecture
+
+
+def _save_drafters(target, out: Path) -> dict[str, Path]:
+    """A DFlash base (run/export), a DSpark variant with a confidence head and a Domino variant, block 4 each,
+    saved where the comparison's runs export them."""
+    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.algorithms.domino.config import make_domino_config
+    from dflash_train.algorithms.domino.model import DominoDrafter
+    from dflash_train.algorithms.dspark.model import DSparkDrafter
+    from dflash_train.algorithms.io import save_drafter
+
+    shape = dict(num_draft_layers=1, block_size=4, target_layer_ids=[1, 4], mask_token_id=16)
+    torch.manual_seed(0)
+    spark = make_drafter_config(target.config, **shape)
+    spark.architectures = ["Qwen3DSparkModel"]
+    spark.markov_rank, spark.markov_head_type = 8, "vanilla"
+    spark.enable_confidence_head, spark.confidence_head_with_markov = True, True
+    drafters = {"run": DFlashDrafter(make_drafter_config(target.config, **shape)),
+                "variants/dspark": DSparkDrafter(spark),
+                "variants/domino": DominoDrafter(make_domino_config(target.config, gru_hidden_dim=8, emb_dim=8, **shape))}
+    return {where: save_drafter(d, out / where / "export", dtype="float32") for where, d in drafters.items()}
+
+
+def test_drafter_facts_read_each_architectures_drafts_confidence_and_ddtree(tmp_path, tiny_pair):
+    """Drafts per block (DSpark's B slots draft B, the others B - 1), the confidence head and the DDTree refusal,
+    from an export's config.json alone."""
+    target, _, _ = tiny_pair
+    saved = _save_drafters(target, tmp_path)
+    facts = {where: Q.drafter_facts(path) for where, path in saved.items()}
+    assert facts["run"] == {"architecture": "dflash", "block_size": 4, "drafts_per_block": 3, "confidence_head": False,
+                            "tree": None}
+    assert facts["variants/dspark"] == {"architecture": "dspark", "block_size": 4, "drafts_per_block": 4,
+                                        "confidence_head": True, "tree": None}
+    assert facts["variants/domino"]["drafts_per_block"] == 3 and "--tree-budget" in facts["variants/domino"]["tree"]
+
+
+@pytest.mark.long  # ~60 s: the corpus, replay and decode processes of three drafters
+def test_variants_of_every_architecture_replay_decode_check_and_summarise(tmp_path, tiny_pair, tiny_target_dir,
+                                                                          counting_jsonl):
+    """The comparison's eval stage over a DFlash base, a DSpark variant (a block of B slots drafts B: the corpus
+    reaches B tokens past max_new; its confidence head's calibration) and a Domino variant (it refuses DDTree: n/a,
+    not a failed stage): tau by replay per variant, every drafter decoded for real and equal to its replay, and the
+    summary's per-variant table."""
+    from dflash_train.config.load import load_config
+
+    target, _, _ = tiny_pair
+    config = tmp_path / "c.yaml"
+    config.write_text(f"target:\n  path: {tiny_target_dir}\ndrafter:\n  block_size: 4\n  num_draft_layers: 1\n"
+                      "  target_layer_ids: [1, 4]\ndata:\n  max_length: 256\n")
+    out = tmp_path / "q"
+    assert Q.prepare_training_data(load_config(config), str(counting_jsonl), 0.0, out / "prepared", print) is not None
+    _save_drafters(target, out)
+    sets = {"mt-bench": [{"id": "a", "turns": ["Name a river.", "Another one."]}, {"id": "b", "turns": ["Say hi."]}],
+            "sharegpt": [{"id": "c", "turns": ["Write a haiku about stone."]}]}
+    evals = []
+    for name, rows in sets.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        evals += ["--eval", f"{name}={tmp_path / f'{name}.jsonl'}"]
+    argv = ["--out", str(out), "--config", str(config), "--data", str(counting_jsonl), "--stages", "eval", *evals,
+            "--max-new-tokens", "8", "--tree-budget", "4", "--check-decode", "2", "--device", "cpu",
+            "--variant", "dspark=drafter.architecture=dspark", "--variant", "domino=drafter.architecture=domino"]
+    assert Q.main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    v = s["variants"]
+    assert [v[n]["drafts_per_block"] for n in ("default", "dspark", "domino")] == [3, 4, 3]
+    assert v["domino"]["tree_not_applicable"] and v["domino"]["tau_all"]["tree-4"] is None
+    assert v["domino"]["tau_by_dataset"]["mt-bench"]["tree-4"] is None
+    assert v["domino"]["tau_by_dataset"]["mt-bench"]["block"] >= 1.0
+    assert v["default"]["tau_all"]["tree-4"] >= 1.0 and v["dspark"]["tau_all"]["tree-4"] >= 1.0
+    slots = v["dspark"]["block_by_slot_mt-bench+sharegpt"]
+    assert len(slots["predicted"]) == 4 and 0.0 < slots["predicted"][0] < 1.0 and slots["reached"][0] > 0
+    assert v["default"]["block_by_slot_mt-bench+sharegpt"]["predicted"] is None
+    by_slot = json.loads((out / "acceptance_by_slot.json").read_text())
+    assert set(by_slot) == {"default", "dspark", "domino"} and set(by_slot["domino"]["modes"]) == {"block"}
+    # every block step reaches the first draft: as many as the steps of the default's pooled tau
+    steps = sum(s["eval"]["datasets"][ds]["modes"]["block"]["steps"] for ds in ("mt-bench", "sharegpt"))
+    assert by_slot["default"]["modes"]["block"]["pooled"]["mt-bench+sharegpt"]["reached"][0] == steps > 0
+    check = s["decode_check"]["drafters"]
+    assert set(check) == {"default", "dspark", "domino"} and set(check["domino"]["agreement"]) == {"block"}
+    for name, c in check.items():
+        for mode, a in c["agreement"].items():
+            assert a["turns"] == 4 and a["identical_tokens"] == 4 and a["identical_accept_lengths"] == 4, (name, mode)
+    assert check["default"]["lossless_mismatches"] == 0 and check["dspark"]["lossless_mismatches"] is None
+    md = (out / "summary.md").read_text()
+    assert "| dspark | dspark | 4 |" in md and "| domino | domino | 3 |" in md
+    assert next(line for line in md.splitlines() if line.startswith("| domino | domino")).count("n/a") == 2
+    assert "### Confidence head calibration" in md and "| dspark | predicted |" in md

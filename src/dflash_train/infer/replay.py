@@ -99,12 +99,14 @@ def greedy_continuations(target, prompts: list[list[int]], num_new: int, batch_s
 @dataclass
 class Proposals:
     """What the drafter would propose at every anchor `prompt_len + j`, j < `num_anchors`: greedy drafts
-    `[N, D]` (D = `num_drafts()`) and the tree candidates per drafted slot (`Drafter.tree_candidates`: ids
-    `[N, D, k]`, log-probabilities `[N, D, k]` or, given the previous slot's candidate, `[N, D, k, k]`)."""
+    `[N, D]` (D = `num_drafts()`), the tree candidates per drafted slot (`Drafter.tree_candidates`: ids
+    `[N, D, k]`, log-probabilities `[N, D, k]` or, given the previous slot's candidate, `[N, D, k, k]`) and, for
+    a drafter with a confidence head, each draft's predicted acceptance `[N, D]` (`draft_with_confidence`)."""
 
     drafts: torch.Tensor
     top_lp: Optional[torch.Tensor]
     top_ids: Optional[torch.Tensor]
+    confidence: Optional[torch.Tensor] = None
 
 
 @torch.no_grad()
@@ -137,7 +139,7 @@ def proposals_from_context(drafter: Drafter, embed: Callable, lm_head: torch.nn.
     context = context.to(dtype)
     length = context.shape[1]
     ids_t = torch.tensor(ids, device=device)
-    drafts, top_lp, top_ids = [], [], []
+    drafts, top_lp, top_ids, confidence = [], [], [], []
     for first in range(prompt_len, prompt_len + num_anchors, anchors_per_chunk):
         anchors = torch.arange(first, min(first + anchors_per_chunk, prompt_len + num_anchors), device=device)
         n = len(anchors)
@@ -150,12 +152,18 @@ def proposals_from_context(drafter: Drafter, embed: Callable, lm_head: torch.nn.
         out = drafter(context, drafter.embed_block(embed, block.view(1, -1)).to(dtype), position_ids, sdpa_attention,
                       masks)
         hidden = out[0].view(n, bs, -1)
-        drafts.append(drafter.draft(hidden, lm_head, block[:, 0])[0])  # [n, num_drafts]
+        if drafter.has_confidence:
+            ids, _, conf = drafter.draft_with_confidence(hidden, lm_head, block[:, 0])
+            drafts.append(ids)
+            confidence.append(conf.float())
+        else:
+            drafts.append(drafter.draft(hidden, lm_head, block[:, 0])[0])  # [n, num_drafts]
         if top_k:
             lp, tid = drafter.tree_candidates(hidden, lm_head, block[:, 0], top_k)
             top_lp.append(lp)
             top_ids.append(tid)
-    return Proposals(torch.cat(drafts), torch.cat(top_lp) if top_k else None, torch.cat(top_ids) if top_k else None)
+    return Proposals(torch.cat(drafts), torch.cat(top_lp) if top_k else None, torch.cat(top_ids) if top_k else None,
+                     torch.cat(confidence) if confidence else None)
 
 
 def _block_accepts(drafts: torch.Tensor, ids: torch.Tensor, prompt_len: int) -> list[int]:
@@ -214,20 +222,73 @@ def walk(accepted_at: Callable[[int], int], continuation: Sequence[int], max_new
     return finish(tokens, max_new, stop), accepts
 
 
+def tree_refusal(drafter: Drafter) -> Optional[str]:
+    """Why this drafter cannot be decoded with DDTree (`Drafter.check_tree_decoding`'s message), or None."""
+    try:
+        drafter.check_tree_decoding()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def confidence_sums(confidence: torch.Tensor, accepts: Sequence[int]) -> list[float]:
+    """Per drafted slot, the sum of its predicted acceptance (`confidence [N, D]`, row j: the anchor j tokens into
+    the continuation) over the steps of a block walk (`accepts`, from anchor 0 on) that reached the slot: every
+    draft before it accepted. Divided by the steps that reached each slot (`slot_acceptance`), the mean prediction
+    to set against the measured conditional acceptance."""
+    conf = confidence.detach().double().cpu()
+    width = conf.shape[1]
+    sums = torch.zeros(width, dtype=torch.float64)
+    j = 0
+    for a in accepts:  # a step accepting a - 1 drafts reached slots 0 .. a - 1 (all of them when a - 1 = width)
+        reached = min(a, width)
+        sums[:reached] += conf[j, :reached]
+        j += a
+    return sums.tolist()
+
+
+def slot_acceptance(outputs: Iterable[dict], width: int) -> dict:
+    """Conditional acceptance per drafted slot over block outputs (`{"accept_lengths"[, "confidence_sums"]}`,
+    `width` = `num_drafts()`): `reached[k]`, the steps whose drafts before slot k were all accepted, `accepted[k]`,
+    those of them that accepted slot k too, `acceptance[k]` = accepted / reached (None where never reached) and,
+    when every output has `confidence_sums` (a drafter with a confidence head), `predicted[k]`: the mean predicted
+    acceptance of slot k over the steps that reached it (else None). Slot k = 0 is the first draft."""
+    reached, accepted = [0] * width, [0] * width
+    sums: Optional[list[float]] = [0.0] * width
+    for out in outputs:
+        for a in out["accept_lengths"]:
+            for k in range(min(a, width)):
+                reached[k] += 1
+            for k in range(min(a - 1, width)):
+                accepted[k] += 1
+        if sums is not None and out.get("confidence_sums") is not None:
+            sums = [x + y for x, y in zip(sums, out["confidence_sums"])]
+        else:
+            sums = None
+    return {"reached": reached, "accepted": accepted,
+            "acceptance": [a / r if r else None for a, r in zip(accepted, reached)],
+            "predicted": None if sums is None else [x / r if r else None for x, r in zip(sums, reached)]}
+
+
 @dataclass
 class TurnReplay:
-    """Per mode: (tokens, accept lengths); and how many positions' target argmax in the full forward
-    disagree with the continuation (0 unless ties flipped between batched generation and this pass)."""
+    """Per mode: (tokens, accept lengths); how many positions' target argmax in the full forward disagree with
+    the continuation (0 unless ties flipped between batched generation and this pass); for a drafter with a
+    confidence head, the block walk's `confidence_sums`."""
 
     modes: dict[str, tuple[list[int], list[int]]]
     argmax_mismatches: int
+    confidence_sums: Optional[list[float]] = None
 
 
 def replay_turn(target, drafter: Drafter, turn: ReplayTurn, max_new: int, tree_budgets: Sequence[int],
                 stops: Iterable[int], target_out=None) -> TurnReplay:
-    """Block and DDTree-`b` decoding of one turn by replay. `target_out`: `target_pass` of prompt +
-    continuation, when already computed (several drafters share it)."""
+    """Block and DDTree-`b` decoding of one turn by replay (block only for a drafter that refuses DDTree:
+    `tree_refusal`). `target_out`: `target_pass` of prompt + continuation, when already computed (several drafters
+    share it)."""
     stops = list(stops)
+    if tree_refusal(drafter) is not None:
+        tree_budgets = ()
     ids = turn.prompt + turn.continuation
     p = len(turn.prompt)
     need = max_new + drafter.num_drafts()
@@ -244,13 +305,14 @@ def replay_turn(target, drafter: Drafter, turn: ReplayTurn, max_new: int, tree_b
     cont = turn.continuation
     block = _block_accepts(props.drafts, ids_t.to(props.drafts.device), p)
     modes = {"block": walk(lambda j: block[j], cont, max_new, stops)}
+    sums = None if props.confidence is None else confidence_sums(props.confidence, modes["block"][1])
     if tree_budgets:
         top_lp, top_ids = props.top_lp.cpu(), props.top_ids.cpu()  # the tree builder reads a few rows of each
         width = drafter.num_drafts()  # the tree's depth
         for budget in tree_budgets:
             modes[f"tree-{budget}"] = walk(
                 lambda j: _tree_accepts(top_lp[j], top_ids[j], budget, cont[j + 1:j + 1 + width]), cont, max_new, stops)
-    return TurnReplay(modes, mismatches)
+    return TurnReplay(modes, mismatches, sums)
 
 
 # --------------------------------------------------------------------------- prompts -> corpus -> records
@@ -285,19 +347,21 @@ def turn_records(target, tokenizer, drafters: dict[str, Drafter], corpus: list[R
                  done: Callable[[str, ReplayTurn], bool] = lambda name, turn: False) -> Iterator[tuple[str, dict]]:
     """(drafter name, record of one turn) for each turn and drafter, in corpus order, skipping the pairs `done`
     says are done (a resumed replay). A turn's record: `{"dataset", "id", "turn", "argmax_mismatches",
-    "modes": {mode: output}}`. The target runs once per turn for all drafters that need it."""
+    "modes": {mode: output}}` (no tree modes for a drafter that refuses DDTree; the block output of a drafter with
+    a confidence head has `confidence_sums`). The target runs once per turn for all drafters that need it."""
     stops = list(stops)
     for turn in corpus:
         todo = [name for name in drafters if not done(name, turn)]
         shared = target_pass(target, turn.prompt + turn.continuation) if todo else None
         for name in todo:
             rep = replay_turn(target, drafters[name], turn, max_new, tree_budgets, stops, shared)
+            modes = {mode: {"token_ids": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True),
+                            "tau": sum(accepts) / max(len(accepts), 1), "accept_lengths": accepts, "decode_s": 0.0}
+                     for mode, (tokens, accepts) in rep.modes.items()}
+            if rep.confidence_sums is not None:
+                modes["block"]["confidence_sums"] = rep.confidence_sums
             yield name, {"dataset": turn.dataset, "id": turn.id, "turn": turn.turn,
-                         "argmax_mismatches": rep.argmax_mismatches,
-                         "modes": {mode: {"token_ids": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True),
-                                          "tau": sum(accepts) / max(len(accepts), 1), "accept_lengths": accepts,
-                                          "decode_s": 0.0}
-                                   for mode, (tokens, accepts) in rep.modes.items()}}
+                         "argmax_mismatches": rep.argmax_mismatches, "modes": modes}
 
 
 def prompt_records(turns: Iterable[dict]) -> list[dict]:

@@ -199,3 +199,101 @@ def test_teacher_forced_walk_along_greedy_text_is_real_decoding(target, memorise
         assert walked[-1] <= real[len(walked) - 1]
         lengths += walked
     assert max(lengths) > 2
+
+
+# --------------------------------------------------------------------------- per-slot acceptance and confidence
+
+
+def test_confidence_sums_and_slot_acceptance_of_a_block_walk_by_hand():
+    """Steps accepting 2, 0, 3 (all) and 1 drafts of width 3, walked from anchor 0 (anchors 0, 3, 4, 8): a step
+    reaches the slots up to its first rejected one, and only those add their predicted acceptance."""
+    from dflash_train.infer.replay import confidence_sums, slot_acceptance
+
+    conf = torch.arange(30, dtype=torch.float64).view(10, 3) / 100  # row j: the anchor j tokens in
+    accepts = [3, 1, 4, 2]
+    sums = confidence_sums(conf, accepts)
+    # anchor 0 reaches slots 0-2, anchor 3 slot 0, anchor 4 slots 0-2, anchor 8 slots 0-1
+    want = [(0 + 9 + 12 + 24) / 100, (1 + 13 + 25) / 100, (2 + 14) / 100]
+    assert sums == pytest.approx(want)
+    second = {"accept_lengths": [1, 2], "confidence_sums": [0.5, 0.25, 0.0]}
+    got = slot_acceptance([{"accept_lengths": accepts, "confidence_sums": sums}, second], 3)
+    assert got["reached"] == [6, 4, 2] and got["accepted"] == [4, 2, 1]
+    assert got["acceptance"] == pytest.approx([4 / 6, 2 / 4, 1 / 2])
+    assert got["predicted"] == pytest.approx([(want[0] + 0.5) / 6, (want[1] + 0.25) / 4, want[2] / 2])
+    # an output without confidence (a drafter without the head): no prediction; a slot never reached: None
+    got = slot_acceptance([{"accept_lengths": [1, 1]}, second], 3)
+    assert got["predicted"] is None and got["reached"] == [4, 1, 0] and got["acceptance"] == [0.25, 0.0, None]
+
+
+def _dspark(target, block_size: int, confidence: bool = True):
+    from dflash_train.algorithms.dspark.model import DSparkDrafter
+
+    torch.manual_seed(0)
+    cfg = make_drafter_config(target.config, num_draft_layers=1, block_size=block_size, target_layer_ids=[1, 4],
+                              mask_token_id=16)
+    cfg.architectures = ["Qwen3DSparkModel"]
+    cfg.markov_rank, cfg.markov_head_type = 8, "vanilla"
+    cfg.enable_confidence_head, cfg.confidence_head_with_markov = confidence, True
+    return DSparkDrafter(cfg).double().eval()
+
+
+def test_replay_of_a_dspark_drafter_drafts_every_slot_and_sums_the_confidence_decoding_computes(target):
+    """A DSpark block of B slots drafts B tokens: replay needs a continuation B tokens past max_new (not B - 1) and
+    takes real decoding's steps; the confidence it sums per slot is what the drafter predicts at each of decoding's
+    steps, over the slots that step reached."""
+    bs, max_new = 4, 14
+    d = _dspark(target, bs)
+    assert d.num_drafts() == bs and d.has_confidence
+    prompts = _prompts()
+    conts = greedy_continuations(target, prompts, max_new + bs)
+    with pytest.raises(ValueError, match=f"needs {max_new + bs}"):
+        replay_turn(target, d, ReplayTurn("toy", "0", 0, prompts[0], conts[0][:-1]), max_new, (4,), STOPS)
+    seen = []
+    original = d.draft_with_confidence
+
+    def draft(hidden, lm_head, anchor_ids, temperature=0.0, generator=None):  # decoding's drafts, confidence kept
+        ids, q, conf = original(hidden, lm_head, anchor_ids, temperature, generator)
+        seen.append(conf[0].tolist())
+        return ids, q
+
+    d.draft = draft
+    dec = SpeculativeDecoder(target, d, stop_token_ids=STOPS)
+    for i, (p, c) in enumerate(zip(prompts, conts)):
+        seen.clear()
+        real = dec.generate_block(p, max_new)
+        rep = replay_turn(target, d, ReplayTurn("toy", str(i), 0, p, c), max_new, (4,), STOPS)
+        assert rep.modes["block"] == (real.tokens, real.accept_lengths)
+        assert rep.modes["tree-4"][0] == real.tokens
+        want = [0.0] * bs
+        for conf, a in zip(seen, real.accept_lengths):
+            for k in range(min(a, bs)):
+                want[k] += conf[k]
+        assert rep.confidence_sums == pytest.approx(want, rel=1e-6)  # the head scores in float32
+    del d.draft
+    assert replay_turn(target, _dspark(target, bs, confidence=False), ReplayTurn("toy", "0", 0, prompts[0], conts[0]),
+                       max_new, (), STOPS).confidence_sums is None
+
+
+def test_replay_of_a_drafter_that_refuses_ddtree_gives_its_block_mode_only(target, tiny_target_dir):
+    """Domino refuses DDTree (`check_tree_decoding`): replay asked for tree budgets replays block verification alone
+    (as real decoding decodes it), and its turn records carry no tree mode, instead of failing the replay of every
+    drafter."""
+    from dflash_train.algorithms.domino.config import make_domino_config
+    from dflash_train.algorithms.domino.model import DominoDrafter
+    from dflash_train.infer.replay import tree_refusal, turn_records
+    from dflash_train.target.capture import load_tokenizer
+
+    bs, max_new = 4, 10
+    torch.manual_seed(0)
+    d = DominoDrafter(make_domino_config(target.config, num_draft_layers=1, block_size=bs, target_layer_ids=[1, 4],
+                                         mask_token_id=16, gru_hidden_dim=8, emb_dim=8)).double().eval()
+    dflash = _drafter(target, bs)
+    assert "domino" in tree_refusal(d) and tree_refusal(dflash) is None
+    p = _prompts()[0]
+    turn = ReplayTurn("toy", "0", 0, p, greedy_continuations(target, [p], max_new + bs - 1)[0])
+    rep = replay_turn(target, d, turn, max_new, (4,), STOPS)
+    real = SpeculativeDecoder(target, d, stop_token_ids=STOPS).generate_block(p, max_new)
+    assert rep.modes == {"block": (real.tokens, real.accept_lengths)}
+    records = dict(turn_records(target, load_tokenizer(tiny_target_dir), {"dflash": dflash, "domino": d}, [turn],
+                                max_new, (4,), STOPS))
+    assert set(records["domino"]["modes"]) == {"block"} and set(records["dflash"]["modes"]) == {"block", "tree-4"}
