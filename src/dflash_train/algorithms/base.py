@@ -431,6 +431,11 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
         (e.g. factored codebooks computed through the target's head)."""
         return self
 
+    def flop_sizes(self) -> dict:
+        """The sizes of this architecture's own modules that the FLOP accounting reads (`train/flops.py`,
+        `own_flop_parts`); none for a drafter whose step is DFlash's."""
+        return {}
+
     def check_tree_decoding(self) -> None:
         """Raise a user error (ValueError naming --tree-budget) where this drafter cannot give DDTree candidates
         (`tree_candidates`); decoding calls it before the first prompt. Every drafter can here."""

@@ -168,16 +168,9 @@ def drafter_shape(drafter) -> dict:
 
 
 def own_sizes(drafter) -> dict:
-    """DSpark's Markov and confidence heads' sizes, Domino's GRU and bottleneck widths; nothing for the others."""
-    kind = getattr(drafter, "architecture", "dflash")
-    if kind == "dspark":
-        r = drafter.markov_rank
-        width = drafter.config.hidden_size + (r if drafter.confidence_with_markov else 0)
-        return {"markov_rank": r, "markov_head_type": drafter.markov_head_type,
-                "confidence_width": width if drafter.with_confidence else 0}
-    if kind == "domino":
-        return {"gru_hidden_dim": drafter.gru_hidden_dim, "emb_dim": drafter.emb_dim}
-    return {}
+    """The sizes of the drafter's own modules (`Drafter.flop_sizes`: DSpark's heads, Domino's GRU and bottleneck)."""
+    sizes = getattr(drafter, "flop_sizes", None)
+    return sizes() if callable(sizes) else {}
 
 
 # ------------------------------------------------------------------------------------------------ the loop
