@@ -791,6 +791,19 @@ def parse_variants(specs: list[str], config: str, overrides: list[str]) -> dict[
     return variants
 
 
+def flex_refusals(configs: dict) -> list[str]:
+    """The runs (name -> loaded config) whose training on a GPU would stop at its start: flex attention (the GPU's
+    `drafter.attention_backend: auto`) tiles whole blocks into 128-query tiles, so it needs a block size dividing
+    128 (`dflash.attention.resolve_backend`). Named before anything runs, with the fix."""
+    from dflash_train.algorithms.dflash.attention import FLEX_TILE
+
+    return [f"{name}: drafter.block_size={c.drafter.block_size} does not divide {FLEX_TILE}, which flex attention "
+            f"(drafter.attention_backend={c.drafter.attention_backend}, flex on a GPU) needs; choose a block size "
+            f"that divides it or add drafter.attention_backend=sdpa (dense masks: slower, more memory)"
+            for name, c in configs.items()
+            if c.run.device != "cpu" and c.drafter.attention_backend in ("auto", "flex") and FLEX_TILE % c.drafter.block_size]
+
+
 def exported(folder: Path) -> bool:
     return (folder / "model.safetensors").is_file()
 
@@ -816,6 +829,11 @@ class Driver:
         self.eval_dir = self.out / "eval"
         self.cfg = load_config(args.config, args.overrides)
         self.variants = parse_variants(getattr(args, "variant", None) or [], args.config, args.overrides)
+        if visible_gpus(args.device) and not getattr(args, "drafter", None):
+            refused = flex_refusals({name: load_config(args.config, overrides)
+                                     for name, (_, overrides) in self.runs().items()})
+            if refused:
+                raise SystemExit("these runs would stop at the start of training on the GPU:\n  " + "\n  ".join(refused))
         self.start = time.time()
         self.log_file = open(self.out / "driver.log", "a", encoding="utf-8")
         # One target per work directory: its prepared tokens, drafters and continuations are that target's.
@@ -1063,8 +1081,9 @@ class Driver:
             failed = [k for k, code in enumerate(codes) if code != 0 and not (stopped and code < 0)]
             if failed:
                 tail = cmds[failed[0]][1].read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"eval workers failed ({len(failed)} of {len(cmds)}); {cmds[failed[0]][1]} "
-                                   f"ends:\n{tail}")
+                raise RuntimeError(f"eval workers failed ({len(failed)} of {len(cmds)}, exit codes "
+                                   f"{[codes[k] for k in failed]}: negative = killed by that signal); "
+                                   f"{cmds[failed[0]][1]} ends:\n{tail}")
         return {name: self.decode_report(name, job) for name, job in jobs.items()}
 
     def decode_plan(self, name: str, job: "DecodeJob") -> list[dict]:
@@ -1369,6 +1388,10 @@ def variant_row(overrides: list[str], failed: Optional[str], report: Optional[di
         row["tree_not_applicable"] = facts["tree"]
         block = by_slot["modes"]["block"]["pooled"]["mt-bench+sharegpt"]
         row["block_by_slot_mt-bench+sharegpt"] = {k: block[k] for k in ("acceptance", "predicted", "reached")}
+        # the steps that accepted every draft: what a block one draft shorter would have cut (tau moves by about
+        # this share), for comparisons at unequal drafts per block
+        row["every_draft_accepted_mt-bench+sharegpt"] = (block["accepted"][-1] / block["reached"][0]
+                                                         if block["reached"][0] else None)
     return row
 
 
@@ -1467,6 +1490,10 @@ def _mean(values) -> Optional[float]:
 
 def _fmt(v, nd=3) -> str:
     return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def _share(v: Optional[float]) -> str:
+    return "-" if v is None else f"{100 * v:.3f}%"
 
 
 def summary_markdown(s: dict) -> str:
@@ -1601,8 +1628,8 @@ def variants_markdown(variants: dict, modes: list[str]) -> list[str]:
     lines = ["## Recipes at equal steps", "",
              "| recipe | architecture | drafts per block | overrides | steps | train wall s | train accuracy | "
              + " | ".join(f"tau {m} (MT-Bench+ShareGPT)" for m in modes) + " | "
-             + " | ".join(f"tau {m} (all)" for m in modes) + " |",
-             "|---|---|---|---|---|---|---|" + "---|" * (2 * len(modes))]
+             + " | ".join(f"tau {m} (all)" for m in modes) + " | block steps accepting every draft |",
+             "|---|---|---|---|---|---|---|" + "---|" * (2 * len(modes) + 1)]
     for name, v in variants.items():
         if "failed" in v:
             lines.append(f"| {name} | | | {' '.join(v['overrides'])} | training failed: {v['failed']} |")
@@ -1611,9 +1638,12 @@ def variants_markdown(variants: dict, modes: list[str]) -> list[str]:
                      f"{' '.join(v['overrides']) or '-'} | {_fmt(v['steps'])} | {_fmt(v['train_wall_s'], 1)} | "
                      f"{_fmt(v['accuracy_mean_last'])} | "
                      + " | ".join(tau(v, v["tau_mt-bench+sharegpt"], m) for m in modes) + " | "
-                     + " | ".join(tau(v, v["tau_all"], m) for m in modes) + " |")
+                     + " | ".join(tau(v, v["tau_all"], m) for m in modes) + " | "
+                     + _share(v.get("every_draft_accepted_mt-bench+sharegpt")) + " |")
     lines += ["", "Drafts per block: the tokens one step drafts (DFlash-family blocks of B slots draft B - 1, DSpark's "
-              "B); compare recipes at equal drafts per block for equal verification width. Train wall s: the "
+              "B); compare recipes at equal drafts per block for equal verification width. Block steps accepting "
+              "every draft (MT-Bench + ShareGPT): the share of steps a block one draft shorter would have cut short, "
+              "about what one more or one less draft moves tau by. Train wall s: the "
               "training processes of this comparison shared the GPU(s) (the default had its own where there were "
               "several); compare tau at equal steps, not wall times. n/a: the drafter refuses DDTree.", ""]
     sets = list(dict.fromkeys(ds for v in ok.values() for ds in v["tau_by_dataset"]))

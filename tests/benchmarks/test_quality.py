@@ -567,3 +567,48 @@ def test_variants_of_every_architecture_replay_decode_check_and_summarise(tmp_pa
     assert "| dspark | dspark | 4 |" in md and "| domino | domino | 3 |" in md
     assert next(line for line in md.splitlines() if line.startswith("| domino | domino")).count("n/a") == 2
     assert "### Confidence head calibration" in md and "| dspark | predicted |" in md
+
+
+def test_a_variant_row_from_replay_records_by_hand():
+    """A drafter of 4 drafts per block without DDTree, one MT-Bench turn of steps accepting 0, 3, 4 (all) and 1
+    drafts: tau, n/a for the tree mode, conditional acceptance and calibration per slot, and the share of steps that
+    accepted every draft, in the row and the table."""
+    from dflash_train.infer.evaluate import report_from_records
+
+    out = {"token_ids": list(range(12)), "accept_lengths": [1, 4, 5, 2], "decode_s": 0.0,
+           "confidence_sums": [2.0, 1.5, 0.5, 0.25]}
+    report = report_from_records({"temperature": 0.0}, {"mt-bench": [{"dataset": "mt-bench", "id": "a",
+                                                                      "modes": {"block": [out]}}]},
+                                 {"mt-bench": ["block"]})
+    facts = {"architecture": "dspark", "block_size": 4, "drafts_per_block": 4, "confidence_head": True,
+             "tree": "refused"}
+    by_slot = {"drafter": facts, "modes": Q.acceptance_by_slot(report, ["block"], 4, ["mt-bench"])}
+    row = Q.variant_row(["k=v"], None, report, {"steps": 7}, ["block", "tree-4"], ["mt-bench"], 12.5, by_slot)
+    assert row["tau_mt-bench+sharegpt"] == {"block": 3.0, "tree-4": None}
+    assert row["tau_by_dataset"] == {"mt-bench": {"block": 3.0, "tree-4": None}}
+    slots = row["block_by_slot_mt-bench+sharegpt"]
+    assert slots["reached"] == [4, 3, 2, 2] and slots["acceptance"] == [0.75, 2 / 3, 1.0, 0.5]
+    assert slots["predicted"] == [0.5, 0.5, 0.25, 0.125]
+    assert row["every_draft_accepted_mt-bench+sharegpt"] == 0.25
+    assert row["drafts_per_block"] == 4 and row["tree_not_applicable"] == "refused" and row["train_wall_s"] == 12.5
+    md = "\n".join(Q.variants_markdown({"default": {**row, "tree_not_applicable": None}, "spark": row},
+                                       ["block", "tree-4"]))
+    assert "| spark | dspark | 4 | k=v | 7 | 12.5 | - | 3.000 | n/a | 3.000 | n/a | 25.000% |" in md
+    assert "| default | dspark | 4 | k=v | 7 | 12.5 | - | 3.000 | - | 3.000 | - | 25.000% |" in md
+    assert "| spark | predicted | 0.50 | 0.50 | 0.25 | 0.12 |" in md and "| spark | steps | 4 | 3 | 2 | 2 |" in md
+
+
+def test_a_block_size_flex_cannot_tile_is_named_before_anything_runs():
+    """On a GPU, flex attention (auto) needs a block size dividing 128: DSpark at block 15 would stop at the start
+    of its training. The driver names such runs first; sdpa, or a CPU run, trains them."""
+    from dflash_train.config.load import load_config
+
+    config = str(REPO / "configs" / "smollm2-reference.yaml")
+    configs = {name: load_config(config, overrides) for name, overrides in {
+        "default": [], "dspark": ["drafter.architecture=dspark"],
+        "dspark15": ["drafter.architecture=dspark", "drafter.block_size=15"],
+        "dspark15sdpa": ["drafter.architecture=dspark", "drafter.block_size=15", "drafter.attention_backend=sdpa"],
+        "cpu15": ["drafter.block_size=15", "run.device=cpu"]}.items()}
+    refused = Q.flex_refusals(configs)
+    assert len(refused) == 1 and refused[0].startswith("dspark15: drafter.block_size=15 does not divide 128")
+    assert "drafter.attention_backend=sdpa" in refused[0]
