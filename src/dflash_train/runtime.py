@@ -112,4 +112,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     os.replace(final, old)
     os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    else:  # a file or a link where the folder goes: it was replaced too, so it must not stay behind
+        old.unlink(missing_ok=True)
