@@ -30,6 +30,11 @@ class ModelError(UserError):
     to do."""
 
 
+class ResourceError(UserError):
+    """A machine without room for the run as configured (device memory, host memory): the message gives the
+    numbers and what to change (a smaller batch or drafter, fewer processes on the device)."""
+
+
 class DamagedFileError(UserError):
     """A file that is cut short or corrupt (truncated, bad compression, a bad header, empty): one line naming
     the file, where reading stopped (rows and bytes read, when known) and what to do. Raised by every reader

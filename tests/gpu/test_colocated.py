@@ -110,11 +110,12 @@ def test_colocated_one_gpu_run_with_a_sliding_causal_softcapped_drafter(tmp_path
 
 
 def test_preflight_refuses_a_plan_that_cannot_fit():
+    from dflash_train.errors import UserError
     from dflash_train.train.preflight import check_gpu
 
     free, _ = torch.cuda.mem_get_info(0)
     check_gpu(torch.device("cuda", 0), free // 2, 0, "a small plan")  # fits: no error
-    with pytest.raises(RuntimeError, match=r"rank 0 on cuda:0 needs about .* GiB .* only .* GiB are free"):
+    with pytest.raises(UserError, match=r"rank 0 on cuda:0 needs about .* GiB .* only .* GiB are free"):
         check_gpu(torch.device("cuda", 0), free + 2**40, 0, "a huge plan")
 
 

@@ -20,6 +20,7 @@ import torch
 
 from _harness import assert_same_losses, beat, launch, losses, status, stop, wait_until, write_config
 from dflash_train.cli import main
+from dflash_train.errors import UserError
 from dflash_train.layout import STATE, list_checkpoints
 from dflash_train.algorithms.io import load_drafter, save_drafter
 from dflash_train.train import checkpoint as ck
@@ -227,7 +228,7 @@ def test_the_preflight_counts_the_snapshot_and_refuses_a_host_without_room_for_i
     assert need.optimizer == 2 * need.weights + 4 * len(list(drafter.parameters()))
     preflight.check_host_snapshot(need, 0, memory=lambda: (need.total, 2 * need.total))
     preflight.check_host_snapshot(need, 0, memory=lambda: None)  # unknown: not checked
-    with pytest.raises(RuntimeError) as e:
+    with pytest.raises(UserError) as e:  # the user's to fix: one message, exit 2, no traceback
         preflight.check_host_snapshot(need, 0, memory=lambda: (need.total - 1, 2**30))
     msg = str(e.value)
     gib = need.total / 2**30

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from ..algorithms import architecture
 from ..config.schema import Config
+from ..errors import ResourceError
 from .activation_memory import KEPT_HEAD_GRADIENT, ActivationEstimate, activation_estimate
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def check_gpu(device: torch.device, need: "int | MemoryNeed", rank: int, what: s
     parts = f" ({need.describe()})" if isinstance(need, MemoryNeed) else ""
     cut = need.remedies() if isinstance(need, MemoryNeed) else remedies(activations_first=False)
     if free < needed:
-        raise RuntimeError(
+        raise ResourceError(
             f"preflight: rank {rank} on {device} needs about {needed / 2**30:.1f} GiB for {what}{parts}, but only "
             f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free{held}. {cut}"
         )
@@ -241,7 +242,7 @@ def check_host_snapshot(need: SnapshotNeed, rank: int,
             f"{need.weights / 2**30:.1f} GiB + optimizer state {need.optimizer / 2**30:.1f} GiB, float32: what a "
             "save copies out of the training before it is written in the background)")
     if available < need.total:
-        raise RuntimeError(
+        raise ResourceError(
             f"preflight: rank {rank} needs about {what}, but only {available / 2**30:.1f} of {total / 2**30:.1f} "
             "GiB are available (MemAvailable in /proc/meminfo). Free host memory (other processes on this machine) "
             "or train a smaller drafter"

@@ -150,6 +150,7 @@ def test_a_plan_whose_activations_cannot_fit_stops_before_loading_naming_the_tok
     against a pretend free-memory figure: the weights fit, the activations of a 64K-token micro-batch do not; the
     message gives the parts and names data.token_budget first; a quarter of the budget fits."""
     from dflash_train.target.capture import read_target_config
+    from dflash_train.errors import UserError
     from dflash_train.train.preflight import MARGIN, check_gpu, rank_need
 
     tc = read_target_config(tiny_target_dir)
@@ -170,7 +171,7 @@ def test_a_plan_whose_activations_cannot_fit_stops_before_loading_naming_the_tok
     def pretend(_device):
         return free, 8 * 2**30
 
-    with pytest.raises(RuntimeError) as refused:
+    with pytest.raises(UserError) as refused:  # the user's to fix: one message, exit 2, no traceback
         check_gpu(torch.device("cuda", 0), big, 0, what, free_memory=pretend)
     message = str(refused.value)
     assert message.index("data.token_budget") < message.index("target.sharding=fsdp"), message
