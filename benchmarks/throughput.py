@@ -324,7 +324,8 @@ def measure_one_side(args) -> None:
         benchmark_vocabulary(drafter, frozen.lm_head.weight)
         cfg = config_from_dict({**drafter_sections(args),
                                 "objective": {"max_anchors": args.anchors, "head_gradient": args.head_gradient},
-                                "data": {"max_length": args.seq, "token_budget": args.seq * args.batch}})
+                                "data": {"max_length": args.seq, "token_budget": args.seq * args.batch}},
+                               overrides=getattr(args, "set", None) or None)
         if args.draft_vocab:
             result["head_gradient_kept"] = cfg.keeps_head_gradient
         backend = resolve_backend("flex", torch.device("cuda"), args.block)
@@ -411,6 +412,9 @@ def main() -> None:
                     help="dflash2.selector_codebooks of --architecture dflash2")
     ap.add_argument("--profile", action="store_true",
                     help="print the top CUDA kernels of one drafter step, then of one target capture")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a dotted config override of the benchmark's run config, e.g. dspark.loss=dpard (repeat)")
+    ap.add_argument("--label", default=None, help="the result line's name (default: the architecture)")
     ap.add_argument("--cache-dir", default=None, help="inductor cache directory (see --fresh-cache)")
     ap.add_argument("--fresh-cache", action="store_true", help="empty the inductor cache first: a cold compile")
     ap.add_argument("--late-compile-workers", action="store_true",
@@ -520,7 +524,8 @@ def main() -> None:
     cfg = config_from_dict({**drafter_sections(args),
                             "objective": {"max_anchors": args.anchors, "head_gradient": args.head_gradient},
                             "data": {"max_length": args.seq, "token_budget": args.seq * args.batch,
-                                     "max_batch_size": args.batch}})
+                                     "max_batch_size": args.batch}},
+                           overrides=args.set or None)
     if args.architecture in ("dspark", "domino"):  # built as the trainer builds it, from the run's config
         arch = architecture(args.architecture)
         dcfg = arch.config_for_run(tcfg, cfg, ids, 5)
@@ -601,7 +606,8 @@ def main() -> None:
     drafter_parts = drafter_flop_parts(dshape, tokens, stats.work, args.layers, len(ids))  # the timed step's blocks
     f_target, f_drafter = sum(target_parts.values()), sum(drafter_parts.values())
     result = {
-        "architecture": args.architecture, "draft_vocab": args.draft_vocab, "shape": args.shape, "batch": args.batch, "seq": args.seq, "block": args.block, "anchors": args.anchors,
+        "architecture": args.architecture, "name": args.label or args.architecture, "overrides": args.set,
+        "draft_vocab": args.draft_vocab, "shape": args.shape, "batch": args.batch, "seq": args.seq, "block": args.block, "anchors": args.anchors,
         "peak_tflops": round(peak, 1), "build_s": round(build_s, 1), "first_step_s": round(first_step_s, 1),
         "start_to_first_step_s": round(start_to_first_step_s, 1), "fresh_cache": args.fresh_cache,
         "early_compile_workers": not args.late_compile_workers,
