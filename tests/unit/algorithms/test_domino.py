@@ -24,7 +24,7 @@ from dflash_train.algorithms.dflash.attention import resolve_backend
 from dflash_train.algorithms.dflash.blocks import sample_anchors
 from dflash_train.algorithms.dflash.mask import dense_mask
 from dflash_train.algorithms.domino.config import make_domino_config
-from dflash_train.algorithms.domino.loss import chunked_domino_rows
+from dflash_train.algorithms.domino.loss import chunked_domino_rows, final_label_logp
 from dflash_train.algorithms.domino.model import DominoDrafter
 from dflash_train.algorithms.domino.objective import DominoObjective, lambda_base, shifted_blocks
 from dflash_train.algorithms.io import load_drafter, save_drafter
@@ -181,9 +181,10 @@ def test_the_objective_equals_a_dense_float64_reference(target, prefix, lam, chu
 
 @pytest.mark.parametrize("transform", [{}, {"output_multiplier": 0.5, "softcap": 4.0}])
 def test_the_chunk_math_compiles_one_graph_that_no_batch_recompiles(monkeypatch, transform):
-    """On CUDA the chunk's elementwise math (both terms, both gradients) compiles with dynamic rows (Dynamo's eager
-    backend on the CPU: the same tracing, one graph with fullgraph, and the same guards): one graph, none more for
-    other row counts, chunk splits or base weights (the weights are tensors, never Python floats)."""
+    """On CUDA the chunk's elementwise math (both terms, both gradients; and the weights pass's label
+    log-probabilities) compiles with dynamic rows (Dynamo's eager backend on the CPU: the same tracing, one graph
+    with fullgraph, and the same guards): one graph each, none more for other row counts, chunk splits or base
+    weights (the weights are tensors, never Python floats). The weights pass's values are minus the final CE."""
     from dflash_train.accel import compile as compile_layer
     from dflash_train.algorithms.domino import loss as loss_mod
 
@@ -198,9 +199,13 @@ def test_the_chunk_math_compiles_one_graph_that_no_batch_recompiles(monkeypatch,
         hidden = torch.randn(m, 12, generator=g).requires_grad_()
         features = torch.randn(m, 5, generator=g).requires_grad_()
         w = torch.rand(m, generator=g)
-        out = chunked_domino_rows(hidden, features, head, correction, torch.randint(0, 40, (m,), generator=g),
-                                  (1 - lam) * w, lam * w, chunk, **transform)
+        labels = torch.randint(0, 40, (m,), generator=g)
+        out = chunked_domino_rows(hidden, features, head, correction, labels, (1 - lam) * w, lam * w, chunk,
+                                  **transform)
         out.loss.backward()
+        logp = final_label_logp(hidden, features, head, correction, labels, chunk, **transform)
+        assert not logp.requires_grad
+        torch.testing.assert_close(logp, -out.final_ce, rtol=1e-6, atol=1e-6)
 
     try:
         run(12, 5, 0.5)
