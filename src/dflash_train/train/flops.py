@@ -16,11 +16,10 @@ Useful FLOPs only (docs/results/performance.md), from sizes the host knows (no d
   position the counted rows read), its Markov head (the bias through the `[V, r]` table over the counted rows, and a
   gated or rnn head's projection over the block tokens) and its confidence head; Domino's GRU over the block tokens
   (the target's embeddings need no gradient) and its correction (the bottleneck and the `[V, E]` projection over
-  the counted rows, the pure-draft slots' included: they are formed, then zeroed), and with slot weights made of its
-  final scores (acceptance, dpace) the gradient-free pass that forms them before the loss (the lm_head's and the
-  `[V, E]` projection's forward once more over the counted rows).
-Padding (past a row's length, blocks not kept) is computed but not counted, nor is DFlash2's selector or D-PARD's
-gradient-free first pass through DSpark's head (a second forward of the same products).
+  the counted rows, the pure-draft slots' included: they are formed, then zeroed).
+Padding (past a row's length, blocks not kept) is computed but not counted, nor is DFlash2's selector, nor the
+gradient-free first passes that form slot weights before the loss (D-PARD's through DSpark's head, Domino's with
+acceptance or dpace weights): each is a second forward of products already counted.
 
 MFU divides by a dense bf16 matmul peak: `PEAK_BF16_TFLOPS` by GPU name, `run.mfu_peak_tflops` to set it; none
 on a CPU or an unknown GPU, where MFU is reported as null.
@@ -136,8 +135,8 @@ def drafter_flop_parts(c: dict, context_tokens: int, work: DraftWork, n_layers: 
 
 def own_flop_parts(c: dict, work: DraftWork) -> dict[str, float]:
     """The FLOPs of an architecture's own modules, forward + backward, from the sizes `drafter_shape` adds: DSpark's
-    (`markov_rank` r, `markov_head_type`, `confidence_width`), Domino's (`gru_hidden_dim` G, `emb_dim` E,
-    `weights_pass`); none for DFlash."""
+    (`markov_rank` r, `markov_head_type`, `confidence_width`), Domino's (`gru_hidden_dim` G, `emb_dim` E); none for
+    DFlash."""
     h, v, m, t = c["hidden_size"], c["vocab_size"], work.counted_rows, work.block_tokens
     parts: dict[str, float] = {}
     if "markov_rank" in c:
@@ -153,8 +152,6 @@ def own_flop_parts(c: dict, work: DraftWork) -> dict[str, float]:
         # input projection forward and its weight gradient; recurrent product forward, state and weight gradients
         parts["gru"] = 2.0 * t * 3 * g * (2 * h + 3 * g)
         parts["correction"] = 3.0 * 2 * m * e * (h + g + v)
-        if c.get("weights_pass"):  # the final scores' label probabilities, forward only, before the loss's pass
-            parts["weights_pass"] = 2.0 * m * v * (h + e)
     return parts
 
 

@@ -111,12 +111,6 @@ OWN_MODULES = {  # name: (architecture, its section, the own parts the formula c
                                                "confidence_weight": 0.0}, {"target_logits", "markov"}),
     "dspark rnn": ("dspark", {"markov_rank": 8, "markov_head_type": "rnn"}, {"target_logits", "markov", "confidence"}),
     "domino": ("domino", {"gru_hidden_dim": 24, "emb_dim": 12}, {"gru", "correction"}),
-    # slot weights of the corrected scores: their gradient-free pass before the loss (the head's and the correction's
-    # products over the counted rows once more)
-    "domino acceptance": ("domino", {"gru_hidden_dim": 24, "emb_dim": 12}, {"gru", "correction", "weights_pass"},
-                          {"slot_weighting": "acceptance"}),
-    "domino dpace": ("domino", {"gru_hidden_dim": 24, "emb_dim": 12}, {"gru", "correction", "weights_pass"},
-                     {"slot_weighting": "dpace"}),
 }
 
 
@@ -126,7 +120,7 @@ def test_the_formula_counts_dspark_and_domino_modules_that_run(case):
     DFlash core plus the architecture's own parts (`flops.own_flop_parts`) equal the matmuls that run, but for the
     fc's input gradient (as DFlash's) and, in Domino's GRU, the state gradient of each block's first step (its zero
     initial state needs none)."""
-    arch, section, own, *objective_keys = OWN_MODULES[case]
+    arch, section, own = OWN_MODULES[case]
     torch.manual_seed(0)
     tcfg = Qwen3Config(hidden_size=H, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, vocab_size=300)
@@ -134,8 +128,7 @@ def test_the_formula_counts_dspark_and_domino_modules_that_run(case):
     target = TargetCapture.from_model(model, LAYER_IDS)
     cfg = config_from_dict({"drafter": {"architecture": arch, "block_size": BS, "num_draft_layers": 2,
                                         "attention_backend": "sdpa"},
-                            "objective": {"max_anchors": 6, **(objective_keys[0] if objective_keys else {})},
-                            arch: section})
+                            "objective": {"max_anchors": 6}, arch: section})
     drafter = architecture(arch).drafter_class(architecture(arch).config_for_run(tcfg, cfg, LAYER_IDS, 5))
     objective = architecture(arch).objective(drafter, target, resolve_backend("sdpa", torch.device("cpu"), BS), cfg,
                                              torch.float32)
@@ -155,8 +148,6 @@ def test_the_formula_counts_dspark_and_domino_modules_that_run(case):
     first_state_gradients = work.blocks * 2 * 3 * 24 * 24 if arch == "domino" else 0
     assert counted == target_linears + sum(parts.values()) - parts["attention"] - fc_input_gradient \
         - first_state_gradients
-    if "weights_pass" in own:  # per counted row: the [H, V] and [E, V] products, forward only
-        assert parts["weights_pass"] == 2 * work.counted_rows * 300 * (H + 12)
     if arch == "dspark":  # overlapping blocks read each target position once
         assert 0 < work.target_positions < work.counted_rows
         assert parts["target_logits"] == 2 * work.target_positions * H * 300

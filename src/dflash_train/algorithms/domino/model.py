@@ -19,12 +19,9 @@ from ..dflash.model import DFlashDrafter
 
 class DominoDrafter(DFlashDrafter):
     architecture = "domino"
-    # Whether the training objective runs the gradient-free pass of the final scores' label probabilities before
-    # its loss (`objective.slot_weighting` acceptance or dpace): set by `DominoObjective`, read by `flop_sizes`.
-    weights_pass: bool = False
 
     def flop_sizes(self) -> dict:
-        return {"gru_hidden_dim": self.gru_hidden_dim, "emb_dim": self.emb_dim, "weights_pass": self.weights_pass}
+        return {"gru_hidden_dim": self.gru_hidden_dim, "emb_dim": self.emb_dim}
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)

@@ -81,7 +81,6 @@ class DominoObjective(DFlashObjective):
     def __init__(self, drafter, target, backend, cfg, compute_dtype):
         super().__init__(drafter, target, backend, cfg, compute_dtype)
         self.lambda_base = lambda_base(0, 0, 0.0, 0.0)
-        drafter.weights_pass = cfg.objective.slot_weighting != "gamma"  # the FLOP accounting's `flop_sizes`
 
     def begin_step(self, step: int, total_steps: int) -> None:
         """The base loss's weight for this optimizer step (`TrainStep` calls this before its micro-batches)."""
