@@ -154,3 +154,32 @@ def test_dominos_compiled_chunk_math_matches_eager_and_never_recompiles(monkeypa
     for m, chunk, lam in ((2999, 1024, 0.0), (1025, 1024, 1.0), (517, 256, 0.7), (2050, 2048, 0.25)):
         _domino_step(_domino_inputs(m, m), chunk, lam, transform)
     assert (compile_layer.graphs_compiled(), compile_layer.recompiles()) == before
+
+
+@pytest.mark.parametrize("transform", [{}, {"output_multiplier": 0.5, "softcap": 30.0}])
+def test_dominos_compiled_weights_pass_matches_eager_and_never_recompiles(monkeypatch, transform):
+    """The gradient-free pass of the final scores' label log-probabilities (acceptance and dpace slot weights):
+    compiled as eager computes it, minus the loss's final CE, and no recompile for other row counts or splits."""
+    from dflash_train.accel import compile as compile_layer
+    from dflash_train.algorithms.domino import loss as loss_mod
+
+    def label_logp(inputs, chunk: int):
+        hidden, features, head, correction, labels, _ = inputs
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return loss_mod.final_label_logp(hidden, features, head, correction, labels, chunk, **transform)
+
+    compile_layer.watch_recompiles()
+    inputs = _domino_inputs(3000, 0)
+    with monkeypatch.context() as eager:
+        _eager_chunks(eager, loss_mod)
+        want = label_logp(inputs, 1024)
+    got = label_logp(inputs, 1024)
+    assert not got.requires_grad and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    out, _ = _domino_step(inputs, 1024, 0.3, transform)
+    torch.testing.assert_close(got, -out.final_ce, rtol=1e-4, atol=1e-4)
+
+    before = compile_layer.graphs_compiled(), compile_layer.recompiles()
+    for m, chunk in ((2999, 1024), (1025, 1024), (517, 256), (2050, 2048)):
+        label_logp(_domino_inputs(m, m), chunk)
+    assert (compile_layer.graphs_compiled(), compile_layer.recompiles()) == before

@@ -17,8 +17,9 @@ Useful FLOPs only (docs/results/performance.md), from sizes the host knows (no d
   gated or rnn head's projection over the block tokens) and its confidence head; Domino's GRU over the block tokens
   (the target's embeddings need no gradient) and its correction (the bottleneck and the `[V, E]` projection over
   the counted rows, the pure-draft slots' included: they are formed, then zeroed).
-Padding (past a row's length, blocks not kept) is computed but not counted, nor is DFlash2's selector or D-PARD's
-gradient-free first pass through DSpark's head (a second forward of the same products).
+Padding (past a row's length, blocks not kept) is computed but not counted, nor is DFlash2's selector, nor the
+gradient-free first passes that form slot weights before the loss (D-PARD's through DSpark's head, Domino's with
+acceptance or dpace weights): each is a second forward of products already counted.
 
 MFU divides by a dense bf16 matmul peak: `PEAK_BF16_TFLOPS` by GPU name, `run.mfu_peak_tflops` to set it; none
 on a CPU or an unknown GPU, where MFU is reported as null.

@@ -1,8 +1,8 @@
 """Domino: the GRU and its one-step decoding form, the shifted labels, the objective (final and base CE with the
-decaying base weight) against a dense float64 reference with gradients, the base weight's schedule, lossless
-greedy decoding through the sequential correction, exact sampling through it, the SGLang export layout read back
-by us and by an independent reader, its config section, and a real training run (exported and evaluated; one killed
-and resumed: long)."""
+decaying base weight; gamma, acceptance and dpace slot weights) against a dense float64 reference with gradients,
+the base weight's schedule, lossless greedy decoding through the sequential correction, exact sampling through it,
+the SGLang export layout read back by us and by an independent reader, its config section, and real training runs
+(exported and evaluated; one with acceptance weights; one killed and resumed: long)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dflash_train.algorithms.dflash.attention import resolve_backend
 from dflash_train.algorithms.dflash.blocks import sample_anchors
 from dflash_train.algorithms.dflash.mask import dense_mask
 from dflash_train.algorithms.domino.config import make_domino_config
-from dflash_train.algorithms.domino.loss import chunked_domino_rows
+from dflash_train.algorithms.domino.loss import chunked_domino_rows, final_label_logp
 from dflash_train.algorithms.domino.model import DominoDrafter
 from dflash_train.algorithms.domino.objective import DominoObjective, lambda_base, shifted_blocks
 from dflash_train.algorithms.io import load_drafter, save_drafter
@@ -97,12 +97,12 @@ def test_the_base_weight_falls_linearly_over_its_horizon():
     assert lambda_base(0, 100, 1.0, 0.0) == 0.0 and lambda_base(0, 0, 1.0, 1.0) == 0.0
 
 
-def dense_reference(d, capture, ids, loss_mask, lengths, prefix, lam, multiplier=1.0, softcap=None):
-    """The loss written out: every block's full float64 logits (the score transform on both), the GRU unrolled step
-    by step by hand."""
+def dense_slots(d, capture, ids, loss_mask, lengths, prefix, multiplier=1.0, softcap=None):
+    """Every kept block's slots written out, `[(counted, final label log-prob, base label log-prob)]` a block (None
+    where the slot does not count): every block's full float64 logits (the score transform on both), the GRU
+    unrolled step by step by hand."""
     anchors, keep = sample_anchors(loss_mask, lengths, 4, 6, torch.Generator().manual_seed(7), 1)
     hidden = capture(ids)
-    loss_f = loss_b = wsum = 0.0
     head = capture.lm_head.weight
     w_ih, w_hh = d.prefix_gru.weight_ih_l0, d.prefix_gru.weight_hh_l0
     g = d.gru_hidden_dim
@@ -113,6 +113,7 @@ def dense_reference(d, capture, ids, loss_mask, lengths, prefix, lam, multiplier
     pos = torch.cat([torch.arange(30).expand(ids.shape[0], 30), positions], 1)
     packed = d(hidden, capture.embed_tokens(block_ids.view(ids.shape[0], -1)), pos, sdpa_attention,
                dense_mask(anchors, keep, 30, 4)).view(ids.shape[0], anchors.shape[1], 4, -1)
+    blocks = []
     for row in range(ids.shape[0]):
         for n in range(anchors.shape[1]):
             if not keep[row, n]:
@@ -120,6 +121,7 @@ def dense_reference(d, capture, ids, loss_mask, lengths, prefix, lam, multiplier
             a = int(anchors[row, n])
             out = packed[row, n]
             h = torch.zeros(g, dtype=torch.float64)
+            slots = []
             for k in range(4):
                 x = capture.embed_tokens(ids[row, a + k].view(1))[0]
                 gi, gh = w_ih @ x, w_hh @ h
@@ -129,21 +131,66 @@ def dense_reference(d, capture, ids, loss_mask, lengths, prefix, lam, multiplier
                 h = (1 - u) * c + u * h  # the state after tokens a .. a + k
                 p = a + k + 1
                 if p >= int(lengths[row]) or not loss_mask[row, p]:
+                    slots.append((False, None, None))
                     continue
                 base = head @ out[k]
                 final = base
                 if k >= prefix:
                     bottleneck = torch.nn.functional.silu(d.embed_proj[0].weight @ torch.cat([out[k], h]))
                     final = base + d.embed_proj[2].weight @ bottleneck
-                w = torch.exp(torch.tensor(-k / 3.0)).double()  # the blocks' weights are float32, as DFlash's
                 y = int(ids[row, p])
                 base, final = base * multiplier, final * multiplier
                 if softcap:
                     base, final = softcap * torch.tanh(base / softcap), softcap * torch.tanh(final / softcap)
-                loss_f = loss_f - w * torch.log_softmax(final, -1)[y]
-                loss_b = loss_b - w * torch.log_softmax(base, -1)[y]
-                wsum = wsum + w
+                slots.append((True, torch.log_softmax(final, -1)[y], torch.log_softmax(base, -1)[y]))
+            blocks.append(slots)
+    return blocks
+
+
+def dense_reference(d, capture, ids, loss_mask, lengths, prefix, lam, multiplier=1.0, softcap=None):
+    """The loss written out (`dense_slots`), slot k weighing exp(-k / gamma)."""
+    loss_f = loss_b = wsum = 0.0
+    for slots in dense_slots(d, capture, ids, loss_mask, lengths, prefix, multiplier, softcap):
+        for k, (counted, final, base) in enumerate(slots):
+            if counted:
+                w = torch.exp(torch.tensor(-k / 3.0)).double()  # the blocks' weights are float32, as DFlash's
+                loss_f, loss_b, wsum = loss_f - w * final, loss_b - w * base, wsum + w
     return (1 - lam) * loss_f / wsum + lam * loss_b / wsum
+
+
+def reference_slot_weights(slots, weighting: str, floor: float, alpha: float) -> list[float]:
+    """One block's slot weights by their definitions, slot by slot, from the final scores' label probabilities `q`
+    (no gradient): acceptance, `max(prod q over the counted slots before, floor)`; dpace, `sum over counted m >= j
+    of prod over counted i <= m of ((1 - alpha) q_i + alpha)`. An uncounted slot weighs 0 and is no factor."""
+    q = [math.exp(float(final.detach())) if counted else None for counted, final, _ in slots]
+    weights = [0.0] * len(slots)
+    if weighting == "acceptance":
+        reach = 1.0  # slot 0 is the first draft: always reached
+        for k, p in enumerate(q):
+            if p is not None:
+                weights[k] = max(reach, floor)
+                reach *= p
+        return weights
+    counted = [k for k, p in enumerate(q) if p is not None]
+    for j in counted:
+        for m in counted:
+            if m >= j:
+                weights[j] += math.prod((1 - alpha) * q[i] + alpha for i in counted if i <= m)
+    return weights
+
+
+def weighted_reference(d, capture, ids, loss_mask, lengths, prefix, lam, weighting, floor, alpha, multiplier=1.0,
+                       softcap=None):
+    """(the loss written out with acceptance or dpace weights, every counted slot's weight by block)."""
+    loss_f = loss_b = wsum = 0.0
+    all_weights = []
+    for slots in dense_slots(d, capture, ids, loss_mask, lengths, prefix, multiplier, softcap):
+        weights = reference_slot_weights(slots, weighting, floor, alpha)
+        all_weights.append(weights)
+        for w, (counted, final, base) in zip(weights, slots):
+            if counted:
+                loss_f, loss_b, wsum = loss_f - w * final, loss_b - w * base, wsum + w
+    return (1 - lam) * loss_f / wsum + lam * loss_b / wsum, all_weights
 
 
 @pytest.mark.parametrize("prefix,lam,chunk,transform", [
@@ -179,11 +226,64 @@ def test_the_objective_equals_a_dense_float64_reference(target, prefix, lam, chu
         target.float()
 
 
+@pytest.mark.parametrize("weighting,prefix,lam,chunk,transform", [
+    ("acceptance", 1, 0.3, 5, {}), ("dpace", 2, 0.6, 7, {}),
+    ("acceptance", 1, 0.4, 7, {"output_multiplier": 0.8, "final_logit_softcapping": 30.0}),
+    ("dpace", 1, 0.0, 2048, {"output_multiplier": 0.8})])
+def test_acceptance_and_dpace_weights_of_the_final_scores_equal_a_dense_float64_reference(target, weighting, prefix,
+                                                                                           lam, chunk, transform):
+    """Slot weights made of the corrected scores' label probabilities (a gradient-free chunked pass before the loss)
+    against a reference with full float64 logits and the weights by their definitions, slot by slot; both terms
+    take the weights, slot 0 is reached always, an uncounted slot (sequence end, loss mask) is no factor."""
+    floor, alpha = 0.01, 0.3
+    d = domino(target, prefix=prefix, perturb=0.3, **transform).double().train()
+    capture = TargetCapture.from_model(target.double(), [1, 4])
+    try:
+        backend = resolve_backend("sdpa", torch.device("cpu"), 4)
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(3, 400, (2, 30), generator=g)
+        # half the tokens the mask token, which the tiny target's tied head scores high at the drafter's slots:
+        # labels of every probability, from near 1 to near 0
+        ids = torch.where(torch.rand(2, 30, generator=g) < 0.5, torch.full_like(ids, 16), ids)
+        loss_mask = (torch.rand(2, 30, generator=g) < 0.8).long()
+        lengths = torch.tensor([30, 10])  # the second row: every anchor it has, the last one cut by its end
+        cfg = domino_cfg(loss_chunk_size=chunk, slot_weighting=weighting, acceptance_floor=floor, dpace_alpha=alpha)
+        objective = DominoObjective(d, capture, backend, cfg, torch.float64)
+        objective.lambda_base = lam
+        stats = objective(Batch(ids, loss_mask, lengths), torch.Generator().manual_seed(7))
+        params = [p for p in d.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
+        multiplier, softcap = transform.get("output_multiplier", 1.0), transform.get("final_logit_softcapping")
+        ref, weights = weighted_reference(d, capture, ids, loss_mask, lengths, prefix, lam, weighting, floor, alpha,
+                                          multiplier, softcap)
+        ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
+        torch.testing.assert_close(stats.loss, ref, rtol=1e-10, atol=1e-12)
+        names = [n for n, p in d.named_parameters() if p.requires_grad]
+        assert {"embed_proj.2.weight", "embed_proj.0.weight", "layers.0.mlp.up_proj.weight"} <= set(names)
+        for name, a, b in zip(names, grads, ref_grads):
+            assert (a is None) == (b is None), name
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=lambda m: f"{name}: {m}")
+        # the case is one that tells: several chunks, blocks cut by the sequence end and by the loss mask, and
+        # weights that follow the drafter's probabilities (neither one value a slot nor the floor throughout)
+        rows = int(stats.counted_per_slot.sum())
+        assert chunk == 2048 or rows > 2 * chunk
+        counted = [[c for c, _, _ in slots] for slots in dense_slots(d, capture, ids, loss_mask, lengths, prefix)]
+        assert any(not c[j] and c[j + 1] for c in counted for j in range(3))  # a hole, then a counted slot
+        anchors, keep = sample_anchors(loss_mask, lengths, 4, 6, torch.Generator().manual_seed(7), 1)
+        assert bool((keep & (anchors + 4 == lengths.view(-1, 1))).any())  # a block cut by its sequence's end
+        by_slot = [{round(w[k], 9) for w in weights if w[k]} for k in range(1, 4)]
+        assert all(len(values) > 2 for values in by_slot), by_slot
+    finally:
+        target.float()
+
+
 @pytest.mark.parametrize("transform", [{}, {"output_multiplier": 0.5, "softcap": 4.0}])
 def test_the_chunk_math_compiles_one_graph_that_no_batch_recompiles(monkeypatch, transform):
-    """On CUDA the chunk's elementwise math (both terms, both gradients) compiles with dynamic rows (Dynamo's eager
-    backend on the CPU: the same tracing, one graph with fullgraph, and the same guards): one graph, none more for
-    other row counts, chunk splits or base weights (the weights are tensors, never Python floats)."""
+    """On CUDA the chunk's elementwise math (both terms, both gradients; and the weights pass's label
+    log-probabilities) compiles with dynamic rows (Dynamo's eager backend on the CPU: the same tracing, one graph
+    with fullgraph, and the same guards): one graph each, none more for other row counts, chunk splits or base
+    weights (the weights are tensors, never Python floats). The weights pass's values are minus the final CE."""
     from dflash_train.accel import compile as compile_layer
     from dflash_train.algorithms.domino import loss as loss_mod
 
@@ -198,9 +298,13 @@ def test_the_chunk_math_compiles_one_graph_that_no_batch_recompiles(monkeypatch,
         hidden = torch.randn(m, 12, generator=g).requires_grad_()
         features = torch.randn(m, 5, generator=g).requires_grad_()
         w = torch.rand(m, generator=g)
-        out = chunked_domino_rows(hidden, features, head, correction, torch.randint(0, 40, (m,), generator=g),
-                                  (1 - lam) * w, lam * w, chunk, **transform)
+        labels = torch.randint(0, 40, (m,), generator=g)
+        out = chunked_domino_rows(hidden, features, head, correction, labels, (1 - lam) * w, lam * w, chunk,
+                                  **transform)
         out.loss.backward()
+        logp = final_label_logp(hidden, features, head, correction, labels, chunk, **transform)
+        assert not logp.requires_grad
+        torch.testing.assert_close(logp, -out.final_ce, rtol=1e-6, atol=1e-6)
 
     try:
         run(12, 5, 0.5)
@@ -481,6 +585,19 @@ def test_a_domino_run_trains_exports_sglangs_layout_reloads_and_evaluates_lossle
     assert body["modes"]["block"]["tau"] >= 1 and body["lossless_mismatches"] == []
 
 
+def test_a_domino_run_with_acceptance_weights_trains_with_finite_losses(tiny_target_dir, counting_jsonl, tmp_path):
+    from dflash_train.cli import main
+
+    cfg = _run_config(tmp_path, tiny_target_dir, counting_jsonl)
+    assert main(["train", str(cfg), "objective.slot_weighting=acceptance", "run.save_every=100", "--max-steps", "3",
+                 "--run-dir", str(tmp_path / "R")]) == 0
+    records = [json.loads(x) for x in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(math.isfinite(r[k]) for r in steps for k in ("loss", "final_loss", "base_loss"))
+    assert yaml.safe_load((tmp_path / "R" / "config.yaml").read_text())["objective"]["slot_weighting"] == "acceptance"
+
+
 @pytest.mark.long  # ~35 s: the run above again, and one in real processes killed and resumed
 def test_a_domino_run_killed_and_resumed_reaches_the_uninterrupted_losses(tiny_target_dir, counting_jsonl, tmp_path):
     """Through the CLI in real processes: a run SIGKILLed after its step-2 checkpoint, resumed with --resume,
@@ -511,9 +628,7 @@ def test_the_section_and_the_generic_keys_domino_does_not_support_are_checked_na
     assert cfg.objective.slot_weighting == "gamma" and cfg.objective.gamma == 7.0  # the reference recipes' weights
     assert (cfg.options.gru_hidden_dim, cfg.options.emb_dim, cfg.options.pure_draft_prefix_len) == (1024, 256, 1)
     refused = [
-        ({"objective": {"slot_weighting": "dpace"}}, r"'objective.slot_weighting': Domino weighs slot k by "
-                                                     r"exp\(-k / objective.gamma\).*got 'dpace'"),
-        ({"objective": {"slot_weighting": "acceptance"}}, r"'objective.slot_weighting'.*got 'acceptance'"),
+        ({"objective": {"slot_weighting": "greedy"}}, r"'objective.slot_weighting'.*got 'greedy'"),
         ({"objective": {"distill_weight": 0.5}}, r"'objective.distill_weight': Domino trains on the dataset's tokens"),
         ({"drafter": {"architecture": "domino", "block_size": 4, "draft_vocab_size": 100}},
          r"'drafter.draft_vocab_size'"),
@@ -523,3 +638,13 @@ def test_the_section_and_the_generic_keys_domino_does_not_support_are_checked_na
     for extra, message in refused:
         with pytest.raises(ConfigError, match=message):
             config_from_dict({**base, **extra})
+
+
+@pytest.mark.parametrize("weighting", ["acceptance", "dpace"])
+def test_slot_weights_of_the_corrected_scores_load_and_gamma_stays_the_default(weighting):
+    cfg = config_from_dict({"drafter": {"architecture": "domino", "block_size": 4}},
+                           [f"objective.slot_weighting={weighting}", "objective.acceptance_floor=0.1"])
+    assert cfg.objective.slot_weighting == weighting and cfg.objective.acceptance_floor == 0.1
+    assert config_from_dict({"drafter": {"architecture": "domino", "block_size": 4}}).objective.slot_weighting \
+        == "gamma"
+    assert config_from_dict({}).objective.slot_weighting == "acceptance"  # DFlash's default is its own

@@ -135,7 +135,8 @@ def build_blocks(
 def acceptance_weights(label_logp: torch.Tensor, counted: torch.Tensor, floor: float) -> torch.Tensor:
     """Position weights by expected acceptance: counted slot k weighs `max(prod_{j<k} p_j, floor)`, where
     `p_j = exp(label_logp[..., j])` is the drafter's probability of slot j's label and the product runs over
-    the block's counted slots only (slot 0, the given anchor, and uncounted slots are factor 1). `label_logp`
+    the block's counted slots only (uncounted slots, slot 0 here, the given anchor, among them, are factor 1; in
+    a shifted layout, where slot 0 is the first draft and counts, it weighs 1). `label_logp`
     and `counted` are `[B, N, bs]`; the result is detached, 0 where the slot does not count."""
     logp = label_logp.detach().to(torch.promote_types(label_logp.dtype, torch.float32))
     logp = torch.where(counted, logp, torch.zeros_like(logp))

@@ -29,8 +29,9 @@ def _distill_rows(final: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> tor
 
 
 def row_weights(cfg: Config, blocks: Blocks, idx: torch.Tensor):
-    """The counted rows' loss weights: the gamma decay, or (acceptance, dpace) a function of the rows' label
-    log-probabilities that the loss calls after its forward."""
+    """The counted rows' loss weights: the gamma decay (`blocks.weights`), or (acceptance, dpace) a function of the
+    rows' label log-probabilities `[M]`, laid out over the blocks' counted slots: DFlash's loss calls it after its
+    forward, a loss that forms its gradients with the weights calls it on a gradient-free pass before."""
     o = cfg.objective
     if o.slot_weighting == "gamma":
         return blocks.weights.view(-1).index_select(0, idx)

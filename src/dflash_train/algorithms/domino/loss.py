@@ -15,6 +15,11 @@ and from them the gradients of z (through W), e (through C) and C, chunk by chun
 Both terms share the one vocabulary-wide product `u` (the base scores are the final ones without the correction):
 two `[rows, H] x [H, V]` matmuls a row (forward and input gradient), as DFlash's loss, and three narrow ones of
 width E for the correction. The elementwise math compiles on CUDA to a few fused passes over the chunk.
+
+Slot weights that depend on the drafter's own predictions (`objective.slot_weighting` acceptance, dpace) must be
+known before that pass, which forms the gradients with them: `final_label_logp` first runs the same chunks without
+gradient for each row's log-probability of its label under the final scores `T(u_i + d_i)` (two more matmuls a
+row: the `[H, V]` product and the correction's `[E, V]` one), from which the caller makes the weights.
 """
 
 from __future__ import annotations
@@ -53,6 +58,43 @@ def _chunk(u: torch.Tensor, d: torch.Tensor, labels: torch.Tensor, final_coef: t
     return final_ce, base_ce, final_hit, base_hit, (g_final + g_base).to(u.dtype), g_final.to(u.dtype)
 
 
+def _chunk_products(hidden: torch.Tensor, features: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
+                    chunk_size: int):
+    """Each chunk's `(start, end, e, u, d)`: its bottleneck rows `e` in the compute dtype, the base logits `u = z
+    W^T` and the correction's `d = e C^T` (`w`, `c`: the head and the correction's weight in the compute dtype)."""
+    for start, end in chunk_bounds(hidden.shape[0], chunk_size):
+        e = features[start:end].to(hidden.dtype)
+        yield start, end, e, hidden[start:end] @ w.t(), e @ c.t()
+
+
+def _label_logp_chunk(u: torch.Tensor, d: torch.Tensor, labels: torch.Tensor, multiplier: float,
+                      softcap: Optional[float]) -> torch.Tensor:
+    """One chunk's `log softmax(T(u + d))[label]` at float32 (or wider): minus the final CE that `_chunk` forms,
+    by the same operations. Compiled, one pass reads u and d and writes one value a row."""
+    acc = torch.promote_types(u.dtype, torch.float32)
+    z = u.to(acc) + d.to(acc)
+    x = transformed_scores(z, multiplier, softcap)[0] if multiplier != 1.0 or softcap else z
+    return x.gather(1, labels.unsqueeze(1)).squeeze(1) - torch.logsumexp(x, -1)
+
+
+@torch.no_grad()
+def final_label_logp(hidden: torch.Tensor, features: torch.Tensor, head: torch.Tensor, correction: torch.Tensor,
+                     labels: torch.Tensor, chunk_size: int = 2048, output_multiplier: float = 1.0,
+                     softcap: Optional[float] = None) -> torch.Tensor:
+    """`[M]` each row's log-probability of its label under the final scores (`chunked_domino_rows`' arguments),
+    without gradient: a pass over the same chunks that forms each chunk's `u` and `d` and keeps one value a row
+    (no `[rows, vocab]` tensor). The slot weights of `objective.slot_weighting` acceptance and dpace are made of it
+    before `chunked_domino_rows` forms the gradients with them."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+    multiplier, cap = float(output_multiplier), float(softcap) if softcap else None
+    chunk = chunk_function("domino_label_logp", _label_logp_chunk, hidden.device)
+    w, c = head.to(hidden.dtype), correction.to(hidden.dtype)
+    for start, end, _, u, d in _chunk_products(hidden, features, w, c, chunk_size):
+        out[start:end] = chunk(u, d, labels[start:end], multiplier, cap)
+    return out
+
+
 class _ChunkedDomino(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, features, head, correction, labels, final_coef, base_coef, chunk_size: int,
@@ -70,10 +112,7 @@ class _ChunkedDomino(torch.autograd.Function):
         g_correction = torch.zeros_like(correction) if correction.requires_grad else None
         final_coef, base_coef = final_coef.to(acc), base_coef.to(acc)
         chunk = chunk_function("domino_chunk", _chunk, hidden.device)
-        for start, end in chunk_bounds(m, chunk_size):
-            e = features[start:end].to(hidden.dtype)
-            u = hidden[start:end] @ w.t()
-            d = e @ c.t()
+        for start, end, e, u, d in _chunk_products(hidden, features, w, c, chunk_size):
             final_ce[start:end], base_ce[start:end], final_hit[start:end], base_hit[start:end], g_u, g_d = chunk(
                 u, d, labels[start:end], final_coef[start:end], base_coef[start:end], multiplier, softcap)
             if g_hidden is not None:

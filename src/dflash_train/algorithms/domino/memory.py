@@ -21,7 +21,10 @@ class DominoStepMemory(StepMemory):
 
     def ce_chunk_per_class(self, e: int, compiled: bool) -> int:
         """The correction's logits and their gradient beside the base's, and the previous chunk's; eager, the float32
-        copies of both terms' probabilities and gradients too."""
+        copies of both terms' probabilities and gradients too. This also bounds the gradient-free pass that makes
+        acceptance or dpace slot weights before the loss (`loss.final_label_logp`): it runs alone, before the loss's
+        gradient rows exist, and holds one chunk's base and correction logits (and the previous chunk's) with,
+        eager, the float32 copies of one term's scores, fewer than the loss's chunk; it keeps one float32 a row."""
         return 3 * e if compiled else 2 * e + 5 * _F32
 
     def on_top(self, counted: int, head_classes: int, e: int) -> dict[str, int]:

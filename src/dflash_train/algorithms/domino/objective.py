@@ -1,11 +1,18 @@
 """Domino's training objective: the shifted labels (slot k of the block at a predicts `input_ids[a + k + 1]`,
-every slot counted, weight `exp(-k / gamma)`), the GRU teacher-forced over the block's ground-truth tokens, and
-`(1 - l) * final + l * base`: the cross-entropies of the corrected and of the backbone's scores, `l` falling
-linearly from `domino.lambda_base_start` to 0 over `domino.lambda_base_decay_ratio` of the run.
+every slot counted), the GRU teacher-forced over the block's ground-truth tokens, and `(1 - l) * final + l * base`:
+the cross-entropies of the corrected and of the backbone's scores, `l` falling linearly from
+`domino.lambda_base_start` to 0 over `domino.lambda_base_decay_ratio` of the run.
 
 Both go through one chunked pass of the lm_head (`loss.chunked_domino_rows`): the base scores are the corrected ones
 without the correction `embed_proj[2](a)` (`a` the bottleneck, zero on the pure-draft slots), so the two terms share
-one vocabulary-wide product, and neither `[rows, vocab]` logits tensor exists."""
+one vocabulary-wide product, and neither `[rows, vocab]` logits tensor exists.
+
+Slot weights (`objective.slot_weighting`, both terms alike): `exp(-k / gamma)` (the reference's recipe, Domino's
+default), or DFlash's acceptance or dpace weights (`dflash.objective.row_weights`) of the final scores' label
+probabilities. Teacher-forced, the final distribution at slot k is the one decoding drafts slot k from when every
+draft before it was accepted (on the pure-draft slots it is the backbone's own), so the product of the final label
+probabilities over the slots before k is the drafter's probability of reaching slot k; slot 0 is the first draft,
+reached always. These weights come from a gradient-free chunked pass before the loss's (`loss.final_label_logp`)."""
 
 from __future__ import annotations
 
@@ -16,10 +23,10 @@ import torch
 
 from ..base import StepStats
 from ..dflash.blocks import Blocks, build_blocks, sample_anchors
-from ..dflash.objective import DFlashObjective
+from ..dflash.objective import DFlashObjective, row_weights
 from ...data.batch import Batch
 from ...runtime import to_device
-from .loss import chunked_domino_rows
+from .loss import chunked_domino_rows, final_label_logp
 from .model import DominoDrafter
 from .options import options_of
 
@@ -111,17 +118,21 @@ class DominoObjective(DFlashObjective):
     def domino_loss(self, rows: torch.Tensor, blocks: DominoBlocks, idx: torch.Tensor) -> StepStats:
         drafter, o = self.drafter, self.cfg.objective
         labels = blocks.labels.view(-1).index_select(0, idx)
-        weights = blocks.weights.view(-1).index_select(0, idx).to(torch.promote_types(rows.dtype, torch.float32))
-        norm = weights / weights.sum().clamp_min(1e-12)
         slot = idx % drafter.block_size
         corrected = (slot >= drafter.pure_draft_prefix_len).unsqueeze(1)
         features = drafter.correction_features(rows, self.prefix_rows(blocks, idx))
         features = torch.where(corrected, features, torch.zeros_like(features))
+        head, correction = self.target.lm_head.weight, drafter.embed_proj[2].weight
+        transform = {"output_multiplier": drafter.output_multiplier, "softcap": drafter.final_logit_softcapping}
+        weights = row_weights(self.cfg, blocks, idx)
+        if callable(weights):  # acceptance, dpace: of the final scores' label probabilities, known before the loss
+            weights = weights(final_label_logp(rows.detach(), features.detach(), head, correction.detach(), labels,
+                                               o.loss_chunk_size, **transform))
+        weights = weights.to(torch.promote_types(rows.dtype, torch.float32))
+        norm = weights / weights.sum().clamp_min(1e-12)
         lam = self.lambda_base
-        res = chunked_domino_rows(rows, features, self.target.lm_head.weight, drafter.embed_proj[2].weight, labels,
-                                  (1.0 - lam) * norm, lam * norm, o.loss_chunk_size,
-                                  output_multiplier=drafter.output_multiplier,
-                                  softcap=drafter.final_logit_softcapping)
+        res = chunked_domino_rows(rows, features, head, correction, labels, (1.0 - lam) * norm, lam * norm,
+                                  o.loss_chunk_size, **transform)
         stats = shifted_stats(res.loss, res.final_correct, blocks, idx)
         stats.extra = {"final_loss": (res.final_ce * norm).sum().detach(),
                        "base_loss": (res.base_ce * norm).sum().detach(), "base_accuracy": res.base_correct.sum()}

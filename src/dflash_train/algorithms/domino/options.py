@@ -51,11 +51,11 @@ def validate(cfg: Any) -> None:
     if o.pure_draft_prefix_len >= block:
         raise ConfigError(f"config key 'domino.pure_draft_prefix_len': must be below drafter.block_size={block} "
                           f"(got {o.pure_draft_prefix_len}); SGLang serves 1")
-    if cfg.objective.slot_weighting != "gamma":
-        raise ConfigError(f"config key 'objective.slot_weighting': Domino weighs slot k by exp(-k / objective.gamma), "
-                          f"as its reference trains it (acceptance and dpace weights are not defined for its "
-                          f"corrected chain); remove the key or set objective.slot_weighting=gamma (got "
-                          f"{cfg.objective.slot_weighting!r})")
+    # (the schema refuses any other value first; this keeps a weighting added there later from reaching Domino's
+    # objective unchecked)
+    if cfg.objective.slot_weighting not in ("gamma", "acceptance", "dpace"):
+        raise ConfigError(f"config key 'objective.slot_weighting': Domino weighs its slots by gamma, acceptance or "
+                          f"dpace (got {cfg.objective.slot_weighting!r})")
     if cfg.objective.distill_weight > 0:
         raise ConfigError("config key 'objective.distill_weight': Domino trains on the dataset's tokens (hard "
                           "labels); set objective.distill_weight=0")
@@ -71,5 +71,7 @@ OPTIONS = Options(
     validate=validate,
     about="Domino's GRU logit correction and its base-loss schedule",
     # exp(-k / gamma) with the generic gamma (7.0, the reference recipes' loss_decay_gamma), not DFlash's default
+    # acceptance; acceptance and dpace (of the corrected scores' label probabilities) are accepted, pending a GPU
+    # comparison of the recipes
     defaults={"objective.slot_weighting": "gamma"},
 )
