@@ -15,6 +15,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from dflash_train.errors import ResourceError
 from dflash_train.algorithms.dflash.attention import resolve_backend
 from dflash_train.algorithms.dflash.config import drafter_config_from_dict, make_drafter_config
 from dflash_train.algorithms.dflash.model import DFlashDrafter
@@ -211,10 +212,10 @@ def test_preflight_counts_the_kept_head_gradient_rows(target64):
     assert parts["auto"] == parts["keep"] and config_from_dict({}).objective.head_gradient == "auto"
     assert not config_from_dict({}).keeps_head_gradient  # the full vocabulary: the target's frozen head
     need = preflight.MemoryNeed(10, am.ActivationEstimate(parts["keep"], shape))
-    with pytest.raises(RuntimeError, match=r"objective.head_gradient=recompute saves the kept head gradient rows"):
+    with pytest.raises(ResourceError, match=r"objective.head_gradient=recompute saves the kept head gradient rows"):
         preflight.check_gpu(torch.device("cuda", 0), need, 0, "the test", free_memory=lambda d: (1, 2**34))
     need = preflight.MemoryNeed(10, am.ActivationEstimate(parts["recompute"], shape))
-    with pytest.raises(RuntimeError) as refused:
+    with pytest.raises(ResourceError) as refused:
         preflight.check_gpu(torch.device("cuda", 0), need, 0, "the test", free_memory=lambda d: (1, 2**34))
     assert "head_gradient" not in str(refused.value)
 
