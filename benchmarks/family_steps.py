@@ -5,7 +5,7 @@ one inductor cache (the target's and the drafter layers' graphs compile once); a
     PYTHONPATH=src python benchmarks/family_steps.py [--cache-dir DIR] [--variant NAME=ARCH[,KEY=VALUE...]]
         [-- THROUGHPUT_ARGS...]
 
-`--variant dspark-dpard=dspark,dspark.loss=dpard,dspark.ce_weight=0,dspark.l1_weight=0` measures one more process
+`--variant dspark-dpard=dspark,dspark.loss=dpard` measures one more process
 of that architecture with those run-config overrides, after the `--architectures`.
 
 The goal it checks: each architecture's step within 15% of DFlash's (`BUDGET`).

@@ -22,9 +22,8 @@ def test_the_overrides_reach_the_run_config_the_benchmark_builds():
     from dflash_train.config.load import config_from_dict
     from dflash_train.errors import ConfigError
 
-    _, architecture, overrides = family_steps.parse_variant(
-        "d=dspark,dspark.loss=dpard,dspark.ce_weight=0,dspark.l1_weight=0")
+    _, architecture, overrides = family_steps.parse_variant("d=dspark,dspark.loss=dpard,dspark.dpard_alpha=0.3")
     cfg = config_from_dict({"drafter": {"architecture": architecture}}, overrides=overrides)
-    assert cfg.options.loss == "dpard" and cfg.options.ce_weight == 0
+    assert cfg.options.loss == "dpard" and cfg.options.dpard_alpha == 0.3
     with pytest.raises(ConfigError, match="dspark.loss"):
-        config_from_dict({"drafter": {"architecture": "dspark"}}, overrides=["dspark.loss=dpard"])
+        config_from_dict({"drafter": {"architecture": "dspark"}}, overrides=["dspark.loss=dpard", "dspark.ce_weight=1"])

@@ -476,10 +476,20 @@ def test_dpard_equals_a_dense_float64_reference(target, kind):
 
 
 def test_dpard_options_are_checked_naming_their_keys():
+    """`dspark.loss=dpard` alone trains D-PARD (the CE and L1 weights unset mean 0 there); a CE or L1 weight set
+    beside it is refused; unset under the paper's loss, they are the reference's 0.1 and 0.9."""
+    from dflash_train.algorithms.dspark.options import loss_weights
+
     ok = {"drafter": {"architecture": "dspark"}}
-    assert config_from_dict({**ok, "dspark": {"loss": "dpard", "ce_weight": 0, "l1_weight": 0}}).options.loss == "dpard"
-    with pytest.raises(ConfigError, match=r"'dspark.loss': dpard replaces the CE and L1 terms"):
-        config_from_dict({**ok, "dspark": {"loss": "dpard"}})
+    assert loss_weights(config_from_dict(ok).options) == (0.1, 0.9)
+    assert loss_weights(config_from_dict({**ok, "dspark": {"l1_weight": 0.5}}).options) == (0.1, 0.5)
+    alone = config_from_dict({**ok, "dspark": {"loss": "dpard"}}).options
+    assert alone.loss == "dpard" and loss_weights(alone) == (0.0, 0.0)
+    zeros = config_from_dict({**ok, "dspark": {"loss": "dpard", "ce_weight": 0, "l1_weight": 0}}).options
+    assert loss_weights(zeros) == (0.0, 0.0)
+    for extra in ({"ce_weight": 0.1}, {"l1_weight": 0.9}):
+        with pytest.raises(ConfigError, match=r"'dspark.loss': dpard replaces the CE and L1 terms.*remove those keys"):
+            config_from_dict({**ok, "dspark": {"loss": "dpard", **extra}})
     for alpha in (0, 1):
         with pytest.raises(ConfigError, match=r"'dspark.dpard_alpha'"):
             config_from_dict({**ok, "dspark": {"loss": "dpard", "ce_weight": 0, "l1_weight": 0, "dpard_alpha": alpha}})

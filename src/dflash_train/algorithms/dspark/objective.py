@@ -26,7 +26,7 @@ from ..dflash.blocks import Blocks
 from ..dflash.objective import DFlashObjective
 from .blocks import plan
 from .loss import TargetPositions, chunked_dspark_rows, target_positions
-from .options import options_of
+from .options import loss_weights, options_of
 
 
 class DSparkObjective(DFlashObjective):
@@ -77,8 +77,9 @@ class DSparkObjective(DFlashObjective):
                                             targets, labels, torch.zeros_like(norm), torch.zeros_like(norm), chunk)
             renyi_coef = dpard_weights((1 - first.l1 / 2).clamp(0, 1), blocks.counted, idx,
                                        opts.dpard_alpha) / shape[0]
+        ce_weight, l1_weight = loss_weights(opts)
         res = chunked_dspark_rows(rows, feature, self.target.lm_head.weight, w2, targets, labels,
-                                  opts.ce_weight * norm, opts.l1_weight * norm, chunk, renyi_coef)
+                                  ce_weight * norm, l1_weight * norm, chunk, renyi_coef)
         loss = res.loss
         acceptance = (1 - res.l1 / 2).clamp(0, 1)  # detached: the chunked terms carry no gradient here
         extra = {"ce_loss": (res.ce * norm).sum().detach(), "l1_loss": (res.l1 * norm).sum().detach(),

@@ -4,7 +4,7 @@ and cross-checks. Torch-free: the config loader imports it before anything heavy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from ...architectures import Options
 from ...errors import ConfigError
@@ -25,11 +25,12 @@ class DSparkOptions:
     # The confidence head reads the previous token's Markov embedding beside the slot's hidden state (needs
     # markov_rank > 0).
     confidence_head_with_markov: bool = True
-    # Weight of the cross-entropy against the data's next token (0.1 in the reference).
-    ce_weight: float = 0.1
-    # Weight of the L1 distance between the drafter's and the target's distributions (0.9 in the reference; the full
-    # L1, twice the total variation).
-    l1_weight: float = 0.9
+    # Weight of the cross-entropy against the data's next token. Unset: 0.1 (the reference's) with dspark.loss
+    # dspark, 0 with dpard (which replaces it).
+    ce_weight: Optional[float] = None
+    # Weight of the L1 distance between the drafter's and the target's distributions (the full L1, twice the total
+    # variation). Unset: 0.9 (the reference's) with dspark.loss dspark, 0 with dpard (which replaces it).
+    l1_weight: Optional[float] = None
     # Weight of the confidence head's BCE against the analytic acceptance 1 - L1/2 (1.0 in the reference).
     confidence_weight: float = 1.0
     # Slot k's loss weight is exp(-k / decay_gamma) (k = 0 for the anchor's own prediction): 4.0 in the reference
@@ -38,12 +39,22 @@ class DSparkOptions:
     decay_gamma: float = 4.0
     # dspark: ce_weight * CE + l1_weight * L1 (+ the confidence BCE), the paper's. dpard: D-PARD's actor instead, a
     # Renyi-1/2 divergence to the target per slot, weighted by the detached expected accepted length from that
-    # slot on (from each slot's analytic acceptance), summed per sequence; needs ce_weight and l1_weight 0. The
-    # confidence BCE stays as it is, with the exp(-k / decay_gamma) weights.
+    # slot on (from each slot's analytic acceptance), summed per sequence; ce_weight and l1_weight then stay unset
+    # (or 0). The confidence BCE stays as it is, with the exp(-k / decay_gamma) weights.
     loss: Literal["dspark", "dpard"] = "dspark"
     # D-PARD's credit floor: slot i's factor is dpard_alpha + (1 - dpard_alpha) * its acceptance; strictly
     # between 0 and 1 (0.5 in SpecForge's D-PARD).
     dpard_alpha: float = 0.5
+
+
+# (CE, L1) weights of each loss where dspark.ce_weight / dspark.l1_weight are unset
+DEFAULT_LOSS_WEIGHTS = {"dspark": (0.1, 0.9), "dpard": (0.0, 0.0)}
+
+
+def loss_weights(o: DSparkOptions) -> tuple[float, float]:
+    """The (CE, L1) weights the run trains with: the keys where set, else the loss's defaults."""
+    ce, l1 = DEFAULT_LOSS_WEIGHTS[o.loss]
+    return (ce if o.ce_weight is None else float(o.ce_weight), l1 if o.l1_weight is None else float(o.l1_weight))
 
 
 def options_of(cfg: Any) -> DSparkOptions:
@@ -63,10 +74,11 @@ def validate(cfg: Any) -> None:
     if o.confidence_weight > 0 and not o.confidence_head:
         raise ConfigError(f"config key 'dspark.confidence_weight': {o.confidence_weight} weighs a confidence head "
                           "that dspark.confidence_head=false turns off; set it to 0 or turn the head on")
-    if o.loss == "dpard" and (o.ce_weight or o.l1_weight):
-        raise ConfigError(f"config key 'dspark.loss': dpard replaces the CE and L1 terms (dspark.ce_weight "
-                          f"{o.ce_weight}, dspark.l1_weight {o.l1_weight}); set both to 0, or leave dspark.loss dspark")
-    if o.loss == "dspark" and o.ce_weight + o.l1_weight <= 0:
+    ce, l1 = loss_weights(o)
+    if o.loss == "dpard" and (ce or l1):
+        raise ConfigError(f"config key 'dspark.loss': dpard replaces the CE and L1 terms (dspark.ce_weight {ce}, "
+                          f"dspark.l1_weight {l1}); remove those keys, or leave dspark.loss dspark")
+    if o.loss == "dspark" and ce + l1 <= 0:
         raise ConfigError("config key 'dspark.ce_weight': dspark.ce_weight and dspark.l1_weight are both 0, so "
                           "nothing trains the drafter's distribution; give one of them a weight > 0")
     if cfg.objective.distill_weight > 0:
