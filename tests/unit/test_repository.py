@@ -1,5 +1,5 @@
 """The repository holds the product as it is now: no development-diary words, no raw logs, no path outside the
-checkout, and documentation links that resolve."""
+checkout, and documentation links (and the docs anchors code comments cite) that resolve."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ DIARY = re.compile(r"\bsessions? \d+|\bissues? #?\d+|\bthe field\b|/root/|/work/
                    re.IGNORECASE)
 RAW_RESULTS = re.compile(r"\.(log|out)$|(^|/)results-[^/]*\.jsonl$|(^|/)pytest[^/]*\.txt$")
 MD_LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
+ANCHOR_LINK = re.compile(r"\]\(([^)#\s]*)#([^)\s]+)\)")  # [text](page.md#anchor) or [text](#anchor)
+CODE_DOC_REF = re.compile(r"((?:docs|benchmarks)/[\w/.-]+\.md)#([\w-]+)")  # a comment's docs/page.md#anchor
 
 
 def tracked_files() -> list[Path]:
@@ -69,3 +71,53 @@ def test_every_relative_link_in_the_docs_resolves():
                 if not (doc.parent / target).exists():
                     broken.append(f"{doc.relative_to(REPO)}:{n}: {target}")
     assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors a Markdown renderer gives the page's headings (GitHub's rule: lower case, punctuation dropped,
+    spaces to hyphens, a repeated heading suffixed -1, -2, ...); headings inside code fences are not headings."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        heading = None if fenced else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def broken_anchors(files: list[Path]) -> list[str]:
+    """`page.md#anchor` links of Markdown files and docs references of Python comments whose page exists but has no
+    such heading."""
+    broken = []
+    for path in files:
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            pairs = [(REPO / page, anchor) for page, anchor in CODE_DOC_REF.findall(line)]
+            if path.suffix == ".md":
+                pairs += [(path.parent / page if page else path, anchor) for page, anchor in ANCHOR_LINK.findall(line)
+                          if not re.match(r"[a-z]+:", page)]
+            for page, anchor in pairs:
+                if page.suffix == ".md" and page.is_file() and anchor not in heading_anchors(page):
+                    shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+                    broken.append(f"{shown}:{n}: {page.name}#{anchor}")
+    return broken
+
+
+def test_every_anchor_a_doc_or_a_comment_cites_is_a_heading():
+    files = [p for p in tracked_files() if p.suffix in (".md", ".py")]
+    broken = broken_anchors(files)
+    assert not broken, "links to headings that do not exist (rename the link or the heading):\n" + "\n".join(broken)
+
+
+def test_the_anchor_check_catches_what_it_is_for(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\n## DSpark's and Domino's steps\n\n## Runs\n\n## Runs\n\n```\n## not a heading\n```\n")
+    assert heading_anchors(page) == {"page", "dsparks-and-dominos-steps", "runs", "runs-1"}
+    doc = tmp_path / "doc.md"
+    doc.write_text("[ok](page.md#runs-1) [ok](#top) [bad](page.md#runs-2) [bad](page.md#not-a-heading)\n# Top\n")
+    assert broken_anchors([doc]) == ["doc.md:1: page.md#runs-2", "doc.md:1: page.md#not-a-heading"]
