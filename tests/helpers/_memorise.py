@@ -21,8 +21,11 @@ def _label_of(drafter: Drafter):
 
 def memorise(drafter: Drafter, target, sequences: list[list[int]], steps: int = 20) -> Drafter:
     """Trains in float32 whatever the drafter's dtype (it is returned in its own): a float64 drafter's steps over
-    the full 49,152-token head took ~2.5x longer, for a drafter no better at being often right."""
+    the full 49,152-token head took ~2.5x longer, for a drafter no better at being often right. A drafter whose
+    every slot drafts (`num_drafts() == block_size`, DSpark) learns slot k's token at anchor + k + 1 (its Markov
+    bias left as it is); else slots 1..B-1 learn the tokens after the anchor (the anchor's slot has no label)."""
     bs = drafter.block_size
+    first = bs - drafter.num_drafts()  # the first slot that drafts: 1 (DFlash), 0 (DSpark)
     label_of = _label_of(drafter)
     dtype = next(drafter.parameters()).dtype
     drafter.float()
@@ -37,9 +40,9 @@ def memorise(drafter: Drafter, target, sequences: list[list[int]], steps: int = 
         with torch.no_grad():
             hs = target(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
         context = torch.cat([hs[i + 1] for i in drafter.target_layer_ids], -1).float()
-        anchors = torch.arange(1, len(ids) - bs + 1)
-        block = torch.tensor(ids)[anchors.view(-1, 1) + torch.arange(bs)]
-        inputs = torch.full_like(block, drafter.mask_token_id)
+        anchors = torch.arange(1, len(ids) - bs + first)
+        block = torch.tensor(ids)[anchors.view(-1, 1) + torch.arange(bs + 1 - first)]  # the anchor, then labels
+        inputs = torch.full_like(block[:, :bs], drafter.mask_token_id)
         inputs[:, 0] = block[:, 0]
         positions = torch.cat([torch.arange(len(ids)), (anchors.view(-1, 1) + torch.arange(bs)).view(-1)]).view(1, -1)
         mask = dense_mask(anchors.view(1, -1), torch.ones(1, len(anchors), dtype=torch.bool), len(ids), bs)
@@ -49,7 +52,7 @@ def memorise(drafter: Drafter, target, sequences: list[list[int]], steps: int = 
     for _ in range(steps):
         for context, block_embeds, positions, mask, labels in batches:
             out = drafter(context, block_embeds, positions, sdpa_attention, mask)
-            logits = head(out[0].view(labels.shape[0], bs, -1)[:, 1:])  # the anchor's slot has no label
+            logits = head(out[0].view(labels.shape[0], bs, -1)[:, first:])
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                      ignore_index=IGNORE)
             opt.zero_grad()
