@@ -23,7 +23,7 @@ MT-Bench, HumanEval and held-out ShareGPT this way takes a minute on one GPU ins
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
@@ -222,6 +222,29 @@ def walk(accepted_at: Callable[[int], int], continuation: Sequence[int], max_new
     return finish(tokens, max_new, stop), accepts
 
 
+def confidence_mode(threshold: float) -> str:
+    """The name of block decoding truncated at confidence `threshold` (`block-conf-0.3`)."""
+    return f"block-conf-{threshold:g}"
+
+
+def confidence_keeps(confidence: torch.Tensor, threshold: float) -> list[int]:
+    """Per anchor (row of `confidence [N, D]`), the drafts a step truncated at `threshold` C gives the target: those
+    before the first slot predicted below C, possibly none. `SpeculativeDecoder._draft`'s rule, so that the walk over
+    `min(block accepts, keep)` is what `SpeculativeDecoder(confidence_threshold=C).generate_block` decodes."""
+    return (confidence >= threshold).long().cumprod(-1).sum(-1).tolist()
+
+
+def verified_lengths(keeps: Sequence[int], accepts: Sequence[int]) -> list[int]:
+    """Tokens the target verifies at each step of a walk (`accepts`, from anchor 0 on): the anchor's slot (its bonus
+    token) and the `keeps[j]` drafts it is given at anchor j, 1 + keep_j. `DecodeResult.verified_lengths` counts the
+    same, so the mean over steps is what eval reports as `verified_per_step`."""
+    out, j = [], 0
+    for a in accepts:
+        out.append(1 + keeps[j])
+        j += a
+    return out
+
+
 def tree_refusal(drafter: Drafter) -> Optional[str]:
     """Why this drafter cannot be decoded with DDTree (`Drafter.check_tree_decoding`'s message), or None."""
     try:
@@ -274,18 +297,22 @@ def slot_acceptance(outputs: Iterable[dict], width: int) -> dict:
 class TurnReplay:
     """Per mode: (tokens, accept lengths); how many positions' target argmax in the full forward disagree with
     the continuation (0 unless ties flipped between batched generation and this pass); for a drafter with a
-    confidence head, the block walk's `confidence_sums`."""
+    confidence head, the block walk's `confidence_sums` and, per confidence-truncated mode, the tokens verified at
+    each step (`verified_lengths`)."""
 
     modes: dict[str, tuple[list[int], list[int]]]
     argmax_mismatches: int
     confidence_sums: Optional[list[float]] = None
+    verified: dict[str, list[int]] = field(default_factory=dict)
 
 
 def replay_turn(target, drafter: Drafter, turn: ReplayTurn, max_new: int, tree_budgets: Sequence[int],
-                stops: Iterable[int], target_out=None) -> TurnReplay:
+                stops: Iterable[int], target_out=None, confidence_thresholds: Sequence[float] = ()) -> TurnReplay:
     """Block and DDTree-`b` decoding of one turn by replay (block only for a drafter that refuses DDTree:
-    `tree_refusal`). `target_out`: `target_pass` of prompt + continuation, when already computed (several drafters
-    share it)."""
+    `tree_refusal`) and, for a drafter with a confidence head, block decoding truncated at each threshold C > 0 of
+    `confidence_thresholds` (`confidence_mode(C)`: a step accepts at most the drafts before the first predicted below
+    C; the others give none). `target_out`: `target_pass` of prompt + continuation, when already computed (several
+    drafters share it)."""
     stops = list(stops)
     if tree_refusal(drafter) is not None:
         tree_budgets = ()
@@ -312,7 +339,13 @@ def replay_turn(target, drafter: Drafter, turn: ReplayTurn, max_new: int, tree_b
         for budget in tree_budgets:
             modes[f"tree-{budget}"] = walk(
                 lambda j: _tree_accepts(top_lp[j], top_ids[j], budget, cont[j + 1:j + 1 + width]), cont, max_new, stops)
-    return TurnReplay(modes, mismatches, sums)
+    verified: dict[str, list[int]] = {}
+    for c in (t for t in confidence_thresholds if t > 0 and props.confidence is not None):
+        keeps = confidence_keeps(props.confidence, c)
+        mode = confidence_mode(c)
+        modes[mode] = walk(lambda j: min(block[j], keeps[j]), cont, max_new, stops)
+        verified[mode] = verified_lengths(keeps, modes[mode][1])
+    return TurnReplay(modes, mismatches, sums, verified)
 
 
 # --------------------------------------------------------------------------- prompts -> corpus -> records
@@ -344,22 +377,28 @@ def build_corpus(target, tokenizer, items: list[dict], max_new: int, block_size:
 
 def turn_records(target, tokenizer, drafters: dict[str, Drafter], corpus: list[ReplayTurn], max_new: int,
                  tree_budgets: Sequence[int], stops: Iterable[int],
-                 done: Callable[[str, ReplayTurn], bool] = lambda name, turn: False) -> Iterator[tuple[str, dict]]:
+                 done: Callable[[str, ReplayTurn], bool] = lambda name, turn: False,
+                 confidence_thresholds: Sequence[float] = ()) -> Iterator[tuple[str, dict]]:
     """(drafter name, record of one turn) for each turn and drafter, in corpus order, skipping the pairs `done`
     says are done (a resumed replay). A turn's record: `{"dataset", "id", "turn", "argmax_mismatches",
     "modes": {mode: output}}` (no tree modes for a drafter that refuses DDTree; the block output of a drafter with
-    a confidence head has `confidence_sums`). The target runs once per turn for all drafters that need it."""
+    a confidence head has `confidence_sums`, and its confidence-truncated modes (`replay_turn`'s
+    `confidence_thresholds`) have `verified_lengths`, as real decoding's outputs). The target runs once per turn for
+    all drafters that need it."""
     stops = list(stops)
     for turn in corpus:
         todo = [name for name in drafters if not done(name, turn)]
         shared = target_pass(target, turn.prompt + turn.continuation) if todo else None
         for name in todo:
-            rep = replay_turn(target, drafters[name], turn, max_new, tree_budgets, stops, shared)
+            rep = replay_turn(target, drafters[name], turn, max_new, tree_budgets, stops, shared,
+                              confidence_thresholds)
             modes = {mode: {"token_ids": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True),
                             "tau": sum(accepts) / max(len(accepts), 1), "accept_lengths": accepts, "decode_s": 0.0}
                      for mode, (tokens, accepts) in rep.modes.items()}
             if rep.confidence_sums is not None:
                 modes["block"]["confidence_sums"] = rep.confidence_sums
+            for mode, verified in rep.verified.items():
+                modes[mode]["verified_lengths"] = verified
             yield name, {"dataset": turn.dataset, "id": turn.id, "turn": turn.turn,
                          "argmax_mismatches": rep.argmax_mismatches, "modes": modes}
 
@@ -385,11 +424,13 @@ def prompt_records(turns: Iterable[dict]) -> list[dict]:
 
 def replay_records(target, tokenizer, drafters: dict[str, Drafter], corpus: list[ReplayTurn], max_new: int,
                    tree_budgets: Sequence[int], stops: Iterable[int],
-                   done: Optional[Callable[[int], None]] = None) -> dict[str, list[dict]]:
+                   done: Optional[Callable[[int], None]] = None,
+                   confidence_thresholds: Sequence[float] = ()) -> dict[str, list[dict]]:
     """Per drafter: one record per prompt (`prompt_records`) of every turn of `corpus`. `done(1)`: called as
-    each turn is replayed (by every drafter)."""
+    each turn is replayed (by every drafter). `confidence_thresholds`: as `replay_turn`'s."""
     turns: dict[str, list[dict]] = {name: [] for name in drafters}
-    for name, rec in turn_records(target, tokenizer, drafters, corpus, max_new, tree_budgets, stops):
+    for name, rec in turn_records(target, tokenizer, drafters, corpus, max_new, tree_budgets, stops,
+                                  confidence_thresholds=confidence_thresholds):
         turns[name].append(rec)
         if done and name == next(iter(drafters)):
             done(1)

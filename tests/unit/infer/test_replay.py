@@ -225,15 +225,15 @@ def test_confidence_sums_and_slot_acceptance_of_a_block_walk_by_hand():
     assert got["predicted"] is None and got["reached"] == [4, 1, 0] and got["acceptance"] == [0.25, 0.0, None]
 
 
-def _dspark(target, block_size: int, confidence: bool = True):
+def _dspark(target, block_size: int, confidence: bool = True, markov_rank: int = 8):
     from dflash_train.algorithms.dspark.model import DSparkDrafter
 
     torch.manual_seed(0)
     cfg = make_drafter_config(target.config, num_draft_layers=1, block_size=block_size, target_layer_ids=[1, 4],
                               mask_token_id=16)
     cfg.architectures = ["Qwen3DSparkModel"]
-    cfg.markov_rank, cfg.markov_head_type = 8, "vanilla"
-    cfg.enable_confidence_head, cfg.confidence_head_with_markov = confidence, True
+    cfg.markov_rank, cfg.markov_head_type = markov_rank, "vanilla"
+    cfg.enable_confidence_head, cfg.confidence_head_with_markov = confidence, markov_rank > 0
     return DSparkDrafter(cfg).double().eval()
 
 
@@ -297,3 +297,85 @@ def test_replay_of_a_drafter_that_refuses_ddtree_gives_its_block_mode_only(targe
     records = dict(turn_records(target, load_tokenizer(tiny_target_dir), {"dflash": dflash, "domino": d}, [turn],
                                 max_new, (4,), STOPS))
     assert set(records["domino"]["modes"]) == {"block"} and set(records["dflash"]["modes"]) == {"block", "tree-4"}
+
+
+# --------------------------------------------------------------------------- confidence truncation
+
+
+@pytest.fixture(scope="module")
+def confident_dspark(target):
+    """(prompts, continuations, block size, max_new, a DSpark drafter taught them whose confidence head is spread
+    over (0, 1)): steps that accept several drafts, and predictions on both sides of 0.5 (the tiny head's random
+    start is ~0.5 everywhere). No Markov head: its random bias would keep the memorised drafts from being right."""
+    bs, max_new = 4, 20
+    prompts = _prompts()
+    conts = greedy_continuations(target, prompts, max_new + bs)
+    d = memorise(_dspark(target, bs, markov_rank=0), target, [p + c for p, c in zip(prompts, conts)])
+    torch.manual_seed(3)
+    with torch.no_grad():
+        d.confidence_head.proj.weight.normal_(0, 5.0)
+        d.confidence_head.proj.bias.zero_()
+    return prompts, conts, bs, max_new, d
+
+
+def test_confidence_truncated_replay_equals_decoding_with_the_threshold(target, tiny_target_dir, confident_dspark):
+    """Replay's `block-conf-C` takes real decoding's steps under `confidence_threshold=C`: the same tokens, accept
+    lengths and tokens verified per step, turn by turn; eval's `verified_per_step` of both is the same. The threshold
+    truncates some steps (fewer tokens verified, and fewer accepted than untruncated block decoding) but not all."""
+    from dflash_train.infer.evaluate import summarize_records
+    from dflash_train.infer.replay import prompt_records, turn_records
+    from dflash_train.target.capture import load_tokenizer
+
+    prompts, conts, bs, max_new, d = confident_dspark
+    c, mode = 0.5, "block-conf-0.5"
+    dec = SpeculativeDecoder(target, d, stop_token_ids=STOPS, confidence_threshold=c)
+    turns = [ReplayTurn("toy", str(i), 0, p, cont) for i, (p, cont) in enumerate(zip(prompts, conts))]
+    decoded, verified, cut_short = [], [], 0
+    for turn in turns:
+        rep = replay_turn(target, d, turn, max_new, (), STOPS, confidence_thresholds=(c,))
+        real = dec.generate_block(turn.prompt, max_new)
+        assert set(rep.modes) == {"block", mode}
+        assert rep.modes[mode] == (real.tokens, real.accept_lengths)
+        assert rep.verified[mode] == real.verified_lengths
+        cut_short += rep.modes["block"][1] != real.accept_lengths
+        verified += real.verified_lengths
+        decoded.append({"id": turn.id, "modes": {mode: [{"token_ids": real.tokens, "accept_lengths": real.accept_lengths,
+                                                         "verified_lengths": real.verified_lengths, "decode_s": 0.0}]}})
+    assert min(verified) < bs + 1 and max(verified) == bs + 1  # truncated at some steps, not at all
+    assert cut_short > 0  # and it changed what some turn accepted
+    records = prompt_records(rec for _, rec in turn_records(target, load_tokenizer(tiny_target_dir), {"d": d}, turns,
+                                                             max_new, (), STOPS, confidence_thresholds=(c,)))
+    replayed = summarize_records(records, ["block", mode])["modes"]
+    want = summarize_records(decoded, [mode])["modes"][mode]
+    assert replayed[mode]["verified_per_step"] == want["verified_per_step"] == sum(verified) / len(verified)
+    assert replayed[mode]["tau"] == want["tau"]
+    assert "verified_per_step" not in replayed["block"]  # replay's untruncated block records stay as they were
+
+
+def test_confidence_truncation_accepts_no_more_and_verifies_between_the_anchor_and_every_draft(target,
+                                                                                              confident_dspark):
+    """Per threshold, tau <= the untruncated block's (each anchor accepts no more; along a walk that is not a theorem,
+    a truncated step can land on a better anchor, so this checks these texts) and the tokens verified per step lie in
+    [1, 1 + drafts]; threshold 0 and a drafter without a confidence head give no truncated mode."""
+    prompts, conts, bs, max_new, d = confident_dspark
+    thresholds = (0.0, 0.2, 0.5, 0.8)
+    taus: dict[str, list[int]] = {}
+    verified: dict[str, list[int]] = {}
+    for i, (p, cont) in enumerate(zip(prompts, conts)):
+        rep = replay_turn(target, d, ReplayTurn("toy", str(i), 0, p, cont), max_new, (), STOPS,
+                          confidence_thresholds=thresholds)
+        assert list(rep.modes) == ["block", "block-conf-0.2", "block-conf-0.5", "block-conf-0.8"]
+        for mode, (tokens, accepts) in rep.modes.items():
+            assert tokens == rep.modes["block"][0]  # lossless: the target's greedy output whatever is verified
+            taus.setdefault(mode, []).extend(accepts)
+            verified.setdefault(mode, []).extend(rep.verified.get(mode, [1 + bs] * len(accepts)))
+    tau = {m: sum(a) / len(a) for m, a in taus.items()}
+    per_step = {m: sum(v) / len(v) for m, v in verified.items()}
+    assert all(1 <= v <= 1 + bs for vs in verified.values() for v in vs)
+    assert all(t <= tau["block"] for t in tau.values()) and tau["block-conf-0.8"] < tau["block"]
+    assert per_step["block-conf-0.8"] < per_step["block-conf-0.2"] < 1 + bs
+    turn = ReplayTurn("toy", "0", 0, prompts[0], conts[0])
+    assert set(replay_turn(target, d, turn, max_new, (), STOPS, confidence_thresholds=(0.0,)).modes) == {"block"}
+    headless = replay_turn(target, _dspark(target, bs, confidence=False), turn, max_new, (), STOPS,
+                           confidence_thresholds=(0.5,))
+    assert set(headless.modes) == {"block"} and headless.verified == {}
