@@ -386,6 +386,8 @@ def replay_main(argv: list[str]) -> int:
     p.add_argument("--partial", action="append", required=True, metavar="NAME=FILE")
     p.add_argument("--settings", required=True)
     p.add_argument("--out-dir", required=True)
+    p.add_argument("--confidence-thresholds", type=parse_thresholds, default=(),
+                   help="also replay block decoding truncated at each (drafters with a confidence head)")
     args = p.parse_args(argv)
     from dflash_train.infer.evaluate import check_pair
     from dflash_train.infer.replay import ReplayTurn, prompt_records, turn_records
@@ -409,7 +411,8 @@ def replay_main(argv: list[str]) -> int:
     try:
         for name, rec in turn_records(target, tokenizer, drafters, corpus, settings.max_new_tokens,
                                       settings.tree_budgets, stops,
-                                      done=lambda n, t: (t.dataset, t.id, t.turn) in done[n]):
+                                      done=lambda n, t: (t.dataset, t.id, t.turn) in done[n],
+                                      confidence_thresholds=args.confidence_thresholds):
             files[name].write(json.dumps(rec) + "\n")
             files[name].flush()
     finally:
@@ -462,6 +465,40 @@ def pooled_tau(report: dict, modes: list[str], names: Optional[list[str]] = None
                 gained += s["tau"] * s["steps"]
         out[mode] = gained / steps if steps else None
     return out
+
+
+def pooled_verified(report: dict, modes: list[str], names: Optional[list[str]] = None) -> dict[str, Optional[float]]:
+    """Tokens verified per step (`verified_per_step`) per mode over the steps of the named datasets (all when None)."""
+    out = {}
+    for mode in modes:
+        steps = verified = 0.0
+        for name, body in report["datasets"].items():
+            s = body["modes"].get(mode)
+            if (names is None or name in names) and s and s.get("verified_per_step") is not None:
+                steps += s["steps"]
+                verified += s["verified_per_step"] * s["steps"]
+        out[mode] = verified / steps if steps else None
+    return out
+
+
+def confidence_truncation(report: dict, truncated: dict, thresholds: tuple, drafts: int,
+                          pooled_names: list[str]) -> dict:
+    """One drafter's lines of the confidence truncation table: untruncated block decoding (every step verifies the
+    anchor and all `drafts`: `report`, the drafter's replay report) and block decoding truncated at each threshold
+    (`truncated`: its report of the `block-conf-C` modes), tau and tokens verified per step (`replay.verified_lengths`:
+    the anchor and the drafts the target checks, eval's `verified_per_step`), pooled over MT-Bench + ShareGPT and all."""
+    from dflash_train.infer.replay import confidence_mode
+
+    rows = {"block": {"threshold": None, "tau_mt-bench+sharegpt": pooled_tau(report, ["block"], pooled_names)["block"],
+                      "tau_all": pooled_tau(report, ["block"])["block"],
+                      "verified_per_step_mt-bench+sharegpt": 1.0 + drafts, "verified_per_step_all": 1.0 + drafts}}
+    for c in thresholds:
+        mode = confidence_mode(c)
+        rows[mode] = {"threshold": c, "tau_mt-bench+sharegpt": pooled_tau(truncated, [mode], pooled_names)[mode],
+                      "tau_all": pooled_tau(truncated, [mode])[mode],
+                      "verified_per_step_mt-bench+sharegpt": pooled_verified(truncated, [mode], pooled_names)[mode],
+                      "verified_per_step_all": pooled_verified(truncated, [mode])[mode]}
+    return {"drafts_per_block": drafts, "modes": rows}
 
 
 def compare_with_decoding(decoded: dict[str, dict], replayed: dict[str, dict], modes: list[str]) -> dict:
@@ -890,6 +927,8 @@ class Driver:
         key = {k: a[k] for k in ("config", "overrides", "data", "val_fraction", "eval", "limit", "overlap_prefix",
                                  "max_new_tokens", "tree_budget", "baseline", "dtype", "device", "workers", "method",
                                  "check_decode", "drafter", "variant", "curve_every", "eval_target_quantize")}
+        if a.get("confidence_thresholds"):  # only when given: an eval done without them stays done
+            key["confidence_thresholds"] = list(a["confidence_thresholds"])
         weights = self.drafter_dir / "model.safetensors"
         key["drafter_sha256"] = _file_sha256(weights) if weights.is_file() else None
         return key
@@ -1193,7 +1232,10 @@ class Driver:
                           "--block-size", str(block), "--settings", settings_json, "--out", str(corpus)]],
                         rdir, "corpus", self.runner, self.args.device, self.log)
             self.runner.add_time("corpus_s", time.time() - t0)
-        keys = {name: hashlib.sha256((corpus_key + _file_sha256(d / "model.safetensors") + settings_json).encode())
+        thresholds = ",".join(f"{c:g}" for c in self.args.confidence_thresholds)
+        truncation = ["--confidence-thresholds", thresholds] if thresholds else []
+        keys = {name: hashlib.sha256((corpus_key + _file_sha256(d / "model.safetensors") + settings_json
+                                      + (f"conf:{thresholds}" if thresholds else "")).encode())
                 .hexdigest() for name, d in drafters.items()}
         known = json.loads((rdir / "keys.json").read_text()) if (rdir / "keys.json").is_file() else {}
         todo = [n for n in drafters if known.get(n) != keys[n] or not (rdir / f"{n}.jsonl").is_file()]
@@ -1204,7 +1246,7 @@ class Driver:
             self.log(f"replay: {len(todo)} drafter(s) over {len(shards)} process(es): {', '.join(todo)}")
             t1 = time.time()
             run_helpers([[sys.executable, me, "replay", "--target", self.cfg.target.path, "--corpus", str(corpus),
-                          "--settings", settings_json, "--out-dir", str(rdir)]
+                          "--settings", settings_json, "--out-dir", str(rdir)] + truncation
                          + [a for n in shard for a in ("--drafter", f"{n}={drafters[n]}",
                                                        "--partial", f"{n}={self.replay_partial(n, keys[n])}")]
                          for shard in shards],
@@ -1251,6 +1293,8 @@ class Driver:
                                                    self.runner.times.get("train_s" if name == "default" else f"train_s:{name}"),
                                                    by_slot.get(name))
                                  for name, (run, _) in self.runs().items()}
+        if self.args.confidence_thresholds:
+            extra["confidence_truncation"] = self.truncation_section(items, records, facts, reports, pooled_names)
         if self.args.curve_every and self.given_drafter is None:
             times = metric_times(self.run)
             extra["curve"] = [{"step": int(name.split("-")[1]), "train_s_after_first_log": times.get(int(name.split("-")[1])),
@@ -1261,6 +1305,24 @@ class Driver:
         if self.args.check_decode:
             complete, extra["decode_check"] = self.decode_check(items, info, records, drafters)
         return complete, info, extra
+
+    def truncation_section(self, items: list[dict], records: dict[str, dict[str, dict]], facts: dict[str, dict],
+                           reports: dict[str, dict], pooled_names: list[str]) -> dict:
+        """--confidence-thresholds: the summary's confidence truncation section, per drafter with a confidence head
+        (`confidence_truncation`); its truncated modes are kept out of the reports of the other tables."""
+        from dflash_train.infer.evaluate import report_config
+        from dflash_train.infer.replay import confidence_mode
+
+        thresholds = tuple(self.args.confidence_thresholds)
+        modes = [confidence_mode(c) for c in thresholds]
+        drafters = {}
+        for name, recs in records.items():
+            if facts[name]["confidence_head"]:
+                truncated = merged_report(report_config(self.settings.max_new_tokens, 0.0, facts[name]["block_size"],
+                                                        ()), items, recs, modes)
+                drafters[name] = confidence_truncation(reports[name], truncated, thresholds,
+                                                       facts[name]["drafts_per_block"], pooled_names)
+        return {"thresholds": list(thresholds), "drafters": drafters}
 
     def decode_check(self, items: list[dict], info: dict, replayed: dict[str, dict[str, dict]],
                      drafters: dict[str, Path]) -> tuple[bool, dict]:
@@ -1583,6 +1645,7 @@ def replay_markdown(s: dict, modes: list[str]) -> list[str]:
              "floating-point ties (see the check below). Positions where the full-sequence target pass disagrees "
              f"with the batched greedy continuation: {s.get('argmax_mismatches')}.", ""]
     lines += variants_markdown(s.get("variants") or {}, modes)
+    lines += truncation_markdown(s.get("confidence_truncation"))
     if s.get("curve"):
         lines += ["## Tau against training time (default recipe)", "",
                   "| step | train s after the first logged step | " + " | ".join(f"tau {m} (MT-Bench+ShareGPT)" for m in modes)
@@ -1613,6 +1676,27 @@ def replay_markdown(s: dict, modes: list[str]) -> list[str]:
                          + f" | {_fmt(check['decode_tokens_per_s'][ds].get('target'), 1)} |")
         lines.append("")
     return lines
+
+
+def truncation_markdown(section: Optional[dict]) -> list[str]:
+    """--confidence-thresholds: tau and tokens verified per step of block decoding truncated at each threshold, per
+    drafter with a confidence head, beside untruncated block decoding."""
+    if not section:
+        return []
+    lines = ["## Confidence truncation (block)", "",
+             "Each step verifies only the drafts before the first whose predicted acceptance is below the threshold "
+             "(eval --confidence-threshold; lossless). Verified per step: the anchor and the drafts the target "
+             "checks (eval's verified_per_step).", "",
+             "| drafter | threshold | tau (MT-Bench+ShareGPT) | tau (all) | verified per step (MT-Bench+ShareGPT) "
+             "| verified per step (all) |", "|---|---|---|---|---|---|"]
+    for name, d in section["drafters"].items():
+        for row in d["modes"].values():
+            lines.append(f"| {name} | {'none' if row['threshold'] is None else format(row['threshold'], 'g')} | "
+                         f"{_fmt(row['tau_mt-bench+sharegpt'])} | {_fmt(row['tau_all'])} | "
+                         f"{_fmt(row['verified_per_step_mt-bench+sharegpt'], 2)} | {_fmt(row['verified_per_step_all'], 2)} |")
+    if not section["drafters"]:
+        lines.append("| (no drafter with a confidence head) | | | | | |")
+    return lines + [""]
 
 
 def variants_markdown(variants: dict, modes: list[str]) -> list[str]:
@@ -1678,6 +1762,17 @@ def variants_markdown(variants: dict, modes: list[str]) -> list[str]:
                         (_fmt(vals[k], nd) if nd else str(vals[k])) if k < len(vals) else "" for k in range(width)) + " |")
             lines.append("")
     return lines
+
+
+def parse_thresholds(text: str) -> tuple[float, ...]:
+    """`0.2,0.4` -> (0.2, 0.4): confidence thresholds, each in (0, 1] (0 would truncate nothing)."""
+    try:
+        values = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers, e.g. 0.2,0.4") from None
+    if not values or any(not 0 < c <= 1 for c in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: each threshold must be in (0, 1]")
+    return tuple(dict.fromkeys(values))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1754,6 +1849,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", action="append", metavar="NAME=K=V[,K=V...]",
                    help="also train this recipe (the overrides on top of the default's), at the same time, and "
                         "replay it; repeat. The default run keeps GPU 0 to itself when there are several")
+    p.add_argument("--confidence-thresholds", type=parse_thresholds, default=(), metavar="C[,C...]",
+                   help="with --method replay: also report, per drafter with a confidence head, tau and tokens "
+                        "verified per step of block decoding truncated at each threshold (eval "
+                        "--confidence-threshold), e.g. 0.2,0.4")
     p.add_argument("--curve-every", type=int, default=0, metavar="STEPS",
                    help="save the default run every STEPS steps and replay every checkpoint: tau against training time")
     return p
@@ -1779,6 +1878,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit("--regen-batch-tokens must be >= 0 (0 = no bound)")
     if args.regen_max_turns < 0:
         raise SystemExit("--regen-max-turns must be >= 0 (0 = every turn)")
+    if args.confidence_thresholds and args.method != "replay":
+        raise SystemExit("--confidence-thresholds is reported by replay: drop --method decode (or the thresholds)")
     if args.drafter:
         if stages != {"eval"}:
             raise SystemExit(f"--drafter evaluates a given drafter: stages {sorted(stages)} make no sense with it "

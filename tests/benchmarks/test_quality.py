@@ -612,3 +612,65 @@ def test_a_block_size_flex_cannot_tile_is_named_before_anything_runs():
     refused = Q.flex_refusals(configs)
     assert len(refused) == 1 and refused[0].startswith("dspark15: drafter.block_size=15 does not divide 128")
     assert "drafter.attention_backend=sdpa" in refused[0]
+
+
+def test_confidence_thresholds_report_truncated_block_decoding_of_a_confidence_head(tmp_path, tiny_pair,
+                                                                                   tiny_target_dir):
+    """--confidence-thresholds: per drafter with a confidence head, tau and tokens verified per step of block decoding
+    truncated at each threshold, as `dflash-train eval --confidence-threshold` decodes them (same tau, same
+    verified_per_step); without the flag the summary has the keys and tables it had."""
+    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.dspark.model import DSparkDrafter
+    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.assets import stop_token_ids
+    from dflash_train.infer.evaluate import evaluate
+
+    target, tok, _ = tiny_pair
+    torch.manual_seed(0)
+    cfg = make_drafter_config(target.config, num_draft_layers=1, block_size=4, target_layer_ids=[1, 4],
+                              mask_token_id=16)
+    cfg.architectures = ["Qwen3DSparkModel"]
+    cfg.markov_rank, cfg.markov_head_type = 8, "vanilla"
+    cfg.enable_confidence_head, cfg.confidence_head_with_markov = True, True
+    spark = DSparkDrafter(cfg)
+    with torch.no_grad():  # predictions spread over (0, 1) (the random head's are ~0.5 everywhere)
+        spark.confidence_head.proj.weight.normal_(0, 5.0)
+        spark.confidence_head.proj.bias.zero_()
+    given = save_drafter(spark, tmp_path / "spark" / "export", dtype="float32")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "turns": [t]}) + "\n"
+                               for i, t in enumerate(["Name a river.", "Say hello.", "Count from 3."])))
+    argv = ["--drafter", str(given), f"target.path={tiny_target_dir}", "--eval", f"mt-bench={prompts}",
+            "--max-new-tokens", "12", "--tree-budget", "4", "--device", "cpu"]
+    with pytest.raises(SystemExit):
+        Q.main(["--out", str(tmp_path / "x"), *argv, "--confidence-thresholds", "0,0.5"])  # 0 truncates nothing
+    with pytest.raises(SystemExit, match="replay"):
+        Q.main(["--out", str(tmp_path / "x"), *argv, "--confidence-thresholds", "0.5", "--method", "decode"])
+    assert Q.main(["--out", str(tmp_path / "plain"), *argv]) == 0
+    assert Q.main(["--out", str(tmp_path / "cut"), *argv, "--confidence-thresholds", "0.3,0.6"]) == 0
+    plain, cut = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("plain", "cut"))
+    assert set(cut) - set(plain) == {"confidence_truncation"} and "confidence_truncation" not in plain
+    assert plain["eval"] == cut["eval"]  # the other tables: the same modes and tau
+    for d in ("plain", "cut"):
+        by_slot = json.loads((tmp_path / d / "acceptance_by_slot.json").read_text())
+        assert set(by_slot["default"]["modes"]) == {"block", "tree-4"}
+    section = cut["confidence_truncation"]
+    assert section["thresholds"] == [0.3, 0.6] and set(section["drafters"]) == {"default"}
+    rows = section["drafters"]["default"]["modes"]
+    assert list(rows) == ["block", "block-conf-0.3", "block-conf-0.6"]
+    assert rows["block"]["tau_all"] == cut["eval"]["pooled_tau"]["all"]["block"]
+    assert rows["block"]["verified_per_step_all"] == 5.0  # the anchor and DSpark's 4 drafts
+    for c in (0.3, 0.6):
+        row = rows[f"block-conf-{c:g}"]
+        with torch.no_grad():
+            real = evaluate(target, tok, spark, [str(prompts)], max_new_tokens=12, measure_speedup=False,
+                            stop_token_ids=stop_token_ids(tiny_target_dir, tok), confidence_threshold=c)
+        decoded = real["datasets"][str(prompts)]["modes"]["block"]
+        assert row["tau_all"] == pytest.approx(decoded["tau"]) and row["tau_all"] <= rows["block"]["tau_all"]
+        assert row["verified_per_step_all"] == pytest.approx(decoded["verified_per_step"])
+        assert 1.0 <= row["verified_per_step_all"] < 5.0  # it truncates
+        assert row["tau_mt-bench+sharegpt"] == row["tau_all"]
+    assert rows["block-conf-0.6"]["verified_per_step_all"] <= rows["block-conf-0.3"]["verified_per_step_all"]
+    md = (tmp_path / "cut" / "summary.md").read_text()
+    assert "## Confidence truncation (block)" in md and "| default | 0.3 |" in md and "| default | none |" in md
+    assert "Confidence truncation" not in (tmp_path / "plain" / "summary.md").read_text()
