@@ -193,6 +193,20 @@ def weighted_reference(d, capture, ids, loss_mask, lengths, prefix, lam, weighti
     return (1 - lam) * loss_f / wsum + lam * loss_b / wsum, all_weights
 
 
+def assert_equal_loss_and_gradients(d, loss: torch.Tensor, ref: torch.Tensor) -> dict:
+    """The objective's loss and the gradient of every trained parameter of `d` equal the float64 reference's;
+    returns the gradients by parameter name."""
+    names, params = zip(*[(n, p) for n, p in d.named_parameters() if p.requires_grad])
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
+    torch.testing.assert_close(loss, ref, rtol=1e-10, atol=1e-12)
+    for name, a, b in zip(names, grads, ref_grads):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    return dict(zip(names, grads))
+
+
 @pytest.mark.parametrize("prefix,lam,chunk,transform", [
     (1, 0.0, 2048, {}), (1, 0.3, 5, {}), (2, 1.0, 5, {}), (2, 0.7, 2048, {}),
     (1, 0.4, 7, {"output_multiplier": 1.7, "final_logit_softcapping": 6.0})])
@@ -209,18 +223,10 @@ def test_the_objective_equals_a_dense_float64_reference(target, prefix, lam, chu
         objective = DominoObjective(d, capture, backend, domino_cfg(loss_chunk_size=chunk), torch.float64)
         objective.lambda_base = lam
         stats = objective(Batch(ids, loss_mask, lengths), torch.Generator().manual_seed(7))
-        params = [p for p in d.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
         ref = dense_reference(d, capture, ids, loss_mask, lengths, prefix, lam,
                               transform.get("output_multiplier", 1.0), transform.get("final_logit_softcapping"))
-        ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
-        torch.testing.assert_close(stats.loss, ref, rtol=1e-10, atol=1e-12)
-        names = [n for n, _ in d.named_parameters() if _.requires_grad]
-        for name, a, b in zip(names, grads, ref_grads):
-            assert (a is None) == (b is None), name
-            if a is not None:
-                torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=lambda m: f"{name}: {m}")
-        gru = grads[names.index("prefix_gru.weight_hh_l0")]
+        grads = assert_equal_loss_and_gradients(d, stats.loss, ref)
+        gru = grads["prefix_gru.weight_hh_l0"]
         assert (gru.abs().sum() > 0) == (lam < 1)  # the correction trains only with weight on the final loss
     finally:
         target.float()
@@ -251,19 +257,11 @@ def test_acceptance_and_dpace_weights_of_the_final_scores_equal_a_dense_float64_
         objective = DominoObjective(d, capture, backend, cfg, torch.float64)
         objective.lambda_base = lam
         stats = objective(Batch(ids, loss_mask, lengths), torch.Generator().manual_seed(7))
-        params = [p for p in d.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
         multiplier, softcap = transform.get("output_multiplier", 1.0), transform.get("final_logit_softcapping")
         ref, weights = weighted_reference(d, capture, ids, loss_mask, lengths, prefix, lam, weighting, floor, alpha,
                                           multiplier, softcap)
-        ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
-        torch.testing.assert_close(stats.loss, ref, rtol=1e-10, atol=1e-12)
-        names = [n for n, p in d.named_parameters() if p.requires_grad]
-        assert {"embed_proj.2.weight", "embed_proj.0.weight", "layers.0.mlp.up_proj.weight"} <= set(names)
-        for name, a, b in zip(names, grads, ref_grads):
-            assert (a is None) == (b is None), name
-            if a is not None:
-                torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=lambda m: f"{name}: {m}")
+        grads = assert_equal_loss_and_gradients(d, stats.loss, ref)
+        assert {"embed_proj.2.weight", "embed_proj.0.weight", "layers.0.mlp.up_proj.weight"} <= set(grads)
         # the case is one that tells: several chunks, blocks cut by the sequence end and by the loss mask, and
         # weights that follow the drafter's probabilities (neither one value a slot nor the floor throughout)
         rows = int(stats.counted_per_slot.sum())
