@@ -451,34 +451,30 @@ def read_turn_records(path: Path) -> list[dict]:
 # --------------------------------------------------------------------------- replay summaries
 
 
-def pooled_tau(report: dict, modes: list[str], names: Optional[list[str]] = None) -> dict[str, Optional[float]]:
-    """Tau per mode over the steps of the named datasets (all when None) of a report."""
+def pooled_per_step(report: dict, modes: list[str], names: Optional[list[str]] = None,
+                    field: str = "tau") -> dict[str, Optional[float]]:
+    """A per-step mean (`field` of each dataset's mode: `tau`, `verified_per_step`) per mode over the steps of the
+    named datasets (all when None) of a report; datasets whose mode lacks the field do not count."""
     out = {}
     for mode in modes:
-        steps = gained = 0
+        steps = total = 0.0
         for name, body in report["datasets"].items():
-            if names is not None and name not in names:
-                continue
             s = body["modes"].get(mode)
-            if s:
+            if (names is None or name in names) and s and s.get(field) is not None:
                 steps += s["steps"]
-                gained += s["tau"] * s["steps"]
-        out[mode] = gained / steps if steps else None
+                total += s[field] * s["steps"]
+        out[mode] = total / steps if steps else None
     return out
+
+
+def pooled_tau(report: dict, modes: list[str], names: Optional[list[str]] = None) -> dict[str, Optional[float]]:
+    """Tau per mode over the steps of the named datasets (all when None) of a report."""
+    return pooled_per_step(report, modes, names)
 
 
 def pooled_verified(report: dict, modes: list[str], names: Optional[list[str]] = None) -> dict[str, Optional[float]]:
     """Tokens verified per step (`verified_per_step`) per mode over the steps of the named datasets (all when None)."""
-    out = {}
-    for mode in modes:
-        steps = verified = 0.0
-        for name, body in report["datasets"].items():
-            s = body["modes"].get(mode)
-            if (names is None or name in names) and s and s.get("verified_per_step") is not None:
-                steps += s["steps"]
-                verified += s["verified_per_step"] * s["steps"]
-        out[mode] = verified / steps if steps else None
-    return out
+    return pooled_per_step(report, modes, names, "verified_per_step")
 
 
 def confidence_truncation(report: dict, truncated: dict, thresholds: tuple, drafts: int,
