@@ -10,6 +10,7 @@ import argparse
 import functools
 import logging
 import os
+import select
 import sys
 import time
 import traceback
@@ -540,6 +541,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (its write end polls as an error)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fd (a captured stream) or no poll on this platform
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come before or after options (`train c.yaml --max-steps 5 optim.lr=1e-3`).
@@ -553,7 +564,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.debug:
         os.environ["DFLASH_DEBUG"] = "1"  # the ranks and the detached launcher inherit it
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader that stopped reading (`status RUN | head -3`) is found here, not at exit
+        return code
+    except BrokenPipeError as e:
+        if _stdout_gone():  # nothing to say to a reader who left; the rest of the output is dropped
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_FAILED
+        print(f"error: {e.strerror or e}", file=sys.stderr)
+        return EXIT_FAILED
     except USER_ERRORS as e:
         if debug_enabled():
             traceback.print_exc()

@@ -251,3 +251,14 @@ def test_a_run_on_another_host_is_judged_by_its_pulse(tmp_path):
         pulse.stop()
     assert beat.stat().st_mtime >= now - 1, "the pulse never touched the file"
     assert beat.read_text() == "{}"  # the pulse sets the time only
+
+
+def test_status_into_a_pipe_whose_reader_left_ends_quietly(finished):
+    """`dflash-train status RUN | head -1`: the reader closes the pipe before the status is written; the command
+    ends without a traceback or an error line (exit 1: its output was not read)."""
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_train", "status", str(finished)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=ENV)
+    proc.stdout.close()  # before the child has imported anything, so every write it makes meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert "Broken pipe" not in err and "Traceback" not in err and "Exception ignored" not in err, err
