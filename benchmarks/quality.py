@@ -454,7 +454,7 @@ def read_turn_records(path: Path) -> list[dict]:
 def pooled_per_step(report: dict, modes: list[str], names: Optional[list[str]] = None,
                     field: str = "tau") -> dict[str, Optional[float]]:
     """A per-step mean (`field` of each dataset's mode: `tau`, `verified_per_step`) per mode over the steps of the
-    named datasets (all when None) of a report; datasets whose mode lacks the field do not count."""
+    named datasets (all when None) of a report; a dataset whose mode has no such value does not count."""
     out = {}
     for mode in modes:
         steps = total = 0.0
