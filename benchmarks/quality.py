@@ -35,7 +35,7 @@ resumes, evaluation keeps what it finished. Exit code 3 = not finished yet: run 
     PYTHONPATH=src python benchmarks/quality.py --out runs/quality --data DATA.jsonl.gz   # your data, no regen
     # CPU smoke: ... --regen-limit 16 --regen-max-new-tokens 32 optim.max_steps=3 run.device=cpu \
     #     data.max_batch_size=4 objective.max_anchors=32 --limit 1 --max-new-tokens 16 --workers 2 --device cpu
-    # The architectures side by side (Domino refuses the default's acceptance slot weights):
+    # The architectures side by side (Domino with its own recipe's gamma slot weights):
     #     ... objective.slot_weighting=acceptance optim.schedule=wsd --variant dflash2=drafter.architecture=dflash2 \
     #     --variant dspark=drafter.architecture=dspark,drafter.block_size=15 \
     #     --variant domino=drafter.architecture=domino,objective.slot_weighting=gamma
