@@ -29,7 +29,8 @@ shares its first `--overlap-prefix` normalised characters with one, is dropped a
 Every stage is resumable and skipped when done (`dflash_train.pipeline`: the stages' state and times in
 OUT/pipeline.json; a work directory holds one target's work), so the work can span several calls
 (`--deadline-s`): regen is stopped and continues, training stops with a checkpoint (the STOP file) and
-resumes, evaluation keeps what it finished. Exit code 3 = not finished yet: run the same command again.
+resumes, evaluation keeps what it finished. Exit code 3 = not finished yet: run the same command again; 1 = a
+stage's child process failed (the message names it and ends with its log's end; the next call runs it again).
 
     PYTHONPATH=src python benchmarks/quality.py --out runs/quality                    # everything, defaults
     PYTHONPATH=src python benchmarks/quality.py --out runs/quality --data DATA.jsonl.gz   # your data, no regen
@@ -540,6 +541,13 @@ def metric_times(run: Path) -> dict[int, float]:
 # --------------------------------------------------------------------------- child processes
 
 
+class ChildFailed(RuntimeError):
+    """A stage's child process (regen, a helper, a training, an eval worker) failed; the message names it, its
+    exit code and its log's end. The call ends with that message alone (exit 1); the next call runs the stage
+    again."""
+
+
+
 def child_env(**extra: str) -> dict:
     """This process's environment for a child: unbuffered, with src/ first on PYTHONPATH, plus `extra`."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -620,7 +628,7 @@ def run_helpers(cmds: list[list[str]], folder: Path, what: str, runner, device: 
         kids.wait(1.0, tick)
     for c in kids.procs:
         if c.proc.returncode != 0:
-            raise RuntimeError(f"{what} failed (exit {c.proc.returncode}); {c.log_path} ends:\n{c.tail()}")
+            raise ChildFailed(f"{what} failed (exit {c.proc.returncode}); {c.log_path} ends:\n{c.tail()}")
         log(c.log_path.read_text(errors="replace").strip().splitlines()[-1])
 
 
@@ -672,7 +680,7 @@ def run_regen(cmd: list[str], log_path: Path, runner, device: str, log: Callable
                                                             visible_gpus(device)), append=True)
         kids.wait(1.0, tick)
     if child.proc.returncode != 0:
-        raise RuntimeError(f"regen failed (exit {child.proc.returncode}); {log_path} ends:\n{child.tail()}")
+        raise ChildFailed(f"regen failed (exit {child.proc.returncode}); {log_path} ends:\n{child.tail()}")
     with open(log_path, "rb") as f:  # this call's output: the summary regen printed last
         f.seek(start)
         lines = f.read().decode(errors="replace").splitlines()
@@ -1038,7 +1046,7 @@ class Driver:
         if code in (0, 3):  # done, or stopped at the deadline (resumes next call)
             return
         if job.name == "default":
-            raise RuntimeError(f"training failed (exit {code}); see {job.log_path} and {job.run / 'train.log'}")
+            raise ChildFailed(f"training failed (exit {code}); see {job.log_path} and {job.run / 'train.log'}")
         text = job.log_path.read_text(errors="replace") if job.log_path.is_file() else ""
         tail = text.strip().splitlines()[-1:]
         self.log(f"train {job.name}: FAILED (exit {code}): {' '.join(tail)}; see {job.log_path}")
@@ -1116,9 +1124,9 @@ class Driver:
             failed = [k for k, code in enumerate(codes) if code != 0 and not (stopped and code < 0)]
             if failed:
                 tail = cmds[failed[0]][1].read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"eval workers failed ({len(failed)} of {len(cmds)}, exit codes "
-                                   f"{[codes[k] for k in failed]}: negative = killed by that signal); "
-                                   f"{cmds[failed[0]][1]} ends:\n{tail}")
+                raise ChildFailed(f"eval workers failed ({len(failed)} of {len(cmds)}, exit codes "
+                                  f"{[codes[k] for k in failed]}: negative = killed by that signal); "
+                                  f"{cmds[failed[0]][1]} ends:\n{tail}")
         return {name: self.decode_report(name, job) for name, job in jobs.items()}
 
     def decode_plan(self, name: str, job: "DecodeJob") -> list[dict]:
@@ -1891,6 +1899,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(str(e)) from None
     try:
         return 0 if drv.runner.run(drv.stages(stages)).finished else EXIT_UNFINISHED
+    except ChildFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         drv.log(f"this call: {time.time() - drv.start:.0f} s; totals {drv.runner.times}")
 

