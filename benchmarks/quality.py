@@ -944,7 +944,7 @@ class Driver:
         return [sys.executable, "-m", "dflash_train", "regen", "--target", self.cfg.target.path,
                 "--data", REGEN_SOURCE, "--limit", str(a.regen_limit), "--max-new-tokens", str(a.regen_max_new_tokens),
                 "--max-turns", str(a.regen_max_turns), "--batch-size", str(a.regen_batch_size),
-                "--batch-tokens", str(a.regen_batch_tokens), "--device", a.device,
+                "--batch-tokens", str(a.regen_batch_tokens), "--engine", a.regen_engine, "--device", a.device,
                 "--no-progress", "--out", a.data]
 
     def stage_data(self) -> None:
@@ -1807,6 +1807,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data stage: padded tokens per generate call at most, rows x (longest prompt + max new "
                         "tokens), which its memory grows with (the longest prompts' batch of 256 rows took ~77 GB); "
                         "lower it after an out-of-memory error, 0 = no bound (default: %(default)s)")
+    p.add_argument("--regen-engine", choices=["generate", "continuous"], default="generate",
+                   help="data stage: regen --engine (continuous: transformers' continuous batching, greedy) "
+                        "(default: %(default)s)")
     p.add_argument("--val-fraction", type=float, default=0.0, help="prepare --val-fraction (0: train on every row)")
     p.add_argument("--eval", action="append", metavar="NAME[=FILE]",
                    help="eval set: mt-bench, humaneval, sharegpt (built-in) or NAME=prompts.jsonl; repeat. "

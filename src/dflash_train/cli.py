@@ -309,7 +309,8 @@ def cmd_regen(args: argparse.Namespace) -> int:
         stop_token_ids=args.stop_token_ids, thinking=args.thinking, seed=args.seed, batch_size=args.batch_size,
         batch_tokens=args.batch_tokens, limit=args.limit, max_turns=args.max_turns, sort_window=args.sort_window,
         max_prompt_tokens=args.max_prompt_tokens, dtype=args.dtype,
-        device=args.device, progress=not args.no_progress, skip_damaged_files=args.skip_damaged_files)
+        device=args.device, progress=not args.no_progress, skip_damaged_files=args.skip_damaged_files,
+        engine=args.engine)
     if args.export_batch or args.import_batch:
         from .data.regen.roundtrip import batch_roundtrip
 
@@ -390,6 +391,10 @@ def _add_regen_parser(subparsers) -> None:
                    help="at most this many padded tokens, rows x (longest prompt + --max-new-tokens), per generate "
                         "call, whose memory grows with them: with a large --batch-size, short prompts go in wide "
                         "calls and long ones in narrow calls; 0 = no bound (default: %(default)s)")
+    r.add_argument("--engine", choices=["generate", "continuous"], default="generate",
+                   help="generate: HF generate over left-padded batches; continuous: transformers' continuous "
+                        "batching (paged KV cache, no padding, a row leaves the batch at its stop token; greedy "
+                        "only; --batch-tokens does not apply) (default: %(default)s)")
     r.add_argument("--limit", type=ALL_IF_ZERO.flag, default=0,
                    help="only the first N input rows, 0 = all (default: %(default)s)")
     r.add_argument("--max-turns", type=ALL_IF_ZERO.flag, default=0,

@@ -89,6 +89,43 @@ def test_greedy_equals_target_generate(tmp_path, tiny, tiny_target_dir):
     assert [r["id"] for r in read_jsonl(out)][0] == f"{data}:4"
 
 
+@pytest.mark.long  # ~50 s on 2 cores: continuous batching's scheduler is slow on a CPU
+def test_the_continuous_engine_writes_the_same_file_as_padded_generate(tmp_path, tiny, tiny_target_dir):
+    """`--engine continuous` (transformers' continuous batching: no padding, each row leaves at its stop token)
+    answers every turn as the target's own unpadded greedy generate does, so a multi-turn file comes out byte for
+    byte as with the padded engine. A model of its own: continuous batching switches its attention to paged."""
+    from dflash_train.target.capture import load_target_model
+
+    model, tok = tiny
+    own = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
+    max_new = 10
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    gen = LocalGenerator(own, tok, stop_token_ids=STOPS, max_new_tokens=max_new, temperature=0.0, top_p=1.0, seed=0,
+                         engine="continuous")
+    assert gen.generate([gen.prompt_ids(c) for c in chats]) == [reference_answer(model, tok, c, max_new) for c in chats]
+
+    rows = [{"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "OLD"},
+                          {"role": "user", "content": "Another one?"}]}] + [{"prompt": p} for p in PROMPTS]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    outs = {}
+    for engine, m in (("generate", model), ("continuous", own)):
+        outs[engine] = tmp_path / f"{engine}.jsonl"
+        s = regenerate(tiny_target_dir, [str(data)], outs[engine], RegenSettings(
+            max_new_tokens=max_new, batch_size=8, progress=False, engine=engine), model=m, tokenizer=tok)
+        assert s["rows_written"] == len(rows)
+    assert outs["continuous"].read_bytes() == outs["generate"].read_bytes()
+
+
+def test_the_continuous_engine_refuses_sampling_before_loading_anything(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hi"}])
+    out = tmp_path / "out.jsonl"
+    assert main(["regen", "--target", str(tmp_path / "no-such-model"), "--data", str(data), "--out", str(out),
+                 "--engine", "continuous", "--temperature", "0.7"]) == 2
+    err = capsys.readouterr().err
+    assert "--engine continuous generates greedily only" in err and "--temperature is 0.7" in err
+    assert "Traceback" not in err and not out.exists()
+
+
 def test_multi_turn_feeds_back_own_answers(tmp_path, tiny, tiny_target_dir):
     model, tok = tiny
     max_new = 8

@@ -31,6 +31,9 @@ class RegenSettings:
     progress: bool = True
     model_name: Optional[str] = None  # batch export: body.model (default: --target as given)
     skip_damaged_files: bool = False  # a damaged --data file: its rows before the damage (default: stop)
+    # generate: HF generate over left-padded batches. continuous: transformers' continuous batching (paged KV cache,
+    # no padding, a row leaves the batch at its stop token); greedy only.
+    engine: str = "generate"
 
 
 def batch_seed(seed: int, key: str) -> int:

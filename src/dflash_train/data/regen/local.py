@@ -24,6 +24,18 @@ from .journal import Appender, Summary, check_settings, read_done_ids, reject_re
 log = logging.getLogger(__name__)
 
 
+ENGINES = ("generate", "continuous")
+
+
+def check_engine(engine: str, temperature: float) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"--engine {engine}: expected one of {', '.join(ENGINES)}")
+    if engine == "continuous" and temperature > 0:
+        raise ValueError(f"--engine continuous generates greedily only, and --temperature is {temperature}: its "
+                         "sampled tokens would depend on which rows share a step, so a resume could not draw them "
+                         "again; use --engine generate for sampling, or --temperature 0")
+
+
 def token_batches(lengths: list[int], max_rows: int, max_tokens: int, new_tokens: int) -> list[range]:
     """Consecutive slices of prompts (in the given order, longest first for full batches) of at most `max_rows`
     prompts whose padded width, rows x (longest prompt + `new_tokens`), stays within `max_tokens` (0: no token
@@ -47,9 +59,11 @@ class LocalGenerator:
     memory grows with: a wider call is split, longest prompts first."""
 
     def __init__(self, model, tokenizer, *, stop_token_ids: list[int], max_new_tokens: int, temperature: float,
-                 top_p: float, seed: int, template_kwargs: Optional[dict] = None, batch_tokens: int = 0):
+                 top_p: float, seed: int, template_kwargs: Optional[dict] = None, batch_tokens: int = 0,
+                 engine: str = "generate"):
+        check_engine(engine, temperature)
         self._model, self.tokenizer = model, tokenizer  # model: a module, or a callable that loads it
-        self.max_new_tokens, self.batch_tokens = max_new_tokens, batch_tokens
+        self.max_new_tokens, self.batch_tokens, self.engine = max_new_tokens, batch_tokens, engine
         self.stops = set(stop_token_ids)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]
         self.sampling = temperature > 0
@@ -72,6 +86,8 @@ class LocalGenerator:
 
     def generate(self, prompts: list[list[int]], seed_key: str = "") -> list[list[int]]:
         """New tokens per prompt, up to and including the first stop token; in calls within `batch_tokens`."""
+        if self.engine == "continuous":  # unpadded: batch_tokens does not apply
+            return [self._cut(toks) for toks in self._generate_continuous(prompts)]
         if not self.batch_tokens:
             return self._generate(prompts, seed_key)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -93,11 +109,26 @@ class LocalGenerator:
         with torch.no_grad():
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                       generation_config=self.gen_config)
-        result = []
-        for row in out[:, width:].tolist():
-            cut = next((j for j, t in enumerate(row) if t in self.stops), None)
-            result.append(row if cut is None else row[: cut + 1])
-        return result
+        return [self._cut(row) for row in out[:, width:].tolist()]
+
+    def _generate_continuous(self, prompts: list[list[int]]) -> list[list[int]]:
+        """transformers' continuous batching (`generate_batch`) of these prompts. It logs, not raises, a request
+        that failed or went missing: either stops the run here, before anything of the batch is written."""
+        with torch.no_grad():
+            out = self.model.generate_batch(inputs=prompts, generation_config=self.gen_config, progress_bar=False,
+                                            warmup=self.model.device.type == "cuda")  # CUDA graphs; none on CPU
+        results = list(out.values())  # in the order of the inputs
+        failed = [r for r in results if r.error is not None]
+        if len(results) != len(prompts) or failed:
+            why = failed[0].error if failed else f"{len(prompts) - len(results)} of {len(prompts)} requests missing"
+            raise RuntimeError(f"regen --engine continuous: transformers' continuous batching failed ({why}); "
+                               "run the same command again with --engine generate (the rows written so far are kept)")
+        return [list(r.generated_tokens) for r in results]
+
+    def _cut(self, row: list[int]) -> list[int]:
+        """`row` up to and including its first stop token."""
+        cut = next((j for j, t in enumerate(row) if t in self.stops), None)
+        return row if cut is None else row[: cut + 1]
 
     def text(self, tokens: list[int]) -> str:
         if tokens and tokens[-1] in self.stops:
@@ -144,6 +175,7 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
     s = settings or RegenSettings()
     if s.max_new_tokens <= 0 or s.batch_size <= 0 or s.sort_window <= 0 or s.batch_tokens < 0:
         raise ValueError("--max-new-tokens, --batch-size and --sort-window must be positive, --batch-tokens >= 0")
+    check_engine(s.engine, s.temperature)
     sources = check_sources(sources)
     if not s.skip_damaged_files:
         check_readable(sources, s.limit)  # a damaged file: said before anything is loaded or written
@@ -181,7 +213,7 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
     gen = LocalGenerator(model if model is not None else load_model, tokenizer, stop_token_ids=stops,
                          max_new_tokens=s.max_new_tokens,
                          temperature=s.temperature, top_p=s.top_p, seed=s.seed, template_kwargs=template_kwargs,
-                         batch_tokens=s.batch_tokens)
+                         batch_tokens=s.batch_tokens, engine=s.engine)
 
     summary = Summary(out=str(out), rejects_file=str(rejects_path))
     total = count_rows(sources, s.limit)
