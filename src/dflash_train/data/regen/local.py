@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import time
@@ -113,17 +114,22 @@ class LocalGenerator:
 
     def _generate_continuous(self, prompts: list[list[int]]) -> list[list[int]]:
         """transformers' continuous batching (`generate_batch`) of these prompts. It logs, not raises, a request
-        that failed or went missing: either stops the run here, before anything of the batch is written."""
-        with torch.no_grad():
-            out = self.model.generate_batch(inputs=prompts, generation_config=self.gen_config, progress_bar=False,
-                                            warmup=self.model.device.type == "cuda")  # CUDA graphs; none on CPU
-        results = list(out.values())  # in the order of the inputs
-        failed = [r for r in results if r.error is not None]
-        if len(results) != len(prompts) or failed:
-            why = failed[0].error if failed else f"{len(prompts) - len(results)} of {len(prompts)} requests missing"
+        that failed or went missing: either stops the run here, before anything of the batch is written. Answers
+        are matched to prompts by their token ids (identical prompts get identical greedy answers), which holds
+        whatever order a transformers version returns them in."""
+        call = self.model.generate_batch
+        kw = {"warmup": self.model.device.type == "cuda"} if "warmup" in inspect.signature(call).parameters else {}
+        with torch.no_grad():  # warmup: CUDA graphs, none on a CPU
+            out = call(inputs=prompts, generation_config=self.gen_config, progress_bar=False, **kw)
+        results = list(out.values()) if isinstance(out, dict) else list(out)
+        by_prompt = {tuple(r.prompt_ids): r for r in results if r.error is None}
+        failed = [r.error for r in results if r.error is not None]
+        missing = sum(tuple(p) not in by_prompt for p in prompts)
+        if failed or missing:
+            why = failed[0] if failed else f"{missing} of {len(prompts)} requests missing"
             raise RuntimeError(f"regen --engine continuous: transformers' continuous batching failed ({why}); "
                                "run the same command again with --engine generate (the rows written so far are kept)")
-        return [list(r.generated_tokens) for r in results]
+        return [list(by_prompt[tuple(p)].generated_tokens) for p in prompts]
 
     def _cut(self, row: list[int]) -> list[int]:
         """`row` up to and including its first stop token."""
