@@ -25,7 +25,17 @@ def _load_quality():
     return module
 
 
-Q = _load_quality()
+Q = _load_quality()  # puts benchmarks/ on the path: its parts, quality_bench, import from there
+
+from quality_bench.driver import Driver, flex_refusals, parse_variants  # noqa: E402
+from quality_bench.inputs import prepare_training_data  # noqa: E402
+from quality_bench.overlap import OverlapIndex, drop_overlap, training_user_turns  # noqa: E402
+from quality_bench.report import (  # noqa: E402
+    acceptance_by_slot, drafter_facts, summary_markdown, train_summary, variant_row, variants_markdown
+)
+from quality_bench.settings import DEFAULT_CONFIG, REFERENCE, REGEN_LIMIT  # noqa: E402
+from quality_bench.shards import merged_report, plan_shards, read_records, record_key  # noqa: E402
+from quality_bench.workers import EvalSettings, read_turn_records, replay_main, run_shard  # noqa: E402
 
 
 # --------------------------------------------------------------------------- the data stage (regen)
@@ -76,7 +86,7 @@ def test_data_stage_regenerates_the_builtin_sharegpt_split_into_the_work_dir_onc
     assert data.read_bytes() == before and data.stat().st_mtime_ns == stamp and log.stat().st_size == log_size
     assert "data: done in an earlier call" in (out / "driver.log").read_text()[len(driver_log):]
 
-    drv = Q.Driver(Q.build_parser().parse_args(argv))
+    drv = Driver(Q.build_parser().parse_args(argv))
     assert drv.args.data == str(data) and drv.regen
     made = drv.regen_summary()
     assert made["command"].startswith(f"dflash-train regen --target {tiny_target_dir} --data sharegpt --limit 3")
@@ -85,7 +95,7 @@ def test_data_stage_regenerates_the_builtin_sharegpt_split_into_the_work_dir_onc
     # --data FILE: no data stage
     with pytest.raises(SystemExit, match="no data stage"):
         Q.main(argv + ["--data", str(data)])
-    given = Q.Driver(Q.build_parser().parse_args(["--out", str(tmp_path / "q2"), "--data", str(data)]))
+    given = Driver(Q.build_parser().parse_args(["--out", str(tmp_path / "q2"), "--data", str(data)]))
     assert not given.regen and [s.name for s in given.stages({"data", "prepare"})] == ["prepare"]
 
 
@@ -100,10 +110,10 @@ def test_data_stage_continues_the_file_for_a_larger_limit_and_prepare_sees_the_c
     data, rejects = out / "data" / "regen.jsonl", out / "data" / "regen.jsonl.rejects.jsonl"
     assert Q.main(_regen_argv(out, tiny_target_dir, 2)) == 0
     before = data.read_bytes()
-    cfg = load_config(Q.DEFAULT_CONFIG, [f"target.path={tiny_target_dir}", "drafter.block_size=4"])
+    cfg = load_config(DEFAULT_CONFIG, [f"target.path={tiny_target_dir}", "drafter.block_size=4"])
     log: list[str] = []
-    assert Q.prepare_training_data(cfg, str(data), 0.0, out / "prepared", log.append) is not None
-    assert Q.prepare_training_data(cfg, str(data), 0.0, out / "prepared", log.append) is None, log  # same bytes: reused
+    assert prepare_training_data(cfg, str(data), 0.0, out / "prepared", log.append) is not None
+    assert prepare_training_data(cfg, str(data), 0.0, out / "prepared", log.append) is None, log  # same bytes: reused
 
     assert Q.main(_regen_argv(out, tiny_target_dir, 3)) == 0
     assert data.read_bytes().startswith(before) and len(data.read_bytes()) > len(before)
@@ -111,7 +121,7 @@ def test_data_stage_continues_the_file_for_a_larger_limit_and_prepare_sees_the_c
     driver_log = (out / "driver.log").read_text()
     assert "data: done in an earlier call with other inputs: running it again" in driver_log
     assert "regen: 1 conversations written, 2 already done" in driver_log
-    assert Q.prepare_training_data(cfg, str(data), 0.0, out / "prepared", log.append) is not None
+    assert prepare_training_data(cfg, str(data), 0.0, out / "prepared", log.append) is not None
     assert "the file has changed since" in log[-2]
 
 
@@ -137,7 +147,7 @@ def test_a_failed_regen_ends_the_call_with_its_message_and_no_traceback(tmp_path
 def test_overlap_filter_drops_exact_normalised_and_prefix_matches():
     prefix = "Please act as a senior engineer and review the following code carefully. " * 4  # > 200 chars
     train = ["What is RoPE?", "  Explain   the\nKV cache.  ", prefix + "Code A"]
-    index = Q.OverlapIndex.from_texts(train, prefix_chars=200)
+    index = OverlapIndex.from_texts(train, prefix_chars=200)
     items = [
         {"id": "exact", "turns": ["What is RoPE?"]},
         {"id": "spacing-and-case", "turns": ["explain the kv CACHE."]},
@@ -146,12 +156,12 @@ def test_overlap_filter_drops_exact_normalised_and_prefix_matches():
         {"id": "new", "turns": ["What is RoPE used for?"]},
         {"id": "short-prefix-only", "turns": ["What is"]},
     ]
-    kept, dropped = Q.drop_overlap(items, index)
+    kept, dropped = drop_overlap(items, index)
     assert [i["id"] for i in kept] == ["new", "short-prefix-only"]
     assert {d["id"]: d["reason"] for d in dropped} == {
         "exact": "exact", "spacing-and-case": "exact", "same-preamble": "prefix", "second-turn": "exact"}
     # prefix matching off: only exact (normalised) matches go
-    kept0, dropped0 = Q.drop_overlap(items, Q.OverlapIndex.from_texts(train, prefix_chars=0))
+    kept0, dropped0 = drop_overlap(items, OverlapIndex.from_texts(train, prefix_chars=0))
     assert "same-preamble" in [i["id"] for i in kept0] and len(dropped0) == 3
 
 
@@ -165,7 +175,7 @@ def test_training_user_turns_reads_gz_and_skips_bad_rows(tmp_path):
     ]
     with gzip.open(path, "wt") as f:
         f.write("\n".join(rows) + "\n")
-    assert Q.training_user_turns([str(path)]) == ["u1", "u2", "u3"]
+    assert training_user_turns([str(path)]) == ["u1", "u2", "u3"]
 
 
 def test_heldout_sharegpt_overlaps_the_default_training_data_only_by_repeated_prompts():
@@ -175,16 +185,16 @@ def test_heldout_sharegpt_overlaps_the_default_training_data_only_by_repeated_pr
     from dflash_train import assets
     from dflash_train.infer.evaluate import iter_prompts
 
-    turns = [m["content"] for c in assets.iter_sharegpt_split("train", Q.REGEN_LIMIT) for m in c["messages"]
+    turns = [m["content"] for c in assets.iter_sharegpt_split("train", REGEN_LIMIT) for m in c["messages"]
              if m["role"] == "user"]
-    index = Q.OverlapIndex.from_texts(turns, prefix_chars=200)
+    index = OverlapIndex.from_texts(turns, prefix_chars=200)
     items = list(iter_prompts("sharegpt"))
-    kept, dropped = Q.drop_overlap(items, index)
+    kept, dropped = drop_overlap(items, index)
     reasons = [d["reason"] for d in dropped]
     assert len(items) == 557
     assert reasons.count("exact") == 51 and reasons.count("prefix") == 15 and len(kept) == 491
-    assert not Q.drop_overlap(list(iter_prompts("mt-bench")), index)[1]
-    assert not Q.drop_overlap(list(iter_prompts("humaneval")), index)[1]
+    assert not drop_overlap(list(iter_prompts("mt-bench")), index)[1]
+    assert not drop_overlap(list(iter_prompts("humaneval")), index)[1]
 
 
 # --------------------------------------------------------------------------- sharding
@@ -194,7 +204,7 @@ def test_plan_shards_is_disjoint_complete_ordered_and_balanced():
     rng = random.Random(0)
     items = [{"dataset": "d", "id": i, "turns": ["x"] * rng.choice([1, 1, 2])} for i in range(37)]
     for n in (1, 2, 5, 12, 50):
-        shards = Q.plan_shards(items, n)
+        shards = plan_shards(items, n)
         assert len(shards) == min(n, len(items))
         ids = [i["id"] for s in shards for i in s]
         assert sorted(ids) == list(range(37)) and len(set(ids)) == 37
@@ -202,9 +212,9 @@ def test_plan_shards_is_disjoint_complete_ordered_and_balanced():
             assert [i["id"] for i in s] == sorted(i["id"] for i in s)
         loads = [sum(len(i["turns"]) for i in s) for s in shards]
         assert max(loads) - min(loads) <= 2
-    assert Q.plan_shards(items, 3) == Q.plan_shards(items, 3)
+    assert plan_shards(items, 3) == plan_shards(items, 3)
     with pytest.raises(ValueError):
-        Q.plan_shards(items, 0)
+        plan_shards(items, 0)
 
 
 def _synthetic_records(n: int, seed: int = 0) -> list[dict]:
@@ -250,7 +260,7 @@ def test_merge_of_shards_equals_the_unsharded_summary_synthetic():
     items = [{"dataset": "ds", "id": r["id"], "turns": r["modes"]["target"]} for r in records]
     by_id = {r["id"]: r for r in records}
     shard_reports = []
-    for k, shard in enumerate(Q.plan_shards(items, 4)):
+    for k, shard in enumerate(plan_shards(items, 4)):
         recs = [{**by_id[i["id"]], "dataset": f"shard-{k}.jsonl"} for i in shard]
         shard_reports.append({"config": config, "datasets": {f"shard-{k}.jsonl": summarize_records(recs, names)},
                               "outputs": recs})
@@ -260,8 +270,8 @@ def test_merge_of_shards_equals_the_unsharded_summary_synthetic():
     assert merged["datasets"]["ds"]["modes"]["block"]["decode_s"] == pytest.approx(
         whole["datasets"]["ds"]["modes"]["block"]["decode_s"])
     # driver path: records by key, merged in item order
-    got = Q.merged_report(config, [{**i, "dataset": "ds"} for i in items],
-                          {Q.record_key("ds", r["id"]): r for r in records}, names)
+    got = merged_report(config, [{**i, "dataset": "ds"} for i in items],
+                          {record_key("ds", r["id"]): r for r in records}, names)
     assert _comparable(got) == _comparable(whole)
     with pytest.raises(ValueError, match="more than one shard"):
         merge_reports([shard_reports[0], shard_reports[0]], rename=rename)
@@ -273,8 +283,8 @@ def test_read_records_ignores_a_torn_line_and_keeps_the_first_duplicate(tmp_path
     (tmp_path / "records-00-00.jsonl").write_text(
         json.dumps({"dataset": "a", "id": 1, "v": "first"}) + "\n" + '{"dataset": "a", "id": 2, "v"')
     (tmp_path / "records-01-00.jsonl").write_text(json.dumps({"dataset": "a", "id": 1, "v": "second"}) + "\n")
-    got = Q.read_records(tmp_path.glob("records-*.jsonl"))
-    assert list(got) == [Q.record_key("a", 1)] and got[Q.record_key("a", 1)]["v"] == "first"
+    got = read_records(tmp_path.glob("records-*.jsonl"))
+    assert list(got) == [record_key("a", 1)] and got[record_key("a", 1)]["v"] == "first"
 
 
 # --------------------------------------------------------------------------- real decoding, sharded
@@ -303,14 +313,14 @@ def test_sharded_workers_merge_to_the_unsharded_evaluate(tmp_path, tiny_pair):
                {"id": "e", "turns": ["What is 2+2?"]}]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    settings = Q.EvalSettings(max_new_tokens=10, tree_budgets=(6,), baseline=True)
+    settings = EvalSettings(max_new_tokens=10, tree_budgets=(6,), baseline=True)
     with torch.no_grad():
         whole = evaluate(target, tok, drafter, [str(data)], max_new_tokens=10, tree_budgets=(6,), stop_token_ids=[2])
     items = [{"dataset": "set", **p} for p in prompts]
-    for k, shard in enumerate(Q.plan_shards(items, 3)):
-        assert Q.run_shard(target, tok, drafter, [2], shard, tmp_path / f"records-00-{k:02d}.jsonl", settings) == len(shard)
-    records = Q.read_records(tmp_path.glob("records-*.jsonl"))
-    merged = Q.merged_report(report_config(10, 0.0, 4, (6,)), items, records, settings.mode_names())
+    for k, shard in enumerate(plan_shards(items, 3)):
+        assert run_shard(target, tok, drafter, [2], shard, tmp_path / f"records-00-{k:02d}.jsonl", settings) == len(shard)
+    records = read_records(tmp_path.glob("records-*.jsonl"))
+    merged = merged_report(report_config(10, 0.0, 4, (6,)), items, records, settings.mode_names())
     expect = _comparable(whole)
     expect["outputs"] = [("set", *o[1:]) for o in expect["outputs"]]
     expect["datasets"] = {"set": expect["datasets"][str(data)]}
@@ -322,10 +332,10 @@ def test_sharded_workers_merge_to_the_unsharded_evaluate(tmp_path, tiny_pair):
 def test_run_shard_skips_done_prompts_and_stops_at_the_deadline(tmp_path, tiny_pair):
     target, tok, drafter = tiny_pair
     items = [{"dataset": "s", "id": i, "turns": [f"Say {i}."]} for i in range(3)]
-    settings = Q.EvalSettings(max_new_tokens=4, tree_budgets=())
+    settings = EvalSettings(max_new_tokens=4, tree_budgets=())
     out = tmp_path / "r.jsonl"
-    assert Q.run_shard(target, tok, drafter, [2], items, out, settings, deadline=0.0) == 0
-    assert Q.run_shard(target, tok, drafter, [2], items, out, settings, done={Q.record_key("s", 1)}) == 2
+    assert run_shard(target, tok, drafter, [2], items, out, settings, deadline=0.0) == 0
+    assert run_shard(target, tok, drafter, [2], items, out, settings, done={record_key("s", 1)}) == 2
     assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == [0, 2]
     assert settings.mode_names() == ["block"]
 
@@ -346,11 +356,11 @@ def test_replay_worker_resumes_from_its_turn_records(tmp_path, tiny_pair, tiny_t
         corpus = build_corpus(target, tok, items, 6, drafter.block_size, [2])
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(dataclasses.asdict(t)) + "\n" for t in corpus))
     path = save_drafter(drafter, tmp_path / "d", dtype="float32")
-    settings = json.dumps(Q.EvalSettings(max_new_tokens=6, tree_budgets=(4,), device="cpu").__dict__, default=list)
+    settings = json.dumps(EvalSettings(max_new_tokens=6, tree_budgets=(4,), device="cpu").__dict__, default=list)
 
     def replay(out: Path, partial: Path) -> list[dict]:
         out.mkdir(exist_ok=True)
-        assert Q.replay_main(["--target", str(tiny_target_dir), "--corpus", str(tmp_path / "corpus.jsonl"),
+        assert replay_main(["--target", str(tiny_target_dir), "--corpus", str(tmp_path / "corpus.jsonl"),
                               "--drafter", f"d={path}", "--partial", f"d={partial}", "--settings", settings,
                               "--out-dir", str(out)]) == 0
         return [json.loads(line) for line in (out / "d.jsonl").read_text().splitlines()]
@@ -368,13 +378,13 @@ def test_replay_worker_resumes_from_its_turn_records(tmp_path, tiny_pair, tiny_t
     assert marked["text"].endswith(" [kept]")  # reused, not replayed again
     marked["text"] = marked["text"][:-len(" [kept]")]
     assert resumed == whole
-    turns = Q.read_turn_records(cut)
+    turns = read_turn_records(cut)
     assert sorted((r["id"], r["turn"]) for r in turns) == sorted((t.id, t.turn) for t in corpus)  # each once
     assert sum(r["replay"]["argmax_mismatches"] for r in whole) == 0
 
     # --eval-target-quantize fp8 reaches the replay's target: the unquantised target's continuations are not
     # the FP8 target's greedy tokens
-    settings = json.dumps(Q.EvalSettings(max_new_tokens=6, tree_budgets=(4,), device="cpu",
+    settings = json.dumps(EvalSettings(max_new_tokens=6, tree_budgets=(4,), device="cpu",
                                          target_quantize="fp8").__dict__, default=list)
     fp8 = replay(tmp_path / "fp8", tmp_path / "fp8.partial.jsonl")
     assert sum(r["replay"]["argmax_mismatches"] for r in fp8) > 0
@@ -391,13 +401,13 @@ def test_train_summary_and_markdown(tmp_path):
     recs.insert(2, {"step": 2, "kind": "validation", "val_tau": 9.9})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"torn')
     (run / "train.log").write_text("x INFO done: 5 steps in 42 s; drafter exported to y\n")
-    s = Q.train_summary(run, last_n=2)
+    s = train_summary(run, last_n=2)
     assert s["steps"] == 5 and s["records"] == 5 and s["loop_s"] == 42.0
     assert s["accuracy_per_position"] == [pytest.approx(0.5), None]
     assert s["accuracy_per_position_mean_last"] == [pytest.approx(0.45), None]
     assert s["tau_estimate_mean_last"] == pytest.approx(1.45)
     summary = {
-        "complete": False, "reference": Q.REFERENCE, "config": "c.yaml", "overrides": [],
+        "complete": False, "reference": REFERENCE, "config": "c.yaml", "overrides": [],
         "data": {"train_rows": 10, "rows_read": 12}, "train": s,
         "eval": {"settings": {"max_new_tokens": 256, "dtype": "float32", "workers": 4},
                  "datasets": {"sharegpt": {"prompts": 3, "prompts_done": 2, "turns": 3,
@@ -407,7 +417,7 @@ def test_train_summary_and_markdown(tmp_path):
                  "pooled_tau": {"mt-bench+sharegpt": {"block": 1.4, "tree-32": 1.6}}, "worker_prompt_s": 12.0},
         "wall_s": {"train_s": 100.0, "eval_s": 20.0},
     }
-    md = Q.summary_markdown(summary)
+    md = summary_markdown(summary)
     assert "**Incomplete**" in md and "| sharegpt | 2/3 (3) | 4 / 1 | 1.400 | 1.600 | 50 |" in md
     assert "| step 5 | 0.50 | - |" in md and "1: 3, 2: 2" in md
 
@@ -478,20 +488,20 @@ def test_prepared_data_carries_label_counts_for_a_reduced_vocabulary_variant(tmp
 
     config = tmp_path / "c.yaml"
     config.write_text(f"target:\n  path: {tiny_target_dir}\ndrafter:\n  block_size: 4\ndata:\n  max_length: 256\n")
-    variants = Q.parse_variants(["small=drafter.draft_vocab_size=64"], str(config), [])
+    variants = parse_variants(["small=drafter.draft_vocab_size=64"], str(config), [])
     assert variants == {"small": ["drafter.draft_vocab_size=64"]}
     cfg = load_config(config)
     prepared, log = tmp_path / "prepared", []
-    assert Q.prepare_training_data(cfg, str(counting_jsonl), 0.1, prepared, log.append) is not None
+    assert prepare_training_data(cfg, str(counting_jsonl), 0.1, prepared, log.append) is not None
     manifest = json.loads((prepared / "manifest.json").read_text())
     assert has_label_counts(manifest)
-    assert Q.prepare_training_data(cfg, str(counting_jsonl), 0.1, prepared, log.append) is None  # reused
+    assert prepare_training_data(cfg, str(counting_jsonl), 0.1, prepared, log.append) is None  # reused
     del manifest["label_counts"]  # as an older dflash-train prepared it
     (prepared / "manifest.json").write_text(json.dumps(manifest))
-    assert Q.prepare_training_data(cfg, str(counting_jsonl), 0.1, prepared, log.append) is not None
+    assert prepare_training_data(cfg, str(counting_jsonl), 0.1, prepared, log.append) is not None
     assert "without label counts" in log[-2] and has_label_counts(json.loads((prepared / "manifest.json").read_text()))
     with pytest.raises(ConfigError, match="dflash only"):
-        Q.parse_variants(["dflash2=drafter.architecture=dflash2,drafter.draft_vocab_size=64"], str(config), [])
+        parse_variants(["dflash2=drafter.architecture=dflash2,drafter.draft_vocab_size=64"], str(config), [])
 
 
 # --------------------------------------------------------------------------- variants of every architecture
@@ -524,7 +534,7 @@ def test_drafter_facts_read_each_architectures_drafts_confidence_and_ddtree(tmp_
     from an export's config.json alone."""
     target, _, _ = tiny_pair
     saved = _save_drafters(target, tmp_path)
-    facts = {where: Q.drafter_facts(path) for where, path in saved.items()}
+    facts = {where: drafter_facts(path) for where, path in saved.items()}
     assert facts["run"] == {"architecture": "dflash", "block_size": 4, "drafts_per_block": 3, "confidence_head": False,
                             "tree": None}
     assert facts["variants/dspark"] == {"architecture": "dspark", "block_size": 4, "drafts_per_block": 4,
@@ -546,7 +556,7 @@ def test_variants_of_every_architecture_replay_decode_check_and_summarise(tmp_pa
     config.write_text(f"target:\n  path: {tiny_target_dir}\ndrafter:\n  block_size: 4\n  num_draft_layers: 1\n"
                       "  target_layer_ids: [1, 4]\ndata:\n  max_length: 256\n")
     out = tmp_path / "q"
-    assert Q.prepare_training_data(load_config(config), str(counting_jsonl), 0.0, out / "prepared", print) is not None
+    assert prepare_training_data(load_config(config), str(counting_jsonl), 0.0, out / "prepared", print) is not None
     _save_drafters(target, out)
     sets = {"mt-bench": [{"id": "a", "turns": ["Name a river.", "Another one."]}, {"id": "b", "turns": ["Say hi."]}],
             "sharegpt": [{"id": "c", "turns": ["Write a haiku about stone."]}]}
@@ -598,8 +608,8 @@ def test_a_variant_row_from_replay_records_by_hand():
                                  {"mt-bench": ["block"]})
     facts = {"architecture": "dspark", "block_size": 4, "drafts_per_block": 4, "confidence_head": True,
              "tree": "refused"}
-    by_slot = {"drafter": facts, "modes": Q.acceptance_by_slot(report, ["block"], 4, ["mt-bench"])}
-    row = Q.variant_row(["k=v"], None, report, {"steps": 7}, ["block", "tree-4"], ["mt-bench"], 12.5, by_slot)
+    by_slot = {"drafter": facts, "modes": acceptance_by_slot(report, ["block"], 4, ["mt-bench"])}
+    row = variant_row(["k=v"], None, report, {"steps": 7}, ["block", "tree-4"], ["mt-bench"], 12.5, by_slot)
     assert row["tau_mt-bench+sharegpt"] == {"block": 3.0, "tree-4": None}
     assert row["tau_by_dataset"] == {"mt-bench": {"block": 3.0, "tree-4": None}}
     slots = row["block_by_slot_mt-bench+sharegpt"]
@@ -607,7 +617,7 @@ def test_a_variant_row_from_replay_records_by_hand():
     assert slots["predicted"] == [0.5, 0.5, 0.25, 0.125]
     assert row["every_draft_accepted_mt-bench+sharegpt"] == 0.25
     assert row["drafts_per_block"] == 4 and row["tree_not_applicable"] == "refused" and row["train_wall_s"] == 12.5
-    md = "\n".join(Q.variants_markdown({"default": {**row, "tree_not_applicable": None}, "spark": row},
+    md = "\n".join(variants_markdown({"default": {**row, "tree_not_applicable": None}, "spark": row},
                                        ["block", "tree-4"]))
     assert "| spark | dspark | 4 | k=v | 7 | 12.5 | - | 3.000 | n/a | 3.000 | n/a | 25.000% |" in md
     assert "| default | dspark | 4 | k=v | 7 | 12.5 | - | 3.000 | - | 3.000 | - | 25.000% |" in md
@@ -625,7 +635,7 @@ def test_a_block_size_flex_cannot_tile_is_named_before_anything_runs():
         "dspark15": ["drafter.architecture=dspark", "drafter.block_size=15"],
         "dspark15sdpa": ["drafter.architecture=dspark", "drafter.block_size=15", "drafter.attention_backend=sdpa"],
         "cpu15": ["drafter.block_size=15", "run.device=cpu"]}.items()}
-    refused = Q.flex_refusals(configs)
+    refused = flex_refusals(configs)
     assert len(refused) == 1 and refused[0].startswith("dspark15: drafter.block_size=15 does not divide 128")
     assert "drafter.attention_backend=sdpa" in refused[0]
 
