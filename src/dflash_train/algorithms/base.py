@@ -460,6 +460,10 @@ class Objective(Protocol):
     def __call__(self, batch: "Batch", generator: torch.Generator, call: Optional[Callable] = None,
                  hidden: Optional[torch.Tensor] = None) -> StepStats: ...
 
+    def describe(self) -> str:
+        """What it optimises, in words, for the run's log."""
+        ...
+
 
 @dataclass(frozen=True)
 class StepMemory:

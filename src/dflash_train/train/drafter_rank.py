@@ -63,6 +63,7 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
     log.info("drafter: %d layers, %.1fM parameters; %d steps (%d micro-batches per epoch, %d per step)",
              a.dcfg.num_hidden_layers, sum(p.numel() for p in drafter.parameters()) / 1e6, r.total, len(r.epoch0),
              r.per_step)
+    log.info("objective (%s): %s", cfg.drafter.architecture, train_step.objective.describe())
     state = r.state
     if a.resume_from is not None:
         ckpt = a.resume_from[0]

@@ -7,6 +7,7 @@ the SGLang export layout read back by us and by an independent reader, its confi
 from __future__ import annotations
 
 import json
+import logging
 import math
 import signal
 
@@ -583,17 +584,22 @@ def test_a_domino_run_trains_exports_sglangs_layout_reloads_and_evaluates_lossle
     assert body["modes"]["block"]["tau"] >= 1 and body["lossless_mismatches"] == []
 
 
-def test_a_domino_run_with_acceptance_weights_trains_with_finite_losses(tiny_target_dir, counting_jsonl, tmp_path):
+def test_a_domino_run_with_acceptance_weights_trains_with_finite_losses(tiny_target_dir, counting_jsonl, tmp_path,
+                                                                        caplog):
     from dflash_train.cli import main
 
     cfg = _run_config(tmp_path, tiny_target_dir, counting_jsonl)
-    assert main(["train", str(cfg), "objective.slot_weighting=acceptance", "run.save_every=100", "--max-steps", "3",
-                 "--run-dir", str(tmp_path / "R")]) == 0
+    with caplog.at_level(logging.INFO, logger="dflash_train"):
+        assert main(["train", str(cfg), "objective.slot_weighting=acceptance", "run.save_every=100", "--max-steps",
+                     "3", "--run-dir", str(tmp_path / "R")]) == 0
     records = [json.loads(x) for x in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(math.isfinite(r[k]) for r in steps for k in ("loss", "final_loss", "base_loss"))
     assert yaml.safe_load((tmp_path / "R" / "config.yaml").read_text())["objective"]["slot_weighting"] == "acceptance"
+    assert ("objective (domino): final (corrected) + base cross-entropy, the base's weight from 1 to 0 over 1 of the "
+            "steps; slots weighted by the drafter's probability of reaching them, floor 0.05 (objective.slot_weighting "
+            "acceptance)") in (tmp_path / "R" / "train.log").read_text()
 
 
 @pytest.mark.long  # ~35 s: the run above again, and one in real processes killed and resumed

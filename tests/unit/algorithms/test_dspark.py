@@ -4,6 +4,7 @@ its config section, lossless decoding with the sequential Markov correction, the
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -260,15 +261,20 @@ def _losses(run):
             if "loss" in r}
 
 
-def test_a_dspark_run_trains_exports_reloads_and_evaluates_losslessly(tiny_target_dir, counting_jsonl, tmp_path):
+def test_a_dspark_run_trains_exports_reloads_and_evaluates_losslessly(tiny_target_dir, counting_jsonl, tmp_path,
+                                                                      caplog):
     from dflash_train.cli import main
 
     whole = tmp_path / "whole"
-    assert main(["train", str(_run_config(tmp_path, tiny_target_dir, counting_jsonl)), "--run-dir", str(whole),
-                 "--max-steps", "4"]) == 0
+    with caplog.at_level(logging.INFO, logger="dflash_train"):
+        assert main(["train", str(_run_config(tmp_path, tiny_target_dir, counting_jsonl)), "--run-dir", str(whole),
+                     "--max-steps", "4"]) == 0
     assert sorted(_losses(whole)) == [1, 2, 3, 4]
     rec = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
     assert all("confidence_loss" in r and "l1_loss" in r for r in rec if "loss" in r)
+    train_log = (whole / "train.log").read_text()  # what it optimised, and that DFlash's slot weighting is not it
+    assert ("objective (dspark): 0.1 x CE + 0.9 x L1 to the target's distribution, slots weighted exp(-k / 4); + 1 x "
+            "confidence BCE") in train_log and "objective.slot_weighting and objective.gamma do not apply" in train_log
     assert json.loads((whole / "export" / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
     assert type(load_drafter(whole / "export")) is DSparkDrafter
     out = tmp_path / "eval.json"

@@ -4,6 +4,7 @@ reference."""
 
 import dataclasses
 import json
+import logging
 import math
 
 import pytest
@@ -338,15 +339,26 @@ def test_wsd_schedule_values():
 # ---------------------------------------------------------------------------- short CPU runs with each option on
 
 
-@pytest.mark.parametrize("option", [
-    {"objective": {"slot_weighting": "gamma"}},
-    {"objective": {"slot_weighting": "dpace", "dpace_alpha": 0.5}},
-    {"optim": {"schedule": "cosine"}},
-    {"objective": {"distill_weight": 0.5, "distill_temperature": 2.0}},
-    {"optim": {"schedule": "wsd", "decay_ratio": 0.5, "min_lr_ratio": 0.1}},
-    {"objective": {"max_anchors_per_batch": 8}},
+ACCEPTANCE = ("slots weighted by the drafter's probability of reaching them, floor 0.05 (objective.slot_weighting "
+              "acceptance)")
+
+
+@pytest.mark.parametrize("option, objective", [
+    ({"objective": {"slot_weighting": "gamma"}}, "slots weighted exp(-k / 4) (objective.slot_weighting gamma)"),
+    ({"objective": {"slot_weighting": "dpace", "dpace_alpha": 0.5}},
+     "D-PACE slot weights, alpha 0.5 (objective.slot_weighting dpace)"),
+    ({"optim": {"schedule": "cosine"}}, ACCEPTANCE),
+    ({"objective": {"distill_weight": 0.5, "distill_temperature": 2.0}},
+     f"{ACCEPTANCE}; + 0.5 x KL to the target (temperature 2)"),
+    ({"optim": {"schedule": "wsd", "decay_ratio": 0.5, "min_lr_ratio": 0.1}}, ACCEPTANCE),
+    ({"objective": {"max_anchors_per_batch": 8}}, ACCEPTANCE),
+    ({"drafter": {"architecture": "dflash2"}},
+     f"{ACCEPTANCE}; + 1 x the selector's cross-entropy over its top 32 candidates"),
 ])
-def test_train_run_with_option_finishes_with_finite_loss(tmp_path, tiny_target_dir, counting_jsonl, option):
+def test_train_run_with_option_finishes_with_finite_loss(tmp_path, tiny_target_dir, counting_jsonl, option, objective,
+                                                         caplog):
+    """A short CPU run with the option on: finite losses, the option in the run's config.yaml, the schedule's lr,
+    and train.log saying what the objective optimised."""
     from dflash_train.cli import main
 
     cfg = {
@@ -362,7 +374,11 @@ def test_train_run_with_option_finishes_with_finite_loss(tmp_path, tiny_target_d
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     steps = 6
-    assert main(["train", str(path), "--run-dir", str(tmp_path / "R"), "--max-steps", str(steps)]) == 0
+    with caplog.at_level(logging.INFO, logger="dflash_train"):
+        assert main(["train", str(path), "--run-dir", str(tmp_path / "R"), "--max-steps", str(steps)]) == 0
+    arch = cfg["drafter"].get("architecture", "dflash")
+    assert f"objective ({arch}): cross-entropy on the data's next tokens; {objective}\n" in (
+        tmp_path / "R" / "train.log").read_text()
     records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, steps + 1))

@@ -48,6 +48,17 @@ def row_weights(cfg: Config, blocks: Blocks, idx: torch.Tensor):
     return by_prediction
 
 
+def slot_weighting_text(cfg: Config) -> str:
+    """objective.slot_weighting in words (the run's log)."""
+    o = cfg.objective
+    if o.slot_weighting == "gamma":
+        return f"slots weighted exp(-k / {o.gamma:g}) (objective.slot_weighting gamma)"
+    if o.slot_weighting == "acceptance":
+        return (f"slots weighted by the drafter's probability of reaching them, floor {o.acceptance_floor:g} "
+                "(objective.slot_weighting acceptance)")
+    return f"D-PACE slot weights, alpha {o.dpace_alpha:g} (objective.slot_weighting dpace)"
+
+
 class DFlashObjective:
     """Holds what the loss needs (the drafter, the frozen target, the attention backend, the config and the
     compute dtype) and computes it on one micro-batch (`base.Objective`)."""
@@ -56,6 +67,12 @@ class DFlashObjective:
                  compute_dtype: torch.dtype):
         self.drafter, self.target, self.backend, self.cfg = drafter, target, backend, cfg
         self.compute_dtype = compute_dtype
+
+    def describe(self) -> str:
+        """What this objective optimises, for the run's log."""
+        return f"cross-entropy on the data's next tokens; {slot_weighting_text(self.cfg)}" + (
+            f"; + {self.cfg.objective.distill_weight:g} x KL to the target (temperature "
+            f"{self.cfg.objective.distill_temperature:g})" if self.cfg.objective.distill_weight > 0 else "")
 
     def capture(self, batch: Batch, hidden: Optional[torch.Tensor]):
         """(features `[B, S, K*H]`, the target's final normed hidden states or None): the target runs here

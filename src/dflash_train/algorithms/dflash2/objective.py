@@ -59,6 +59,11 @@ def forced_candidates(top_values: torch.Tensor, top_ids: torch.Tensor, labels: t
 
 
 class DFlash2Objective(DFlashObjective):
+    def describe(self) -> str:
+        own = options_of(self.cfg)
+        return (f"{super().describe()}; + {own.selector_loss_weight:g} x the selector's cross-entropy over its top "
+                f"{self.drafter.selector_top_k} candidates")
+
     def rows_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor,
                   final: Optional[torch.Tensor]) -> StepStats:
         selector, own = self.drafter.candidate_selector, options_of(self.cfg)

@@ -23,7 +23,7 @@ import torch
 
 from ..base import StepStats
 from ..dflash.blocks import Blocks, build_blocks, sample_anchors
-from ..dflash.objective import DFlashObjective, row_weights
+from ..dflash.objective import DFlashObjective, row_weights, slot_weighting_text
 from ...data.batch import Batch
 from ...runtime import to_device
 from .loss import chunked_domino_rows, final_label_logp
@@ -81,6 +81,11 @@ class DominoObjective(DFlashObjective):
     def __init__(self, drafter, target, backend, cfg, compute_dtype):
         super().__init__(drafter, target, backend, cfg, compute_dtype)
         self.lambda_base = lambda_base(0, 0, 0.0, 0.0)
+
+    def describe(self) -> str:
+        o = options_of(self.cfg)
+        return (f"final (corrected) + base cross-entropy, the base's weight from {o.lambda_base_start:g} to 0 over "
+                f"{o.lambda_base_decay_ratio:g} of the steps; {slot_weighting_text(self.cfg)}")
 
     def begin_step(self, step: int, total_steps: int) -> None:
         """The base loss's weight for this optimizer step (`TrainStep` calls this before its micro-batches)."""

@@ -30,6 +30,19 @@ from .options import loss_weights, options_of
 
 
 class DSparkObjective(DFlashObjective):
+    def describe(self) -> str:
+        o = options_of(self.cfg)
+        if o.loss == "dpard":
+            terms = (f"D-PARD's Renyi-1/2 actor, each slot weighted by its expected accepted length (alpha "
+                     f"{o.dpard_alpha:g})")
+        else:
+            ce, l1 = loss_weights(o)
+            terms = (f"{ce:g} x CE + {l1:g} x L1 to the target's distribution, slots weighted "
+                     f"exp(-k / {o.decay_gamma:g})")
+        if self.drafter.with_confidence:
+            terms += f"; + {o.confidence_weight:g} x confidence BCE (exp(-k / {o.decay_gamma:g}) slot weights)"
+        return terms + "; objective.slot_weighting and objective.gamma do not apply to DSpark"
+
     def __call__(self, batch: Batch, generator: torch.Generator, call: Optional[Callable] = None,
                  hidden: Optional[torch.Tensor] = None) -> StepStats:
         if hidden is not None:
