@@ -120,6 +120,18 @@ def is_builtin_target(spec: str) -> bool:
     return str(spec).strip().lower() == SMOLLM2_SPEC
 
 
+def target_identity(spec: str, resolved: Path) -> str:
+    """What names a target across machines and reinstalls, for settings that must match when work continues:
+    the embedded default's name, a GGUF file's own path (its conversion folder's name depends on the file's
+    modification time), else the resolved model folder."""
+    if is_builtin_target(str(spec)):
+        return SMOLLM2_SPEC
+    path = Path(str(spec)).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return str(path.resolve())
+    return str(resolved)
+
+
 def resolve_target(spec: str, cache_dir: Path | None = None, weights: bool = True) -> Path:
     """Local Hugging Face model folder for a target spec (see `_ACCEPTED`).
 

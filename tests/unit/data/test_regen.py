@@ -261,6 +261,31 @@ def test_settings_mismatch_refused(tmp_path, tiny_target_dir, capsys):
         regenerate(tiny_target_dir, [str(data)], out, RegenSettings(max_new_tokens=6, progress=False))
 
 
+def test_the_embedded_target_is_recorded_by_name_so_another_machine_continues(tmp_path, smollm2_dir, capsys):
+    """The embedded default's conversion folder is named after the GGUF file's modification time, which another
+    machine or a reinstall changes: the settings record `smollm2`, and an older output that recorded this
+    machine's folder still continues; one made from another target is refused, naming both."""
+    data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": p} for p in ("hi", "hello there", "Name a fruit.")])
+    out = tmp_path / "out.jsonl"
+    sidecar = tmp_path / "out.jsonl.regen.json"
+    assert main(_cli(data, out, "smollm2", "--limit", "1", max_new=2)) == 0
+    record = json.loads(sidecar.read_text())
+    assert record["settings"]["target"] == "smollm2"
+
+    record["settings"]["target"] = str(smollm2_dir)  # as an older version wrote it, on this machine
+    sidecar.write_text(json.dumps(record))
+    assert main(_cli(data, out, "smollm2", "--limit", "2", max_new=2)) == 0
+    assert len(read_jsonl(out)) == 2
+
+    before = out.read_bytes()
+    record["settings"]["target"] = "/elsewhere/targets/SmolLM2-135M-Instruct.Q4_1-0123456789abcdef"
+    sidecar.write_text(json.dumps(record))
+    assert main(_cli(data, out, "smollm2", max_new=2)) == 2
+    err = capsys.readouterr().err
+    assert "target: '/elsewhere/targets/SmolLM2-135M-Instruct.Q4_1-0123456789abcdef' there, 'smollm2' now" in err
+    assert out.read_bytes() == before
+
+
 def _response(cid: str, content: str | None = None, status: int = 200) -> dict:
     if content is None:
         return {"id": "x", "custom_id": cid, "response": None, "error": {"code": "boom", "message": "engine died"}}

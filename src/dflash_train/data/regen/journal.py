@@ -96,8 +96,12 @@ class Appender:
         self.f.close()
 
 
-def check_settings(out: Path, mode: str, settings: dict[str, Any]) -> None:
-    """Refuse to extend an output produced with other settings; record the settings otherwise."""
+def check_settings(out: Path, mode: str, settings: dict[str, Any],
+                   also_accepted: Optional[dict[str, Any]] = None) -> None:
+    """Refuse to extend an output produced with other settings; record the settings otherwise.
+    `also_accepted`: per key, a second value an earlier output may hold for the same thing (what an older
+    version recorded, e.g. a target's resolved conversion folder where the target's name is recorded now)."""
+    also = also_accepted or {}
     sidecar, rejects = side_paths(out)
     has_rows = any(p.exists() and p.stat().st_size > 0 for p in (out, rejects))
     start_over = (f"run with the original settings to continue, or choose another --out (or delete {out}, "
@@ -114,7 +118,8 @@ def check_settings(out: Path, mode: str, settings: dict[str, Any]) -> None:
         if prev_mode != mode:
             raise SettingsMismatch(f"{out} was produced by {prev_mode!r} (this run is {mode!r}); {start_over}")
         diffs = [f"{k}: {prev_settings.get(k)!r} there, {settings.get(k)!r} now"
-                 for k in sorted(set(prev_settings) | set(settings)) if prev_settings.get(k) != settings.get(k)]
+                 for k in sorted(set(prev_settings) | set(settings))
+                 if prev_settings.get(k) != settings.get(k) and not (k in also and prev_settings.get(k) == also[k])]
         if diffs:
             raise SettingsMismatch(f"{out} was produced with other settings ({'; '.join(diffs)}); {start_over}")
         return

@@ -201,12 +201,13 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
             raise ValueError(f"--max-new-tokens {s.max_new_tokens} leaves no room for a prompt in the target's "
                              f"context of {context} tokens")
     # --limit, --batch-size and --sort-window may change between runs (e.g. a smaller batch after an OOM).
-    guarded = {"target": str(target_path), "data": sources, "max_new_tokens": s.max_new_tokens,
+    guarded = {"target": assets.target_identity(str(target), target_path), "data": sources,
+               "max_new_tokens": s.max_new_tokens,
                "temperature": s.temperature, "top_p": s.top_p if s.temperature > 0 else None,
                "seed": s.seed if s.temperature > 0 else None, "stop_token_ids": stops, "thinking": s.thinking,
                "max_prompt_tokens": s.max_prompt_tokens, "dtype": str(dtype).replace("torch.", ""),
                **({"max_turns": s.max_turns} if s.max_turns else {})}  # absent when 0: older outputs continue
-    check_settings(out, "generate", guarded)
+    check_settings(out, "generate", guarded, also_accepted={"target": str(target_path)})
     sidecar, rejects_path = side_paths(out)
     done_rejects = read_done_ids(rejects_path, full=True)
     done = set(read_done_ids(out)) | set(done_rejects)
