@@ -231,7 +231,7 @@ def run_demo(root: Path, overrides: list[str], size: "DemoSize | None" = None) -
     cfg = demo_config(size, data_dir, overrides)
 
     def do_regen():
-        return regenerate(target, ["sharegpt"], regen_out, RegenSettings(
+        return regenerate(assets.SMOLLM2_SPEC, ["sharegpt"], regen_out, RegenSettings(  # recorded by name
             max_new_tokens=size.max_new_tokens, limit=size.prompts, max_prompt_tokens=size.max_prompt_tokens,
             batch_size=size.regen_batch, progress=False))
 
