@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data stage: answer the first N user turns of each conversation, 0 = all (default: "
                         "%(default)s, first turns as the reference's data)")
     p.add_argument("--regen-batch-size", type=int, default=REGEN_BATCH_SIZE,
-                   help="data stage: conversations per generate call at most, turn by turn (wider is faster: "
-                        "generation is host-bound); may change between calls (default: %(default)s)")
+                   help="data stage: conversations per generate call at most, turn by turn (wider is faster); "
+                        "may change between calls (default: %(default)s)")
     p.add_argument("--regen-batch-tokens", type=int, default=REGEN_BATCH_TOKENS, metavar="N",
                    help="data stage: padded tokens per generate call at most, rows x (longest prompt + max new "
                         "tokens), which its memory grows with (the longest prompts' batch of 256 rows took ~77 GB); "

@@ -26,8 +26,8 @@ REGEN_SOURCE = "sharegpt"
 REGEN_LIMIT = 7728
 REGEN_MAX_NEW_TOKENS = 256
 REGEN_MAX_TURNS = 1  # first turns, as the reference's data: every turn (0) of 7,728 conversations takes hours
-# Generation is host-bound (HF generate, ~10% of an H200 busy at 64): wider batches go faster; 256 conversations of
-# the longest prompts took ~77 GB of an H200 at 256 new tokens a turn.
+# Wider batches go faster (a decode step at 512 rows: ~0.1 s on an H100, mostly the GPU's GQA and KV-cache copies);
+# 256 conversations of the longest prompts took ~77 GB of an H200 at 256 new tokens a turn.
 REGEN_BATCH_SIZE = 1024
 REGEN_BATCH_TOKENS = 400_000  # padded tokens a generate call: ~60 GB for SmolLM2-135M on the H200
 REGEN_FILE = Path("data") / "regen.jsonl"  # under --out
