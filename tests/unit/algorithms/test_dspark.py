@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -88,8 +89,20 @@ def test_blocks_are_anchor_as_first_with_a_cumulative_mask():
     torch.testing.assert_close(blocks.weights, w * counted)
 
 
-def dense_reference(d, target_model, capture, ids, loss_mask, lengths, weights_cfg):
-    """The loss in float64 from full logits: CE, full L1 and confidence BCE with the detached acceptance label."""
+def reference_slot_weights(q: list, mode: str, floor: float, alpha: float) -> list:
+    """Weights of a block's counted slots (in order) from the drafter's label probabilities `q`, by brute force:
+    acceptance max(prod_{j<k} q_j, floor); dpace sum_{m>=j} prod_{i<=m} ((1 - alpha) q_i + alpha)."""
+    if mode == "acceptance":
+        return [max(float(torch.tensor(q[:k], dtype=torch.float64).prod()), floor) for k in range(len(q))]
+    prefix = [float(torch.tensor([(1 - alpha) * x + alpha for x in q[:m + 1]], dtype=torch.float64).prod())
+              for m in range(len(q))]
+    return [sum(prefix[j:]) for j in range(len(q))]
+
+
+def dense_reference(d, target_model, capture, ids, loss_mask, lengths, weights_cfg, mode="decay", floor=0.05,
+                    alpha=0.5):
+    """The loss in float64 from full logits: CE, full L1 and confidence BCE with the detached acceptance label;
+    CE and L1 weighted by the decay or (`mode`) DFlash's acceptance / dpace weights, the BCE by the decay."""
     ce_w, l1_w, conf_w, gamma = weights_cfg
     blocks, _ = plan(ids, loss_mask, lengths, BS, 6, torch.Generator().manual_seed(7), 16, gamma)
     labels, prev, counted = brute_force_blocks(ids, loss_mask, lengths, blocks.anchors, blocks.keep)
@@ -101,11 +114,11 @@ def dense_reference(d, target_model, capture, ids, loss_mask, lengths, weights_c
     h = d(hidden, embeds, pos, sdpa_attention, dense_mask(blocks.anchors, blocks.keep, s, BS))
     h = h.view(*labels.shape, -1)
     head = capture.lm_head.weight
-    total = 0.0
-    wsum = 0.0
+    main, bce, main_wsum, decay_wsum = 0.0, 0.0, 0.0, 0.0
     for r in range(ids.shape[0]):
         for j in range(labels.shape[1]):
             state = None
+            terms, decays, q = [], [], []  # the block's counted slots
             for k in range(BS):
                 hk = h[r, j, k]
                 z = hk @ head.t()
@@ -121,15 +134,20 @@ def dense_reference(d, target_model, capture, ids, loss_mask, lengths, weights_c
                 ce = -torch.log_softmax(z, -1)[labels[r, j, k]]
                 l1 = (p - pt).abs().sum()
                 w = float(torch.exp(torch.tensor(-k / gamma)))
-                term = ce_w * ce + l1_w * l1
+                terms.append(ce_w * ce + l1_w * l1)
+                decays.append(w)
+                q.append(float(p[labels[r, j, k]].detach()))
                 if d.with_confidence:
                     c = (1 - l1.detach() / 2).clamp(0, 1)
                     x = torch.cat([hk, e]) if d.confidence_with_markov else hk
                     logit = d.confidence_head.proj(x)[0]
-                    term = term + conf_w * torch.nn.functional.binary_cross_entropy_with_logits(logit, c)
-                total = total + w * term
-                wsum += w
-    return total / wsum
+                    bce = bce + w * torch.nn.functional.binary_cross_entropy_with_logits(logit, c)
+                decay_wsum += w
+            slot_w = decays if mode == "decay" else reference_slot_weights(q, mode, floor, alpha)
+            for w, term in zip(slot_w, terms):
+                main = main + w * term
+                main_wsum += w
+    return main / main_wsum + conf_w * bce / decay_wsum
 
 
 def objective_on_a_fixed_batch(d, capture, cfg):
@@ -174,6 +192,38 @@ def test_the_objective_equals_a_dense_float64_reference(target, kind, rank, conf
             assert grads[names.index("markov_head.markov_w2.weight")].abs().sum() > 0
         if confidence:
             assert grads[names.index("confidence_head.proj.weight")].abs().sum() > 0
+    finally:
+        target.float()
+
+
+@pytest.mark.parametrize("mode", ["acceptance", "dpace"])
+def test_dflash_slot_weights_on_dsparks_terms_equal_a_dense_float64_reference(target, mode):
+    """`dspark.slot_weights` acceptance / dpace: CE and L1 weighted as DFlash weighs its slots, from the drafter's
+    detached Markov-corrected label probabilities (brute-force products here); the confidence BCE keeps the decay."""
+    d = dspark(target, "rnn", 8, True, True).double().train()
+    capture = TargetCapture.from_model(target.double(), [1, 4])
+    try:
+        weights = (0.3, 0.7, 0.5, 3.0)
+        cfg = config_from_dict({"drafter": {"architecture": "dspark", "block_size": BS, "num_draft_layers": 2},
+                                "dspark": {"markov_rank": 8, "markov_head_type": "rnn", "slot_weights": mode,
+                                           "ce_weight": weights[0], "l1_weight": weights[1],
+                                           "confidence_weight": weights[2], "decay_gamma": weights[3]},
+                                "objective": {"max_anchors": 6, "loss_chunk_size": 5, "acceptance_floor": 0.2,
+                                              "dpace_alpha": 0.3},
+                                "data": {"max_length": 64, "token_budget": 256}})
+        ids, loss_mask, lengths, stats = objective_on_a_fixed_batch(d, capture, cfg)
+        params = [p for p in d.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
+        ref = dense_reference(d, target, capture, ids, loss_mask, lengths, weights, mode, floor=0.2, alpha=0.3)
+        decayed = dense_reference(d, target, capture, ids, loss_mask, lengths, weights)
+        assert abs(float(ref) - float(decayed)) > 1e-3  # the weighting matters on this batch
+        ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
+        torch.testing.assert_close(stats.loss, ref, rtol=1e-7, atol=1e-9)
+        for (n, _), a, b in zip([x for x in d.named_parameters() if x[1].requires_grad], grads, ref_grads):
+            if b is None:
+                assert a is None or not a.abs().any(), n
+                continue
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8, msg=n)
     finally:
         target.float()
 
@@ -283,6 +333,19 @@ def test_a_dspark_run_trains_exports_reloads_and_evaluates_losslessly(tiny_targe
                  "--device", "cpu"]) == 0
     body = json.loads(out.read_text())["datasets"][str(counting_jsonl)]
     assert body["modes"]["block"]["tau"] >= 1 and body["lossless_mismatches"] == []
+
+
+def test_a_dspark_run_with_dflashs_acceptance_weights_trains_and_says_so(tiny_target_dir, counting_jsonl, tmp_path,
+                                                                         caplog):
+    from dflash_train.cli import main
+
+    with caplog.at_level(logging.INFO, logger="dflash_train"):
+        assert main(["train", str(_run_config(tmp_path, tiny_target_dir, counting_jsonl)),
+                     "dspark.slot_weights=acceptance", "--run-dir", str(tmp_path / "R"), "--max-steps", "2"]) == 0
+    losses = _losses(tmp_path / "R")
+    assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
+    assert ("slots weighted as objective.slot_weighting acceptance weighs DFlash's (dspark.slot_weights)"
+            in (tmp_path / "R" / "train.log").read_text())
 
 
 @pytest.mark.long  # the run above again, and one stopped at step 2 and resumed
@@ -499,6 +562,11 @@ def test_dpard_options_are_checked_naming_their_keys():
     for alpha in (0, 1):
         with pytest.raises(ConfigError, match=r"'dspark.dpard_alpha'"):
             config_from_dict({**ok, "dspark": {"loss": "dpard", "ce_weight": 0, "l1_weight": 0, "dpard_alpha": alpha}})
+    with pytest.raises(ConfigError, match=r"'dspark.slot_weights': acceptance weighs the CE and L1 terms, which "
+                                          r"dspark.loss dpard replaces"):
+        config_from_dict({**ok, "dspark": {"loss": "dpard", "slot_weights": "acceptance"}})
+    with pytest.raises(ConfigError, match=r"'dspark.slot_weights'"):
+        config_from_dict({**ok, "dspark": {"slot_weights": "gamma"}})
 
 
 # ---------------------------------------------------------------------------------------------- the chunked loss

@@ -28,14 +28,16 @@ def _distill_rows(final: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> tor
     return final.reshape(b * s, h).index_select(0, source.view(-1).index_select(0, idx))
 
 
-def row_weights(cfg: Config, blocks: Blocks, idx: torch.Tensor):
+def row_weights(cfg: Config, blocks: Blocks, idx: torch.Tensor, mode: Optional[str] = None):
     """The counted rows' loss weights: the gamma decay (`blocks.weights`), or (acceptance, dpace) a function of the
     rows' label log-probabilities `[M]`, laid out over the blocks' counted slots: DFlash's loss calls it after its
-    forward, a loss that forms its gradients with the weights calls it on a gradient-free pass before."""
+    forward, a loss that forms its gradients with the weights calls it on a gradient-free pass before. `mode`:
+    gamma, acceptance or dpace (default objective.slot_weighting)."""
     o = cfg.objective
-    if o.slot_weighting == "gamma":
+    mode = mode or o.slot_weighting
+    if mode == "gamma":
         return blocks.weights.view(-1).index_select(0, idx)
-    if o.slot_weighting == "acceptance":
+    if mode == "acceptance":
         per_block = functools.partial(acceptance_weights, floor=o.acceptance_floor)
     else:
         per_block = functools.partial(dpace_weights, alpha=o.dpace_alpha)

@@ -3,7 +3,9 @@ cumulative mask) normalised over the micro-batch's counted slots,
   L = ce_weight * sum w CE + l1_weight * sum w ||p - p_t||_1 + confidence_weight * sum w BCE(c, c*),
 where p is the drafter's Markov-corrected distribution (the previous token teacher-forced), p_t the target's at the
 position that predicted the label (its final normed hidden state through the frozen lm_head), and
-`c* = clamp(1 - ||p - p_t||_1 / 2, 0, 1)`, detached, the slot's analytic acceptance at temperature 1.
+`c* = clamp(1 - ||p - p_t||_1 / 2, 0, 1)`, detached, the slot's analytic acceptance at temperature 1. With
+`dspark.slot_weights` acceptance or dpace, the CE and L1 terms take DFlash's weights of those names instead (from
+the drafter's detached label probabilities, a gradient-free first pass), the BCE keeps the decay.
 
 D-PARD (`dspark.loss: dpard`, SpecForge's) replaces the CE and L1 terms by
   sum over counted slots t of W_t R_t / (the micro-batch's sequences),
@@ -23,7 +25,7 @@ from ...data.batch import Batch
 from ...runtime import to_device
 from ..base import StepStats
 from ..dflash.blocks import Blocks
-from ..dflash.objective import DFlashObjective
+from ..dflash.objective import DFlashObjective, row_weights
 from .blocks import plan
 from .loss import TargetPositions, chunked_dspark_rows, target_positions
 from .options import loss_weights, options_of
@@ -37,8 +39,9 @@ class DSparkObjective(DFlashObjective):
                      f"{o.dpard_alpha:g})")
         else:
             ce, l1 = loss_weights(o)
-            terms = (f"{ce:g} x CE + {l1:g} x L1 to the target's distribution, slots weighted "
-                     f"exp(-k / {o.decay_gamma:g})")
+            weights = (f"exp(-k / {o.decay_gamma:g})" if o.slot_weights == "decay" else
+                       f"as objective.slot_weighting {o.slot_weights} weighs DFlash's (dspark.slot_weights)")
+            terms = f"{ce:g} x CE + {l1:g} x L1 to the target's distribution, slots weighted {weights}"
         if self.drafter.with_confidence:
             terms += f"; + {o.confidence_weight:g} x confidence BCE (exp(-k / {o.decay_gamma:g}) slot weights)"
         return terms + "; objective.slot_weighting and objective.gamma do not apply to DSpark"
@@ -77,17 +80,24 @@ class DSparkObjective(DFlashObjective):
         rows = out.index_select(0, idx)
         pick = (lambda x: None if x is None else x.reshape(-1, x.shape[-1]).index_select(0, idx))
         feature, embedding = pick(feature), pick(embedding)
-        w = blocks.weights.view(-1).index_select(0, idx).to(torch.promote_types(rows.dtype, torch.float32))
-        norm = w / w.sum().clamp_min(1e-12)
+        acc_dtype = torch.promote_types(rows.dtype, torch.float32)
+        decay = blocks.weights.view(-1).index_select(0, idx).to(acc_dtype)
+        decay = decay / decay.sum().clamp_min(1e-12)  # the confidence BCE's weights, and by default CE's and L1's
         w2 = d.markov_head.markov_w2.weight if d.markov_rank else None
         labels = blocks.labels.view(-1).index_select(0, idx)
         chunk = self.cfg.objective.loss_chunk_size
-        renyi_coef = None
-        if opts.loss == "dpard":
+        renyi_coef, first = None, None
+        if opts.loss == "dpard" or opts.slot_weights != "decay":  # weights from every slot's result: a first pass
             with torch.no_grad():
                 first = chunked_dspark_rows(rows.detach(), None if feature is None else feature.detach(),
                                             self.target.lm_head.weight, None if w2 is None else w2.detach(),
-                                            targets, labels, torch.zeros_like(norm), torch.zeros_like(norm), chunk)
+                                            targets, labels, torch.zeros_like(decay), torch.zeros_like(decay), chunk)
+        norm = decay
+        if opts.slot_weights != "decay":
+            by_label_logp = row_weights(self.cfg, blocks, idx, opts.slot_weights)
+            w = by_label_logp(-first.ce).to(acc_dtype)
+            norm = w / w.sum().clamp_min(1e-12)
+        if opts.loss == "dpard":
             renyi_coef = dpard_weights((1 - first.l1 / 2).clamp(0, 1), blocks.counted, idx,
                                        opts.dpard_alpha) / shape[0]
         ce_weight, l1_weight = loss_weights(opts)
@@ -103,7 +113,7 @@ class DSparkObjective(DFlashObjective):
             logit = d.confidence(rows, embedding)
             bce = torch.nn.functional.binary_cross_entropy_with_logits(logit, acceptance.to(logit.dtype),
                                                                        reduction="none")
-            conf = (bce * norm.to(bce.dtype)).sum()
+            conf = (bce * decay.to(bce.dtype)).sum()
             loss = loss + opts.confidence_weight * conf
             extra["confidence_loss"] = conf.detach()
         correct = torch.zeros(blocks.counted.numel(), dtype=torch.bool, device=rows.device)

@@ -45,6 +45,11 @@ class DSparkOptions:
     # D-PARD's credit floor: slot i's factor is dpard_alpha + (1 - dpard_alpha) * its acceptance; strictly
     # between 0 and 1 (0.5 in SpecForge's D-PARD).
     dpard_alpha: float = 0.5
+    # The CE and L1 terms' slot weights. decay: exp(-k / decay_gamma), the paper's. acceptance or dpace: DFlash's
+    # (objective.slot_weighting's, with objective.acceptance_floor / objective.dpace_alpha), made of the drafter's
+    # Markov-corrected probabilities of the labels from a gradient-free first pass through the chunked head; the
+    # confidence BCE keeps the decay. Not with dspark.loss dpard, whose credit weighs the slots itself.
+    slot_weights: Literal["decay", "acceptance", "dpace"] = "decay"
 
 
 # (CE, L1) weights of each loss where dspark.ce_weight / dspark.l1_weight are unset
@@ -81,6 +86,10 @@ def validate(cfg: Any) -> None:
     if o.loss == "dspark" and ce + l1 <= 0:
         raise ConfigError("config key 'dspark.ce_weight': dspark.ce_weight and dspark.l1_weight are both 0, so "
                           "nothing trains the drafter's distribution; give one of them a weight > 0")
+    if o.loss == "dpard" and o.slot_weights != "decay":
+        raise ConfigError(f"config key 'dspark.slot_weights': {o.slot_weights} weighs the CE and L1 terms, which "
+                          "dspark.loss dpard replaces (its credit weighs the slots); leave it decay, or use "
+                          "dspark.loss dspark")
     if cfg.objective.distill_weight > 0:
         raise ConfigError("config key 'objective.distill_weight': DSpark has its own term against the target's "
                           "distribution (dspark.l1_weight); set objective.distill_weight to 0")
