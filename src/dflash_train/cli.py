@@ -423,7 +423,8 @@ def _add_regen_parser(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-train", description="Train block drafters for speculative decoding (DFlash, DFlash2, DSpark, Domino) for your own LLM.")
+    p = argparse.ArgumentParser(prog="dflash-train", description="Train block drafters for speculative decoding "
+                                "(DFlash, DFlash2, DSpark, Domino) for your own LLM.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: off)")
     p.add_argument("--debug", action="store_true",
                    help="print the traceback of a user error too (default: off; DFLASH_DEBUG=1 does the same)")
@@ -519,7 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--skip-damaged-files", action="store_true", help=SKIP_DAMAGED_HELP)
     e.set_defaults(func=cmd_eval)
 
-    x = sub.add_parser("export", help="export a checkpoint in the layout vLLM and SGLang load for its architecture, with a parity check")
+    x = sub.add_parser("export", help="export a checkpoint in the layout vLLM and SGLang load for its architecture, "
+                                      "with a parity check")
     x.add_argument("checkpoint", help="RUN/checkpoints/step-N (step-20 for step-00000020; best for the best by "
                    "validation tau; or its drafter/ folder)")
     x.add_argument("--out", required=True, help="folder to write the exported drafter to (a new or empty one)")
