@@ -117,6 +117,8 @@ class LocalGenerator:
         that failed or went missing: either stops the run here, before anything of the batch is written. Answers
         are matched to prompts by their token ids (identical prompts get identical greedy answers), which holds
         whatever order a transformers version returns them in."""
+        if not log.isEnabledFor(logging.DEBUG):  # its per-call INFO lines (cache sizes, thread stops): -v shows them
+            logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
         call = self.model.generate_batch
         kw = {"warmup": self.model.device.type == "cuda"} if "warmup" in inspect.signature(call).parameters else {}
         with torch.no_grad():  # warmup: CUDA graphs, none on a CPU
