@@ -150,6 +150,21 @@ def dense_reference(d, target_model, capture, ids, loss_mask, lengths, weights_c
     return main / main_wsum + conf_w * bce / decay_wsum
 
 
+def assert_same_loss_and_gradients(d, loss: torch.Tensor, ref: torch.Tensor) -> dict:
+    """`loss` equals the float64 reference `ref`, and so does every trainable parameter's gradient; returns the
+    gradients by parameter name."""
+    named = [(n, p) for n, p in d.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    ref_grads = torch.autograd.grad(ref, [p for _, p in named], allow_unused=True)
+    torch.testing.assert_close(loss, ref, rtol=1e-7, atol=1e-9)  # the capture's final state: 1e-9 apart
+    for (n, _), a, b in zip(named, grads, ref_grads):
+        if b is None:
+            assert a is None or not a.abs().any(), n
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8, msg=n)
+    return {n: g for (n, _), g in zip(named, grads)}
+
+
 def objective_on_a_fixed_batch(d, capture, cfg):
     """(ids, loss mask, lengths, stats) of DSpark's objective in float64 on one fixed two-row batch."""
     g = torch.Generator().manual_seed(5)
@@ -177,21 +192,12 @@ def test_the_objective_equals_a_dense_float64_reference(target, kind, rank, conf
                                 "objective": {"max_anchors": 6, "loss_chunk_size": 5},
                                 "data": {"max_length": 64, "token_budget": 256}})
         ids, loss_mask, lengths, stats = objective_on_a_fixed_batch(d, capture, cfg)
-        params = [p for p in d.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
         ref = dense_reference(d, target, capture, ids, loss_mask, lengths, weights)
-        ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
-        torch.testing.assert_close(stats.loss, ref, rtol=1e-7, atol=1e-9)  # the capture's final state: 1e-9 apart
-        names = [n for n, _ in d.named_parameters() if _.requires_grad]
-        for n, a, b in zip(names, grads, ref_grads):
-            if b is None:
-                assert a is None or not a.abs().any(), n
-                continue
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8, msg=n)
+        grads = assert_same_loss_and_gradients(d, stats.loss, ref)
         if rank:
-            assert grads[names.index("markov_head.markov_w2.weight")].abs().sum() > 0
+            assert grads["markov_head.markov_w2.weight"].abs().sum() > 0
         if confidence:
-            assert grads[names.index("confidence_head.proj.weight")].abs().sum() > 0
+            assert grads["confidence_head.proj.weight"].abs().sum() > 0
     finally:
         target.float()
 
@@ -212,18 +218,10 @@ def test_dflash_slot_weights_on_dsparks_terms_equal_a_dense_float64_reference(ta
                                               "dpace_alpha": 0.3},
                                 "data": {"max_length": 64, "token_budget": 256}})
         ids, loss_mask, lengths, stats = objective_on_a_fixed_batch(d, capture, cfg)
-        params = [p for p in d.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
         ref = dense_reference(d, target, capture, ids, loss_mask, lengths, weights, mode, floor=0.2, alpha=0.3)
         decayed = dense_reference(d, target, capture, ids, loss_mask, lengths, weights)
         assert abs(float(ref) - float(decayed)) > 1e-3  # the weighting matters on this batch
-        ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
-        torch.testing.assert_close(stats.loss, ref, rtol=1e-7, atol=1e-9)
-        for (n, _), a, b in zip([x for x in d.named_parameters() if x[1].requires_grad], grads, ref_grads):
-            if b is None:
-                assert a is None or not a.abs().any(), n
-                continue
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8, msg=n)
+        assert_same_loss_and_gradients(d, stats.loss, ref)
     finally:
         target.float()
 
@@ -530,16 +528,8 @@ def test_dpard_equals_a_dense_float64_reference(target, kind):
                                 "data": {"max_length": 64, "token_budget": 256}})
         ids, loss_mask, lengths, stats = objective_on_a_fixed_batch(d, capture, cfg)
         assert "renyi_loss" in stats.extra
-        params = [p for p in d.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
         ref = dense_dpard_reference(d, target, capture, ids, loss_mask, lengths, 0.5, 3.0, 0.3)
-        ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
-        torch.testing.assert_close(stats.loss, ref, rtol=1e-7, atol=1e-9)
-        for (n, _), a, b in zip([x for x in d.named_parameters() if x[1].requires_grad], grads, ref_grads):
-            if b is None:
-                assert a is None or not a.abs().any(), n
-                continue
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8, msg=n)
+        assert_same_loss_and_gradients(d, stats.loss, ref)
     finally:
         target.float()
 
