@@ -208,6 +208,13 @@ def assert_equal_loss_and_gradients(d, loss: torch.Tensor, ref: torch.Tensor) ->
     return dict(zip(names, grads))
 
 
+def objective_stats(d, capture, cfg, lam: float, ids, loss_mask, lengths):
+    """Domino's objective in float64 on one batch, the base loss weighing `lam`, the anchors of seed 7."""
+    objective = DominoObjective(d, capture, resolve_backend("sdpa", torch.device("cpu"), 4), cfg, torch.float64)
+    objective.lambda_base = lam
+    return objective(Batch(ids, loss_mask, lengths), torch.Generator().manual_seed(7))
+
+
 @pytest.mark.parametrize("prefix,lam,chunk,transform", [
     (1, 0.0, 2048, {}), (1, 0.3, 5, {}), (2, 1.0, 5, {}), (2, 0.7, 2048, {}),
     (1, 0.4, 7, {"output_multiplier": 1.7, "final_logit_softcapping": 6.0})])
@@ -216,14 +223,11 @@ def test_the_objective_equals_a_dense_float64_reference(target, prefix, lam, chu
     d = domino(target, prefix=prefix, perturb=0.05, **transform).double().train()
     capture = TargetCapture.from_model(target.double(), [1, 4])
     try:
-        backend = resolve_backend("sdpa", torch.device("cpu"), 4)
         g = torch.Generator().manual_seed(5)
         ids = torch.randint(3, 400, (2, 30), generator=g)
         loss_mask = (torch.rand(2, 30, generator=g) < 0.8).long()
         lengths = torch.tensor([30, 22])
-        objective = DominoObjective(d, capture, backend, domino_cfg(loss_chunk_size=chunk), torch.float64)
-        objective.lambda_base = lam
-        stats = objective(Batch(ids, loss_mask, lengths), torch.Generator().manual_seed(7))
+        stats = objective_stats(d, capture, domino_cfg(loss_chunk_size=chunk), lam, ids, loss_mask, lengths)
         ref = dense_reference(d, capture, ids, loss_mask, lengths, prefix, lam,
                               transform.get("output_multiplier", 1.0), transform.get("final_logit_softcapping"))
         grads = assert_equal_loss_and_gradients(d, stats.loss, ref)
@@ -246,7 +250,6 @@ def test_acceptance_and_dpace_weights_of_the_final_scores_equal_a_dense_float64_
     d = domino(target, prefix=prefix, perturb=0.3, **transform).double().train()
     capture = TargetCapture.from_model(target.double(), [1, 4])
     try:
-        backend = resolve_backend("sdpa", torch.device("cpu"), 4)
         g = torch.Generator().manual_seed(5)
         ids = torch.randint(3, 400, (2, 30), generator=g)
         # half the tokens the mask token, which the tiny target's tied head scores high at the drafter's slots:
@@ -255,9 +258,7 @@ def test_acceptance_and_dpace_weights_of_the_final_scores_equal_a_dense_float64_
         loss_mask = (torch.rand(2, 30, generator=g) < 0.8).long()
         lengths = torch.tensor([30, 10])  # the second row: every anchor it has, the last one cut by its end
         cfg = domino_cfg(loss_chunk_size=chunk, slot_weighting=weighting, acceptance_floor=floor, dpace_alpha=alpha)
-        objective = DominoObjective(d, capture, backend, cfg, torch.float64)
-        objective.lambda_base = lam
-        stats = objective(Batch(ids, loss_mask, lengths), torch.Generator().manual_seed(7))
+        stats = objective_stats(d, capture, cfg, lam, ids, loss_mask, lengths)
         multiplier, softcap = transform.get("output_multiplier", 1.0), transform.get("final_logit_softcapping")
         ref, weights = weighted_reference(d, capture, ids, loss_mask, lengths, prefix, lam, weighting, floor, alpha,
                                           multiplier, softcap)
