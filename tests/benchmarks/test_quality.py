@@ -695,7 +695,8 @@ def test_confidence_thresholds_report_truncated_block_decoding_of_a_confidence_h
         decoded = real["datasets"][str(prompts)]["modes"]["block"]
         assert row["tau_all"] == pytest.approx(decoded["tau"]) and row["tau_all"] <= rows["block"]["tau_all"]
         assert row["verified_per_step_all"] == pytest.approx(decoded["verified_per_step"])
-        assert 1.0 <= row["verified_per_step_all"] < every  # some steps verify fewer than every draft
+        # the case truncates: fewer tokens verified a step than without the threshold, in the same run
+        assert row["verified_per_step_all"] < rows["block"]["verified_per_step_all"]
         assert row["tau_mt-bench+sharegpt"] == row["tau_all"]
     assert rows["block-conf-0.6"]["verified_per_step_all"] <= rows["block-conf-0.3"]["verified_per_step_all"]
     md = (tmp_path / "cut" / "summary.md").read_text()
