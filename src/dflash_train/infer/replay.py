@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from ..data.batch import left_pad
 from ..data.chat import prompt_ids
 from ..algorithms.base import Drafter, sdpa_attention
-from .spec_decode import SpeculativeDecoder
+from .spec_decode import SpeculativeDecoder, confident_drafts
 
 
 @dataclass
@@ -227,13 +227,6 @@ def confidence_mode(threshold: float) -> str:
     return f"block-conf-{threshold:g}"
 
 
-def confidence_keeps(confidence: torch.Tensor, threshold: float) -> list[int]:
-    """Per anchor (row of `confidence [N, D]`), the drafts a step truncated at `threshold` C gives the target: those
-    before the first slot predicted below C, possibly none. `SpeculativeDecoder._draft`'s rule, so that the walk over
-    `min(block accepts, keep)` is what `SpeculativeDecoder(confidence_threshold=C).generate_block` decodes."""
-    return (confidence >= threshold).long().cumprod(-1).sum(-1).tolist()
-
-
 def verified_lengths(keeps: Sequence[int], accepts: Sequence[int]) -> list[int]:
     """Tokens the target verifies at each step of a walk (`accepts`, from anchor 0 on): the anchor's slot (its bonus
     token) and the `keeps[j]` drafts it is given at anchor j, 1 + keep_j. `DecodeResult.verified_lengths` counts the
@@ -341,7 +334,7 @@ def replay_turn(target, drafter: Drafter, turn: ReplayTurn, max_new: int, tree_b
                 lambda j: _tree_accepts(top_lp[j], top_ids[j], budget, cont[j + 1:j + 1 + width]), cont, max_new, stops)
     verified: dict[str, list[int]] = {}
     for c in (t for t in confidence_thresholds if t > 0 and props.confidence is not None):
-        keeps = confidence_keeps(props.confidence, c)
+        keeps = confident_drafts(props.confidence, c).tolist()
         mode = confidence_mode(c)
         modes[mode] = walk(lambda j: min(block[j], keeps[j]), cont, max_new, stops)
         verified[mode] = verified_lengths(keeps, modes[mode][1])

@@ -145,6 +145,13 @@ def speculative_accept(
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
 
 
+def confident_drafts(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Per row of `confidence [..., D]` (each draft's predicted acceptance), the drafts a step truncated at
+    `threshold` gives the target: those before the first predicted below it, possibly none. Decoding and replay
+    both truncate by this rule."""
+    return (confidence >= threshold).long().cumprod(-1).sum(-1)
+
+
 class SpeculativeDecoder:
     def __init__(
         self,
@@ -223,7 +230,7 @@ class SpeculativeDecoder:
             return drafts[0], (q[0] if q is not None else None)
         drafts, q, conf = self.drafter.draft_with_confidence(hidden, self.lm_head, anchor_t, self.temperature,
                                                              self.generator)
-        keep = int((conf[0] >= self.confidence_threshold).long().cumprod(0).sum())
+        keep = int(confident_drafts(conf[0], self.confidence_threshold))
         return drafts[0, :keep], (q[0, :keep] if q is not None else None)
 
     def _tree_candidates(self, context: torch.Tensor, anchor: int, start: int, dcache: DrafterKVCache, k: int):
