@@ -63,7 +63,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # quality_bench, also 
 from quality_bench.children import ChildFailed
 from quality_bench.driver import Driver
 from quality_bench.settings import (
-    DEFAULT_CONFIG, DEFAULT_EVAL, EXIT_UNFINISHED, REGEN_BATCH_SIZE, REGEN_BATCH_TOKENS, REGEN_LIMIT,
+    DEFAULT_CONFIG, DEFAULT_EVAL, EXIT_UNFINISHED, REGEN_BATCH_SIZE, REGEN_BATCH_TOKENS, REGEN_ENGINES, REGEN_LIMIT,
     REGEN_MAX_NEW_TOKENS, REGEN_MAX_TURNS
 )
 from quality_bench.workers import corpus_main, parse_thresholds, replay_main, worker_main
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data stage: padded tokens per generate call at most, rows x (longest prompt + max new "
                         "tokens), which its memory grows with (the longest prompts' batch of 256 rows took ~77 GB); "
                         "lower it after an out-of-memory error, 0 = no bound (default: %(default)s)")
-    p.add_argument("--regen-engine", choices=["generate", "continuous"], default="generate",
+    p.add_argument("--regen-engine", choices=REGEN_ENGINES, default="generate",
                    help="data stage: regen --engine (continuous: transformers' continuous batching, greedy) "
                         "(default: %(default)s)")
     p.add_argument("--val-fraction", type=float, default=0.0, help="prepare --val-fraction (0: train on every row)")

@@ -11,6 +11,8 @@ ENTRY = REPO / "benchmarks" / "quality.py"  # the children run its worker, corpu
 if str(REPO / "src") not in sys.path:
     sys.path.insert(0, str(REPO / "src"))
 
+from dflash_train.data.regen.inputs import ENGINES as REGEN_ENGINES  # noqa: E402 (src is on the path from here)
+
 REFERENCE = {
     "trainer": "a published DFlash trainer (its reported figure)",
     "data": "7,728 ShareGPT first turns answered by SmolLM2-135M-Instruct, greedy, 256 new tokens (7,337 usable)",

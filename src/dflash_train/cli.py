@@ -20,6 +20,7 @@ from typing import Optional
 from .config.validate import validate_world
 from .data.dataset import FAR_FACTOR
 from .data.formats import BUILTIN_SOURCES
+from .data.regen.inputs import ENGINES
 from .errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, USER_ERRORS, UserError, debug_enabled
 from .numbers import (ALL_IF_ZERO, BLOCK_SIZE, FRACTION, INDEX, NO_BOUND_IF_ZERO, POSITIVE_INT, POSITIVE_NUMBER, SEED,
                       TEMPERATURE, TOP_P, VAL_FRACTION)
@@ -391,7 +392,7 @@ def _add_regen_parser(subparsers) -> None:
                    help="at most this many padded tokens, rows x (longest prompt + --max-new-tokens), per generate "
                         "call, whose memory grows with them: with a large --batch-size, short prompts go in wide "
                         "calls and long ones in narrow calls; 0 = no bound (default: %(default)s)")
-    r.add_argument("--engine", choices=["generate", "continuous"], default="generate",
+    r.add_argument("--engine", choices=ENGINES, default="generate",
                    help="generate: HF generate over left-padded batches; continuous: transformers' continuous "
                         "batching (paged KV cache, no padding, a row leaves the batch at its stop token; greedy "
                         "only; --batch-tokens does not apply) (default: %(default)s)")

@@ -12,6 +12,11 @@ from typing import Any, Iterable, Iterator, Optional, Union
 from ..formats import BUILTIN_SOURCES, RowError, builtin_file, iter_source, prompt_turns
 
 
+# generate: HF generate over left-padded batches. continuous: transformers' continuous batching (paged KV cache, no
+# padding, a row leaves the batch at its stop token); greedy only.
+ENGINES = ("generate", "continuous")
+
+
 @dataclass
 class RegenSettings:
     max_new_tokens: int = 512
@@ -31,9 +36,7 @@ class RegenSettings:
     progress: bool = True
     model_name: Optional[str] = None  # batch export: body.model (default: --target as given)
     skip_damaged_files: bool = False  # a damaged --data file: its rows before the damage (default: stop)
-    # generate: HF generate over left-padded batches. continuous: transformers' continuous batching (paged KV cache,
-    # no padding, a row leaves the batch at its stop token); greedy only.
-    engine: str = "generate"
+    engine: str = "generate"  # one of ENGINES
 
 
 def batch_seed(seed: int, key: str) -> int:

@@ -19,13 +19,10 @@ from ...runtime import resolve_device, resolve_dtype
 from ..batch import left_pad
 from ..chat import prompt_ids
 from ..formats import RowError, check_readable, count_rows
-from .inputs import Convo, RegenSettings, batch_seed, check_sources, iter_entries, windows
+from .inputs import ENGINES, Convo, RegenSettings, batch_seed, check_sources, iter_entries, windows
 from .journal import Appender, Summary, check_settings, read_done_ids, reject_record, side_paths
 
 log = logging.getLogger(__name__)
-
-
-ENGINES = ("generate", "continuous")
 
 
 def check_engine(engine: str, temperature: float) -> None:
