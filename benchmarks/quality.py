@@ -6,8 +6,8 @@
 Data: the target answers the first user turn (`--regen-max-turns`, default 1) of the first `--regen-limit`
 conversations (default 7,728) of the built-in ShareGPT training split itself, greedy, its own stop tokens, at
 most 256 new tokens (`dflash-train regen`), into OUT/data/regen.jsonl. A later call reuses that file; a call
-stopped mid-way continues it. It is the slow stage (about 16 minutes on one H200 for first turns; every turn,
-`--regen-max-turns 0`, takes hours: benchmarks/README.md). `--data FILE` trains on FILE instead (any shape
+stopped mid-way continues it (about 6 minutes on one H100 for first turns; every turn, `--regen-max-turns 0`,
+takes hours: benchmarks/README.md). `--data FILE` trains on FILE instead (any shape
 `prepare` reads) and skips regen.
 
 Reference: a published DFlash trainer's figure for this target, tau ~1.37 (greedy, 256 new tokens, a sample of
@@ -62,6 +62,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # quality_bench, also 
 
 from quality_bench.children import ChildFailed
 from quality_bench.driver import Driver
+from quality_bench.inputs import missing_inputs
 from quality_bench.settings import (
     DEFAULT_CONFIG, DEFAULT_EVAL, EXIT_UNFINISHED, REGEN_BATCH_SIZE, REGEN_BATCH_TOKENS, REGEN_ENGINES, REGEN_LIMIT,
     REGEN_MAX_NEW_TOKENS, REGEN_MAX_TURNS
@@ -184,6 +185,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         missing = [n for n in ("config.json", "model.safetensors") if not (Path(args.drafter) / n).is_file()]
         if missing:
             raise SystemExit(f"--drafter {args.drafter}: {', '.join(missing)} missing: not an exported drafter folder")
+    missing = missing_inputs(args.eval or list(DEFAULT_EVAL) if "eval" in stages else [],
+                             regen="data" in stages and not args.data)
+    if missing:
+        raise SystemExit("this machine lacks what the stages need:\n  " + "\n  ".join(missing))
     from dflash_train.pipeline import RecipeMismatch
 
     try:

