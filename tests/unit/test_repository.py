@@ -121,3 +121,34 @@ def test_the_anchor_check_catches_what_it_is_for(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("[ok](page.md#runs-1) [ok](#top) [bad](page.md#runs-2) [bad](page.md#not-a-heading)\n# Top\n")
     assert broken_anchors([doc]) == ["doc.md:1: page.md#runs-2", "doc.md:1: page.md#not-a-heading"]
+
+
+def pages_within(start: Path, hops: int) -> set[Path]:
+    """The Markdown pages reachable from `start` by following at most `hops` relative links."""
+    seen, frontier = {start.resolve()}, {start.resolve()}
+    for _ in range(hops):
+        nxt = set()
+        for page in frontier:
+            for target, _ in MD_LINK.findall(page.read_text()):
+                linked = (page.parent / target).resolve()
+                if not re.match(r"[a-z]+:", target) and linked.suffix == ".md" and linked.is_file() and linked not in seen:
+                    nxt.add(linked)
+        seen |= nxt
+        frontier = nxt
+    return seen
+
+
+def test_every_docs_page_and_the_benchmarks_readme_are_at_most_two_clicks_from_the_readme():
+    wanted = {p.resolve() for p in tracked_files() if p.suffix == ".md" and p.is_relative_to(REPO / "docs")}
+    wanted.add((REPO / "benchmarks" / "README.md").resolve())
+    far = sorted(str(p.relative_to(REPO)) for p in wanted - pages_within(REPO / "README.md", 2))
+    assert not far, "pages a reader cannot reach from README.md in two clicks (link them from README.md or a page " \
+                    "it links):\n" + "\n".join(far)
+
+
+def test_the_two_click_check_catches_what_it_is_for(tmp_path):
+    (tmp_path / "README.md").write_text("[a](a.md)\n")
+    (tmp_path / "a.md").write_text("[b](b.md) [web](https://example.com/c.md)\n")
+    (tmp_path / "b.md").write_text("[c](c.md)\n")
+    (tmp_path / "c.md").write_text("end\n")
+    assert {p.name for p in pages_within(tmp_path / "README.md", 2)} == {"README.md", "a.md", "b.md"}
