@@ -11,30 +11,22 @@ from .overlap import OverlapIndex, drop_overlap, training_user_turns
 
 
 def missing_inputs(eval_specs: list[str], regen: bool) -> list[str]:
-    """What the stages to run will read but this machine lacks (an eval set's package or file, the ShareGPT package
+    """What the stages to run will read but this machine lacks (an eval set's file or package, the ShareGPT package
     the data stage regenerates from), one line each saying what to do: checked before any stage runs, so that a
     missing eval set does not end a call after its training."""
-    from dflash_train.data.formats import BUILTIN_SOURCES, builtin_file
+    from dflash_train.data.formats import require_packages
 
-    problems = []
-    if regen:
-        try:
-            builtin_file("sharegpt")
-        except FileNotFoundError as e:
-            problems.append(f"the data stage regenerates the built-in ShareGPT split: {e} (or pass --data FILE)")
+    regen_source = ("the data stage (it regenerates the built-in ShareGPT split)", "sharegpt", "--data FILE")
+    wanted = [regen_source] if regen else []
     for spec in eval_specs:
         name, _, source = spec.partition("=")
-        if source:
-            if not Path(source).is_file():
-                problems.append(f"--eval {spec}: {source} not found")
-        elif name not in BUILTIN_SOURCES:
-            problems.append(f"--eval {name}: not a built-in set ({', '.join(BUILTIN_SOURCES)}); "
-                            f"pass --eval {name}=FILE")
-        else:
-            try:
-                builtin_file(name)
-            except FileNotFoundError as e:
-                problems.append(f"--eval {name}: {e} (or pass --eval {name}=FILE)")
+        wanted.append((f"--eval {spec}", source or name, f"--eval {name}=FILE"))
+    problems = []
+    for who, source, instead in wanted:
+        try:
+            require_packages([source])
+        except FileNotFoundError as e:
+            problems.append(f"{who}: {e} (or pass {instead})")
     return problems
 
 

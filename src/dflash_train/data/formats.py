@@ -529,8 +529,9 @@ def check_readable(specs: list[str], limit: int = 0) -> None:
     DamagedDataFile here, before a command writes or loads anything."""
     n = 0
     for spec in specs:
-        if isinstance(expand_source(spec), str):
-            require_packages([spec])
+        expanded = expand_source(spec)
+        if isinstance(expanded, str):
+            builtin_file(expanded)
             continue
         for _ in iter_source(spec):
             n += 1
