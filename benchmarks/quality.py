@@ -185,8 +185,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         missing = [n for n in ("config.json", "model.safetensors") if not (Path(args.drafter) / n).is_file()]
         if missing:
             raise SystemExit(f"--drafter {args.drafter}: {', '.join(missing)} missing: not an exported drafter folder")
-    missing = missing_inputs(args.eval or list(DEFAULT_EVAL) if "eval" in stages else [],
-                             regen="data" in stages and not args.data)
+    eval_sets = (args.eval or list(DEFAULT_EVAL)) if "eval" in stages else []
+    missing = missing_inputs(eval_sets, regen="data" in stages and not args.data)
     if missing:
         raise SystemExit("this machine lacks what the stages need:\n  " + "\n  ".join(missing))
     from dflash_train.pipeline import RecipeMismatch
