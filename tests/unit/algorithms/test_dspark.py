@@ -639,6 +639,29 @@ def test_rows_sharing_a_target_position_read_its_state_once():
     assert target_positions(torch.randn(2, 40, 6), source, 2048).states.shape[0] == source.unique().numel() < len(idx)
 
 
+def test_dpard_compiles_each_chunk_function_once_without_a_recompile(monkeypatch):
+    """D-PARD's step runs the chunk math twice: without the gradient (its slot weights), then with it. Each pass
+    has a compiled function of its own, so neither is a second variant of the other: a D-PARD warm-up logs no
+    recompile (Dynamo's eager backend on the CPU: the same tracing and guards as on CUDA)."""
+    from dflash_train.accel import compile as compile_layer
+    from dflash_train.algorithms.dspark import loss as loss_mod
+
+    monkeypatch.setattr(compile_layer, "_compiled", {})
+    monkeypatch.setattr(compile_layer, "_codes", {})
+    monkeypatch.setattr(loss_mod, "chunk_function", lambda name, fn, device, eager=None: compile_layer.compiled(
+        f"test_{name}", fn, dynamic=True, backend="eager"))
+    torch._dynamo.reset()
+    try:
+        hidden, feature, head, w2, final, source, labels, (a, b, c) = loss_inputs(12, 0, torch.float32)
+        targets = target_positions(final, source, 5)
+        with torch.no_grad():
+            chunked_dspark_rows(hidden.detach(), feature.detach(), head, w2.detach(), targets, labels, a, b, 5, c)
+        chunked_dspark_rows(hidden, feature, head, w2, targets, labels, a, b, 5, c).loss.backward()
+        assert compile_layer.compiled_variants() == {"test_dspark_chunk_values": 1, "test_dspark_chunk": 1}
+    finally:
+        torch._dynamo.reset()
+
+
 def test_the_chunk_math_compiles_one_graph_that_no_batch_recompiles(monkeypatch):
     """On CUDA the chunk's elementwise math compiles with dynamic rows and target states (Dynamo's eager backend on
     the CPU: the same tracing, one graph each with fullgraph, and the same guards): one graph for the loss with its

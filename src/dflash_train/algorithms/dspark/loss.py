@@ -13,9 +13,10 @@ and from it the gradients of h, f and W2, chunk by chunk; the backward only scal
 
 What each chunk costs: one matmul of `[h ; f]` with the joint weight `[W ; W2]` (the Markov bias inside the head's
 product, not a second `[rows, V]` tensor), one of the target's states with W, and the elementwise math, which on
-CUDA compiles to a few fused passes over the chunk (`_chunk`, through `dflash.loss.chunk_function`). The blocks
-overlap (512 anchors in 2,048 tokens at B = 16: ~4 rows a position), so the rows are sorted by the target position
-they read and each chunk forms the target's logits once per position (`TargetPositions`).
+CUDA compiles to a few fused passes over the chunk (`_chunk`, or `_chunk_values` without the gradient, through
+`dflash.loss.chunk_function`). The blocks overlap (512 anchors in 2,048 tokens at B = 16: ~4 rows a position), so
+the rows are sorted by the target position they read and each chunk forms the target's logits once per position
+(`TargetPositions`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ def _chunk(z: torch.Tensor, target_logits: torch.Tensor, where: torch.Tensor, la
     if c is not None:
         grad = grad + c.unsqueeze(1) * (p - torch.exp(mean - mean_lse.unsqueeze(1)))
     return ce, l1, renyi, correct, grad.to(z.dtype)
+
+
+def _chunk_values(z: torch.Tensor, target_logits: torch.Tensor, where: torch.Tensor, labels: torch.Tensor,
+                  a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], with_grad: bool):
+    """`_chunk` for a pass that needs no gradient (D-PARD's first pass, which finds its slot weights). A function of
+    its own, so that it compiles as a graph of its own: Dynamo keeps the graphs of one function together and would
+    log `_chunk` without its gradient as a recompile of `_chunk`, in every D-PARD warm-up."""
+    return _chunk(z, target_logits, where, labels, a, b, c, with_grad)
 
 
 @dataclass
@@ -109,7 +118,8 @@ class _ChunkedDSpark(torch.autograd.Function):
         g_w2 = torch.zeros_like(w2) if w2 is not None and w2.requires_grad else None
         with_grad = g_rows is not None or g_w2 is not None
         a, b, c = a.to(acc), b.to(acc), None if c is None else c.to(acc)
-        chunk = chunk_function("dspark_chunk", _chunk, hidden.device)
+        chunk = (chunk_function("dspark_chunk", _chunk, hidden.device) if with_grad
+                 else chunk_function("dspark_chunk_values", _chunk_values, hidden.device))
         for (start, end), (first, stop) in zip(chunk_bounds(m, chunk_size), targets.spans):
             rows = hidden[start:end]
             if feature is not None:
