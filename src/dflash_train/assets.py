@@ -122,8 +122,7 @@ def is_builtin_target(spec: str) -> bool:
 
 def target_identity(spec: str, resolved: Path) -> str:
     """What names a target across machines and reinstalls, for settings that must match when work continues:
-    the embedded default's name, a GGUF file's own path (its conversion folder's name depends on the file's
-    modification time), else the resolved model folder."""
+    the embedded default's name, a GGUF file's own path, else the resolved model folder."""
     if is_builtin_target(str(spec)):
         return SMOLLM2_SPEC
     path = Path(str(spec)).expanduser()
@@ -191,17 +190,55 @@ def stop_token_ids(target_path: Path, tokenizer, model_config=None, override: Op
     return found
 
 
-def _cache_key(gguf: Path) -> str:
-    """Cheap identity of a GGUF file: resolved path, size, mtime and the recipe version."""
+_KEYS_FILE = "gguf-keys.json"  # in <cache>/targets: "path|size|mtime" -> content key, so a file is hashed once
+
+
+def _content_key(gguf: Path) -> str:
+    """What names a GGUF's conversion: a hash of the file's bytes and the conversion recipe's version. A reinstall
+    or another virtual environment puts the same file at another path with another modification time; keyed on
+    its content, it finds the conversion made before instead of writing another copy of the model."""
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return hashlib.sha256(f"{digest.hexdigest()}|{_CONVERT_FORMAT}".encode()).hexdigest()[:16]
+
+
+def _cache_key(gguf: Path, targets: Path) -> str:
+    """`_content_key(gguf)`, hashed once per file version: remembered in `targets/gguf-keys.json` under the file's
+    path, size and modification time (a lost concurrent update only means hashing again later)."""
     st = gguf.stat()
-    raw = f"{gguf}|{st.st_size}|{st.st_mtime_ns}|{_CONVERT_FORMAT}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+    stamp = f"{gguf}|{st.st_size}|{st.st_mtime_ns}"
+    index = targets / _KEYS_FILE
+    try:
+        known = json.loads(index.read_text(encoding="utf-8"))
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    key = known.get(stamp)
+    if isinstance(key, str) and len(key) == 16:
+        return key
+    key = _content_key(gguf)
+    known[stamp] = key
+    tmp: Optional[str] = None
+    try:
+        targets.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{_KEYS_FILE}.", dir=targets)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(known, f, indent=1)
+        follow_umask(Path(tmp))
+        os.replace(tmp, index)
+    except OSError:  # a cache this account cannot write (shared, read-only): the key holds, only the memo is lost
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+    return key
 
 
 def _cached_conversion(gguf: Path, cache_dir: Path | None) -> Path:
     """Return the converted folder for `gguf`, converting it first if needed."""
     targets = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser() / "targets"
-    final = targets / f"{gguf.stem}-{_cache_key(gguf)}"
+    final = targets / f"{gguf.stem}-{_cache_key(gguf, targets)}"
     if is_converted_target(final):
         return final
     targets.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -127,6 +129,31 @@ def test_second_resolve_reuses_cache(converted: dict) -> None:
     assert assets.resolve_target(str(assets.smollm2_gguf_path()), cache_dir=converted["cache"]) == path
     # A converted folder is itself a valid spec, returned as is.
     assert assets.resolve_target(str(path)) == path
+
+
+@pytest.mark.slow
+def test_the_same_gguf_at_another_path_and_time_finds_the_conversion_made_before(converted: dict,
+                                                                                  tmp_path: Path) -> None:
+    """A reinstall or another virtual environment puts the same GGUF elsewhere with another modification time: it
+    maps to the conversion made before (no second copy of the model in the cache); other bytes are another target."""
+    targets = converted["cache"] / "targets"
+    folders = sorted(p.name for p in targets.iterdir() if p.is_dir() and not p.name.startswith("."))
+    copy = tmp_path / "other-venv" / assets.smollm2_gguf_path().name
+    copy.parent.mkdir()
+    shutil.copyfile(assets.smollm2_gguf_path(), copy)
+    os.utime(copy, ns=(10**18, 10**18))
+    assert assets.resolve_target(str(copy), cache_dir=converted["cache"]) == converted["path"]
+    assert sorted(p.name for p in targets.iterdir() if p.is_dir() and not p.name.startswith(".")) == folders
+    st = copy.stat()
+    memo = json.loads((targets / "gguf-keys.json").read_text())
+    assert memo[f"{copy}|{st.st_size}|{st.st_mtime_ns}"] == converted["path"].name.rsplit("-", 1)[1]
+    with copy.open("r+b") as f:  # one bit of the last tensor's data flipped
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    os.utime(copy, ns=(2 * 10**18, 2 * 10**18))
+    assert assets._cache_key(copy, targets) != converted["path"].name.rsplit("-", 1)[1]
 
 
 @pytest.mark.slow
