@@ -451,6 +451,20 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
         top_lp, top = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
         return top_lp, self.target_ids(top)
 
+    def greedy_drafts_and_tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
+                                          k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`draft`'s greedy drafts and `tree_candidates(k)` of the same blocks, what replay needs of each chunk. Where
+        both methods are this class's own (every slot's distribution its own), from one product with the head, not
+        two: on a small target's large vocabulary that product is most of the drafter's work. An architecture that
+        overrides either gets the two calls."""
+        if type(self).draft is not Drafter.draft or type(self).tree_candidates is not Drafter.tree_candidates:
+            drafts = self.draft(hidden, lm_head, anchor_ids)[0]
+            return (drafts, *self.tree_candidates(hidden, lm_head, anchor_ids, k))
+        logits = self.logits(hidden, lm_head)[:, 1:].float()
+        drafts = self.target_ids(logits.argmax(-1))
+        top_lp, top = torch.log_softmax(logits, -1).topk(min(k, logits.shape[-1]), dim=-1)
+        return drafts, top_lp, self.target_ids(top)
+
 
 class Objective(Protocol):
     """An architecture's training objective on one micro-batch, graph kept for backward. `generator` draws

@@ -156,10 +156,14 @@ def proposals_from_context(drafter: Drafter, embed: Callable, lm_head: torch.nn.
             ids, _, conf = drafter.draft_with_confidence(hidden, lm_head, block[:, 0])
             drafts.append(ids)
             confidence.append(conf.float())
+            if top_k:
+                lp, tid = drafter.tree_candidates(hidden, lm_head, block[:, 0], top_k)
+        elif top_k:
+            ids, lp, tid = drafter.greedy_drafts_and_tree_candidates(hidden, lm_head, block[:, 0], top_k)
+            drafts.append(ids)  # [n, num_drafts]
         else:
-            drafts.append(drafter.draft(hidden, lm_head, block[:, 0])[0])  # [n, num_drafts]
+            drafts.append(drafter.draft(hidden, lm_head, block[:, 0])[0])
         if top_k:
-            lp, tid = drafter.tree_candidates(hidden, lm_head, block[:, 0], top_k)
             top_lp.append(lp)
             top_ids.append(tid)
     return Proposals(torch.cat(drafts), torch.cat(top_lp) if top_k else None, torch.cat(top_ids) if top_k else None,

@@ -379,3 +379,35 @@ def test_confidence_truncation_accepts_no_more_and_verifies_between_the_anchor_a
     headless = replay_turn(target, _dspark(target, bs, confidence=False), turn, max_new, (), STOPS,
                            confidence_thresholds=(0.5,))
     assert set(headless.modes) == {"block"} and headless.verified == {}
+
+
+def test_replays_drafts_and_tree_candidates_come_from_one_head_product_and_equal_the_two_calls(target):
+    """A DFlash drafter gives replay's greedy drafts and DDTree candidates from one product with the head (the
+    largest part of its work on a small target), equal to `draft` and `tree_candidates` called apart; a DFlash2
+    drafter, whose methods are its own, gets exactly those two calls."""
+    from dflash_train.algorithms.dflash2.config import make_dflash2_config
+    from dflash_train.algorithms.dflash2.model import DFlash2Drafter
+
+    head = target.lm_head
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(6, 5, target.config.hidden_size, generator=g, dtype=torch.float64)
+    anchors = torch.randint(3, 400, (6,), generator=g)
+    torch.manual_seed(0)
+    dflash2 = DFlash2Drafter(make_dflash2_config(target.config, num_draft_layers=1, block_size=5, target_layer_ids=[1, 4],
+                                                 mask_token_id=16, conv_kernel_size=2, conv_group_size=16,
+                                                 selector_rank=8, selector_top_k=4)).double()
+    with torch.no_grad():
+        dflash2.candidate_selector.successor_codebook.normal_(0.0, 0.1)
+    for drafter, products in ((_drafter(target, 5), 1), (dflash2, None)):
+        calls = []
+        hook = head.register_forward_hook(lambda *_: calls.append(1))
+        try:
+            with torch.no_grad():
+                drafts, top_lp, top_ids = drafter.greedy_drafts_and_tree_candidates(hidden, head, anchors, 8)
+                if products is not None:
+                    assert len(calls) == products
+                apart_lp, apart_ids = drafter.tree_candidates(hidden, head, anchors, 8)
+                assert torch.equal(drafts, drafter.draft(hidden, head, anchors)[0])
+        finally:
+            hook.remove()
+        assert torch.equal(top_ids, apart_ids) and torch.equal(top_lp, apart_lp)
