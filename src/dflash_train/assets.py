@@ -219,6 +219,7 @@ def _cache_key(gguf: Path, targets: Path) -> str:
     key = known.get(stamp)
     if isinstance(key, str) and len(key) == 16:
         return key
+    logger.info("Hashing %s (%.2f GB) to find its conversion (once per file version)", gguf, st.st_size / 1e9)
     key = _content_key(gguf)
     known[stamp] = key
     tmp: Optional[str] = None
