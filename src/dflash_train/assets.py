@@ -8,6 +8,7 @@ some import heavy or unavailable dependencies).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import importlib.util
@@ -18,6 +19,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -254,6 +256,43 @@ def _cached_conversion(gguf: Path, cache_dir: Path | None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+@dataclass(frozen=True)
+class CachedConversion:
+    """A converted target in the cache: its folder, its size, and whether a GGUF this cache knows of (one resolved
+    before, still unchanged where it was) maps to it."""
+
+    path: Path
+    size_bytes: int
+    reached: bool
+
+
+def cached_conversions(cache_dir: Path | None = None) -> list[CachedConversion]:
+    """The converted targets under `<cache_dir>/targets`. A folder no known GGUF reaches came from a file that has
+    since moved, changed or gone, or was named before conversions were named by content; nothing here deletes it."""
+    targets = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser() / "targets"
+    if not targets.is_dir():
+        return []
+    try:
+        known = json.loads((targets / _KEYS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    live = set()
+    for stamp, key in (known.items() if isinstance(known, dict) else ()):
+        path, _, rest = stamp.rpartition("|")
+        path, _, size = path.rpartition("|")
+        with contextlib.suppress(OSError, ValueError):
+            st = Path(path).stat()
+            if (st.st_size, st.st_mtime_ns) == (int(size), int(rest)):
+                live.add(f"{Path(path).stem}-{key}")
+    found = []
+    for folder in sorted(targets.iterdir()):
+        if folder.name.startswith(".") or not is_converted_target(folder):
+            continue
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        found.append(CachedConversion(folder, size, folder.name in live))
+    return found
 
 
 def _publish(tmp: Path, final: Path) -> None:

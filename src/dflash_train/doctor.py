@@ -111,6 +111,25 @@ def cache_check() -> Check:
     return Check("compile cache", True, f"{path} writable, {held}")
 
 
+def target_cache_check() -> Check:
+    """The converted targets in the cache, and those no GGUF known to it reaches any more (not removed here)."""
+    from .assets import cached_conversions, default_cache_dir
+
+    folders = cached_conversions()
+    where = default_cache_dir() / "targets"
+    if not folders:
+        return Check("target cache", True, f"{where}: no converted target yet", fatal=False)
+    total = sum(f.size_bytes for f in folders) / 1e9
+    stale = [f for f in folders if not f.reached]
+    detail = f"{where}: {len(folders)} converted target(s), {total:.1f} GB"
+    if stale:
+        gb = sum(f.size_bytes for f in stale) / 1e9
+        detail += (f"; {len(stale)} ({gb:.1f} GB) reached by no GGUF this cache knows of (moved, changed or gone, or "
+                   f"converted before conversions were named by content), removable if no run needs them: "
+                   + ", ".join(f.path.name for f in stale))
+    return Check("target cache", True, detail, fatal=False)
+
+
 def compile_workers_check() -> Check:
     """How many inductor compile workers a rank starts here (as `train` sizes them)."""
     from .accel.compile import compile_workers_per_rank, usable_cores
@@ -122,7 +141,7 @@ def compile_workers_check() -> Check:
 
 
 def run_doctor() -> tuple[list[Check], str]:
-    checks = versions() + devices() + [cache_check(), compile_workers_check(), flex_smoke_test()]
+    checks = versions() + devices() + [cache_check(), target_cache_check(), compile_workers_check(), flex_smoke_test()]
     failed = [c for c in checks if c.fatal and not c.ok]
     if failed:
         verdict = "NOT READY: " + "; ".join(f"{c.name}: {c.detail}" for c in failed)

@@ -255,3 +255,27 @@ def test_humaneval() -> None:
     assert len(items) == 164
     assert items[0]["id"] == "HumanEval/0"
     assert all(len(p["turns"]) == 1 and "def " in p["turns"][0] for p in items)
+
+
+@pytest.mark.slow
+def test_doctor_names_conversions_no_known_gguf_reaches_and_removes_nothing(converted: dict, monkeypatch) -> None:
+    from dflash_train.doctor import target_cache_check
+
+    targets = converted["cache"] / "targets"
+    orphan = targets / "Old-Model.Q8_0-0123456789abcdef"  # e.g. converted from a GGUF since deleted
+    orphan.mkdir()
+    (orphan / "config.json").write_text("{}")
+    (orphan / assets.TARGET_META).write_text(json.dumps({"source": "/gone/Old-Model.Q8_0.gguf"}))
+    (orphan / "model.safetensors").write_bytes(b"\0" * 5000)
+    try:
+        found = {c.path.name: c for c in assets.cached_conversions(converted["cache"])}
+        assert found[converted["path"].name].reached and not found[orphan.name].reached
+        assert found[orphan.name].size_bytes > 5000
+        monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(converted["cache"]))
+        check = target_cache_check()
+        assert check.ok and not check.fatal
+        assert "2 converted target(s)" in check.detail and "1 (0.0 GB) reached by no GGUF" in check.detail
+        assert orphan.name in check.detail and converted["path"].name not in check.detail
+        assert orphan.is_dir() and converted["path"].is_dir()
+    finally:
+        shutil.rmtree(orphan)

@@ -393,9 +393,9 @@ def test_replays_drafts_and_tree_candidates_come_from_one_head_product_and_equal
     hidden = torch.randn(6, 5, target.config.hidden_size, generator=g, dtype=torch.float64)
     anchors = torch.randint(3, 400, (6,), generator=g)
     torch.manual_seed(0)
-    dflash2 = DFlash2Drafter(make_dflash2_config(target.config, num_draft_layers=1, block_size=5, target_layer_ids=[1, 4],
-                                                 mask_token_id=16, conv_kernel_size=2, conv_group_size=16,
-                                                 selector_rank=8, selector_top_k=4)).double()
+    cfg = make_dflash2_config(target.config, num_draft_layers=1, block_size=5, target_layer_ids=[1, 4],
+                              mask_token_id=16, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    dflash2 = DFlash2Drafter(cfg).double()
     with torch.no_grad():
         dflash2.candidate_selector.successor_codebook.normal_(0.0, 0.1)
     for drafter, products in ((_drafter(target, 5), 1), (dflash2, None)):
