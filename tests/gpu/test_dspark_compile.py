@@ -39,3 +39,19 @@ def test_a_compiled_dspark_run_never_recompiles_after_its_warm_up(tmp_path, tiny
     dec = SpeculativeDecoder(target, drafter, stop_token_ids=[])
     prompt = list(range(100, 140))
     assert dec.generate_block(prompt, 32).tokens == dec.generate_target_only(prompt, 32).tokens
+
+
+def test_a_compiled_dpard_run_compiles_its_two_loss_chunks_without_a_recompile(tmp_path, tiny_target_dir,
+                                                                                 counting_jsonl):
+    """D-PARD's step runs the loss chunk without gradients (its slot weights), then with them: two compiled functions,
+    so the warm-up logs no recompile of either, and nothing compiles after it."""
+    from dflash_train.cli import main
+
+    cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, eval_every=5)
+    assert main(["train", str(cfg), "drafter.architecture=dspark", "dspark.loss=dpard", "dspark.markov_rank=16",
+                 "drafter.compile=true", "target.compile=true", "data.token_budget=600",
+                 "--run-dir", str(tmp_path / "R"), "--max-steps", "15"]) == 0
+    steps = _steps_of_a_run_compiled_in_its_warm_up_only(tmp_path / "R")
+    assert all(r["loss"] == r["loss"] for r in steps)
+    log = (tmp_path / "R" / "train.log").read_text()
+    assert [line for line in log.splitlines() if "recompiled" in line and "_chunk" in line] == []
