@@ -14,7 +14,7 @@ from transformers import Qwen3Config
 
 from ..dflash.model import DFlashDecoderLayer, DFlashDrafter, RopeTables
 from .conv import BlockConv
-from .selector import CandidateSelector
+from .selector import CandidateSelector, Codebooks
 
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
@@ -97,17 +97,20 @@ class DFlash2Drafter(DFlashDrafter):
         if hasattr(self, "candidate_selector"):  # DFlashDrafter's constructor calls this before the selector exists
             self.candidate_selector.reset_parameters(self.config.initializer_range)
 
-    def _candidates(self, hidden: torch.Tensor, lm_head: nn.Module):
-        """(unary scores, candidate ids), `[n, bs-1, k]` each, of slots 1.. of blocks `[n, bs, H]`."""
-        logits = self.logits(hidden, lm_head)[:, 1:].float()
-        return logits.topk(min(self.selector_top_k, logits.shape[-1]), dim=-1)
+    def _slot_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Unary scores `[n, bs-1, V]` (float32) of slots 1.. of blocks `[n, bs, H]`."""
+        return self.logits(hidden, lm_head)[:, 1:].float()
 
     def draft(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor, temperature: float = 0.0,
               generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The selector's path (see `Drafter.draft`); when sampling, q is the candidate distribution each draft was
         drawn from, scattered over the vocabulary (zero outside the k candidates)."""
-        unary, cand = self._candidates(hidden, lm_head)
         codebooks = self.candidate_selector.decode_codebooks(lm_head.weight)
+        return self._path(self._slot_logits(hidden, lm_head), codebooks, hidden, anchor_ids, temperature, generator)
+
+    def _path(self, logits: torch.Tensor, codebooks: Codebooks, hidden: torch.Tensor, anchor_ids: torch.Tensor,
+              temperature: float = 0.0, generator: Optional[torch.Generator] = None):
+        unary, cand = logits.topk(min(self.selector_top_k, logits.shape[-1]), dim=-1)
         tokens, _, dists = self.candidate_selector.walk(unary, cand, hidden[:, 1:], anchor_ids, temperature, generator,
                                                         codebooks)
         if dists is None:
@@ -123,14 +126,26 @@ class DFlash2Drafter(DFlashDrafter):
         redistributed by softmax(S) given the predecessor; the others keep their unary probability. So each branch
         is scored with its own predecessor, the tree's first branch is the selector's greedy path, and with the
         identity selector (S = U) the tree is DFlash's."""
-        logits = self.logits(hidden, lm_head)[:, 1:].float()
+        codebooks = self.candidate_selector.decode_codebooks(lm_head.weight)
+        return self._tree(self._slot_logits(hidden, lm_head), codebooks, hidden, anchor_ids, k)
+
+    def greedy_drafts_and_tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
+                                          k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`draft`'s greedy path and `tree_candidates(k)` from one product with the head (and one decoding of the
+        selector's codebooks)."""
+        logits = self._slot_logits(hidden, lm_head)
+        codebooks = self.candidate_selector.decode_codebooks(lm_head.weight)
+        drafts = self._path(logits, codebooks, hidden, anchor_ids)[0]
+        return (drafts, *self._tree(logits, codebooks, hidden, anchor_ids, k))
+
+    def _tree(self, logits: torch.Tensor, codebooks: Codebooks, hidden: torch.Tensor, anchor_ids: torch.Tensor,
+              k: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = max(min(k, logits.shape[-1]), self.selector_top_k)
         top_lp, cand = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [n, T, k]
         c = self.selector_top_k
         unary = logits.gather(-1, cand[..., :c])  # [n, T, c]: the selector's candidates' unary scores U
         n, steps, _ = cand.shape
         previous = torch.cat([anchor_ids.view(-1, 1, 1).expand(n, 1, k), cand[:, :-1]], 1)  # [n, T, k parents]
-        codebooks = self.candidate_selector.decode_codebooks(lm_head.weight)
         scores = self.candidate_selector.scores_given_each(unary, hidden[:, 1:], previous, cand[..., :c],
                                                            codebooks)  # [n, T, k, c]
         mass = top_lp[..., :c].logsumexp(-1, keepdim=True).unsqueeze(-1)  # [n, T, 1, 1]
