@@ -206,22 +206,29 @@ def _content_key(gguf: Path) -> str:
     return hashlib.sha256(f"{digest.hexdigest()}|{_CONVERT_FORMAT}".encode()).hexdigest()[:16]
 
 
-def _cache_key(gguf: Path, targets: Path) -> str:
-    """`_content_key(gguf)`, hashed once per file version: remembered in `targets/gguf-keys.json` under the file's
-    path, size and modification time (a lost concurrent update only means hashing again later)."""
-    st = gguf.stat()
-    stamp = f"{gguf}|{st.st_size}|{st.st_mtime_ns}"
-    index = targets / _KEYS_FILE
+def _stamp(path: Path) -> str:
+    """One version of a file: its path, size and modification time (raises OSError where it is gone)."""
+    st = path.stat()
+    return f"{path}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _known_keys(targets: Path) -> dict[str, str]:
+    """The memo of `targets/gguf-keys.json`: `_stamp` -> content key; empty where missing or unreadable."""
     try:
-        known = json.loads(index.read_text(encoding="utf-8"))
-        if not isinstance(known, dict):
-            known = {}
+        known = json.loads((targets / _KEYS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        known = {}
-    key = known.get(stamp)
-    if isinstance(key, str) and len(key) == 16:
-        return key
-    logger.info("Hashing %s (%.2f GB) to find its conversion (once per file version)", gguf, st.st_size / 1e9)
+        return {}
+    return {k: v for k, v in known.items() if isinstance(v, str) and len(v) == 16} if isinstance(known, dict) else {}
+
+
+def _cache_key(gguf: Path, targets: Path) -> str:
+    """`_content_key(gguf)`, hashed once per file version: remembered in `targets/gguf-keys.json` under its `_stamp`
+    (a lost concurrent update only means hashing again later)."""
+    stamp = _stamp(gguf)
+    known = _known_keys(targets)
+    if stamp in known:
+        return known[stamp]
+    logger.info("Hashing %s (%.2f GB) to find its conversion (once per file version)", gguf, gguf.stat().st_size / 1e9)
     key = _content_key(gguf)
     known[stamp] = key
     tmp: Optional[str] = None
@@ -231,7 +238,7 @@ def _cache_key(gguf: Path, targets: Path) -> str:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(known, f, indent=1)
         follow_umask(Path(tmp))
-        os.replace(tmp, index)
+        os.replace(tmp, targets / _KEYS_FILE)
     except OSError:  # a cache this account cannot write (shared, read-only): the key holds, only the memo is lost
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
@@ -274,18 +281,12 @@ def cached_conversions(cache_dir: Path | None = None) -> list[CachedConversion]:
     targets = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser() / "targets"
     if not targets.is_dir():
         return []
-    try:
-        known = json.loads((targets / _KEYS_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        known = {}
     live = set()
-    for stamp, key in (known.items() if isinstance(known, dict) else ()):
-        path, _, rest = stamp.rpartition("|")
-        path, _, size = path.rpartition("|")
-        with contextlib.suppress(OSError, ValueError):
-            st = Path(path).stat()
-            if (st.st_size, st.st_mtime_ns) == (int(size), int(rest)):
-                live.add(f"{Path(path).stem}-{key}")
+    for stamp, key in _known_keys(targets).items():
+        path = Path(stamp.rsplit("|", 2)[0])
+        with contextlib.suppress(OSError):
+            if _stamp(path) == stamp:  # the file is still there, unchanged
+                live.add(f"{path.stem}-{key}")
     found = []
     for folder in sorted(targets.iterdir()):
         if folder.name.startswith(".") or not is_converted_target(folder):

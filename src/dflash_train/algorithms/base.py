@@ -447,8 +447,11 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
         `[n, D, k]` when each slot's distribution is its own (here, slots 1..: its `k` best, best first), or
         `[n, D, k, k]` when it depends on the token before (row p: given candidate p of the depth before; depth
         0's rows given the anchor; an architecture with a pairwise model overrides this)."""
-        log_probs = torch.log_softmax(self.logits(hidden, lm_head)[:, 1:].float(), -1)
-        top_lp, top = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+        return self._top_candidates(self.logits(hidden, lm_head)[:, 1:].float(), k)
+
+    def _top_candidates(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's `k` best tokens (target ids) and their log-probabilities, from its own scores `[n, D, V]`."""
+        top_lp, top = torch.log_softmax(logits, -1).topk(min(k, logits.shape[-1]), dim=-1)
         return top_lp, self.target_ids(top)
 
     def greedy_drafts_and_tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
@@ -461,9 +464,7 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
             drafts = self.draft(hidden, lm_head, anchor_ids)[0]
             return (drafts, *self.tree_candidates(hidden, lm_head, anchor_ids, k))
         logits = self.logits(hidden, lm_head)[:, 1:].float()
-        drafts = self.target_ids(logits.argmax(-1))
-        top_lp, top = torch.log_softmax(logits, -1).topk(min(k, logits.shape[-1]), dim=-1)
-        return drafts, top_lp, self.target_ids(top)
+        return (self.target_ids(logits.argmax(-1)), *self._top_candidates(logits, k))
 
 
 class Objective(Protocol):
