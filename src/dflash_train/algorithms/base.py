@@ -12,7 +12,7 @@ import abc
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -252,6 +252,17 @@ def layer_kinds(config: Any) -> list[AttentionKind]:
     return kinds
 
 
+class BlockProposals(NamedTuple):
+    """A drafter's greedy proposals for `n` blocks (`Drafter.greedy_proposals`): drafts `[n, D]`, the DDTree
+    candidates' log-probabilities (`[n, D, k]` or `[n, D, k, k]`) and target ids `[n, D, k]` when asked for, and
+    each draft's predicted acceptance `[n, D]` from a drafter with a confidence head."""
+
+    drafts: torch.Tensor
+    top_lp: Optional[torch.Tensor] = None
+    top_ids: Optional[torch.Tensor] = None
+    confidence: Optional[torch.Tensor] = None
+
+
 class Drafter(nn.Module, metaclass=abc.ABCMeta):
     """The attributes generic code reads off any architecture's drafter (set by its constructor):
     `config` (the exported config), `block_size`, `mask_token_id`, `target_layer_ids`, `layers` (for a KV
@@ -454,17 +465,24 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
         top_lp, top = torch.log_softmax(logits, -1).topk(min(k, logits.shape[-1]), dim=-1)
         return top_lp, self.target_ids(top)
 
-    def greedy_drafts_and_tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
-                                          k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`draft`'s greedy drafts and `tree_candidates(k)` of the same blocks, what replay needs of each chunk. Where
-        both methods are this class's own (every slot's distribution its own), from one product with the head, not
-        two: on a small target's large vocabulary that product is most of the drafter's work. An architecture that
-        overrides either gets the two calls."""
-        if type(self).draft is not Drafter.draft or type(self).tree_candidates is not Drafter.tree_candidates:
-            drafts = self.draft(hidden, lm_head, anchor_ids)[0]
-            return (drafts, *self.tree_candidates(hidden, lm_head, anchor_ids, k))
+    def greedy_proposals(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
+                         k: int = 0) -> BlockProposals:
+        """What replay needs of a chunk of blocks: `draft`'s greedy drafts, with `k > 0` `tree_candidates(k)`, and
+        where `has_confidence` `draft_with_confidence`'s predictions. Where `draft` and `tree_candidates` are this
+        class's own (every slot's distribution its own), from one product with the head, not two: on a small
+        target's large vocabulary that product is most of the drafter's work. An architecture that overrides
+        either gets the separate calls unless it overrides this too."""
+        if (type(self).draft is not Drafter.draft or type(self).tree_candidates is not Drafter.tree_candidates
+                or self.has_confidence):
+            if self.has_confidence:
+                drafts, _, confidence = self.draft_with_confidence(hidden, lm_head, anchor_ids)
+            else:
+                drafts, confidence = self.draft(hidden, lm_head, anchor_ids)[0], None
+            top_lp, top_ids = self.tree_candidates(hidden, lm_head, anchor_ids, k) if k else (None, None)
+            return BlockProposals(drafts, top_lp, top_ids, confidence)
         logits = self.logits(hidden, lm_head)[:, 1:].float()
-        return (self.target_ids(logits.argmax(-1)), *self._top_candidates(logits, k))
+        top_lp, top_ids = self._top_candidates(logits, k) if k else (None, None)
+        return BlockProposals(self.target_ids(logits.argmax(-1)), top_lp, top_ids)
 
 
 class Objective(Protocol):

@@ -101,7 +101,8 @@ class Proposals:
     """What the drafter would propose at every anchor `prompt_len + j`, j < `num_anchors`: greedy drafts
     `[N, D]` (D = `num_drafts()`), the tree candidates per drafted slot (`Drafter.tree_candidates`: ids
     `[N, D, k]`, log-probabilities `[N, D, k]` or, given the previous slot's candidate, `[N, D, k, k]`) and, for
-    a drafter with a confidence head, each draft's predicted acceptance `[N, D]` (`draft_with_confidence`)."""
+    a drafter with a confidence head, each draft's predicted acceptance `[N, D]` (`Drafter.greedy_proposals` of
+    each chunk of anchors)."""
 
     drafts: torch.Tensor
     top_lp: Optional[torch.Tensor]
@@ -152,20 +153,13 @@ def proposals_from_context(drafter: Drafter, embed: Callable, lm_head: torch.nn.
         out = drafter(context, drafter.embed_block(embed, block.view(1, -1)).to(dtype), position_ids, sdpa_attention,
                       masks)
         hidden = out[0].view(n, bs, -1)
-        if drafter.has_confidence:
-            ids, _, conf = drafter.draft_with_confidence(hidden, lm_head, block[:, 0])
-            drafts.append(ids)
-            confidence.append(conf.float())
-            if top_k:
-                lp, tid = drafter.tree_candidates(hidden, lm_head, block[:, 0], top_k)
-        elif top_k:
-            ids, lp, tid = drafter.greedy_drafts_and_tree_candidates(hidden, lm_head, block[:, 0], top_k)
-            drafts.append(ids)  # [n, num_drafts]
-        else:
-            drafts.append(drafter.draft(hidden, lm_head, block[:, 0])[0])
+        chunk = drafter.greedy_proposals(hidden, lm_head, block[:, 0], top_k)
+        drafts.append(chunk.drafts)  # [n, num_drafts]
+        if chunk.confidence is not None:
+            confidence.append(chunk.confidence.float())
         if top_k:
-            top_lp.append(lp)
-            top_ids.append(tid)
+            top_lp.append(chunk.top_lp)
+            top_ids.append(chunk.top_ids)
     return Proposals(torch.cat(drafts), torch.cat(top_lp) if top_k else None, torch.cat(top_ids) if top_k else None,
                      torch.cat(confidence) if confidence else None)
 

@@ -326,6 +326,48 @@ def test_greedy_decoding_through_the_correction_is_lossless_and_the_tree_is_refu
         dec.generate_tree(prompt, 8, 6)
 
 
+@pytest.mark.parametrize("prefix,transform", [(0, {}), (1, {}), (3, {"output_multiplier": 1.7,
+                                                                      "final_logit_softcapping": 30.0})])
+def test_greedy_drafts_take_one_head_product_and_equal_the_slot_by_slot_formula(target, prefix, transform):
+    """`draft` scores every slot with one product with the head, then corrects slot by slot: each slot's argmax
+    equals the formula computed slot by slot in float64 (head, plus the bottleneck of [z ; GRU state] from
+    `pure_draft_prefix_len` on, then the score transform), the GRU reading the drafts before it."""
+    import copy
+
+    from dflash_train.algorithms.base import transform_logits
+
+    d = domino(target, block_size=5, prefix=prefix, perturb=0.5, **transform).double()
+    head = copy.deepcopy(target.lm_head).double()
+    embed = copy.deepcopy(target.get_input_embeddings()).double()
+    g = torch.Generator().manual_seed(5)
+    n, h = 4, target.config.hidden_size
+    hidden = torch.randn(n, 5, h, generator=g, dtype=torch.float64)
+    anchors = torch.randint(3, 400, (n,), generator=g)
+    d.embed_block(embed, torch.cat([anchors.view(-1, 1), torch.full((n, 4), 16)], 1))
+    calls = []
+    hook = head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with torch.no_grad():
+            drafts, q = d.draft(hidden, head, anchors)
+    finally:
+        hook.remove()
+    assert len(calls) == 1 and q is None and drafts.shape == (n, 4)
+    corrected_any = False
+    with torch.no_grad():
+        state = d.step_state(embed(anchors), None)
+        for i in range(4):
+            z = hidden[:, i]
+            raw = head(z)
+            if i >= prefix:
+                corrected = raw + d.embed_proj(torch.cat([z, state], -1))
+                corrected_any |= bool((corrected.argmax(-1) != raw.argmax(-1)).any())
+                raw = corrected
+            expected = transform_logits(raw, d.output_multiplier, d.final_logit_softcapping).argmax(-1)
+            assert torch.equal(drafts[:, i], expected), i
+            state = d.step_state(embed(expected), state)
+    assert corrected_any or prefix >= 3
+
+
 # ---------------------------------------------------------------------------------------------------- export
 
 # The served layout's tensors (SGLang's DFLASH reader with projector_type domino): DFlash's, then the correction's.

@@ -381,31 +381,49 @@ def test_confidence_truncation_accepts_no_more_and_verifies_between_the_anchor_a
     assert set(headless.modes) == {"block"} and headless.verified == {}
 
 
-def test_replays_drafts_and_tree_candidates_come_from_one_head_product_and_equal_the_two_calls(target):
-    """DFlash and DFlash2 drafters give replay's greedy drafts and DDTree candidates from one product with the head
-    (the largest part of their work on a small target), equal to `draft` and `tree_candidates` called apart."""
+def _dflash2(target, block_size: int):
     from dflash_train.algorithms.dflash2.config import make_dflash2_config
     from dflash_train.algorithms.dflash2.model import DFlash2Drafter
 
+    torch.manual_seed(0)
+    cfg = make_dflash2_config(target.config, num_draft_layers=1, block_size=block_size, target_layer_ids=[1, 4],
+                              mask_token_id=16, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    drafter = DFlash2Drafter(cfg).double()
+    with torch.no_grad():
+        drafter.candidate_selector.successor_codebook.normal_(0.0, 0.1)
+    return drafter
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark", "dspark-no-confidence", "dspark-no-markov"])
+def test_replays_proposals_come_from_one_head_product_and_equal_the_separate_calls(target, kind):
+    """Every drafter that supports DDTree gives replay's greedy drafts, DDTree candidates and confidence from one
+    product with the head (the largest part of its work on a small target), equal to `draft`, `tree_candidates`
+    and `draft_with_confidence` called apart; without candidates asked for, none come back."""
     head = target.lm_head
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(6, 5, target.config.hidden_size, generator=g, dtype=torch.float64)
     anchors = torch.randint(3, 400, (6,), generator=g)
-    torch.manual_seed(0)
-    cfg = make_dflash2_config(target.config, num_draft_layers=1, block_size=5, target_layer_ids=[1, 4],
-                              mask_token_id=16, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
-    dflash2 = DFlash2Drafter(cfg).double()
-    with torch.no_grad():
-        dflash2.candidate_selector.successor_codebook.normal_(0.0, 0.1)
-    for drafter in (_drafter(target, 5), dflash2):
-        calls = []
-        hook = head.register_forward_hook(lambda *_: calls.append(1))
-        try:
-            with torch.no_grad():
-                drafts, top_lp, top_ids = drafter.greedy_drafts_and_tree_candidates(hidden, head, anchors, 8)
-                assert len(calls) == 1
-                apart_lp, apart_ids = drafter.tree_candidates(hidden, head, anchors, 8)
-                assert torch.equal(drafts, drafter.draft(hidden, head, anchors)[0])
-        finally:
-            hook.remove()
-        assert torch.equal(top_ids, apart_ids) and torch.equal(top_lp, apart_lp)
+    drafter = {"dflash": lambda: _drafter(target, 5), "dflash2": lambda: _dflash2(target, 5),
+               "dspark": lambda: _dspark(target, 5),
+               "dspark-no-confidence": lambda: _dspark(target, 5, confidence=False),
+               "dspark-no-markov": lambda: _dspark(target, 5, confidence=False, markov_rank=0)}[kind]()
+    calls = []
+    hook = head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with torch.no_grad():
+            together = drafter.greedy_proposals(hidden, head, anchors, 8)
+            assert len(calls) == 1
+            block_only = drafter.greedy_proposals(hidden, head, anchors)
+            apart_lp, apart_ids = drafter.tree_candidates(hidden, head, anchors, 8)
+            apart_drafts = drafter.draft(hidden, head, anchors)[0]
+            apart_conf = drafter.draft_with_confidence(hidden, head, anchors)[2] if drafter.has_confidence else None
+    finally:
+        hook.remove()
+    assert together.drafts.shape == (6, drafter.num_drafts())
+    assert torch.equal(together.drafts, apart_drafts) and torch.equal(block_only.drafts, apart_drafts)
+    assert torch.equal(together.top_ids, apart_ids) and torch.equal(together.top_lp, apart_lp)
+    assert block_only.top_lp is None and block_only.top_ids is None
+    if apart_conf is None:
+        assert together.confidence is None and kind != "dspark"
+    else:
+        assert torch.equal(together.confidence, apart_conf) and torch.equal(block_only.confidence, apart_conf)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
+from ..base import BlockProposals
 from ..dflash.model import DFlashDecoderLayer, DFlashDrafter, RopeTables
 from .conv import BlockConv
 from .selector import CandidateSelector, Codebooks
@@ -129,14 +130,16 @@ class DFlash2Drafter(DFlashDrafter):
         codebooks = self.candidate_selector.decode_codebooks(lm_head.weight)
         return self._tree(self._slot_logits(hidden, lm_head), codebooks, hidden, anchor_ids, k)
 
-    def greedy_drafts_and_tree_candidates(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
-                                          k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`draft`'s greedy path and `tree_candidates(k)` from one product with the head (and one decoding of the
-        selector's codebooks)."""
+    def greedy_proposals(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
+                         k: int = 0) -> BlockProposals:
+        """`draft`'s greedy path and, with `k > 0`, `tree_candidates(k)` from one product with the head (and one
+        decoding of the selector's codebooks)."""
         logits = self._slot_logits(hidden, lm_head)
         codebooks = self.candidate_selector.decode_codebooks(lm_head.weight)
         drafts = self._path(logits, codebooks, hidden, anchor_ids)[0]
-        return (drafts, *self._tree(logits, codebooks, hidden, anchor_ids, k))
+        if not k:
+            return BlockProposals(drafts)
+        return BlockProposals(drafts, *self._tree(logits, codebooks, hidden, anchor_ids, k))
 
     def _tree(self, logits: torch.Tensor, codebooks: Codebooks, hidden: torch.Tensor, anchor_ids: torch.Tensor,
               k: int) -> tuple[torch.Tensor, torch.Tensor]:

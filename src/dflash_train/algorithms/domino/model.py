@@ -73,12 +73,12 @@ class DominoDrafter(DFlashDrafter):
         x = torch.cat([hidden, state.to(hidden.dtype)], dim=-1)
         return self.embed_proj[1](first(x.to(first.weight.dtype)))
 
-    def corrected_logits(self, hidden: torch.Tensor, state: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def corrected_logits(self, head_scores: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Scores (float32) of final hidden states `[..., H]` with the correction from GRU states `[..., G]`: the
-        head's output plus the correction, then the drafter's score transform (multiplier, softcap)."""
-        raw = lm_head(hidden.to(lm_head.weight.dtype)).float()
+        head's output `head_scores` (float32, before the score transform) plus the correction, then the drafter's
+        score transform (multiplier, softcap)."""
         delta = self.embed_proj[2](self.correction_features(hidden, state)).float()
-        return transform_logits(raw + delta, self.output_multiplier, self.final_logit_softcapping)
+        return transform_logits(head_scores + delta, self.output_multiplier, self.final_logit_softcapping)
 
     def draft(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor, temperature: float = 0.0,
               generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -91,11 +91,14 @@ class DominoDrafter(DFlashDrafter):
             raise RuntimeError("DominoDrafter.draft needs the target's embedding: call embed_block first")
         steps = hidden.shape[1] - 1
         z = hidden[:, :steps]
-        base = self.logits(z, lm_head)  # [n, steps, V]
+        head_scores = lm_head(z.to(lm_head.weight.dtype)).float()  # [n, steps, V]: the one product with the head
         state = self.step_state(embed(anchor_ids), None)
         tokens, dists = [], []
         for i in range(steps):
-            logits = base[:, i] if i < self.pure_draft_prefix_len else self.corrected_logits(z[:, i], state, lm_head)
+            if i < self.pure_draft_prefix_len:
+                logits = transform_logits(head_scores[:, i], self.output_multiplier, self.final_logit_softcapping)
+            else:
+                logits = self.corrected_logits(head_scores[:, i], z[:, i], state)
             if temperature <= 0:
                 token = logits.argmax(-1)
             else:

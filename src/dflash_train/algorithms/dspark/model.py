@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
+from ..base import BlockProposals
 from ..dflash.model import DFlashDrafter
 
 
@@ -113,12 +114,14 @@ class DSparkDrafter(DFlashDrafter):
     def confidence(self, h: torch.Tensor, e: Optional[torch.Tensor]) -> torch.Tensor:
         return self.confidence_head(h, e if self.confidence_with_markov else None)
 
-    def sequential_logits(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
-                          choose) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """Decode the block slot by slot: slot k's logits are its base logits plus the Markov bias of the token
-        chosen at slot k - 1 (the anchor for k = 0); `choose(logits [n, V]) -> ids [n]`. Returns (ids `[n, bs]`,
-        corrected logits `[n, bs, V]`, confidence logits `[n, bs]` or None)."""
-        base = self.logits(hidden, lm_head)
+    def sequential_logits(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor, choose,
+                          base: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Decode the block slot by slot: slot k's logits are its base logits (`base`, else computed here) plus the
+        Markov bias of the token chosen at slot k - 1 (the anchor for k = 0); `choose(logits [n, V]) -> ids [n]`.
+        Returns (ids `[n, bs]`, corrected logits `[n, bs, V]`, confidence logits `[n, bs]` or None)."""
+        if base is None:
+            base = self.logits(hidden, lm_head)
         prev, state, ids, logits, conf = anchor_ids, None, [], [], []
         for k in range(hidden.shape[1]):
             h = hidden[:, k]
@@ -184,7 +187,21 @@ class DSparkDrafter(DFlashDrafter):
         Markov head each slot is independent (`[n, bs, k]`). Rows of blocks in chunks of at most `max_elements`
         scores at once."""
         self.check_tree_decoding()
+        return self._tree(self.logits(hidden, lm_head), hidden, anchor_ids, k, max_elements)
+
+    def greedy_proposals(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
+                         k: int = 0) -> BlockProposals:
+        """Greedy drafts, with `k > 0` `tree_candidates(k)`, and the confidence head's predictions (where it has
+        one), from one product with the head."""
+        if k:
+            self.check_tree_decoding()
         base = self.logits(hidden, lm_head)  # [n, bs, V]
+        ids, _, conf = self.sequential_logits(hidden, lm_head, anchor_ids, lambda z: z.argmax(-1), base)
+        top_lp, top_ids = self._tree(base, hidden, anchor_ids, k) if k else (None, None)
+        return BlockProposals(ids, top_lp, top_ids, None if conf is None else torch.sigmoid(conf))
+
+    def _tree(self, base: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor, k: int,
+              max_elements: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor]:
         n, depth, vocab = base.shape
         k = min(k, vocab)
         if not self.markov_rank:
