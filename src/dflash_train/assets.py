@@ -296,6 +296,27 @@ def cached_conversions(cache_dir: Path | None = None) -> list[CachedConversion]:
     return found
 
 
+def remove_unreached_conversions(cache_dir: Path | None = None) -> tuple[list[CachedConversion], list[str]]:
+    """Delete the converted targets that no known GGUF reaches (`cached_conversions`), on an explicit request
+    (`dflash-train doctor --remove-stale-targets`): (those removed, one line per folder that could not be). Each
+    folder is first renamed out of the cache's namespace, so a run resolving its target at the same moment converts
+    afresh instead of reading a half-deleted folder. A conversion whose GGUF is still there but unknown to the memo
+    is converted again when next needed."""
+    removed, failed = [], []
+    for conversion in cached_conversions(cache_dir):
+        if conversion.reached:
+            continue
+        doomed = conversion.path.with_name(f".{conversion.path.name}.removing-{os.getpid()}")
+        try:
+            os.replace(conversion.path, doomed)
+            shutil.rmtree(doomed)
+        except OSError as e:
+            failed.append(f"{conversion.path.name}: {e}")
+            continue
+        removed.append(conversion)
+    return removed, failed
+
+
 def _publish(tmp: Path, final: Path) -> None:
     """Move a finished folder into place; a stale incomplete one is replaced."""
     if final.exists() and not is_converted_target(final):

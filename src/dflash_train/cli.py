@@ -329,8 +329,10 @@ def cmd_regen(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import format_report, run_doctor
+    from .doctor import format_report, remove_stale_targets, run_doctor
 
+    if args.remove_stale_targets:
+        print(remove_stale_targets())
     checks, verdict = run_doctor()
     print(format_report(checks, verdict))
     return 0 if verdict.startswith("READY") else 1
@@ -538,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(func=cmd_export)
 
     doc = sub.add_parser("doctor", help="versions, GPUs, a flex_attention compile smoke test, cache dir, verdict")
+    doc.add_argument("--remove-stale-targets", action="store_true",
+                     help="first delete the converted targets in the cache that no GGUF known to it reaches any more "
+                          "(the report's 'target cache' line names them); one still needed is converted again")
     doc.set_defaults(func=cmd_doctor)
 
     _add_prepare_parser(sub)

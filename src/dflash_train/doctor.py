@@ -111,8 +111,12 @@ def cache_check() -> Check:
     return Check("compile cache", True, f"{path} writable, {held}")
 
 
+_LISTED = 3  # stale conversions named in doctor's line; the rest are counted
+
+
 def target_cache_check() -> Check:
-    """The converted targets in the cache, and those no GGUF known to it reaches any more (not removed here)."""
+    """The converted targets in the cache, and those no GGUF known to it reaches any more (removed only by
+    `remove_stale_targets`, on request)."""
     from .assets import cached_conversions, default_cache_dir
 
     folders = cached_conversions()
@@ -124,10 +128,27 @@ def target_cache_check() -> Check:
     detail = f"{where}: {len(folders)} converted target(s), {total:.1f} GB"
     if stale:
         gb = sum(f.size_bytes for f in stale) / 1e9
+        names = ", ".join(f.path.name for f in stale[:_LISTED]) + (
+            f" and {len(stale) - _LISTED} more" if len(stale) > _LISTED else "")
         detail += (f"; {len(stale)} ({gb:.1f} GB) reached by no GGUF this cache knows of (moved, changed or gone, or "
-                   f"converted before conversions were named by content), removable if no run needs them: "
-                   + ", ".join(f.path.name for f in stale))
+                   f"converted before conversions were named by content): {names}; `dflash-train doctor "
+                   f"--remove-stale-targets` deletes them")
     return Check("target cache", True, detail, fatal=False)
+
+
+def remove_stale_targets() -> str:
+    """Delete the converted targets no known GGUF reaches; what was removed (a line each) and what could not be."""
+    from .assets import default_cache_dir, remove_unreached_conversions
+
+    removed, failed = remove_unreached_conversions()
+    where = default_cache_dir() / "targets"
+    if removed:
+        gb = sum(f.size_bytes for f in removed) / 1e9
+        line = (f"{where}: removed {len(removed)} converted target(s) no known GGUF reaches, {gb:.1f} GB:"
+                + "".join(f"\n  {f.path.name}" for f in removed))
+    else:
+        line = f"{where}: no stale converted target removed"
+    return line + "".join(f"\n  could not remove {why}" for why in failed)
 
 
 def compile_workers_check() -> Check:

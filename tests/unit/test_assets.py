@@ -279,3 +279,49 @@ def test_doctor_names_conversions_no_known_gguf_reaches_and_removes_nothing(conv
         assert orphan.is_dir() and converted["path"].is_dir()
     finally:
         shutil.rmtree(orphan)
+
+
+def _conversion_folder(targets: Path, name: str, size: int = 3000) -> Path:
+    folder = targets / name
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / assets.TARGET_META).write_text(json.dumps({"source": f"/somewhere/{name}.gguf"}))
+    (folder / "model.safetensors").write_bytes(b"\0" * size)
+    return folder
+
+
+def test_doctor_names_a_few_stale_conversions_and_removes_them_only_when_asked(tmp_path: Path, monkeypatch) -> None:
+    """The report names three stale conversions and counts the rest; `doctor --remove-stale-targets` (the real
+    command, in a subprocess) deletes exactly those no known GGUF reaches, keeping the one an unchanged GGUF maps
+    to and a conversion still being written."""
+    import subprocess
+    import sys
+
+    from dflash_train.doctor import target_cache_check
+
+    cache, gguf, key = tmp_path / "cache", tmp_path / "Model.Q4_0.gguf", "0123456789abcdef"
+    targets = cache / "targets"
+    gguf.write_bytes(b"GGUF" * 100)
+    st = gguf.stat()
+    targets.mkdir(parents=True)
+    (targets / "gguf-keys.json").write_text(json.dumps({f"{gguf}|{st.st_size}|{st.st_mtime_ns}": key}))
+    live = _conversion_folder(targets, f"Model.Q4_0-{key}")
+    stale = [_conversion_folder(targets, f"Old.Q8_0-{i:016x}") for i in range(5)]
+    in_progress = targets / f".Model.Q4_0-{'f' * 16}.tmp-x1"
+    in_progress.mkdir()
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(cache))
+
+    detail = target_cache_check().detail
+    assert "6 converted target(s)" in detail and "5 (0.0 GB) reached by no GGUF" in detail
+    assert sum(f.name in detail for f in stale) == 3 and "and 2 more" in detail and live.name not in detail
+    assert "doctor --remove-stale-targets" in detail
+    assert all(f.is_dir() for f in stale)
+
+    env = {**os.environ, "DFLASH_TRAIN_CACHE": str(cache)}
+    out = subprocess.run([sys.executable, "-m", "dflash_train", "doctor", "--remove-stale-targets"], env=env,
+                         capture_output=True, text=True, timeout=300).stdout
+    assert f"{targets}: removed 5 converted target(s) no known GGUF reaches" in out
+    assert all(f.name in out for f in stale) and not any(f.exists() for f in stale)
+    assert live.is_dir() and in_progress.is_dir()
+    assert sorted(p.name for p in targets.iterdir()) == sorted(["gguf-keys.json", live.name, in_progress.name])
+    assert "1 converted target(s)" in out and "reached by no GGUF" not in out.split("removed", 1)[1]
