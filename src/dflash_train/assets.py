@@ -245,9 +245,14 @@ def _cache_key(gguf: Path, targets: Path) -> str:
     return key
 
 
+def targets_dir(cache_dir: Path | None = None) -> Path:
+    """Where converted targets live: `<cache_dir>/targets` (the default cache unless given)."""
+    return Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser() / "targets"
+
+
 def _cached_conversion(gguf: Path, cache_dir: Path | None) -> Path:
     """Return the converted folder for `gguf`, converting it first if needed."""
-    targets = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser() / "targets"
+    targets = targets_dir(cache_dir)
     final = targets / f"{gguf.stem}-{_cache_key(gguf, targets)}"
     if is_converted_target(final):
         return final
@@ -278,7 +283,7 @@ class CachedConversion:
 def cached_conversions(cache_dir: Path | None = None) -> list[CachedConversion]:
     """The converted targets under `<cache_dir>/targets`. A folder no known GGUF reaches came from a file that has
     since moved, changed or gone, or was named before conversions were named by content; nothing here deletes it."""
-    targets = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser() / "targets"
+    targets = targets_dir(cache_dir)
     if not targets.is_dir():
         return []
     live = set()

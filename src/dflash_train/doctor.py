@@ -117,10 +117,10 @@ _LISTED = 3  # stale conversions named in doctor's line; the rest are counted
 def target_cache_check() -> Check:
     """The converted targets in the cache, and those no GGUF known to it reaches any more (removed only by
     `remove_stale_targets`, on request)."""
-    from .assets import cached_conversions, default_cache_dir
+    from .assets import cached_conversions, targets_dir
 
     folders = cached_conversions()
-    where = default_cache_dir() / "targets"
+    where = targets_dir()
     if not folders:
         return Check("target cache", True, f"{where}: no converted target yet", fatal=False)
     total = sum(f.size_bytes for f in folders) / 1e9
@@ -138,10 +138,10 @@ def target_cache_check() -> Check:
 
 def remove_stale_targets() -> str:
     """Delete the converted targets no known GGUF reaches; what was removed (a line each) and what could not be."""
-    from .assets import default_cache_dir, remove_unreached_conversions
+    from .assets import remove_unreached_conversions, targets_dir
 
     removed, failed = remove_unreached_conversions()
-    where = default_cache_dir() / "targets"
+    where = targets_dir()
     if removed:
         gb = sum(f.size_bytes for f in removed) / 1e9
         line = (f"{where}: removed {len(removed)} converted target(s) no known GGUF reaches, {gb:.1f} GB:"
