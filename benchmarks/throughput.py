@@ -97,7 +97,7 @@ def fp8_matmul_peak_tflops() -> float:
 
 # The FLOP accounting is the training loop's (src/dflash_train/train/flops.py): one function for both.
 from dflash_train.train.flops import (drafter_flop_parts, drafter_flops, layer_matmul_params,  # noqa: E402,F401
-                                      layer_resident_params, own_sizes, target_flop_parts, target_flops)
+                                      layer_resident_params, own_flops, target_flop_parts, target_flops)
 
 
 def fp8_accounting(args, target_parts: dict, drafter_parts: dict, peak_bf16: float) -> dict:
@@ -602,8 +602,8 @@ def main() -> None:
 
     tokens = sum(lengths)
     target_parts = target_flop_parts(shape, lengths, shape["num_hidden_layers"] - 1 if reads_final else max(ids))
-    dshape.update(own_sizes(drafter))  # DSpark's and Domino's own modules (train/flops.py own_flop_parts)
-    drafter_parts = drafter_flop_parts(dshape, tokens, stats.work, args.layers, len(ids))  # the timed step's blocks
+    # the timed step's blocks, with the architecture's own modules (its `step_flops` hook)
+    drafter_parts = drafter_flop_parts(dshape, tokens, stats.work, args.layers, len(ids), own_flops(drafter))
     f_target, f_drafter = sum(target_parts.values()), sum(drafter_parts.values())
     result = {
         "architecture": args.architecture, "name": args.label or args.architecture, "overrides": args.set,

@@ -33,6 +33,8 @@ class Options:
       export turns into the reference one (a checkpoint's config.json, read without loading anything).
     - `defaults`: generic keys ("section.key") whose default differs under this architecture (the loader sets them
       when the config does not give them; `validate` then sees only values a user chose or these).
+    - `draft_vocabulary`: whether it implements a reduced draft vocabulary (`drafter.draft_vocab_size > 0`: its own
+      trained lm_head over the most frequent label tokens); config validation refuses the key elsewhere.
     """
 
     section: Optional[type] = None
@@ -42,6 +44,7 @@ class Options:
     about: str = ""
     training_layout: Optional[Callable[[dict], bool]] = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    draft_vocabulary: bool = False
 
 
 NO_OPTIONS = Options()
@@ -66,7 +69,7 @@ class Registered:
 # The architectures this package ships: drafter.architecture -> where it lives. The order is the order of the
 # configuration reference's sections and of the messages that list them.
 _BUILTIN = (
-    Registered("dflash", "DFlashDraftModel", "dflash_train.algorithms.dflash"),
+    Registered("dflash", "DFlashDraftModel", "dflash_train.algorithms.dflash", "dflash_train.algorithms.dflash.options"),
     Registered("dflash2", "DFlash2DraftModel", "dflash_train.algorithms.dflash2", "dflash_train.algorithms.dflash2.options"),
     Registered("dspark", "Qwen3DSparkModel", "dflash_train.algorithms.dspark", "dflash_train.algorithms.dspark.options"),
     Registered("domino", "DFlashDraftModel", "dflash_train.algorithms.domino", "dflash_train.algorithms.domino.options", {"dflash_config.projector_type": "domino"}),

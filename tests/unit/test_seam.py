@@ -261,6 +261,20 @@ def test_a_toy_section_is_checked_like_any_other(toy_registered):
         config_from_dict({"toy": {"gate_init": 2.0}})
 
 
+def test_a_reduced_draft_vocabulary_is_a_declared_capability(toy_registered):
+    """`drafter.draft_vocab_size` is accepted under an architecture whose options declare `draft_vocabulary`, and
+    refused under one that does not, naming those that do."""
+    tree = {"drafter": {"architecture": "toy", "draft_vocab_size": 10}}
+    with pytest.raises(ConfigError, match=r"'drafter.draft_vocab_size': a reduced draft vocabulary is implemented "
+                                          r"for drafter.architecture=dflash only; toy scores"):
+        config_from_dict(tree)
+    capable = dataclasses.replace(TOY_OPTIONS, draft_vocabulary=True)
+    architectures._REGISTRY["toy"] = dataclasses.replace(architectures._REGISTRY["toy"], options=capable)
+    assert config_from_dict(tree).drafter.draft_vocab_size == 10
+    with pytest.raises(ConfigError, match=r"drafter.architecture=dflash / toy only; dflash2 scores"):
+        config_from_dict({"drafter": {"architecture": "dflash2", "draft_vocab_size": 10}})
+
+
 def test_a_toy_architecture_from_a_test_file_trains_decodes_exports_and_reloads(toy_registered, tmp_path,
                                                                              tiny_target_dir, counting_jsonl):
     from dflash_train.cli import main

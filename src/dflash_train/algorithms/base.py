@@ -35,7 +35,9 @@ class DraftWork:
     attended: int = 0  # (query, key) pairs of their attention: each query sees the context before its anchor and
     # its own block (full attention; a sliding-window or in-block causal layer sees fewer)
     counted_rows: int = 0  # rows through the vocabulary head and the loss
-    target_positions: int = 0  # target positions whose logits the loss forms, each once (DSpark's L1 term)
+    # target positions whose logits the loss forms, each once (a loss term against the target's distribution that
+    # reads each position's logits once, however many rows share it; 0 where the loss forms none)
+    target_positions: int = 0
 
     @staticmethod
     def of(anchors: torch.Tensor, keep: torch.Tensor, block_size: int, counted_rows: int) -> "DraftWork":
@@ -442,11 +444,6 @@ class Drafter(nn.Module, metaclass=abc.ABCMeta):
         (e.g. factored codebooks computed through the target's head)."""
         return self
 
-    def flop_sizes(self) -> dict:
-        """The sizes of this architecture's own modules that the FLOP accounting reads (`train/flops.py`,
-        `own_flop_parts`); none for a drafter whose step is DFlash's."""
-        return {}
-
     def check_tree_decoding(self) -> None:
         """Raise a user error (ValueError naming --tree-budget) where this drafter cannot give DDTree candidates
         (`tree_candidates`); decoding calls it before the first prompt. Every drafter can here."""
@@ -501,8 +498,8 @@ class Objective(Protocol):
 @dataclass(frozen=True)
 class StepMemory:
     """An architecture's own terms in the drafter step's activation estimate (train/activation_memory.py
-    `drafter_step_parts`), beside DFlash's, which every architecture's step has; all zero here (DFlash itself).
-    `e` is the compute dtype's bytes. An architecture with more overrides these from its drafter config
+    `drafter_step_parts`), beside the generic ones every block drafter's step has (its layers, the lm_head + CE
+    chunk); all zero here. `e` is the compute dtype's bytes. An architecture with more overrides these from its drafter config
     (`Architecture.step_memory`)."""
 
     def ce_chunk_per_class(self, e: int, compiled: bool) -> int:
@@ -510,8 +507,8 @@ class StepMemory:
         return 0
 
     def head_columns(self) -> int:
-        """Columns the loss appends to its compute-dtype copy of the head `[classes, H]` for its product (DSpark's
-        Markov table), 0 where it uses the head as it is."""
+        """Columns the loss appends to its compute-dtype copy of the head `[classes, H]` for its product (a table
+        of its own scored beside the head), 0 where it uses the head as it is."""
         return 0
 
     def layer_per_query(self, hidden: int) -> int:
@@ -520,7 +517,7 @@ class StepMemory:
 
     def on_top(self, counted: int, head_classes: int, e: int) -> dict[str, int]:
         """Named parts that run on top of every layer's saved activations (the estimate counts the largest of
-        these and DFlash's: the lm_head + CE chunk, one layer's backward), over `counted` rows."""
+        these and the generic ones: the lm_head + CE chunk, one layer's backward), over `counted` rows."""
         return {}
 
     def loss_rows(self, counted: int) -> int:
@@ -535,6 +532,22 @@ def one_parameter_group(drafter: Drafter, cfg: "Config") -> list[dict]:
 
 def no_step_memory(drafter_config: "PretrainedConfig") -> StepMemory:
     return StepMemory()
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """An architecture's own modules in the model FLOPs of a training step (train/flops.py `drafter_flop_parts`),
+    beside the generic ones every block drafter's step has (fc, layers, attention, the vocabulary head); none here.
+    An architecture with more overrides `parts` from its drafter config (`Architecture.step_flops`)."""
+
+    def parts(self, work: DraftWork) -> dict[str, float]:
+        """Named useful FLOPs, forward + backward, of the modules of its own over a step's (or a micro-batch's)
+        drafter work (`DraftWork`: blocks, block tokens, counted rows, target positions)."""
+        return {}
+
+
+def no_step_flops(drafter_config: "PretrainedConfig") -> StepFlops:
+    return StepFlops()
 
 
 @dataclass(frozen=True)
@@ -555,6 +568,8 @@ class Architecture:
     parameter_groups: Callable[[Drafter, "Config"], list[dict]] = one_parameter_group
     # the drafter config -> its terms in the step's activation estimate (train/activation_memory.py)
     step_memory: Callable[["PretrainedConfig"], StepMemory] = no_step_memory
+    # the drafter config -> its own modules' FLOPs in the step's model FLOPs and MFU (train/flops.py)
+    step_flops: Callable[["PretrainedConfig"], StepFlops] = no_step_flops
     # Whether its objective reads the target's final normed hidden states (target.capture(..., with_final=True)):
     # the step's memory estimate then counts them and their counted rows, as it does for distillation.
     needs_target_final: bool = False

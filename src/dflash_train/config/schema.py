@@ -47,7 +47,7 @@ class DrafterConfig:
     # The drafter architecture (`algorithms/`; docs/architectures/): dflash, the reference block drafter, or another
     # registered one. An architecture's own keys sit in a section named after it (`NAME.key`; the sections after
     # `parallel` on this page), accepted only when drafter.architecture names it.
-    architecture: str = "dflash"
+    architecture: str = architectures.DEFAULT
     # Decoder layers of the drafter.
     num_draft_layers: int = 5
     # Tokens per block: the anchor (a known token) and block_size - 1 masked slots the drafter fills in one
@@ -92,10 +92,11 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     # The cap of the draft logits' tanh softcapping (see output_multiplier); null = off.
     final_logit_softcapping: Optional[float] = None
-    # drafter.architecture dflash only. 0 = the target's vocabulary through the target's frozen lm_head. N > 0:
-    # the drafter scores only the N most frequent label tokens of the training data (counted by `prepare`) with
-    # its own trainable lm_head [N, hidden], initialised from the target's rows of those tokens; exported with
-    # `draft_vocab_size` and the `d2t` offsets vLLM reads. Labels outside it count as misses.
+    # 0 = the target's vocabulary through the target's frozen lm_head. N > 0: the drafter scores only the N most
+    # frequent label tokens of the training data (counted by `prepare`) with its own trainable lm_head [N, hidden],
+    # initialised from the target's rows of those tokens; exported with `draft_vocab_size` and the `d2t` offsets
+    # vLLM reads. Labels outside it count as misses. Not every architecture implements it: the config check names
+    # those that do.
     draft_vocab_size: int = 0
     # Train the drafter's attention and MLP projections and fc with FP8 matmuls (e4m3, row-wise power-of-two
     # scales, forward and both gradients, as torchao's "rowwise" recipe); master weights stay float32, the

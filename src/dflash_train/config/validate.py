@@ -147,9 +147,11 @@ def validate(cfg: Config) -> None:
              "keep is for a trained head (drafter.draft_vocab_size > 0); the target's frozen head has no weight "
              "gradient: leave objective.head_gradient at auto")
     if d.draft_vocab_size:
-        need(d.architecture == "dflash", "drafter.draft_vocab_size",
-             f"a reduced draft vocabulary is implemented for drafter.architecture=dflash only; {d.architecture} "
-             "scores the target's whole vocabulary: set drafter.draft_vocab_size=0 or drafter.architecture=dflash")
+        capable = [n for n in architectures.names() if architectures.options(n).draft_vocabulary]
+        need(own.draft_vocabulary, "drafter.draft_vocab_size",
+             f"a reduced draft vocabulary is implemented for drafter.architecture={' / '.join(capable)} only; "
+             f"{d.architecture} scores the target's whole vocabulary: set drafter.draft_vocab_size=0 or "
+             f"drafter.architecture={capable[0]}")
         need(o.distill_weight == 0, "drafter.draft_vocab_size",
              "distillation (objective.distill_weight > 0) mixes in the target's distribution over its whole "
              "vocabulary, which a reduced draft vocabulary cannot express: set objective.distill_weight=0 or "

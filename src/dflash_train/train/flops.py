@@ -12,14 +12,10 @@ Useful FLOPs only (docs/results/performance.md), from sizes the host knows (no d
 - the vocabulary head in the loss's chunks, over the counted rows: the target's frozen lm_head forward and
   input gradient (2 x), a trained draft-vocabulary head forward and both gradients (3 x; its backward forms the
   logits again, which counts as no useful FLOP);
-- an architecture's own modules (`own_flop_parts`): DSpark's target logits for its L1 term (forward, once per target
-  position the counted rows read), its Markov head (the bias through the `[V, r]` table over the counted rows, and a
-  gated or rnn head's projection over the block tokens) and its confidence head; Domino's GRU over the block tokens
-  (the target's embeddings need no gradient) and its correction (the bottleneck and the `[V, E]` projection over
-  the counted rows, the pure-draft slots' included: they are formed, then zeroed).
-Padding (past a row's length, blocks not kept) is computed but not counted, nor is DFlash2's selector, nor the
-gradient-free first passes that form slot weights before the loss (D-PARD's through DSpark's head, Domino's with
-acceptance or dpace weights): each is a second forward of products already counted.
+- an architecture's own modules: its `Architecture.step_flops` hook (`algorithms.base.StepFlops`), from its
+  drafter config, over the same host counts; an architecture counts there what its own modules compute and says
+  what it leaves out (e.g. a second, gradient-free forward of products already counted).
+Padding (past a row's length, blocks not kept) is computed but not counted.
 
 MFU divides by a dense bf16 matmul peak: `PEAK_BF16_TFLOPS` by GPU name, `run.mfu_peak_tflops` to set it; none
 on a CPU or an unknown GPU, where MFU is reported as null.
@@ -32,7 +28,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..algorithms.base import DraftWork
+from ..algorithms import architecture
+from ..algorithms.base import DraftWork, StepFlops
 from ..target.hf_config import text_config
 
 # The dense bf16 matmul peak measured on an H200 (benchmarks/throughput.py `matmul_peak_tflops`: the median
@@ -116,11 +113,12 @@ def target_flops(c: dict, lengths: Sequence[int], last_layer: int) -> float:
     return sum(target_flop_parts(c, lengths, last_layer).values())
 
 
-def drafter_flop_parts(c: dict, context_tokens: int, work: DraftWork, n_layers: int,
-                       captured_layers: int) -> dict[str, float]:
+def drafter_flop_parts(c: dict, context_tokens: int, work: DraftWork, n_layers: int, captured_layers: int,
+                       own: StepFlops = StepFlops()) -> dict[str, float]:
     """The drafter step's FLOPs (forward + backward) over `context_tokens` target positions (the rows' lengths
     summed) and the blocks of `work`, by kind: `linears` (fc, q/k/v/o, MLP: FP8 with drafter.fp8), `attention`,
-    `lm_head` (the vocabulary head of the loss's chunks)."""
+    `lm_head` (the vocabulary head of the loss's chunks), then the parts of the architecture's own modules (`own`,
+    `own_flops(drafter)`)."""
     h, nh, nkv, hd, i = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
                          c["intermediate_size"])
     s, q = context_tokens, work.block_tokens
@@ -130,48 +128,25 @@ def drafter_flop_parts(c: dict, context_tokens: int, work: DraftWork, n_layers: 
     draft_vocab = c.get("draft_vocab_size")
     lm_head = 2 * work.counted_rows * h * (draft_vocab or c["vocab_size"]) * (3 if draft_vocab else 2)
     return {"linears": 3.0 * (fc + per_layer * n_layers), "attention": 3.0 * attention, "lm_head": float(lm_head),
-            **own_flop_parts(c, work)}
+            **own.parts(work)}
 
 
-def own_flop_parts(c: dict, work: DraftWork) -> dict[str, float]:
-    """The FLOPs of an architecture's own modules, forward + backward, from the sizes `drafter_shape` adds: DSpark's
-    (`markov_rank` r, `markov_head_type`, `confidence_width`), Domino's (`gru_hidden_dim` G, `emb_dim` E); none for
-    DFlash."""
-    h, v, m, t = c["hidden_size"], c["vocab_size"], work.counted_rows, work.block_tokens
-    parts: dict[str, float] = {}
-    if "markov_rank" in c:
-        r = c["markov_rank"]
-        projection = {"gated": (h + r) * r, "rnn": (2 * r + h) * 3 * r}.get(c["markov_head_type"], 0)
-        # the target's logits: forward only (frozen), each position once
-        parts["target_logits"] = 2.0 * work.target_positions * h * v
-        # the bias through the table and its two gradients (the feature's and the table's); the projection's three
-        parts["markov"] = 3.0 * 2 * (m * r * v + t * projection)
-        parts["confidence"] = 3.0 * 2 * m * c["confidence_width"]
-    if "gru_hidden_dim" in c:
-        g, e = c["gru_hidden_dim"], c["emb_dim"]
-        # input projection forward and its weight gradient; recurrent product forward, state and weight gradients
-        parts["gru"] = 2.0 * t * 3 * g * (2 * h + 3 * g)
-        parts["correction"] = 3.0 * 2 * m * e * (h + g + v)
-    return parts
-
-
-def drafter_flops(c: dict, context_tokens: int, work: DraftWork, n_layers: int, captured_layers: int) -> float:
-    return sum(drafter_flop_parts(c, context_tokens, work, n_layers, captured_layers).values())
+def drafter_flops(c: dict, context_tokens: int, work: DraftWork, n_layers: int, captured_layers: int,
+                  own: StepFlops = StepFlops()) -> float:
+    return sum(drafter_flop_parts(c, context_tokens, work, n_layers, captured_layers, own).values())
 
 
 def drafter_shape(drafter) -> dict:
-    """A drafter's shape (`model_shape` of its config, with its own head's vocabulary when it has one, and the sizes
-    of its architecture's own modules that `own_flop_parts` reads)."""
+    """A drafter's shape (`model_shape` of its config, with its own head's vocabulary when it has one)."""
     shape = model_shape(drafter.config)
     if getattr(drafter, "draft_vocab_size", 0):
         shape["draft_vocab_size"] = drafter.draft_vocab_size
-    return {**shape, **own_sizes(drafter)}
+    return shape
 
 
-def own_sizes(drafter) -> dict:
-    """The sizes of the drafter's own modules (`Drafter.flop_sizes`: DSpark's heads, Domino's GRU and bottleneck)."""
-    sizes = getattr(drafter, "flop_sizes", None)
-    return sizes() if callable(sizes) else {}
+def own_flops(drafter) -> StepFlops:
+    """The FLOPs of the drafter's own modules: its architecture's `step_flops` of its config."""
+    return architecture(drafter.architecture).step_flops(drafter.config)
 
 
 # ------------------------------------------------------------------------------------------------ the loop
@@ -180,13 +155,15 @@ def own_sizes(drafter) -> dict:
 @dataclass(frozen=True)
 class StepAccounting:
     """What a rank's step costs, from its micro-batches' host sizes: the target's capture (None: this rank does not
-    run it, a split placement's drafter rank) through `last_layer`, and the drafter of `drafter` shape."""
+    run it, a split placement's drafter rank) through `last_layer`, and the drafter of `drafter` shape with its
+    architecture's own modules (`own`)."""
 
     target: Optional[dict]
     last_layer: int
     drafter: dict
     drafter_layers: int
     captured_layers: int
+    own: StepFlops = StepFlops()
 
     @classmethod
     def of(cls, target_config: Any, layer_ids: Sequence[int], reads_final: bool, drafter) -> "StepAccounting":
@@ -194,14 +171,15 @@ class StepAccounting:
         captures run every layer (`algorithms.reads_target_final`)."""
         target = model_shape(target_config) if target_config is not None else None
         last = (target["num_hidden_layers"] - 1) if target is not None and reads_final else max(layer_ids)
-        return cls(target, last, drafter_shape(drafter), len(drafter.layers), len(layer_ids))
+        return cls(target, last, drafter_shape(drafter), len(drafter.layers), len(layer_ids), own_flops(drafter))
 
     def step(self, lengths: Sequence[int], work: Optional[DraftWork]) -> tuple[float, Optional[float]]:
         """(target FLOPs, drafter FLOPs or None without host counts) of a step over rows of `lengths` tokens."""
         target = target_flops(self.target, lengths, self.last_layer) if self.target is not None else 0.0
         if work is None:
             return target, None
-        return target, drafter_flops(self.drafter, sum(lengths), work, self.drafter_layers, self.captured_layers)
+        return target, drafter_flops(self.drafter, sum(lengths), work, self.drafter_layers, self.captured_layers,
+                                     self.own)
 
 
 def efficiency_fields(target: float, drafter: Optional[float], blocks: Optional[int], steps: int, seconds: float,

@@ -117,7 +117,7 @@ OWN_MODULES = {  # name: (architecture, its section, the own parts the formula c
 @pytest.mark.parametrize("case", list(OWN_MODULES))
 def test_the_formula_counts_dspark_and_domino_modules_that_run(case):
     """DSpark's and Domino's steps under the FLOP counter, every block kept and every slot of it run: the formula's
-    DFlash core plus the architecture's own parts (`flops.own_flop_parts`) equal the matmuls that run, but for the
+    DFlash core plus the architecture's own parts (its `Architecture.step_flops` hook) equal the matmuls that run, but for the
     fc's input gradient (as DFlash's) and, in Domino's GRU, the state gradient of each block's first step (its zero
     initial state needs none)."""
     arch, section, own = OWN_MODULES[case]
@@ -140,7 +140,7 @@ def test_the_formula_counts_dspark_and_domino_modules_that_run(case):
     work = stats.work
     assert work.blocks == 12 and work.block_tokens == 48  # every block kept: the modules run over its slots
     shape = flops.drafter_shape(drafter)
-    parts = flops.drafter_flop_parts(shape, 80, work, 2, len(LAYER_IDS))
+    parts = flops.drafter_flop_parts(shape, 80, work, 2, len(LAYER_IDS), flops.own_flops(drafter))
     assert {k for k in parts if k not in ("linears", "attention", "lm_head") and parts[k]} == own
     last = tcfg.num_hidden_layers - 1 if arch == "dspark" else max(LAYER_IDS)  # DSpark reads the final norm
     target_linears = flops.target_flop_parts(flops.model_shape(tcfg), [40, 40], last)["linears"]

@@ -6,22 +6,17 @@
 - `model.py`: the drafter (Qwen3-style layers, KV injection of the context).
 - `loss.py`: the chunked lm_head + weighted cross-entropy (full logits never exist).
 - `objective.py`: the loss on one micro-batch, for the training step, validation and the warm-up.
-- `config.py`: the drafter's config from the target's, and the exported config.json.
+- `config.py`: the drafter's config from the target's, and the exported config.json;
+- `options.py`: what it declares without torch (the config loader imports it);
+- `architecture.py`: the `Architecture` the registry resolves.
 """
 
-from ..base import Architecture
-from .attention import resolve_backend
-from .config import config_for_run, drafter_config_from_dict, drafter_config_json
-from .model import DFlashDrafter
-from .objective import DFlashObjective
 
-ARCHITECTURE = Architecture(
-    name="dflash",
-    hf_architecture="DFlashDraftModel",
-    drafter_class=DFlashDrafter,
-    config_for_run=config_for_run,
-    config_from_dict=drafter_config_from_dict,
-    config_json=drafter_config_json,
-    resolve_backend=resolve_backend,
-    objective=DFlashObjective,
-)
+def __getattr__(name: str):
+    """`ARCHITECTURE` on first use: importing this package (as the config loader does, for `options.py`) must not
+    import torch."""
+    if name == "ARCHITECTURE":
+        from .architecture import ARCHITECTURE
+
+        return ARCHITECTURE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..base import Architecture
 from ..dflash.attention import resolve_backend
 from .config import HF_ARCHITECTURE, config_for_run, domino_config_from_dict, domino_config_json
+from .flops import step_flops
 from .memory import step_memory
 from .model import DominoDrafter
 from .objective import DominoObjective
@@ -19,4 +20,5 @@ ARCHITECTURE = Architecture(
     resolve_backend=resolve_backend,
     objective=DominoObjective,
     step_memory=step_memory,
+    step_flops=step_flops,
 )

@@ -20,9 +20,6 @@ from ..dflash.model import DFlashDrafter
 class DominoDrafter(DFlashDrafter):
     architecture = "domino"
 
-    def flop_sizes(self) -> dict:
-        return {"gru_hidden_dim": self.gru_hidden_dim, "emb_dim": self.emb_dim}
-
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
         d = config.dflash_config

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..base import Architecture
 from ..dflash.attention import resolve_backend
 from .config import HF_ARCHITECTURE, config_for_run, dspark_config_from_dict, dspark_config_json
+from .flops import step_flops
 from .memory import step_memory
 from .model import DSparkDrafter
 from .objective import DSparkObjective
@@ -19,5 +20,6 @@ ARCHITECTURE = Architecture(
     resolve_backend=resolve_backend,
     objective=DSparkObjective,
     step_memory=step_memory,
+    step_flops=step_flops,
     needs_target_final=True,
 )

@@ -80,11 +80,6 @@ class ConfidenceHead(nn.Module):
 class DSparkDrafter(DFlashDrafter):
     architecture = "dspark"
 
-    def flop_sizes(self) -> dict:
-        width = self.config.hidden_size + (self.markov_rank if self.confidence_with_markov else 0)
-        return {"markov_rank": self.markov_rank, "markov_head_type": self.markov_head_type,
-                "confidence_width": width if self.with_confidence else 0}
-
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
         self.markov_rank = int(config.markov_rank)
