@@ -81,6 +81,7 @@ DATA_CASES: list[tuple[str, str, Callable[[Path], bytes]]] = [
     ("json.gz array cut", "x.json.gz", lambda t: _gz(_cut(_json_array(), 0.5))),
     ("jsonl last line cut", "x.jsonl", lambda t: _cut(_jsonl(), 0.5)),
     ("empty jsonl", "x.jsonl", lambda t: b""),
+    ("blank-lines-only jsonl", "x.jsonl", lambda t: b"  \n\n\t \r\n"),
     ("parquet cut", "x.parquet", lambda t: _cut(_parquet(t), 0.5)),
     ("parquet zeroed footer", "x.parquet", lambda t: _zero_parquet_footer(_parquet(t))),
 ]
@@ -366,3 +367,21 @@ def test_a_bad_line_in_the_middle_is_still_one_rejected_row(tmp_path):
     f.write_bytes(good + b"\n" + b'{"prompt": "\xff"}')
     got = [r.reason if isinstance(r, RowError) else "ok" for _, r in iter_rows(f)]
     assert got == ["ok", "not UTF-8"]
+
+
+def test_an_invalid_json_line_is_placed_on_its_own_line_and_column(tmp_path):
+    """A line that ends too early is placed after its own last column (the newline read with it once put the
+    error at column 1 of a line that does not exist); an error inside a line at its column, CRLF or not."""
+    from dflash_train.data.formats import RowError, iter_rows
+
+    good = json.dumps(ROWS[0])
+    cut = good[:good.index(', "content"')]  # ends after the role's closing quote
+    inner = '{"messages": [}, ' + good[1:]
+    quote = '"'
+    unterminated = '{"prompt": "no closing quote'
+    f = tmp_path / "x.jsonl"
+    f.write_text(f"{good}\n{cut}\n{inner}\r\n{unterminated}\n{good}\n")
+    got = [(where, r.detail) for where, r in iter_rows(f) if isinstance(r, RowError)]
+    assert got == [(f"{f}:2", f"Expecting ',' delimiter after column {len(cut)}, where the line ends"),
+                   (f"{f}:3", f"Expecting value at column {inner.index('}') + 1}"),
+                   (f"{f}:4", f"Unterminated string starting at column {unterminated.rindex(quote) + 1}")]

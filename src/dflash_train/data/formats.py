@@ -186,6 +186,9 @@ class DamagedDataFile(DamagedFileError):
         return (f"{self.path} is damaged ({self.problem}){self.where()}: re-create or re-download it, "
                 f"or pass {self.skip_option} {use}")
 
+    def where(self) -> str:
+        return "" if self.problem.startswith("empty") else super().where()  # an empty file has no place to name
+
     @classmethod
     def from_record(cls, record: dict) -> "DamagedDataFile":
         return cls(record["path"], record["error"], rows_read=record["rows_read"], bytes_read=record["bytes_read"],
@@ -198,6 +201,8 @@ class DamagedDataFile(DamagedFileError):
 
     def cut_line(self) -> str:
         """The summary line of a file used up to its damage."""
+        if self.problem.startswith("empty"):
+            return f"{self.path} left out: {self.problem}"
         read = f", read {format_share(self.bytes_read, self.size)}" if self.bytes_read is not None and self.size else ""
         return (f"{self.path} is damaged ({self.problem}): cut at row {self.rows_read}{read}; "
                 f"used the {_rows(self.rows_read)} before the damage")
@@ -272,7 +277,8 @@ def iter_rows(path: Path) -> Iterator[tuple[str, Row]]:
 
 def _iter_jsonl(path: Path, f: BinaryIO) -> Iterator[tuple[str, Row]]:
     """One row per line. A last line without its newline that does not parse is where the file was cut
-    (a bad line anywhere else is one rejected row)."""
+    (a bad line anywhere else is one rejected row). A file of blank lines only is empty."""
+    rows = 0
     for lineno, raw in enumerate(f, 1):
         where = f"{path}:{lineno}"
         cut = not raw.endswith(b"\n")  # only the last line can lack it
@@ -281,24 +287,38 @@ def _iter_jsonl(path: Path, f: BinaryIO) -> Iterator[tuple[str, Row]]:
         except UnicodeDecodeError as e:
             if cut and e.reason == "unexpected end of data":
                 raise _Cut(f"cut short: its last line, line {lineno}, ends inside a character") from None
+            rows += 1
             yield where, RowError("not UTF-8", f"invalid byte at column {e.start + 1}")
             continue
         if lineno == 1:
             line = line.lstrip("\ufeff")
         if not line.strip():
             continue
+        rows += 1
+        text = line.rstrip("\r\n")  # with its newline, an error at the end would be placed on the next line
         try:
-            row = json.loads(line)
+            row = json.loads(text)
         except json.JSONDecodeError as e:
             if cut:
                 raise _Cut(f"cut short: its last line, line {lineno}, has no newline and is not valid JSON "
-                           f"({e.msg}, column {e.colno})") from None
-            yield where, RowError("invalid JSON", f"{e.msg} at column {e.colno}")
+                           f"({_column(e, text)})") from None
+            yield where, RowError("invalid JSON", _column(e, text))
             continue
         except (ValueError, RecursionError) as e:  # valid JSON Python will not hold: only this row is bad
             yield where, RowError("invalid JSON", _unloadable(e))
             continue
         yield where, row
+    if not rows:
+        raise _Cut("empty: only blank lines, it holds no rows")
+
+
+def _column(e: json.JSONDecodeError, text: str) -> str:
+    """What is wrong and where on its line: `... at column C`, or, for a line that ends too early, after its last
+    column. (Some of json's messages end in "at" already: "Unterminated string starting at".)"""
+    what = e.msg.removesuffix(" at")
+    if e.pos >= len(text):
+        return f"{what} after column {len(text)}, where the line ends"
+    return f"{what} at column {e.colno}"
 
 
 _CHUNK = 1 << 20
