@@ -14,12 +14,14 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from tqdm import tqdm
 
+from ..errors import UserError
 from ..target.fingerprints import chat_template_fingerprint, chat_template_text, tokenizer_fingerprint
 from ..outputs import check_prepare_out
 from . import store
@@ -124,23 +126,29 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
         labels = LabelCounter(len(tokenizer))  # the train split's label tokens (drafter.draft_vocab_size)
         rows_read = kept = truncated = 0
         damaged: Optional[list] = [] if cfg.skip_damaged_files else None
+        tallies: list[_InputTally] = []
         bar = None
         if progress:
             bar = tqdm(desc="prepare", unit="row", dynamic_ncols=True, mininterval=1.0)
         for spec in data:
+            tally = _InputTally(spec, damaged_before=len(damaged or ()))
+            tallies.append(tally)
             for where, row in iter_source(spec, damaged=damaged):
                 if cfg.max_samples and kept >= cfg.max_samples:
                     break
                 rows_read += 1
+                tally.read += 1
                 if bar is not None:
                     bar.update(1)
                 try:
                     tok, messages, was_truncated = tokenize_row(tokenizer, row, cfg.max_length, cfg.block_size, kwargs)
                 except RowError as e:
                     rejects.add_error(where, e)
+                    tally.reject(where, e)
                     continue
                 truncated += was_truncated
                 kept += 1
+                tally.kept += 1
                 held_out = cfg.val_fraction > 0 and holdout_key(messages) < cfg.val_fraction
                 writers["val" if held_out else "train"].add(tok)
                 if not held_out:
@@ -154,13 +162,13 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
         rejects_file.close()
         splits = {s: w.close() for s, w in writers.items()}
         if kept == 0:
-            raise ValueError(
-                f"no usable row in {', '.join(data)} ({rows_read} read; rejected: "
-                + ", ".join(f"{r}: {n}" for r, n in rejects.counts.most_common())
-                + "). First rejects: " + "; ".join(rejects.first_lines())
-                + ". Give conversations with assistant turns (run `dflash-train regen` on prompt-only data)"
+            raise UserError(
+                f"no usable row in {', '.join(data)} ({_read_and_rejected(rows_read, rejects.counts)}"
+                + (f"; first rejects: {'; '.join(rejects.first_lines())}" if rejects.total else "")
+                + "). Give conversations with assistant turns (run `dflash-train regen` on prompt-only data)"
                 + "".join(f". {e.cut_line()}" for e in damaged or ())
             )
+        _refuse_unused_inputs(tallies, kept, len(damaged or ()))
         counts = labels.result()
         write_counts(tmp / COUNTS_FILE, counts)
         manifest = {
@@ -197,6 +205,47 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
     if moved is not None:
         log.warning("moved the earlier prepared dataset that was in %s aside to %s (--overwrite)", out, moved)
     return manifest
+
+
+@dataclass
+class _InputTally:
+    """What one `--data` argument gave: rows read and kept, and its rejects (counted, the first few named)."""
+
+    spec: str
+    damaged_before: int  # damaged files skipped before this input was read
+    read: int = 0
+    kept: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    first: list[str] = field(default_factory=list)
+
+    def reject(self, where: str, e: RowError) -> None:
+        self.reasons[e.reason] += 1
+        if len(self.first) < 2:
+            self.first.append(f"{where}: {e}")
+
+
+def _read_and_rejected(read: int, reasons: Counter) -> str:
+    if not read:
+        return "0 rows read: it holds none"
+    return f"{read} read; rejected: " + ", ".join(f"{r}: {n}" for r, n in reasons.most_common())
+
+
+def _refuse_unused_inputs(tallies: list[_InputTally], kept: int, damaged: int) -> None:
+    """An input that gave no usable row while the others did is refused, naming it: an input one names and that
+    adds nothing is a wrong file or a step left out (prompt-only rows need regen), and a warning among the counts
+    is easily missed. An input cut off by --max-samples, or left out as --skip-damaged-files asked, is not."""
+    unused = []
+    for i, t in enumerate(tallies):
+        skipped = (tallies[i + 1].damaged_before if i + 1 < len(tallies) else damaged) > t.damaged_before
+        if not t.kept and not (skipped and not t.read):
+            unused.append(t)
+    if not unused:
+        return
+    named = "; ".join(f"--data {t.spec} gave no usable row ({_read_and_rejected(t.read, t.reasons)}"
+                      + (f"; first: {'; '.join(t.first)}" if t.first else "") + ")" for t in unused)
+    it = "it" if len(unused) == 1 else "them"
+    raise UserError(f"{named}. The other inputs gave {kept} rows. Fix {it} (prompt-only rows: run `dflash-train regen` "
+                    f"first) or leave {it} out of --data; nothing was written")
 
 
 def summary(manifest: dict, out: Path) -> str:

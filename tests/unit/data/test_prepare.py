@@ -190,6 +190,25 @@ def test_unusable_inputs_stop_with_what_to_do(tiny_target_dir, tmp_path, capsys)
                  "--overwrite"]) == 0
 
 
+def test_an_input_that_gives_no_usable_row_is_named_and_refused(tiny_target_dir, tmp_path, capsys):
+    """Beside an input that gives rows, one that gives none (prompt-only rows, an empty JSON array) is refused,
+    naming it: the dataset would silently lack it. Inputs not reached under --max-samples are not."""
+    good, prompts, empty = tmp_path / "good.jsonl", tmp_path / "prompts.jsonl", tmp_path / "empty.json"
+    good.write_text("".join(json.dumps(openai(f"q{i}", words(40, i))) + "\n" for i in range(3)))
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    empty.write_text("[]")
+    out = tmp_path / "P"
+    base = ["prepare", "--target", str(tiny_target_dir), "--out", str(out), "--block-size", "4"]
+    assert main([*base, "--data", str(good), "--data", str(prompts), "--data", str(empty)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"--data {prompts} gave no usable row (2 read; rejected: no assistant turn" in err, err
+    assert f"{prompts}:1" in err and f"--data {empty} gave no usable row (0 rows read" in err, err
+    assert f"--data {good} " not in err and "gave 3 rows" in err and "regen" in err, err
+    assert not out.exists() and not list(tmp_path.glob(".P.*"))
+    assert main([*base, "--data", str(good), "--data", str(prompts), "--max-samples", "2"]) == 0  # not reached
+
+
 # ------------------------------------------------------------------------------------ file formats
 
 
