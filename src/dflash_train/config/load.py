@@ -279,18 +279,25 @@ def _build_config(tree: dict, final: bool = False, moved: Optional[dict[str, str
 _WARNED: set[tuple[str, ...]] = set()
 
 
-def _warn_renamed(moved: dict[str, str], cfg: Config, source: Optional[str]) -> None:
-    """One warning line per config (per process: a resume reads the run's config.yaml twice) for its old keys."""
+def _warn_renamed(moved: dict[str, str], cfg: Config, source: Optional[str], given: dict[str, str]) -> None:
+    """One warning line per config (per process: a resume reads the run's config.yaml twice) for its old keys,
+    each named with where it was written: the file `source`, or the override of `given` (new key -> override)."""
     if not moved or tuple(sorted(moved)) in _WARNED:
         return
     _WARNED.add(tuple(sorted(moved)))
     arch = cfg.drafter.architecture
-    renamed = ", ".join(f"{old} -> {new}" for new, old in moved.items() if new.startswith(f"{arch}."))
-    ignored = ", ".join(old for new, old in moved.items() if not new.startswith(f"{arch}."))
+
+    def where(new: str) -> str:
+        dotted = given.get(new, "").split("=", 1)[0].strip()
+        if dotted == moved[new]:
+            return f" (override {_quoted(given[new])})"
+        return f" (in {source})" if source else ""
+
+    renamed = ", ".join(f"{old} -> {new}{where(new)}" for new, old in moved.items() if new.startswith(f"{arch}."))
+    ignored = ", ".join(f"{old}{where(new)}" for new, old in moved.items() if not new.startswith(f"{arch}."))
     parts = ([f"read under their new names: {renamed}"] if renamed else []) + (
         [f"ignored (at their defaults; drafter.architecture is {arch!r}): {ignored}"] if ignored else [])
-    log.warning("deprecated config keys%s %s; write an architecture's keys in its own section",
-                f" in {source}" if source else "", "; ".join(parts))
+    log.warning("deprecated config keys %s; write an architecture's keys in its own section", "; ".join(parts))
 
 
 def _renamed(message: str, moved: dict[str, str]) -> str:
@@ -342,7 +349,7 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, source: str
         item = given.get(named.group(1)) if named else None
         message = _renamed(str(e), moved)
         raise ConfigError(f"{message} (override {_quoted(item)})" if item else f"{message}{suffix}") from None
-    _warn_renamed(moved, cfg, source)
+    _warn_renamed(moved, cfg, source, given)
     return cfg
 
 

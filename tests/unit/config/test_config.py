@@ -149,3 +149,22 @@ def test_shipped_gpu_configs_match_their_descriptions():
     assert (f.parallel.placement, f.parallel.target_ranks, f.run.eval_every) == ("split", 5, 0)
     assert (f.drafter.num_attention_heads, f.drafter.intermediate_size) == (32, 17408)
     assert q.target.compile and f.target.compile  # the GPU configs compile the target (tests/gpu/ covers it)
+
+
+def test_a_deprecated_key_is_named_where_it_was_written(tmp_path, caplog, monkeypatch):
+    """An old key given as an override is named with that override, not blamed on the YAML file."""
+    import logging
+
+    from dflash_train.config import load as config_load
+
+    monkeypatch.setattr(config_load, "_WARNED", set())  # warned once per process
+    mixed, plain = tmp_path / "mixed.yaml", tmp_path / "plain.yaml"
+    mixed.write_text(yaml.safe_dump({"drafter": {"architecture": "dflash2", "selector_top_k": 12}}))
+    plain.write_text(yaml.safe_dump({"drafter": {"architecture": "dflash2"}}))
+    with caplog.at_level(logging.WARNING, logger="dflash_train.config.load"):
+        load_config(mixed, ["drafter.selector_rank=4"])
+        load_config(plain, ["drafter.selector_rank=8"])
+    first, second = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert f"drafter.selector_top_k -> dflash2.selector_top_k (in {mixed})" in first, first
+    assert "drafter.selector_rank -> dflash2.selector_rank (override 'drafter.selector_rank=4')" in first, first
+    assert str(plain) not in second and "(override 'drafter.selector_rank=8')" in second, second
