@@ -1,6 +1,6 @@
 """The seam between the generic stack and the drafter architectures: an architecture lives wholly in its package.
 
-- the generic code names no architecture but the default (a grep);
+- the generic code names no architecture and reads none of an architecture's own keys (a scan);
 - an architecture's own config keys are a section named after it, accepted only under its drafter.architecture;
   the old flat keys still load (one warning), and a run whose config.yaml has them resumes with no change;
 - an architecture defined in a test file alone, registered at run time, trains, decodes, exports and reloads.
@@ -8,10 +8,13 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import io
 import json
 import logging
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -21,45 +24,118 @@ from torch import nn
 
 from dflash_train import architectures
 from dflash_train.config.load import config_from_dict, config_to_dict, dump_config, load_config
+from dflash_train.config.schema import config_sections
 from dflash_train.errors import ConfigError
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "dflash_train"
 
 # ------------------------------------------------------------------------------------------------ no names leak
+# Generic code (everything but an architecture's own package and the registry, `architectures.py`) names no
+# architecture and reads none of an architecture's own keys: what an architecture adds reaches it through the hooks
+# of its `Architecture` and `Options`. Each architecture is scanned for everywhere but in its own package, so no
+# architecture's package names another either.
 
-# Identifiers of one architecture's modules and keys that no other code may use (besides its name).
-OWN_IDENTIFIERS = {"dflash2": ("selector_", "conv_kernel", "candidate_selector")}
+
+def _case_blind_lines(text: str) -> set[int]:
+    """The lines of comments and docstrings (prose about the code, where an architecture is named capitalised)."""
+    lines: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            lines.add(token.start[0])
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
+                                                                                                      str):
+                lines.update(range(first.lineno, first.end_lineno + 1))
+    return lines
 
 
-def _leaks(src: Path) -> list[str]:
+def _generic_keys() -> set[str]:
+    """Every generic config key's name (a key an architecture also writes, e.g. `mask_token_id`, is generic), and
+    the names of the `Options` hooks."""
+    return {f.name for name, section in config_sections() if name not in architectures.names()
+            for f in dataclasses.fields(section)} | {f.name for f in dataclasses.fields(architectures.Options)}
+
+
+def _export_keys(name: str) -> set[str]:
+    """The keys of a tiny drafter's exported config.json under architecture `name`, `dflash_config`'s flattened in."""
+    from transformers import Qwen3Config
+
+    from dflash_train.algorithms import architecture
+
+    target = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=300)
+    arch = architecture(name)
+    cfg = config_from_dict({"drafter": {"architecture": name, "block_size": 4, "num_draft_layers": 1}})
+    with torch.device("meta"):
+        drafter = arch.drafter_class(arch.config_for_run(target, cfg, [0, 2], 5))
+    data = arch.config_json(drafter, "float32")
+    return set(data) | set(data.get("dflash_config") or {})
+
+
+def own_words() -> dict[str, list[re.Pattern]]:
+    """Architecture name -> what generic code must not hold of it: its name (the default's, which is also the
+    package's, as a string literal), its config section's keys and the keys its exported config.json adds to the
+    default architecture's, less the generic keys and one-word keys (ordinary words of any code, e.g. `loss`)."""
+    generic, default_keys = _generic_keys(), _export_keys(architectures.DEFAULT)
+    words = {}
+    for name in architectures.names():
+        section = architectures.options(name).section
+        keys = {f.name for f in dataclasses.fields(section)} if section else set()
+        keys |= _export_keys(name) - default_keys
+        keys = sorted(k for k in keys - generic if "_" in k)
+        named = (re.compile(rf"""["']{re.escape(name)}["']""") if name == architectures.DEFAULT
+                 else re.compile(rf"\b{re.escape(name)}\b", re.IGNORECASE))
+        words[name] = [named, *(re.compile(rf"\b{re.escape(k)}\b") for k in keys)]
+    return words
+
+
+def _leaks(src: Path, words: dict[str, list[re.Pattern]]) -> list[str]:
     found = []
-    for name in [n for n in architectures.names() if n != architectures.DEFAULT]:
-        words = [re.compile(rf"\b{re.escape(name)}\b"), *map(re.compile, map(re.escape, OWN_IDENTIFIERS.get(name, ())))]
-        for path in sorted(src.rglob("*.py")):
-            rel = path.relative_to(src)
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src)
+        if rel == Path("architectures.py"):
+            continue  # the registry
+        text = path.read_text(encoding="utf-8")
+        prose = _case_blind_lines(text)
+        for name, patterns in words.items():
             if rel.parts[:2] == ("algorithms", name):
                 continue
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if rel == Path("architectures.py") and line.lstrip().startswith(f'Registered("{name}"'):
-                    continue  # the registry line
-                if any(w.search(line) for w in words):
-                    found.append(f"{rel}:{number}: {line.strip()}")
-    return found
+            for number, line in enumerate(text.splitlines(), 1):
+                hit = any(p.search(line) for p in patterns[1:])
+                named = patterns[0].search(line)
+                if named and not (named.group(0).islower() or number in prose):
+                    named = None  # capitalised, in a user-facing string: product text, not code
+                if hit or named:
+                    found.append((str(rel), number, line.strip()))
+    return [f"{rel}:{number}: {line}" for rel, number, line in sorted(set(found))]
 
 
-def test_generic_code_names_no_architecture_but_the_default():
-    leaks = _leaks(SRC)
-    assert not leaks, ("architecture names or identifiers outside their package (move the code behind "
-                       "`Architecture` / `architectures.Options`):\n" + "\n".join(leaks))
+def test_generic_code_names_no_architecture_and_reads_none_of_its_keys():
+    leaks = _leaks(SRC, own_words())
+    assert not leaks, ("architecture names or keys outside their package (move the code behind `Architecture` / "
+                       "`architectures.Options` hooks):\n" + "\n".join(leaks))
 
 
-def test_the_leak_check_finds_a_planted_name(tmp_path):
+def test_the_leak_check_finds_a_planted_name_and_key(tmp_path):
+    words = own_words()
+    assert {"selector_top_k", "markov_rank", "gru_hidden_dim", "projector_type"} <= {
+        p.pattern.strip("\\b") for patterns in words.values() for p in patterns[1:]}
     (tmp_path / "train").mkdir(parents=True)
-    (tmp_path / "train" / "step.py").write_text('if cfg.drafter.architecture == "dflash2":\n    x.selector_top_k\n')
+    (tmp_path / "train" / "step.py").write_text(
+        'if cfg.drafter.architecture == "dflash2":\n    x.selector_top_k\nif arch != "dflash":\n'
+        '    pass  # DSpark\'s own head\nhelp = "(DSpark) and dflash-train"\n'
+        'shape = {"gru_hidden_dim": 1, "loss": 2}\n')
     (tmp_path / "algorithms" / "dflash2").mkdir(parents=True)
-    (tmp_path / "algorithms" / "dflash2" / "model.py").write_text("self.candidate_selector = 1\n")
-    assert _leaks(tmp_path) == ['train/step.py:1: if cfg.drafter.architecture == "dflash2":',
-                                "train/step.py:2: x.selector_top_k"]
+    (tmp_path / "algorithms" / "dflash2" / "model.py").write_text("self.selector_top_k = 1\n")
+    (tmp_path / "algorithms" / "dspark").mkdir(parents=True)
+    (tmp_path / "algorithms" / "dspark" / "model.py").write_text("from ..dflash2.model import X\n")
+    assert _leaks(tmp_path, words) == [
+        "algorithms/dspark/model.py:1: from ..dflash2.model import X",
+        'train/step.py:1: if cfg.drafter.architecture == "dflash2":', "train/step.py:2: x.selector_top_k",
+        'train/step.py:3: if arch != "dflash":', "train/step.py:4: pass  # DSpark's own head",
+        'train/step.py:6: shape = {"gru_hidden_dim": 1, "loss": 2}']
 
 
 # ------------------------------------------------------------------------------------------------ the sections
@@ -198,9 +274,10 @@ def test_a_resume_that_changes_the_architecture_names_its_keys_not_a_crash(tmp_p
 
 # ------------------------------------------------------------------------------------------------ a toy architecture
 # Defined here alone: a DFlash drafter whose final hidden states go through one trained scalar gate, started at
-# the value of its one config key (`toy.gate_init`), written into its drafter config and exported.
+# the value of its one config key (`toy.gate_init`), written into its drafter config and exported; the gate's FLOPs
+# and the rows it keeps for its gradient are its own terms in the step's FLOPs and memory estimate.
 
-from dflash_train.algorithms.base import Architecture  # noqa: E402
+from dflash_train.algorithms.base import Architecture, DraftWork, StepFlops, StepMemory  # noqa: E402
 from dflash_train.algorithms.dflash.attention import resolve_backend  # noqa: E402
 from dflash_train.algorithms.dflash.config import drafter_config_from_dict, drafter_config_json  # noqa: E402
 from dflash_train.algorithms.dflash.config import config_for_run as dflash_config_for_run  # noqa: E402
@@ -235,9 +312,28 @@ def _toy_config_for_run(target_config, cfg, target_layer_ids, mask_token_id):
     return out
 
 
-TOY = Architecture(name="toy", hf_architecture=TOY_HF, drafter_class=ToyDrafter, config_for_run=_toy_config_for_run,
-                   config_from_dict=lambda data: drafter_config_from_dict(data, TOY_HF),
-                   config_json=drafter_config_json, resolve_backend=resolve_backend, objective=DFlashObjective)
+@dataclasses.dataclass(frozen=True)
+class ToyStepFlops(StepFlops):
+    hidden: int
+
+    def parts(self, work: DraftWork) -> dict[str, float]:
+        return {"toy_gate": 3.0 * work.block_tokens * self.hidden}  # the product, its input and weight gradients
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyStepMemory(StepMemory):
+    hidden: int
+
+    def loss_rows(self, counted: int) -> int:
+        return counted * self.hidden * 4  # the gate's input rows, kept for its gradient
+
+
+TOY_PLAIN = Architecture(name="toy", hf_architecture=TOY_HF, drafter_class=ToyDrafter,
+                         config_for_run=_toy_config_for_run,
+                         config_from_dict=lambda data: drafter_config_from_dict(data, TOY_HF),
+                         config_json=drafter_config_json, resolve_backend=resolve_backend, objective=DFlashObjective)
+TOY = dataclasses.replace(TOY_PLAIN, step_flops=lambda c: ToyStepFlops(c.hidden_size),
+                          step_memory=lambda c: ToyStepMemory(c.hidden_size))
 TOY_OPTIONS = architectures.Options(section=ToyOptions, number_rules={"gate_init": POSITIVE_NUMBER},
                                     about="the toy drafter's gate")
 
@@ -275,6 +371,34 @@ def test_a_reduced_draft_vocabulary_is_a_declared_capability(toy_registered):
         config_from_dict({"drafter": {"architecture": "dflash2", "draft_vocab_size": 10}})
 
 
+def _train(main, config: Path, run: Path) -> list[dict]:
+    """Three steps of `train CONFIG` into `run`: its metrics records."""
+    assert main(["train", str(config), "--run-dir", str(run), "--max-steps", "3"]) == 0
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_activation_estimate_counts_the_toys_own_memory_terms(toy_registered, tiny_target_dir):
+    """The preflight's activation estimate reads the architecture's `step_memory`: the toy's gate rows are in it."""
+    from transformers import AutoConfig
+
+    from dflash_train.train.activation_memory import activation_estimate
+
+    target = AutoConfig.from_pretrained(tiny_target_dir)
+    cfg = config_from_dict({"drafter": {"architecture": "toy", "num_draft_layers": 1, "block_size": 4},
+                            "data": {"max_length": 256, "token_budget": 1024, "max_batch_size": 4}})
+    drafter_config = TOY.config_for_run(target, cfg, [1, 4], 5)
+
+    def estimate():
+        return activation_estimate("colocated", cfg, target, drafter_config, [1, 4], torch.float32, torch.float32,
+                                   "cpu")
+
+    own = estimate()
+    architectures._REGISTRY["toy"] = dataclasses.replace(architectures._REGISTRY["toy"], package=TOY_PLAIN)
+    plain = estimate()
+    assert own.shape == plain.shape
+    assert own.parts["loss rows"] - plain.parts["loss rows"] == ToyStepMemory(64).loss_rows(own.shape.counted) > 0
+
+
 def test_a_toy_architecture_from_a_test_file_trains_decodes_exports_and_reloads(toy_registered, tmp_path,
                                                                              tiny_target_dir, counting_jsonl):
     from dflash_train.cli import main
@@ -288,14 +412,23 @@ def test_a_toy_architecture_from_a_test_file_trains_decodes_exports_and_reloads(
         "objective": {"max_anchors": 16, "gamma": 4.0},
         "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.05},
         "run": {"device": "cpu", "log_every": 1, "save_every": 3, "progress_bar": False, "eval_every": 0,
-                "export_dtype": "float32"},
+                "export_dtype": "float32", "mfu_peak_tflops": 1.0},
     }
     (tmp_path / "toy.yaml").write_text(yaml.safe_dump(cfg))
     run = tmp_path / "run"
-    assert main(["train", str(tmp_path / "toy.yaml"), "--run-dir", str(run), "--max-steps", "3"]) == 0
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = _train(main, tmp_path / "toy.yaml", run)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert yaml.safe_load((run / "config.yaml").read_text())["toy"] == {"gate_init": 0.5}
+
+    # the step's model FLOPs and MFU count the toy's own FLOP term: the same run without it logs that much less
+    architectures._REGISTRY["toy"] = dataclasses.replace(architectures._REGISTRY["toy"], package=TOY_PLAIN)
+    plain = _train(main, tmp_path / "toy.yaml", tmp_path / "plain")
+    for r, p in zip(records, plain):
+        assert (r["target_flops"], r["drafted_blocks"]) == (p["target_flops"], p["drafted_blocks"])
+        gate = ToyStepFlops(64).parts(DraftWork(block_tokens=r["drafted_blocks"] * 4))["toy_gate"]
+        assert gate > 0 and r["drafter_flops"] == pytest.approx(p["drafter_flops"] + gate, rel=1e-12)
+        assert r["drafter_mfu"] == pytest.approx(r["mfu"] * r["drafter_flops"] / r["step_flops"], rel=1e-9)
+    architectures._REGISTRY["toy"] = dataclasses.replace(architectures._REGISTRY["toy"], package=TOY)
 
     exported = load_drafter(run / "export")
     assert type(exported) is ToyDrafter and exported.config.dflash_config["toy_gate_init"] == 0.5

@@ -138,7 +138,7 @@ class DrafterKVCache:
 
 
 # ---------------------------------------------------------------------------- reference config fields
-# Newer reference drafters (z-lab/dflash, DFlash and DFlash2) carry six fields that change what decoding
+# Newer reference drafters (z-lab/dflash) carry six fields that change what decoding
 # computes. `draft_value` reads the three output/input fields the reference way; `layer_kinds` reads the
 # three attention fields, which the reference reads from the top level of config.json only.
 

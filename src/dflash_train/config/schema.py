@@ -83,12 +83,12 @@ class DrafterConfig:
     sliding_window: Optional[int] = None
     # Causal attention inside the block (slot i sees slots 0..i) instead of DFlash's bidirectional block.
     # Exported as an explicit top-level is_causal (true or false): a reader's default when it is absent
-    # is causal for sliding layers, so the file never leaves it to that default. Published DFlash2 drafters
-    # (sliding, window 2048) set is_causal false, as this default does.
+    # is causal for sliding layers, so the file never leaves it to that default. Published sliding-window
+    # drafters of the reference (window 2048) set is_causal false, as this default does.
     causal: bool = False
     # Draft logits = lm_head(h) * output_multiplier, then final_logit_softcapping * tanh(x / cap) when the cap is
-    # set (null = off). The training loss, decoding and the export (dflash_config) all apply them. vLLM's DFlash
-    # (v1) loader does not read them (its DFlash2 one does): keep the defaults for drafters served there.
+    # set (null = off). The training loss, decoding and the export (dflash_config) all apply them. Not every
+    # serving loader reads them (vLLM's DFlash v1 loader does not): keep the defaults for drafters served there.
     output_multiplier: float = 1.0
     # The cap of the draft logits' tanh softcapping (see output_multiplier); null = off.
     final_logit_softcapping: Optional[float] = None

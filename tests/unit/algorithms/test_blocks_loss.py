@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dflash_train.algorithms.dflash.blocks import build_blocks, sample_anchors, slot_weights
+from dflash_train.algorithms.dflash.blocks import build_blocks, gamma_weights, sample_anchors
 from dflash_train.algorithms.dflash.loss import chunked_weighted_ce
 from dflash_train.algorithms.base import acceptance_estimate
 from dflash_train.train.step import lr_factor
@@ -69,7 +69,7 @@ def test_labels_are_same_position_and_slot0_never_counts():
     anchors, keep = sample_anchors(loss_mask, lengths, bs, 7, g)
     keep[1, 0] = False  # one more unkept block
     blk = build_blocks(input_ids, loss_mask, lengths, anchors, keep, bs, mask_id, gamma)
-    w = slot_weights(bs, gamma)
+    w = gamma_weights(bs, gamma)
     for b in range(2):
         for n in range(anchors.shape[1]):
             a = int(anchors[b, n])

@@ -90,7 +90,7 @@ def sample_anchors(
     return anchors, keep
 
 
-def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+def gamma_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     """`w_k = exp(-(k - 1) / gamma)` for k >= 1, and 0 for the anchor slot."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
     w = torch.exp(-(k - 1) / gamma)
@@ -118,7 +118,7 @@ def build_blocks(
     supervised = torch.gather(loss_mask, 1, gather_at).view(batch, n, block_size) > 0
     counted = keep.unsqueeze(-1) & in_range & supervised
     counted[..., 0] = False
-    weights = slot_weights(block_size, gamma, input_ids.device).view(1, 1, -1) * counted
+    weights = gamma_weights(block_size, gamma, input_ids.device).view(1, 1, -1) * counted
     block_ids = torch.full_like(labels, mask_token_id)
     block_ids[..., 0] = labels[..., 0]
     return Blocks(
