@@ -55,7 +55,9 @@ class DrafterConfig:
     block_size: int = 16
     # Outputs of these target decoder layers feed the drafter; null = the reference rule.
     target_layer_ids: Optional[list[int]] = None
-    # A token the tokenizer never emits in normal text; null = the target's documented default.
+    # A token the tokenizer never emits in normal text; null = the target's default: its folder's documented
+    # choice, else a mask token of its tokenizer, else its first embedding row past the tokenizer's ids, else a
+    # reserved special token (none of them: set it).
     mask_token_id: Optional[int] = None
     # flex: compiled block-sparse (GPU). sdpa: dense boolean mask (CPU, small inputs).
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"

@@ -289,5 +289,7 @@ def validate_against_target(cfg: Config, num_target_layers: int, vocab_size: int
     mask = cfg.drafter.mask_token_id
     if mask is not None and mask >= vocab_size:
         raise ConfigError(
-            f"config key 'drafter.mask_token_id': {mask} is outside the target's vocabulary (size {vocab_size})"
+            f"config key 'drafter.mask_token_id': {mask} is outside the target's vocabulary (size {vocab_size}); set "
+            "it to null for the target's default (its mask token, else its first embedding row no token uses, else a "
+            f"reserved token) or to the id, below {vocab_size}, of a special token the model never emits"
         )

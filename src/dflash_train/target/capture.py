@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -285,19 +286,40 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     return tok
 
 
-def default_mask_token_id(tokenizer, suggestion: Optional[int] = None) -> int:
-    """A token the model never emits in normal text. Order: the target folder's documented choice,
-    a `<|MASK|>`/`<mask>` token in the vocabulary. Never pad or eos (often the same id)."""
+MASK_NAMES = ("<|MASK|>", "<mask>", "<|mask|>", "[MASK]")
+_RESERVED = re.compile(r"reserved|unused", re.IGNORECASE)  # Llama 3's <|reserved_special_token_N|>, Gemma's <unusedN>
+
+
+def default_mask_token_id(tokenizer, suggestion: Optional[int] = None, embedding_rows: Optional[int] = None) -> int:
+    """The mask token of `drafter.mask_token_id: null`: one the model never emits in normal text. In order: the
+    target folder's documented choice; a mask token of the vocabulary; the first embedding row past every token id
+    (`embedding_rows`: the target's vocab_size), which no text encodes to (Qwen3's 151669, the reference drafters'
+    choice); a reserved special token. Never pad, eos or bos. None of them: a ConfigError that says what to set."""
     if suggestion is not None:
         return int(suggestion)
     vocab = tokenizer.get_vocab()
-    for name in ("<|MASK|>", "<mask>", "<|mask|>", "[MASK]"):
+    for name in MASK_NAMES:
         if name in vocab:
             return int(vocab[name])
+    past = max(vocab.values()) + 1
+    if embedding_rows is not None and embedding_rows > past:
+        log.info("drafter.mask_token_id: %d, the first of the target's %d embedding rows past its tokenizer's ids",
+                 past, embedding_rows - past)
+        return past
+    taken = {tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id}
+    specials = sorted((i, t) for t, i in tokenizer.get_added_vocab().items()
+                      if i not in taken and (embedding_rows is None or i < embedding_rows))
+    reserved = [(i, t) for i, t in specials if _RESERVED.search(t)]
+    if reserved:
+        log.info("drafter.mask_token_id: %d (%s, a reserved token of the tokenizer)", *reserved[0])
+        return int(reserved[0][0])
+    shown = ", ".join(f"{t} ({i})" for i, t in specials[:20]) + (f" and {len(specials) - 20} more"
+                                                                   if len(specials) > 20 else "")
     raise ConfigError(
-        "no mask token found in the target's tokenizer (looked for <|MASK|>, <mask>, [MASK]); set "
-        "drafter.mask_token_id to a special token the model never emits in normal text (not pad or eos)"
-    )
+        f"drafter.mask_token_id is null, but the target's tokenizer has no mask token ({', '.join(MASK_NAMES)}), no "
+        "reserved token and no embedding row past its tokens to take by default: set drafter.mask_token_id=ID (an "
+        "override, or in the config) to the id of a special token the model never emits in normal text (not pad or "
+        "eos)" + (f"; its special tokens: {shown}" if shown else ""))
 
 
 @dataclass

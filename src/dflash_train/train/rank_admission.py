@@ -59,12 +59,13 @@ def plan_run(cfg: Config) -> tuple[Plan, object]:
     tokenizer = load_tokenizer(target_path, cfg.target.trust_remote_code)
     mask = cfg.drafter.mask_token_id
     if mask is None:
-        mask = default_mask_token_id(tokenizer, assets.target_defaults(target_path).get("mask_token_id_suggestion"))
+        mask = default_mask_token_id(tokenizer, assets.target_defaults(target_path).get("mask_token_id_suggestion"),
+                                     tcfg.vocab_size)
     forbidden = {tokenizer.pad_token_id: "pad", tokenizer.eos_token_id: "eos"}
     if mask in forbidden:
         raise ValueError(
             f"drafter.mask_token_id={mask} is the tokenizer's {forbidden[mask]} token; the drafter must see a token "
-            "that never appears in normal text"
+            "that never appears in normal text: leave drafter.mask_token_id at null for the target's default"
         )
     device = resolve_device(cfg.run.device)
     validate_compile_device(cfg, device.type)  # target/drafter.compile: CUDA only (auto may resolve to cpu)
