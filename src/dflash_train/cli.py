@@ -419,10 +419,25 @@ def _add_regen_parser(subparsers) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--skip-damaged-files", action="store_true", help=SKIP_DAMAGED_HELP)
     r.add_argument("--export-batch", metavar="FILE",
+class _VersionAction(argparse.Action):
+    """--version, read when asked (argparse's own takes the text when the parser is built, and status starts faster
+    without reading the libraries' metadata)."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .doctor import version_line
+
+        print(version_line())
+        parser.exit()
+
+
                    help="write OpenAI batch requests (vllm run-batch / SGLang) instead of generating")
     r.add_argument("--import-batch", metavar="FILE", nargs="+", action="extend", default=None,
                    help="read batch responses (all rounds so far) and write the conversations to --out")
     r.add_argument("--model", help="body.model of exported requests (default: --target as given)")
+    p.add_argument("--version", action=_VersionAction, help="print the version (and torch's and transformers') and exit")
     r.set_defaults(func=cmd_regen)
 
 

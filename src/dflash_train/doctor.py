@@ -28,6 +28,15 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
+def version_line() -> str:
+    """`dflash-train --version`: this package's version and those of the libraries a bug report needs, read from
+    their installed metadata (torch is not imported)."""
+    from . import __version__
+
+    libs = ", ".join(f"{pkg} {_version(pkg)}" for pkg in ("torch", "transformers"))
+    return f"dflash-train {__version__} ({libs}, python {platform.python_version()})"
+
+
 def versions() -> list[Check]:
     import torch
 

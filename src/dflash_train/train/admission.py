@@ -65,6 +65,19 @@ def with_step_cap(cfg: Config, max_steps: Optional[int]) -> Config:
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, max_steps=cap))
 
 
+def with_max_steps_flag(cfg: Config, overrides: list[str], max_steps: Optional[int]) -> Config:
+    """`--max-steps N` is `optim.max_steps=N` given on the command line: it replaces the config file's value, and
+    beside an override of optim.max_steps that says otherwise it is refused (which one was meant is not ours to
+    guess)."""
+    if not max_steps:
+        return cfg
+    given = [o for o in overrides if o.split("=", 1)[0].strip() == "optim.max_steps"]
+    if given and cfg.optim.max_steps != max_steps:
+        raise ConfigError(f"--max-steps {max_steps} and the override {given[-1]} both set optim.max_steps: give one "
+                          "of them")
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, max_steps=max_steps))
+
+
 def flatten(cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for section, values in config_to_dict(cfg).items():
@@ -105,7 +118,7 @@ def admit_start(config_path: Optional[str], overrides: list[str], run_dir: Path,
     if config_path is None:
         raise UserError("train needs a CONFIG (e.g. configs/tiny-cpu.yaml), or --resume to continue the run in "
                         "--run-dir with its own config.yaml")
-    cfg = with_step_cap(load_config(config_path, overrides), max_steps)
+    cfg = with_max_steps_flag(load_config(config_path, overrides), overrides, max_steps)
     check_inputs_exist(cfg, config_path, overrides)
     if check_owner:
         check_data_readable(cfg)
@@ -171,9 +184,7 @@ def _admit_resume(config_path: Optional[str], overrides: list[str], run: RunDir,
                         "continue from; start it again with --overwrite (the old attempt is moved aside) or use "
                         "another --run-dir")
     recorded = load_config(run.config)
-    asked = load_config(config_path or run.config, overrides)
-    if max_steps:
-        asked = dataclasses.replace(asked, optim=dataclasses.replace(asked.optim, max_steps=max_steps))
+    asked = with_max_steps_flag(load_config(config_path or run.config, overrides), overrides, max_steps)
     changes = resume_changes(recorded, asked, run, config_path, overrides, max_steps)
     check_inputs_exist(asked, config_path or str(run.config), overrides)
     if check_owner:
