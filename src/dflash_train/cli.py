@@ -419,6 +419,13 @@ def _add_regen_parser(subparsers) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--skip-damaged-files", action="store_true", help=SKIP_DAMAGED_HELP)
     r.add_argument("--export-batch", metavar="FILE",
+                   help="write OpenAI batch requests (vllm run-batch / SGLang) instead of generating")
+    r.add_argument("--import-batch", metavar="FILE", nargs="+", action="extend", default=None,
+                   help="read batch responses (all rounds so far) and write the conversations to --out")
+    r.add_argument("--model", help="body.model of exported requests (default: --target as given)")
+    r.set_defaults(func=cmd_regen)
+
+
 class _VersionAction(argparse.Action):
     """--version, read when asked (argparse's own takes the text when the parser is built, and status starts faster
     without reading the libraries' metadata)."""
@@ -433,18 +440,11 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-                   help="write OpenAI batch requests (vllm run-batch / SGLang) instead of generating")
-    r.add_argument("--import-batch", metavar="FILE", nargs="+", action="extend", default=None,
-                   help="read batch responses (all rounds so far) and write the conversations to --out")
-    r.add_argument("--model", help="body.model of exported requests (default: --target as given)")
-    p.add_argument("--version", action=_VersionAction, help="print the version (and torch's and transformers') and exit")
-    r.set_defaults(func=cmd_regen)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-train", description="Train block drafters for speculative decoding "
                                 "(DFlash, DFlash2, DSpark, Domino) for your own LLM.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: off)")
+    p.add_argument("--version", action=_VersionAction, help="print the version (and torch's and transformers') and exit")
     p.add_argument("--debug", action="store_true",
                    help="print the traceback of a user error too (default: off; DFLASH_DEBUG=1 does the same)")
     sub = p.add_subparsers(dest="command", required=True)
