@@ -253,6 +253,38 @@ def test_a_run_on_another_host_is_judged_by_its_pulse(tmp_path):
     assert beat.read_text() == "{}"  # the pulse sets the time only
 
 
+def test_status_during_a_long_warm_up_shows_a_live_heartbeat_and_the_time_so_far(tmp_path):
+    """A warm-up compiles for minutes without reporting progress: `status` takes the heartbeat from the pulse (the
+    file times a live rank keeps touching) and says what the phase does and for how long, instead of a heartbeat
+    minutes old and an elapsed time stuck at the phase's start."""
+    from dflash_train.run.directory import RunDir
+    from dflash_train.run.status import StatusWriter, format_ranks, format_status, read_heartbeats, read_status
+    from dflash_train.run.status import write_heartbeat
+
+    run = RunDir(tmp_path / "R").create()
+    writer = StatusWriter(run)  # this process is the run's: alive, by its pid and start time
+    writer.update(phase="loading")
+    writer.update(phase="warmup")
+    write_heartbeat(run, 0, "warmup", 0)
+    start, warm = writer.state["started_at"], writer.state.get("phase_since", writer.state["heartbeat"])
+    now = warm + 200
+    for path in (run.status, run.heartbeats / "rank-0.json"):
+        os.utime(path, (now - 1, now - 1))  # the pulse, a second ago
+    text = format_status(read_status(run.root)[0], None, now)
+    assert "phase:      warmup (compiling and running the plan's batch shapes, 3m20s so far)\n" in text, text
+    assert "heartbeat:  1s ago (pid" in text and f"elapsed:    {_mins(now - start)}\n" in text, text
+    beats = read_heartbeats(run)
+    ranks = format_ranks(beats, now)
+    assert f"heartbeat 1.0 s ago (warmup for {_mins(now - beats[0]['time'])})" in ranks, ranks
+    writer.update(phase="training", step=1)
+    assert writer.state["phase_since"] > warm and "so far" not in format_status(read_status(run.root)[0], None, now)
+
+
+def _mins(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 60}m{s % 60:02d}s"
+
+
 def test_status_into_a_pipe_whose_reader_left_ends_quietly(finished):
     """`dflash-train status RUN | head -1`: the reader closes the pipe before the status is written; the command
     ends without a traceback or an error line (exit 1: its output was not read)."""

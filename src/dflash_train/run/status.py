@@ -30,11 +30,13 @@ class StatusWriter:
 
     def __init__(self, run: RunDir):
         self.run = run
+        now = time.time()
         self.state: dict[str, Any] = {
             "phase": "starting",
             **procs.identity(),
-            "started_at": time.time(),
-            "heartbeat": time.time(),
+            "started_at": now,
+            "phase_since": now,
+            "heartbeat": now,
             "step": 0,
             "total_steps": None,
             "error": None,
@@ -42,8 +44,11 @@ class StatusWriter:
         self.flush()
 
     def update(self, **fields: Any) -> None:
+        now = time.time()
+        if "phase" in fields and fields["phase"] != self.state.get("phase"):
+            self.state["phase_since"] = now
         self.state.update(fields)
-        self.state["heartbeat"] = time.time()
+        self.state["heartbeat"] = now
         self.flush()
 
     def fail(self, exc: BaseException, phase: Optional[str] = None) -> None:
@@ -199,20 +204,32 @@ def _duration(seconds: Optional[float]) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
+# The phases that report no progress while they last (a warm-up compiles for minutes): `status` says what they do
+# and for how long, and takes the heartbeat from the pulse that touches status.json.
+QUIET_PHASES = {"starting": "importing and checking the start", "loading": "loading the target and the drafter",
+                "warmup": "compiling and running the plan's batch shapes", "exporting": "writing and checking the export"}
+
+
 def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: Optional[float] = None) -> str:
     now = time.time() if now is None else now
     step, total = status.get("step", 0), status.get("total_steps")
     shown, why = run_verdict(status, now)
+    live = shown not in (*ENDED, "dead", "silent")
+    beat = status["heartbeat"]
     if shown in ("dead", "silent"):
         head = (f"phase:      {shown} (was {status.get('phase')}: {why}; last heartbeat "
-                f"{_duration(now - status['heartbeat'])} ago at step {step}; continue with --resume)")
+                f"{_duration(now - beat)} ago at step {step}; continue with --resume)")
+    elif live and shown in QUIET_PHASES:
+        since = status.get("phase_since") or beat
+        head = f"phase:      {shown} ({QUIET_PHASES[shown]}, {_duration(now - since)} so far)"
+        beat = max(beat, status.get("alive_at") or beat)  # the pulse: nothing else is written while it lasts
     else:
         head = f"phase:      {shown}" + (f" (in {status['failed_phase']})" if status.get("failed_phase") else "")
     lines = [
         head,
         f"step:       {step}" + (f" / {total}" if total else ""),
-        f"heartbeat:  {_duration(now - status['heartbeat'])} ago (pid {status.get('pid')} on {status.get('host')})",
-        f"elapsed:    {_duration(status.get('heartbeat', now) - status.get('started_at', now))}",
+        f"heartbeat:  {_duration(now - beat)} ago (pid {status.get('pid')} on {status.get('host')})",
+        f"elapsed:    {_duration((now if live else status.get('heartbeat', now)) - status.get('started_at', now))}",
     ]
     if last:
         acc = last.get("accuracy")
@@ -273,7 +290,12 @@ def format_ranks(beats: list[dict[str, Any]], now: Optional[float] = None) -> st
         if phase not in ENDED:
             alive, _ = liveness(b, b.get("alive_at"), now)
             phase = alive if alive in ("dead", "silent") else phase
-        line = f"  rank {b['rank']}: {role}{phase:<9} step {b['step']:<7} heartbeat {now - b['time']:.1f} s ago"
+        if phase in QUIET_PHASES:  # `time` is when the phase began; the pulse says the rank is at it
+            beat = max(b["time"], b.get("alive_at") or b["time"])
+            line = (f"  rank {b['rank']}: {role}{phase:<9} step {b['step']:<7} heartbeat {now - beat:.1f} s ago "
+                    f"({phase} for {_duration(now - b['time'])})")
+        else:
+            line = f"  rank {b['rank']}: {role}{phase:<9} step {b['step']:<7} heartbeat {now - b['time']:.1f} s ago"
         if b.get("mem_gib") is not None:
             line += f"  mem {b['mem_gib']:.1f} GiB"
         if b.get("transport_wait_s") is not None:
