@@ -35,6 +35,11 @@ class Options:
       when the config does not give them; `validate` then sees only values a user chose or these).
     - `draft_vocabulary`: whether it implements a reduced draft vocabulary (`drafter.draft_vocab_size > 0`: its own
       trained lm_head over the most frequent label tokens); config validation refuses the key elsewhere.
+    - `confidence_head(config_json)`: whether an export predicts each draft's acceptance (`Drafter.has_confidence`,
+      which `eval --confidence-threshold` needs), from its config.json alone. None: no export of it does.
+    - `tree_refusal(config_json)`: why an export cannot be decoded with DDTree (`eval --tree-budget`; the message
+      `Drafter.check_tree_decoding` raises), from its config.json alone; None where it can. Left unset: every export
+      can.
     """
 
     section: Optional[type] = None
@@ -45,6 +50,8 @@ class Options:
     training_layout: Optional[Callable[[dict], bool]] = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     draft_vocabulary: bool = False
+    confidence_head: Optional[Callable[[dict], bool]] = None
+    tree_refusal: Optional[Callable[[dict], Optional[str]]] = None
 
 
 NO_OPTIONS = Options()

@@ -23,7 +23,7 @@ from .data.formats import BUILTIN_SOURCES
 from .data.regen.inputs import ENGINES
 from .errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, USER_ERRORS, UserError, debug_enabled
 from .numbers import (ALL_IF_ZERO, BLOCK_SIZE, FRACTION, INDEX, NO_BOUND_IF_ZERO, POSITIVE_INT, POSITIVE_NUMBER, SEED,
-                      TEMPERATURE, TOP_P, VAL_FRACTION)
+                      TEMPERATURE, TOP_P, TREE_BUDGET, VAL_FRACTION)
 
 log = logging.getLogger("dflash_train")
 
@@ -182,17 +182,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from .infer.evaluate import evaluate, load_eval_models
+    from .infer.eval_options import DecodingOptions, check_against_drafter, check_flags
+    from .infer.evaluate import evaluate, load_eval_models, require_eval_fp8_device
     from .outputs import check_report_out
     from .paths import require_exported_drafter
     from .runtime import resolve_device, resolve_dtype
 
-    if args.replay and args.temperature > 0:
-        raise ValueError("--replay measures greedy decoding: drop --temperature (or --replay to sample)")
-    if args.replay and args.confidence_threshold > 0:
-        raise ValueError("--replay verifies every draft: drop --confidence-threshold (or --replay)")
-    budgets = _tree_budgets(args)
+    budgets = tuple(args.tree_budget or ())
+    decoding = DecodingOptions(budgets, args.confidence_threshold, args.temperature, args.block_size, args.replay)
+    check_flags(decoding)
     require_exported_drafter(Path(args.drafter))  # a checkpoint or a run: say which command fits, before loading
+    check_against_drafter(decoding, Path(args.drafter))  # what the drafter supports, from its config.json
     check_report_out(Path(args.out), [("--drafter", Path(args.drafter)), ("--target", Path(args.target)),
                                       *[("--data", Path(d)) for d in args.data]], args.overwrite)
     from .data.formats import check_readable, require_packages
@@ -203,16 +203,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
             check_readable([data], args.limit)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    if args.target_quantize == "fp8":
+        require_eval_fp8_device(device, dtype)
     template_kwargs = {"enable_thinking": args.thinking} if args.thinking is not None else None
     target, tokenizer, drafter, stops = load_eval_models(args.target, args.drafter, device, dtype,
-                                                         template_kwargs, args.block_size, args.target_quantize)
+                                                         template_kwargs, args.block_size, args.target_quantize,
+                                                         args.max_new_tokens)
     save = functools.partial(_save_eval, args)
     if args.replay:
         from .infer.evaluate import evaluate_by_replay
-
-        if args.block_size not in (None, drafter.block_size):
-            raise ValueError(f"--replay verifies the drafter's trained block ({drafter.block_size}); "
-                             f"drop --block-size {args.block_size} or --replay")
 
         with torch.no_grad():
             report = evaluate_by_replay(target, tokenizer, drafter, args.data, max_new_tokens=args.max_new_tokens,
@@ -227,18 +226,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
                           measure_speedup=not args.no_baseline, progress=not args.no_progress, on_dataset=save,
                           skip_damaged_files=args.skip_damaged_files, confidence_threshold=args.confidence_threshold)
     return _finish_eval(args, report)
-
-
-def _tree_budgets(args: argparse.Namespace) -> tuple[int, ...]:
-    """--tree-budget's budgets (each a positive integer already), refused before anything loads where the
-    decoding would fail only after the block results."""
-    budgets = tuple(args.tree_budget or ())
-    twice = sorted({b for b in budgets if budgets.count(b) > 1})
-    if twice:
-        raise ValueError(f"--tree-budget lists {twice[0]} twice: give each budget once")
-    if budgets and args.temperature > 0:
-        raise ValueError("--tree-budget: DDTree verification is greedy; drop --temperature (or --tree-budget)")
-    return budgets
 
 
 def _save_eval(args: argparse.Namespace, report: dict) -> None:
@@ -501,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace an earlier eval report in --out (and its .md); a file that is not an eval report "
                         "is never replaced (default: off, an existing report is refused)")
     e.add_argument("--max-new-tokens", type=POSITIVE_INT.flag, default=256,
-                   help="tokens generated per turn of each prompt (default: %(default)s)")
+                   help="tokens generated per turn of each prompt, fewer than the target's context "
+                        "(max_position_embeddings) (default: %(default)s)")
     e.add_argument("--temperature", type=TEMPERATURE.flag, default=0.0,
                    help="0 = greedy, checked lossless against the target; above 0 = speculative sampling "
                         "(default: %(default)s)")
@@ -512,8 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "first whose predicted acceptance is below this (lossless: the drafter's own prediction); "
                         "the report gives verified_per_step beside tau; 0 = verify every draft (default: "
                         "%(default)s)")
-    e.add_argument("--tree-budget", type=POSITIVE_INT.flag, nargs="*", default=None,
-                   help="DDTree node budgets to evaluate as well, e.g. 16 64 (default: none, block verification only)")
+    e.add_argument("--tree-budget", type=TREE_BUDGET.flag, nargs="+", default=None, metavar="N",
+                   help=f"DDTree node budgets to evaluate as well, e.g. 16 64, each at most {TREE_BUDGET.high}: a "
+                        "step verifies budget + 1 tokens under a (budget + 1) x (context + budget + 1) mask (default: "
+                        "none, block verification only)")
     e.add_argument("--limit", type=ALL_IF_ZERO.flag, default=0,
                    help="prompts per dataset, 0 = all (default: %(default)s)")
     e.add_argument("--thinking", type=parse_bool, default=None, metavar="true|false",

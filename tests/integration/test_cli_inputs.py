@@ -383,3 +383,87 @@ def test_true_false_options_refuse_anything_else(command, value, capsys):
         build_parser().parse_args([*command, "--thinking", value])
     assert e.value.code == 2
     assert f"--thinking: expected true or false (or 1/0, yes/no), got {value!r}" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ eval's options, before anything loads
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, tiny_target_dir):
+    from _drafter_exports import EXPORTS, export_drafter
+
+    root = tmp_path_factory.mktemp("exports")
+    return {case: export_drafter(root, tiny_target_dir, case)[0] for case in EXPORTS}
+
+
+@pytest.mark.parametrize("case,extra,said", [
+    ("dflash", ["--tree-budget", "4", "--confidence-threshold", "0.5"],
+     "error: --confidence-threshold truncates block verification; DDTree verifies a tree: drop --tree-budget or "
+     "--confidence-threshold"),
+    ("dflash", ["--confidence-threshold", "0.5"],
+     "error: --confidence-threshold 0.5: the dflash drafter in {drafter} has no confidence head (its config.json "
+     "declares none); drop --confidence-threshold"),
+    ("dspark-no-confidence", ["--confidence-threshold", "0.5"],
+     "error: --confidence-threshold 0.5: the dspark drafter in {drafter} has no confidence head"),
+    ("domino", ["--tree-budget", "4"], "error: {drafter}: drafter.architecture domino drafts a chain"),
+    ("dspark-rnn", ["--tree-budget", "16"], "error: {drafter}: --tree-budget (DDTree) scores each tree node given its "
+                                            "parent token only; this DSpark drafter's markov_head_type is rnn"),
+    ("dflash", ["--block-size", "8"], "error: --block-size 8: larger than the drafter's trained block size 4 "
+                                      "({drafter}/config.json); give at most 4 or leave --block-size out"),
+    ("dflash", ["--replay", "--block-size", "3"], "error: --replay verifies the drafter's trained block (4, "
+                                                  "{drafter}/config.json); drop --block-size 3 or --replay"),
+])
+def test_eval_refuses_what_the_drafter_cannot_do_before_any_model_loads(exports, tiny_eval, tmp_path, capsys, case,
+                                                                        extra, said):
+    """The target does not exist: a refusal about the options shows they were checked before it was looked at."""
+    from dflash_train.cli import main
+
+    drafter, out = exports[case], tmp_path / "e.json"
+    assert main(["eval", "--target", str(tmp_path / "no-target"), "--drafter", str(drafter), "--data",
+                 str(tiny_eval[1]), "--out", str(out), *extra]) == 2
+    assert _one_error_line(capsys).startswith(said.format(drafter=drafter))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case,extra", [("dspark", ["--confidence-threshold", "0.5"]),
+                                        ("dspark", ["--tree-budget", "4", "1024"]),
+                                        ("dflash2", ["--tree-budget", "16", "--block-size", "3"])])
+def test_eval_options_the_drafter_supports_go_on_to_the_target(exports, tiny_eval, tmp_path, capsys, case, extra):
+    from dflash_train.cli import main
+
+    assert main(["eval", "--target", str(tmp_path / "no-target"), "--drafter", str(exports[case]), "--data",
+                 str(tiny_eval[1]), "--out", str(tmp_path / "e.json"), *extra]) == 2
+    assert "no-target' does not exist" in _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("values,said", [
+    (["100000"], "argument --tree-budget: must be an integer in [1, 1024], got 100000"),
+    ([], "argument --tree-budget: expected at least one argument"),
+])
+def test_eval_refuses_a_tree_budget_beyond_its_bound_or_none(values, said, capsys):
+    from dflash_train.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--target", "t", "--drafter", "d", "--tree-budget", *values])
+    assert e.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_eval_refuses_more_new_tokens_than_the_targets_context_before_the_drafter_loads(tiny_target_dir, tiny_eval,
+                                                                                         tmp_path, capsys):
+    """The drafter's weights are garbage: the refusal about the context shows they were never read."""
+    import shutil
+
+    from dflash_train.cli import main
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(tiny_eval[0], drafter)
+    (drafter / "model.safetensors").write_bytes(b"not weights")
+    argv = ["eval", "--target", str(tiny_target_dir), "--drafter", str(drafter), "--data", str(tiny_eval[1]),
+            "--out", str(tmp_path / "e.json"), "--device", "cpu"]
+    assert main([*argv, "--max-new-tokens", "2048"]) == 2
+    assert _one_error_line(capsys) == (
+        f"error: --max-new-tokens 2048 leaves no room for a prompt in the target's context of 2048 tokens "
+        f"(max_position_embeddings in {tiny_target_dir.resolve() / 'config.json'}): give fewer than 2048")
+    assert main([*argv, "--max-new-tokens", "2047"]) == 2  # within the context: the drafter is read, and refused
+    assert "model.safetensors" in _one_error_line(capsys)
+

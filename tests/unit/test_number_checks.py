@@ -29,7 +29,7 @@ FLAGS: dict[tuple[str, str], tuple[str, list[str]]] = {
     ("eval", "--temperature"): ("a number >= 0 (0 = greedy)", ["0", "0.7", "2"]),
     ("eval", "--block-size"): ("an integer >= 2", ["2", "16"]),
     ("eval", "--confidence-threshold"): ("a number in [0, 1]", ["0", "0.5", "1"]),
-    ("eval", "--tree-budget"): ("a positive integer", ["1", "64"]),
+    ("eval", "--tree-budget"): ("an integer in [1, 1024]", ["1", "64", "1024"]),
     ("eval", "--limit"): ("an integer >= 0 (0 = all)", ["0", "10"]),
     ("prepare", "--max-length"): ("a positive integer", ["32", "3072"]),
     ("prepare", "--block-size"): ("an integer >= 2", ["2", "16"]),
@@ -297,7 +297,7 @@ def _no_loading(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,said", [
-    (["eval", "--tree-budget", "0"], "argument --tree-budget: must be a positive integer, got 0"),
+    (["eval", "--tree-budget", "0"], "argument --tree-budget: must be an integer in [1, 1024], got 0"),
     (["eval", "--tree-budget", "16", "4", "16"], "error: --tree-budget lists 16 twice: give each budget once"),
     (["eval", "--tree-budget", "4", "--temperature", "0.7"],
      "error: --tree-budget: DDTree verification is greedy; drop --temperature (or --tree-budget)"),

@@ -423,13 +423,16 @@ def check_pair(target_config, drafter: Drafter) -> None:
 
 def load_eval_models(target_path: str, drafter_path: str, device: torch.device, dtype: torch.dtype,
                      template_kwargs: Optional[dict] = None, block_size: Optional[int] = None,
-                     target_quantize: str = "none"):
+                     target_quantize: str = "none", max_new_tokens: Optional[int] = None):
     """Load target and drafter after checking, from config files alone, that they belong together and
-    that tokenizer, chat template and RoPE are the ones the drafter was trained with. `target_quantize`:
-    `fp8`, the target as it is served in FP8 (`load_eval_target`)."""
+    that tokenizer, chat template and RoPE are the ones the drafter was trained with (and, given
+    `max_new_tokens`, that the target's context holds that many). `target_quantize`: `fp8`, the target as it is
+    served in FP8 (`load_eval_target`)."""
     tpath = assets.resolve_target(target_path)
-    drafter = load_drafter(drafter_path, device=device, dtype=dtype)
     tconfig = read_target_config(tpath)
+    if max_new_tokens is not None:
+        check_context(tpath, tconfig, max_new_tokens)  # before either model loads
+    drafter = load_drafter(drafter_path, device=device, dtype=dtype)
     check_pair(tconfig, drafter)  # before the target's weights load
     tokenizer = load_tokenizer(tpath)
     trained = read_provenance(Path(drafter_path))
@@ -445,6 +448,16 @@ def load_eval_models(target_path: str, drafter_path: str, device: torch.device, 
     return target, tokenizer, drafter, stops
 
 
+def check_context(tpath: Path, tconfig, max_new_tokens: int) -> None:
+    """`--max-new-tokens` must leave room for a prompt in the target's context (`max_position_embeddings`; a
+    config without one bounds nothing)."""
+    context = getattr(tconfig, "max_position_embeddings", None)
+    if isinstance(context, int) and max_new_tokens >= context:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the target's context of "
+                         f"{context} tokens (max_position_embeddings in {Path(tpath) / 'config.json'}): give fewer "
+                         f"than {context}")
+
+
 def load_eval_target(tpath: Path, dtype: torch.dtype, device: torch.device, quantize: str = "none"):
     """The target for decoding: as trained (`none`), or (`fp8`) every decoder layer's linears in FP8 the way
     `target.quantize=fp8` quantises them (row-wise weight scales, per-token activations): the acceptance a
@@ -458,10 +471,15 @@ def load_eval_target(tpath: Path, dtype: torch.dtype, device: torch.device, quan
     return load_target_model(tpath, dtype, device, fp8_layers=num_layers)
 
 
+def require_eval_fp8_device(device: torch.device, dtype: torch.dtype) -> None:
+    """`eval --target-quantize fp8`: a device and `--dtype` that run the FP8 matmuls (said before any model loads)."""
+    require_fp8_device(device, dtype, "--target-quantize fp8", "--dtype", "drop --target-quantize")
+
+
 def check_fp8_eval_target(path: Path, device: torch.device, dtype: torch.dtype, num_layers: int) -> None:
     """`eval --target-quantize fp8` (every decoder layer, as a target served in FP8): a device and dtype that run
     it and linear shapes `_scaled_mm` takes, before the target's weights load."""
-    require_fp8_device(device, dtype, "--target-quantize fp8", "--dtype", "drop --target-quantize")
+    require_eval_fp8_device(device, dtype)
     bad = unsupported_shapes(target_fp8_linears(path, False, num_layers))
     if bad:
         raise ConfigError(f"--target-quantize fp8: FP8 matmuls (torch._scaled_mm on CUDA) need both dimensions of "

@@ -15,6 +15,7 @@ from transformers import Qwen3Config
 
 from ..base import transform_logits
 from ..dflash.model import DFlashDrafter
+from .options import TREE_REFUSAL
 
 
 class DominoDrafter(DFlashDrafter):
@@ -114,6 +115,4 @@ class DominoDrafter(DFlashDrafter):
         raise AssertionError("unreachable: check_tree_decoding refuses")
 
     def check_tree_decoding(self) -> None:
-        raise ValueError("drafter.architecture domino drafts a chain: its correction depends on every token before "
-                         "the slot, so per-slot tree candidates would not be the distributions it drafts from; "
-                         "evaluate it without --tree-budget")
+        raise ValueError(TREE_REFUSAL)

@@ -64,6 +64,16 @@ def validate(cfg: Any) -> None:
                           "vocabulary; set drafter.draft_vocab_size=0")
 
 
+TREE_REFUSAL = ("drafter.architecture domino drafts a chain: its correction depends on every token before the slot, "
+                "so per-slot tree candidates would not be the distributions it drafts from; evaluate it without "
+                "--tree-budget")
+
+
+def tree_refusal(config_json: dict) -> str:
+    """Every Domino export refuses DDTree (`TREE_REFUSAL`)."""
+    return TREE_REFUSAL
+
+
 OPTIONS = Options(
     section=DominoOptions,
     number_rules={"gru_hidden_dim": POSITIVE_INT, "emb_dim": POSITIVE_INT, "pure_draft_prefix_len": POSITIVE_INT,
@@ -74,4 +84,5 @@ OPTIONS = Options(
     # acceptance; acceptance and dpace (of the corrected scores' label probabilities) are accepted, pending a GPU
     # comparison of the recipes
     defaults={"objective.slot_weighting": "gamma"},
+    tree_refusal=tree_refusal,
 )

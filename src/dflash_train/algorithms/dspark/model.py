@@ -21,6 +21,7 @@ from transformers import Qwen3Config
 
 from ..base import BlockProposals
 from ..dflash.model import DFlashDrafter
+from .options import tree_refusal
 
 
 class MarkovHead(nn.Module):
@@ -168,10 +169,9 @@ class DSparkDrafter(DFlashDrafter):
         return ids, q, torch.sigmoid(conf)
 
     def check_tree_decoding(self) -> None:
-        if self.markov_rank and self.markov_head_type == "rnn":
-            raise ValueError("--tree-budget (DDTree) scores each tree node given its parent token only; this DSpark "
-                             "drafter's markov_head_type is rnn, whose bias depends on every token drafted before "
-                             "the slot: evaluate it without --tree-budget (vanilla and gated heads support it)")
+        why = tree_refusal({"markov_rank": self.markov_rank, "markov_head_type": self.markov_head_type})
+        if why:
+            raise ValueError(why)
 
     def tree_candidates(self, hidden, lm_head, anchor_ids, k: int, max_elements: int = 1 << 26):
         """DDTree candidates of all bs slots (depth d: slot d, depth 0 given the anchor). A vanilla or gated

@@ -95,6 +95,21 @@ def validate(cfg: Any) -> None:
                           "distribution (dspark.l1_weight); set objective.distill_weight to 0")
 
 
+def tree_refusal(config_json: dict) -> Optional[str]:
+    """An rnn Markov head's bias depends on every token drafted before the slot: no per-parent tree scores. The
+    exported config.json's flat `markov_rank` and `markov_head_type` (`config.HEAD_FIELDS`) say."""
+    if config_json.get("markov_rank") and config_json.get("markov_head_type") == "rnn":
+        return ("--tree-budget (DDTree) scores each tree node given its parent token only; this DSpark drafter's "
+                "markov_head_type is rnn, whose bias depends on every token drafted before the slot: evaluate it "
+                "without --tree-budget (vanilla and gated heads support it)")
+    return None
+
+
+def confidence_head(config_json: dict) -> bool:
+    """Whether the export carries the confidence head (`enable_confidence_head`, `dspark.confidence_head`)."""
+    return bool(config_json.get("enable_confidence_head"))
+
+
 OPTIONS = Options(
     section=DSparkOptions,
     number_rules={"markov_rank": Rule(int, low=0, zero="0 = no Markov head"), "ce_weight": NON_NEGATIVE_NUMBER,
@@ -103,4 +118,6 @@ OPTIONS = Options(
                   "dpard_alpha": Rule(float, low=0, high=1, low_open=True, high_open=True)},
     validate=validate,
     about="DSpark's Markov and confidence heads and its loss",
+    confidence_head=confidence_head,
+    tree_refusal=tree_refusal,
 )
