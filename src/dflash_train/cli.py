@@ -239,7 +239,8 @@ def _save_eval(args: argparse.Namespace, report: dict) -> None:
 
 
 def _finish_eval(args: argparse.Namespace, report: dict) -> int:
-    from .infer.evaluate import lossless_line, markdown_table
+    """The table, the lossless lines and where the report is; exit code 1 when a decoding mode failed."""
+    from .infer.evaluate import failure_line, lossless_line, markdown_table
 
     out = Path(args.out)
     print(markdown_table(report))
@@ -249,12 +250,17 @@ def _finish_eval(args: argparse.Namespace, report: dict) -> int:
         from .data.formats import DamagedDataFile
 
         print(DamagedDataFile.from_record(record).cut_line())
-    if args.update_card:
+    failed = failure_line(report)
+    if args.update_card and not failed:
         from .model_card import put_eval_table
 
         put_eval_table(Path(args.drafter), report)
     print(f"report: {out} and {out.with_suffix('.md')}")
-    return 0
+    if failed:
+        card = " (the model card was left as it was)" if args.update_card else ""
+        print(f"error: eval: {failed}{card}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_DONE
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -467,3 +467,43 @@ def test_eval_refuses_more_new_tokens_than_the_targets_context_before_the_drafte
     assert main([*argv, "--max-new-tokens", "2047"]) == 2  # within the context: the drafter is read, and refused
     assert "model.safetensors" in _one_error_line(capsys)
 
+
+# ------------------------------------------------------------------------------ a decoding mode that fails
+
+def test_a_failed_decoding_mode_keeps_the_modes_before_it(tiny_target_dir, tiny_eval, tmp_path, capsys, monkeypatch):
+    """DDTree's mask cannot be allocated (as for a budget too large for the machine): the report holds the target and
+    block results of every prompt, names the failed mode with its error, and eval exits 1 saying which."""
+    import json
+
+    from dflash_train.cli import main
+    from dflash_train.infer.spec_decode import SpeculativeDecoder
+
+    def out_of_memory(self, parents, past, dtype):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 40004000008 bytes.\n"
+                           "Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(SpeculativeDecoder, "_tree_mask", out_of_memory)
+    drafter, data = tiny_eval
+    out = tmp_path / "e.json"
+    rc = main(["eval", "--target", str(tiny_target_dir), "--drafter", str(drafter), "--data", str(data),
+               "--out", str(out), "--max-new-tokens", "6", "--device", "cpu", "--tree-budget", "4", "--limit", "2",
+               "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    error = ("RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 40004000008 bytes. "
+             "Error code 12 (Cannot allocate memory)")
+    report = json.loads(out.read_text())
+    assert report["failed"] == {"mode": "tree-4", "dataset": str(data), "prompt": "p0", "error": error}
+    assert list(report["datasets"][str(data)]["modes"]) == ["target", "block"]
+    assert [sorted(r["modes"]) for r in report["outputs"]] == [["block", "target"]] * 2
+    assert report["datasets"][str(data)]["modes"]["block"]["steps"] > 0
+    said = f"decoding mode tree-4 failed on {data} prompt p0 ({error})"
+    assert [line for line in captured.err.splitlines() if line.startswith("error:")] == [
+        f"error: eval: {said}; the report holds the modes finished before it, and no later mode or dataset ran "
+        "(--debug shows the traceback)"]
+    assert "Traceback" not in captured.err
+    assert f"| {data} | block |" in captured.out and "tree-4 |" not in captured.out
+    assert f"lossless: {data}: 2 of 2 outputs (block) equal the target's own greedy output" in captured.out
+    md = out.with_suffix(".md").read_text()
+    assert f"| {data} | block |" in md and f"Failed: {said}" in md
+

@@ -347,7 +347,7 @@ def _eval_argv(tiny_target_dir, two_datasets, out: Path, *extra) -> list[str]:
 def test_eval_writes_each_dataset_before_the_next_is_decoded(tiny_target_dir, two_datasets, tmp_path, monkeypatch,
                                                              replay):
     """The second dataset's decoding fails: the report on disk holds the first dataset's results, written before
-    the second began."""
+    the second began (decoding names the failed mode and exits 1; a failed replay raises)."""
     import dflash_train.infer.evaluate as evaluate
 
     first, second = map(str, two_datasets[1])
@@ -366,8 +366,12 @@ def test_eval_writes_each_dataset_before_the_next_is_decoded(tiny_target_dir, tw
     else:
         real_prompt = evaluate.run_prompt
         monkeypatch.setattr(evaluate, "run_prompt", lambda *args: check({args[-1]}) or real_prompt(*args))
-    with pytest.raises(RuntimeError, match="fell over"):
-        main(_eval_argv(tiny_target_dir, two_datasets, out, *(["--replay"] if replay else ["--no-baseline"])))
+    argv = _eval_argv(tiny_target_dir, two_datasets, out, *(["--replay"] if replay else ["--no-baseline"]))
+    if replay:
+        with pytest.raises(RuntimeError, match="fell over"):
+            main(argv)
+    else:
+        assert main(argv) == 1
     assert seen_on_disk and seen_on_disk[0] is not None, "nothing was written before the second dataset"
     report = json.loads(out.read_text())
     assert list(report["datasets"]) == [first]
@@ -375,6 +379,9 @@ def test_eval_writes_each_dataset_before_the_next_is_decoded(tiny_target_dir, tw
     assert report["datasets"][first]["modes"]["block"]["steps"] > 0
     assert report["config"]["target_quantize"] == "none"
     assert f"| {first} | block |" in out.with_suffix(".md").read_text()
+    if not replay:
+        assert report["failed"] == {"mode": "block", "dataset": second, "prompt": "second0",
+                                    "error": "RuntimeError: the machine fell over"}
 
 
 def test_eval_finishes_with_every_dataset_and_shows_a_progress_bar(tiny_target_dir, two_datasets, tmp_path, capsys):

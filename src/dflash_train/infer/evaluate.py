@@ -22,7 +22,7 @@ from .. import assets
 from ..data.chat import prompt_ids
 from ..data.formats import RowError, iter_source, prompt_turns
 from ..algorithms.base import Drafter
-from ..errors import ConfigError
+from ..errors import ConfigError, debug_enabled
 from ..accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
 from ..target.hf_config import text_config
 from ..algorithms.io import load_drafter
@@ -166,12 +166,14 @@ def evaluate(
     skip_damaged_files: bool = False,
     confidence_threshold: float = 0.0,
 ) -> dict:
-    """Run every mode on every prompt; returns a JSON-ready report. `confidence_threshold` C > 0 (a drafter with
-    a confidence head; block decoding): each step verifies the drafts before the first the drafter predicts
-    accepted with probability below C; the report's `verified_per_step` says how many tokens the target checked. `on_dataset(report)`: the report so far,
-    after each dataset (so that a later failure loses none of it). `progress`: a bar per dataset on stderr.
-    `skip_damaged_files`: a damaged data file gives its prompts before the damage, and the report lists it under
-    "damaged_files"."""
+    """Run every mode on every prompt, dataset by dataset and, within one, mode by mode (`decode_dataset`);
+    returns a JSON-ready report. A mode that fails ends the run: the report keeps every mode done before it and
+    names the failed one under "failed" (`mode_failure`). `confidence_threshold` C > 0 (a drafter with a
+    confidence head; block decoding): each step verifies the drafts before the first the drafter predicts
+    accepted with probability below C; the report's `verified_per_step` says how many tokens the target checked.
+    `on_dataset(report)`: the report so far, after each dataset and after a failure (so that a later failure loses
+    none of it). `progress`: a bar per dataset on stderr. `skip_damaged_files`: a damaged data file gives its
+    prompts before the damage, and the report lists it under "damaged_files"."""
     if confidence_threshold > 0 and tree_budgets:
         raise ValueError("--confidence-threshold truncates block verification; DDTree verifies a tree: drop "
                          "--tree-budget or --confidence-threshold")
@@ -188,13 +190,60 @@ def evaluate(
     prompts = read_prompts(datasets, limit, damaged)
     _with_damaged(report, damaged)
     for ds, items in prompts.items():
-        bar = tqdm(items, desc=ds, unit="prompt", dynamic_ncols=True, disable=not progress, file=sys.stderr)
-        records = [run_prompt(dec, tokenizer, item, modes, max_new_tokens, template_kwargs, ds) for item in bar]
-        report["outputs"] += records
-        report["datasets"][ds] = summarize_records(records, [m.name for m in modes], temperature)
+        with tqdm(total=len(items) * len(modes), desc=ds, unit="prompt", dynamic_ncols=True, disable=not progress,
+                  file=sys.stderr) as bar:
+            records, done, failure = decode_dataset(dec, tokenizer, items, modes, max_new_tokens, template_kwargs, ds,
+                                                    bar.update)
+        if done or failure is None:
+            report["outputs"] += records
+            report["datasets"][ds] = summarize_records(records, done, temperature)
+        if failure is not None:
+            report["failed"] = failure
         if on_dataset:
             on_dataset(report)
+        if failure is not None:
+            break
     return report
+
+
+def decode_dataset(dec: SpeculativeDecoder, tokenizer, items: list[dict], modes: list[Mode], max_new_tokens: int,
+                   template_kwargs: Optional[dict], dataset: str,
+                   done_one: Callable[[], object] = lambda: None) -> tuple[list[dict], list[str], Optional[dict]]:
+    """One dataset's prompts under each mode in turn, every prompt under one mode before the next mode:
+    (a record per prompt, as `run_prompt`'s, holding the modes that finished; those modes; the failure of the mode
+    that raised, which ends the dataset, else None). `done_one()`: after each prompt of each mode."""
+    records = [{"dataset": dataset, "id": item["id"], "modes": {}} for item in items]
+    finished: list[str] = []
+    for mode in modes:
+        for item, record in zip(items, records):
+            try:
+                outputs = run_prompt(dec, tokenizer, item, [mode], max_new_tokens, template_kwargs, dataset)
+            except Exception as e:  # any failure of a mode: the modes before it are kept and written
+                if debug_enabled():
+                    log.error("eval: mode %s failed on %s prompt %s", mode.name, dataset, item["id"], exc_info=True)
+                for r in records:
+                    r["modes"].pop(mode.name, None)
+                return records, finished, mode_failure(mode.name, dataset, item["id"], e)
+            record["modes"][mode.name] = outputs["modes"][mode.name]
+            done_one()
+        finished.append(mode.name)
+    return records, finished, None
+
+
+def mode_failure(mode: str, dataset: str, prompt, error: BaseException) -> dict:
+    """The report's "failed" entry: the mode, where it failed and its error on one line."""
+    text = " ".join(str(error).split()) or "(no message)"
+    return {"mode": mode, "dataset": dataset, "prompt": prompt, "error": f"{type(error).__name__}: {text}"}
+
+
+def failure_line(report: dict) -> Optional[str]:
+    """One line naming the mode that failed and its error, and what the report holds instead (None: none failed)."""
+    failed = report.get("failed")
+    if not failed:
+        return None
+    return (f"decoding mode {failed['mode']} failed on {failed['dataset']} prompt {failed['prompt']} "
+            f"({failed['error']}); the report holds the modes finished before it, and no later mode or dataset ran "
+            "(--debug shows the traceback)")
 
 
 def _with_damaged(report: dict, damaged: Optional[list]) -> dict:
@@ -377,7 +426,9 @@ def lossless_line(report: dict, dataset: str) -> str:
     output, the first mismatch, or why nothing was compared (replay, sampling, no baseline)."""
     body, config = report["datasets"][dataset], report["config"]
     modes = [m for m in body["modes"] if m != "target"]
-    if config.get("method") == "replay":
+    if not modes:
+        why = "nothing to compare (no decoding mode finished)"
+    elif config.get("method") == "replay":
         why = "not checked (--replay reads the target's own greedy continuation; nothing else is decoded)"
     elif config["temperature"] > 0:
         why = (f"not applicable (sampling at --temperature {config['temperature']}: outputs follow the target's "
@@ -402,7 +453,9 @@ def write_report(report: dict, out: Path) -> None:
     """The JSON report and its Markdown table beside it, each replaced whole (a kill mid-write keeps the last)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, json.dumps(report, indent=1))
-    write_text_atomic(out.with_suffix(".md"), REPORT_TITLE + "\n" + markdown_table(report) + "\n")
+    failed = failure_line(report)
+    write_text_atomic(out.with_suffix(".md"), REPORT_TITLE + "\n" + markdown_table(report) + "\n"
+                      + (f"\nFailed: {failed}\n" if failed else ""))
 
 
 def check_pair(target_config, drafter: Drafter) -> None:
