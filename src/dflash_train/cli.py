@@ -517,8 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto = cuda when a GPU is visible, else cpu (default: %(default)s)")
     e.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
-                   help="float32 makes greedy decoding exactly lossless; bfloat16 is the serving dtype; auto = "
-                        "bfloat16 on GPU, float32 on CPU (default: %(default)s)")
+                   help="dtype of target and drafter: float32, the default on every device, makes greedy decoding "
+                        "exactly lossless; bfloat16 is the serving dtype (faster on a GPU; outputs may differ from "
+                        "float32's where logits nearly tie); auto = bfloat16 on a GPU, float32 on the CPU "
+                        "(default: %(default)s)")
     e.add_argument("--target-quantize", default="none", choices=["none", "fp8"],
                    help="fp8: every decoder layer's linears in FP8 (row-wise weight scales, per-token activations, "
                         "as target.quantize=fp8 trains with), for the acceptance on a target served in FP8; needs "

@@ -468,6 +468,14 @@ def test_eval_refuses_more_new_tokens_than_the_targets_context_before_the_drafte
     assert "model.safetensors" in _one_error_line(capsys)
 
 
+def test_eval_dtype_help_names_its_real_default():
+    parser = _subparsers(build_parser())["eval"]
+    (action,) = [a for a in parser._actions if "--dtype" in a.option_strings]
+    text = parser._get_formatter()._expand_help(action)
+    assert action.default == "float32" and text.endswith("(default: float32)")
+    assert "float32, the default on every device" in text
+
+
 # ------------------------------------------------------------------------------ a decoding mode that fails
 
 def test_a_failed_decoding_mode_keeps_the_modes_before_it(tiny_target_dir, tiny_eval, tmp_path, capsys, monkeypatch):
@@ -507,3 +515,27 @@ def test_a_failed_decoding_mode_keeps_the_modes_before_it(tiny_target_dir, tiny_
     md = out.with_suffix(".md").read_text()
     assert f"| {data} | block |" in md and f"Failed: {said}" in md
 
+
+# ------------------------------------------------------------------------------ the table
+
+def test_the_table_shows_the_tokens_verified_per_step_where_the_report_has_them(tiny_target_dir, tiny_eval, tmp_path,
+                                                                               capsys):
+    """Block decoding counts the tokens the target verified per step (the anchor and the block's drafts: 4 at
+    block size 4); replay does not."""
+    import json
+
+    from dflash_train.cli import main
+
+    drafter, data = tiny_eval
+    argv = ["eval", "--target", str(tiny_target_dir), "--drafter", str(drafter), "--data", str(data),
+            "--max-new-tokens", "6", "--device", "cpu", "--limit", "1", "--no-progress", "--tree-budget", "4"]
+    assert main([*argv, "--out", str(tmp_path / "d.json")]) == 0
+    table = capsys.readouterr().out
+    modes = json.loads((tmp_path / "d.json").read_text())["datasets"][str(data)]["modes"]
+    assert modes["block"]["verified_per_step"] == 4 and "verified_per_step" not in modes["tree-4"]
+    assert "| dataset | mode | tau | verified/step | decode tok/s |" in table
+    assert f"| {data} | block | {modes['block']['tau']:.3f} | 4.00 |" in table
+    assert f"| {data} | tree-4 | {modes['tree-4']['tau']:.3f} | - |" in table
+    assert f"| {data} | block | {modes['block']['tau']:.3f} | 4.00 |" in (tmp_path / "d.md").read_text()
+    assert main([*argv, "--out", str(tmp_path / "r.json"), "--replay"]) == 0
+    assert "verified/step" not in capsys.readouterr().out

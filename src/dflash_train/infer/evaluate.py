@@ -408,16 +408,19 @@ def format_histogram(histogram: dict) -> str:
 
 
 def markdown_table(report: dict) -> str:
-    lines = [f"| dataset | mode | tau | decode tok/s | speedup | {HISTOGRAM_HEADER} |",
-             "|---|---|---|---|---|---|"]
-    for ds, body in report["datasets"].items():
-        for mode, s in body["modes"].items():
-            if mode == "target":
-                continue
-            hist = format_histogram(s["histogram"])
-            speed = f"{s['speedup']:.2f}x" if "speedup" in s else "-"
-            rate = "-" if s["decode_tokens_per_s"] is None else f"{s['decode_tokens_per_s']:.1f}"
-            lines.append(f"| {ds} | {mode} | {s['tau']:.3f} | {rate} | {speed} | {hist} |")
+    """A row per dataset and decoding mode; the column `verified/step` (`verified_per_step`: tokens the target
+    checked per step, the anchor included) where any mode has it."""
+    rows = [(ds, mode, s) for ds, body in report["datasets"].items() for mode, s in body["modes"].items()
+            if mode != "target"]
+    verified = any("verified_per_step" in s for _, _, s in rows)
+    lines = [f"| dataset | mode | tau |{' verified/step |' * verified} decode tok/s | speedup | {HISTOGRAM_HEADER} |",
+             "|---|---|---|" + "---|" * verified + "---|---|---|"]
+    for ds, mode, s in rows:
+        hist = format_histogram(s["histogram"])
+        speed = f"{s['speedup']:.2f}x" if "speedup" in s else "-"
+        rate = "-" if s["decode_tokens_per_s"] is None else f"{s['decode_tokens_per_s']:.1f}"
+        checked = (f" {s['verified_per_step']:.2f} |" if "verified_per_step" in s else " - |") if verified else ""
+        lines.append(f"| {ds} | {mode} | {s['tau']:.3f} |{checked} {rate} | {speed} | {hist} |")
     return "\n".join(lines)
 
 
