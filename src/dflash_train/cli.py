@@ -76,6 +76,14 @@ def _split_config_argument(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .train import launch
+
+    if launch.is_detached_launcher():  # the process --detach started: status.json tells what becomes of the start
+        return launch.run_detached(Path(args.run_dir), float(os.environ[launch.LAUNCH_TIME_ENV]), lambda: _train(args))
+    return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .train import launch
     from .train.admission import Footprint, admit_start, undo_refused_start
 
     _split_config_argument(args)
@@ -108,21 +116,24 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"started in the background (pid {pid}): {run_dir}\n"
               f"  watch: dflash-train status {run_dir} --follow\n  stop:  dflash-train stop {run_dir}")
         return EXIT_DONE
-    print(f"run directory: {run_dir}  (watch it with: dflash-train status {run_dir})", flush=True)
+    # Said once the start is admitted (the config against the target, the run directory), not before a refusal.
+    watch = None if "WORLD_SIZE" in os.environ else functools.partial(
+        print, f"run directory: {run_dir}  (watch it with: dflash-train status {run_dir})", flush=True)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        rc = launch.supervise(_child_train_args(args, run_dir), args.nproc, run_dir, args.stall_timeout, inherit)
+        rc = launch.supervise(_child_train_args(args, run_dir), args.nproc, run_dir, args.stall_timeout, inherit,
+                              on_admitted=watch)
         if rc == EXIT_USER_ERROR and owns_start:
             _say_undone(undo_refused_start(start, before))
         if rc == EXIT_STOPPED:
             print(f"stopped before done; continue with: dflash-train train --resume --run-dir {run_dir}", file=sys.stderr)
-        elif rc != EXIT_DONE:
+        elif rc not in (EXIT_DONE, EXIT_USER_ERROR):  # a refusal: the rank said what to change
             print(f"error: the run failed; see dflash-train status {run_dir}", file=sys.stderr)
         return rc
     from .train.trainer import train
 
     try:
         result = train(start.cfg, run_dir, fresh_compile_cache=args.fresh_compile_cache, resume=args.resume,
-                       changes=start.changes, launched_at=float(launched_at))
+                       changes=start.changes, launched_at=float(launched_at), on_admitted=watch)
     except USER_ERRORS:
         if owns_start:
             _say_undone(undo_refused_start(start, before))

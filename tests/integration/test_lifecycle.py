@@ -17,6 +17,7 @@ import yaml
 
 from _harness import ENV, assert_same_losses, launch, losses, status, wait_for_step, wait_until, write_config
 
+from dflash_train import procs
 from dflash_train.cli import main
 
 pytestmark = pytest.mark.slow
@@ -124,12 +125,13 @@ def test_stop_then_resume_continues_exactly_and_the_stop_request_is_consumed(set
     assert "--resume changes run.log_every: 1 -> 2" in (run_dir / "train.log").read_text()
 
 
-def test_a_stale_stop_request_is_never_honoured_by_a_later_start(setup, tmp_path):
+def test_a_stale_stop_request_is_never_honoured_by_a_later_start(setup, tmp_path, capsys):
     _, cfg = setup
     run_dir = tmp_path / "R"
     run_dir.mkdir()
     (run_dir / "STOP").write_text(f"{time.time() - 60}\n")  # left by a run that died before consuming it
     assert main(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", "4"]) == 0
+    assert f"watch it with: dflash-train status {run_dir}" in capsys.readouterr().out  # said once admitted
     assert status(run_dir)["phase"] == "done" and status(run_dir)["step"] == 4
     assert not (run_dir / "STOP").exists()
 
@@ -157,10 +159,59 @@ def test_kill_9_of_a_plain_train_shows_dead_within_seconds_and_resume_is_exact(s
     assert_same_losses(losses(finished), losses(run_dir), STEPS)
 
 
+def _detach(args: list[str]) -> int:
+    """`train ... --detach` as a user types it; the PID of the process it started."""
+    out = _cli([*args, "--detach"])
+    assert out.returncode == 0 and "started in the background" in out.stdout, out.stdout + out.stderr
+    return int(out.stdout.split("(pid ")[1].split(")")[0])
+
+
+def _wait_gone(pid: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while procs.start_ticks(pid) is not None:  # None: no such process (or a zombie)
+        assert time.time() < deadline, f"pid {pid} still running after {timeout} s"
+        time.sleep(0.1)
+
+
+def test_a_detached_run_is_a_run_directory_and_stops_cleanly_from_the_moment_detach_returns(setup, tmp_path,
+                                                                                            capsys):
+    """Right after `--detach` returns, while the new process is still importing: `status` says starting, and `stop`
+    stops it (a signal that arrives before the process can take it waits for it), with nothing trained."""
+    _, cfg = setup
+    run_dir = tmp_path / "R"
+    pid = _detach(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", str(STEPS)])
+    capsys.readouterr()
+    assert main(["status", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("phase:      starting (") and f"(pid {pid} on " in out, out
+    assert main(["stop", str(run_dir)]) == 0
+    assert "stops at once with nothing to checkpoint" in capsys.readouterr().out
+    _wait_gone(pid)
+    assert main(["status", str(run_dir)]) == 3
+    assert capsys.readouterr().out.startswith("phase:      stopped\n")
+    assert status(run_dir)["step"] == 0 and not (run_dir / "STOP").exists()
+    assert not list((run_dir / "checkpoints").iterdir())
+    assert "Traceback" not in (run_dir / "launcher.out").read_text()
+
+
+def test_a_detached_start_refused_after_detach_returned_says_why_in_status(setup, tmp_path, capsys):
+    """A check that needs the target runs in the background process: its refusal is in status.json, one line as
+    the terminal would have shown it, and the same command, fixed, starts there."""
+    _, cfg = setup
+    run_dir = tmp_path / "R"
+    pid = _detach(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", "2", "drafter.target_layer_ids=[1,60]"])
+    capsys.readouterr()
+    assert main(["status", str(run_dir), "--follow", "--interval", "0.5"]) == 1
+    out = capsys.readouterr().out
+    assert "last error: ConfigError: config key 'drafter.target_layer_ids': [1, 60] names layer 60" in out, out
+    assert "Traceback" not in out, out
+    _wait_gone(pid)
+    assert main(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", "2"]) == 0
+
+
 def test_stop_never_signals_a_recycled_pid(tmp_path, capsys):
     """A live process of ours that is not the run sits at the run's PID: in status.json (with another start time,
     as after PID reuse) and in launcher.pid."""
-    from dflash_train import procs
 
     bystander = subprocess.Popen(["sleep", "60"])
     try:
@@ -201,10 +252,12 @@ def test_user_errors_are_one_clear_line_without_a_traceback(setup, tmp_path, arg
         # found once the target's config and tokenizer are read: in this process (a new one spends ~6 s importing
         # torch and transformers first); the cases before them show what a user's process prints
         capsys.readouterr()
-        out = subprocess.CompletedProcess(argv, main(argv), "", capsys.readouterr().err)
+        code = main(argv)
+        out = subprocess.CompletedProcess(argv, code, *capsys.readouterr())
     else:
         out = _cli(argv)
     assert out.returncode == 2, out.stderr[-2000:]
+    assert "watch it with" not in out.stdout, out.stdout  # a refused start is not announced as a run to watch
     assert expect in out.stderr and "Traceback" not in out.stderr, out.stderr
     if "override" in expect:
         assert str(cfg) not in out.stderr  # an override's mistake is not blamed on the YAML file
@@ -212,6 +265,20 @@ def test_user_errors_are_one_clear_line_without_a_traceback(setup, tmp_path, arg
     if "target.path" in expect:  # the traceback is there for whoever asks (one case: each costs a process)
         debug = _cli(["--debug", "train", str(cfg), "--run-dir", str(tmp_path / "R"), *args])
         assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+def test_a_start_its_ranks_refuse_is_one_line_and_leaves_no_run(setup, tmp_path, capfd):
+    """--nproc 2, refused by the ranks' checks against the target: rank 0's line is the one error, and what the start
+    wrote is taken back, so that the same command, fixed, starts there."""
+    _, cfg = setup
+    run_dir = tmp_path / "R"
+    argv = ["train", str(cfg), "--run-dir", str(run_dir), "--nproc", "2", "--max-steps", "2"]
+    assert main([*argv, "drafter.target_layer_ids=[1,60]"]) == 2
+    out, err = capfd.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: config key 'drafter.target_layer_ids': [1, 60] names layer 60, but the target has 6 "
+                      "decoder layers (valid ids 0..5)"], err
+    assert "watch it with" not in out and not run_dir.exists()
 
 
 def test_resume_without_a_run_or_a_checkpoint_says_so_at_once(setup, tmp_path, capsys):

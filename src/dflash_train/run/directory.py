@@ -76,13 +76,15 @@ class RunDir:
     def heartbeats(self) -> Path:
         return self.root / "heartbeats"
 
-    def contents(self) -> list[str]:
-        """What in this directory belongs to a run, described for a message; empty: nothing to lose."""
+    def contents(self, own_launch: Optional[float] = None) -> list[str]:
+        """What in this directory belongs to a run, described for a message; empty: nothing to lose. `own_launch`:
+        the launch time of the start asking, whose own `--detach` record in status.json is not listed."""
         found = []
         if self.status.is_file():
             try:
                 st = json.loads(self.status.read_text())
-                found.append(f"a run {st.get('phase')} at step {st.get('step')} (status.json)")
+                if own_launch is None or st.get("detached_start") != own_launch or st.get("phase") != "starting":
+                    found.append(f"a run {st.get('phase')} at step {st.get('step')} (status.json)")
             except (OSError, json.JSONDecodeError):
                 found.append("status.json")
         found += [name for name in ("config.yaml", "metrics.jsonl") if (self.root / name).is_file()]

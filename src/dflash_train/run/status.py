@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import procs
-from ..errors import is_user_error
+from ..errors import debug_enabled, is_user_error
 from ..runtime import write_json_atomic, write_text_atomic
 from .directory import ENDED, RunDir
 from .metrics import metrics_parts
@@ -73,6 +73,20 @@ class StatusWriter:
 
     def flush(self) -> None:
         write_json_atomic(self.run.status, self.state)
+
+    @classmethod
+    def for_detached_start(cls, run: RunDir, pid: int, launched_at: float) -> "StatusWriter":
+        """status.json of a `--detach`ed start from the moment the command returns: phase starting, the process
+        `pid` that will run it (its liveness, `stop`'s target), and `launched_at`, which marks the record as that
+        start's own until the run writes its status."""
+        writer = cls.__new__(cls)
+        writer.run = run
+        writer.state = {"phase": "starting", "pid": pid, "pid_start": procs.start_ticks(pid),
+                        "host": procs.identity()["host"], "started_at": launched_at, "phase_since": launched_at,
+                        "heartbeat": time.time(), "step": 0, "total_steps": None, "error": None,
+                        "detached_start": launched_at}
+        writer.flush()
+        return writer
 
 
 
@@ -256,7 +270,8 @@ def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: O
     err = status.get("error")
     if err:
         lines.append(f"last error: {err['type']}: {err['message']}")
-        lines.append(err.get("traceback", "").rstrip())
+        if not err.get("user_error") or debug_enabled():  # a user's mistake is its one line, as the command said it
+            lines.append(err.get("traceback", "").rstrip())
     elif shown in ("dead", "silent"):
         lines.append("last error: none recorded: the process ended without a word (SIGKILL, the OOM killer, "
                      "a lost node); its last checkpoint is intact")

@@ -16,16 +16,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .. import procs
 from ..errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR
-from ..run.directory import ENDED, RunDir, request_stop_file
+from ..run.directory import ENDED, START_UP_PHASES, RunDir, clear_stop_request, request_stop_file
 from ..run.status import StatusWriter, read_heartbeats
 
 GRACE_S = 10.0
 # The launcher's start time, inherited by its ranks: a STOP file older than it is stale (stop.StopRequest).
 LAUNCH_TIME_ENV = "DFLASH_LAUNCH_TIME"
+# Set for the process `--detach` starts (not for the ranks it starts in turn).
+DETACHED_ENV = "DFLASH_DETACHED"
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+class StoppedBeforeStart(Exception):
+    """A stop request that reached a detached launcher before its run was under way (`run_detached`)."""
 
 
 def free_port() -> int:
@@ -64,6 +71,19 @@ def _mark_failed(run: RunDir, message: str, rank: Optional[int], phase: Optional
                   failed_rank=rank, error=error)
 
 
+def _mark_refused(run: RunDir, rank: int) -> None:
+    """A rank refused the start (exit 2). Refused before it wrote a status (its checks need no weights), the record
+    is a refused start's, with where the rank's message is: the same command, fixed, may start there again."""
+    writer = StatusWriter.resume_from_file(run)
+    if writer.state.get("phase") not in (None, "starting"):  # the rank's own status.json says why
+        writer.update(failed_rank=rank)
+        return
+    said = "above (rank 0's output)" if rank == 0 else f"in {run.root / f'rank-{rank}.out'}"
+    writer.update(phase="failed", failed_phase="starting", failed_rank=rank, error={
+        "type": "RefusedStart", "message": f"rank {rank} refused the start; its message is {said}",
+        "user_error": True, "traceback": ""})
+
+
 def _mark_stopped(run: RunDir, message: str) -> None:
     writer = StatusWriter.resume_from_file(run)
     if writer.state.get("phase") in ENDED:
@@ -72,9 +92,11 @@ def _mark_stopped(run: RunDir, message: str) -> None:
 
 
 def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: float = 300.0,
-              env_extra: Optional[dict] = None) -> int:
-    """Start `nproc` ranks of `python -m dflash_train <child_args>` and watch them until all exit."""
+              env_extra: Optional[dict] = None, on_admitted: Optional[Callable[[], None]] = None) -> int:
+    """Start `nproc` ranks of `python -m dflash_train <child_args>` and watch them until all exit. `on_admitted` is
+    called once rank 0 has admitted the start (its status.json is written)."""
     run = RunDir(run_root).create()
+    launched_at = float((env_extra or {}).get(LAUNCH_TIME_ENV) or time.time())
     port = free_port()
     procs: list[subprocess.Popen] = []
     # Like torchrun: ranks share the cores instead of each starting one thread per core (2 gloo
@@ -117,7 +139,7 @@ def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: 
                 rank, code = failed[0]
                 if code == EXIT_USER_ERROR:  # the rank said what to fix (status.json, its output): keep that
                     _stop_all(procs)
-                    StatusWriter.resume_from_file(run).update(failed_rank=rank)
+                    _mark_refused(run, rank)
                     return EXIT_USER_ERROR
                 beats = {b["rank"]: b for b in read_heartbeats(run)}
                 how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -137,6 +159,9 @@ def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: 
                 _mark_failed(run, f"stopped by signal {forwarded['sig']}, but rank {rank} exited with code {code}",
                              rank, None)
                 return EXIT_FAILED
+            if on_admitted is not None and _written_by_a_rank(run, launched_at):
+                on_admitted()
+                on_admitted = None
             now = time.time()
             for beat in read_heartbeats(run):
                 if beat.get("phase") in ("training", "warmup") and now - beat["time"] > stall_timeout:
@@ -151,15 +176,83 @@ def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: 
             signal.signal(s, h)
 
 
-def detach(argv: list[str], run_root: Path, env_extra: Optional[dict] = None) -> int:
-    """Re-run this command in the background, in its own session, all output in the run directory."""
+def _written_by_a_rank(run: RunDir, launched_at: float) -> bool:
+    """Whether status.json is a rank's of this launch: written after it, by the rank that admitted the start."""
+    try:
+        status = json.loads(run.status.read_text())
+    except (OSError, ValueError):
+        return False
+    return "detached_start" not in status and float(status.get("started_at") or 0) >= launched_at
+
+
+def detach(argv: list[str], run_root: Path, env_extra: dict) -> int:
+    """Re-run this command in the background, in its own session, all output in the run directory. When it returns,
+    status.json says the run is starting, with the new process's PID: `status` and `stop` work at once."""
     run = RunDir(run_root).create()
     out = open(run.root / "launcher.out", "ab")
     args = [a for a in argv if a != "--detach"]
-    proc = subprocess.Popen([sys.executable, "-m", "dflash_train", *args], stdout=out, stderr=out,
-                            stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, **(env_extra or {})})
+    # A stop that comes before the new process can take it (it is still importing) waits in the signal mask the
+    # process inherits, instead of killing it half-started; `run_detached` takes it.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_train", *args], stdout=out, stderr=out,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, **env_extra, DETACHED_ENV: "1"})
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     (run.root / "launcher.pid").write_text(str(proc.pid))
+    StatusWriter.for_detached_start(run, proc.pid, float(env_extra[LAUNCH_TIME_ENV]))
     return proc.pid
+
+
+def is_detached_launcher() -> bool:
+    return os.environ.get(DETACHED_ENV) == "1" and "WORLD_SIZE" not in os.environ
+
+
+def run_detached(run_root: Path, launched_at: float, command: Callable[[], int]) -> int:
+    """The detached launcher's `command`. Until the run writes its own status.json, what happens to the start is
+    recorded in the record `detach` wrote: a stop (held in the signal mask while this process started) stops it
+    cleanly, and a refusal or failure is written there with its message, as the terminal would have shown it."""
+    os.environ.pop(DETACHED_ENV, None)  # the ranks it starts are not detached launchers
+
+    def stop(signum: int, _frame) -> None:
+        raise StoppedBeforeStart(f"signal {signum} before the run started")
+
+    run = RunDir(run_root)
+    previous = {s: signal.signal(s, stop) for s in _STOP_SIGNALS}
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        code = command()
+    except StoppedBeforeStart as e:
+        _end_detached_start(run, launched_at, phase="stopped", checkpoint=None, stopped_in="starting",
+                            message=f"{e}: nothing was trained, nothing to checkpoint")
+        clear_stop_request(run)
+        return EXIT_STOPPED
+    except BaseException as e:
+        _end_detached_start(run, launched_at, error=e)
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if code == EXIT_STOPPED:
+        _end_detached_start(run, launched_at, phase="stopped", checkpoint=None, stopped_in="starting",
+                            message="stopped before the run started: nothing was trained, nothing to checkpoint")
+    elif code != EXIT_DONE:
+        _end_detached_start(run, launched_at, phase="failed", failed_phase="starting", error={
+            "type": "RankFailure", "message": f"the start ended with exit code {code}; see {run.root / 'launcher.out'}",
+            "user_error": code == EXIT_USER_ERROR, "traceback": ""})
+    return code
+
+
+def _end_detached_start(run: RunDir, launched_at: float, error: Optional[BaseException] = None, **fields) -> None:
+    """The end of a detached start, in its own status.json record (a record the run has replaced is the run's)."""
+    writer = StatusWriter.resume_from_file(run)
+    if writer.state.get("detached_start") != launched_at or writer.state.get("phase") != "starting":
+        return
+    if error is not None:
+        writer.fail(error, phase="starting")
+    else:
+        writer.update(**fields)
 
 
 def request_stop(run_root: Path) -> tuple[int, str]:
@@ -195,6 +288,8 @@ def request_stop(run_root: Path) -> tuple[int, str]:
         os.kill(target, signal.SIGTERM)
     except ProcessLookupError:
         return EXIT_DONE, f"wrote {run.stop_file}; {how} ended meanwhile"
+    if phase in START_UP_PHASES:
+        return EXIT_DONE, f"asked {how} to stop: the run is {phase}, so it stops at once with nothing to checkpoint"
     return EXIT_DONE, f"asked {how} and every rank (STOP file) to checkpoint and exit"
 
 

@@ -26,6 +26,7 @@ from ..target.provenance import target_provenance
 from ..target.tensor_parallel import check_tp_target
 from ..target.capture import default_mask_token_id, load_tokenizer, read_target_config
 from ..run.directory import RunDir, clear_stop_request, stop_requested_since
+from .stop import launch_time
 from ..runtime import resolve_device, resolve_dtype
 from . import checkpoint as checkpoints
 from .admission import holds_run_message
@@ -101,7 +102,7 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
     """Every check that needs no weights, before the run directory is touched: a refused start (a config
     that does not fit the target, a checkpoint of another setup) leaves the directory byte-identical."""
     validate_world(cfg, world)
-    if is_main and not resume and run.root.is_dir() and run.contents():
+    if is_main and not resume and run.root.is_dir() and run.contents(own_launch=launch_time()):
         raise UserError(holds_run_message(run))
     layout = SplitLayout(world, cfg.parallel.target_ranks, cfg.optim.grad_accum) \
         if cfg.parallel.placement == "split" else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from ..config.schema import Config
 from ..errors import debug_enabled, is_user_error
@@ -28,13 +28,14 @@ log = logging.getLogger(__name__)
 
 
 def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_compile_cache: bool = False,
-          resume: bool = False, changes: Optional[dict] = None, launched_at: Optional[float] = None) -> Optional[Path]:
+          resume: bool = False, changes: Optional[dict] = None, launched_at: Optional[float] = None,
+          on_admitted: Optional[Callable[[], None]] = None) -> Optional[Path]:
     """One rank of a run (world size 1 = a single process): admit the start, set the rank up, train
     (`loop.train_loop`) or, in the split placement, serve hidden states as a target rank. Rank 0 owns status,
     metrics, checkpoints. Returns the export folder (done), the checkpoints folder (stopped), or None
     (stopped during start-up, or a target rank's end). `changes`: what a resume changed against the run's
     config (admission.py); `launched_at`: when the command that started it was launched (a STOP file older
-    than that is stale)."""
+    than that is stale); `on_admitted`: called on rank 0 once the start is admitted and its status is written."""
     ctx = DistContext.from_env()
     run = RunDir(run_root)
     cfg = with_step_cap(cfg, max_steps)
@@ -53,6 +54,8 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
     rep = Reporter(run, ctx.rank, ctx.is_main)
     if ctx.is_main:
         take_over(run, cfg, changes, since)
+        if on_admitted is not None:
+            on_admitted()
     try:
         rep.report(phase="loading")
         rank = set_up_rank(cfg, run, admitted, ctx, rep, fresh_compile_cache)
