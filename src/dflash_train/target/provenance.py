@@ -25,6 +25,10 @@ def _rope(config) -> dict[str, Any]:
 
 
 def target_provenance(target_path: str, tokenizer, target_config, template_kwargs: Optional[dict] = None) -> dict:
+    """`target_path`: how the record names the target. Training records what names it on another machine too
+    (`assets.target_identity`: `smollm2` for the embedded default, not its converted folder in this machine's cache);
+    files written before hold the folder it resolved to. No check reads it: the fingerprints below say whether a
+    target is the one trained against."""
     t = text_config(target_config)
     return {
         "target": str(target_path),

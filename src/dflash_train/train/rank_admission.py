@@ -21,7 +21,7 @@ from ..config.validate import validate_against_target, validate_compile_device, 
 from ..data.source import require_label_counts
 from ..errors import UserError
 from ..algorithms import architecture
-from ..algorithms.base import default_target_layer_ids
+from ..algorithms.drafter import default_target_layer_ids
 from ..target.provenance import target_provenance
 from ..target.tensor_parallel import check_tp_target
 from ..target.capture import default_mask_token_id, load_tokenizer, read_target_config
@@ -114,7 +114,8 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
     d = cfg.drafter
     dcfg = architecture(d.architecture).config_for_run(target_config, cfg, plan.layer_ids, plan.mask_token_id)
     fp8_saved = check_fp8_shapes(cfg, plan.target_path, plan.target_fp8_layers, plan.target_dtype, dcfg)
-    provenance = target_provenance(str(plan.target_path), tokenizer, target_config)
+    named = assets.target_identity(cfg.target.path, plan.target_path)  # what names it on another machine too
+    provenance = target_provenance(named, tokenizer, target_config)
     placement = "colocated" if layout is None else f"split {layout.target_ranks}+{layout.drafter_ranks}"
     identity = {"world_size": world, "placement": placement, "grad_accum": cfg.optim.grad_accum,
                 "tokenizer_sha256": provenance["tokenizer_sha256"],
