@@ -18,6 +18,43 @@ from .numbers import Rule
 
 
 @dataclass(frozen=True)
+class Note:
+    """A fact about how one engine serves an architecture's exports."""
+
+    text: str  # as the serve tables print it, e.g. "full vocabulary only"
+    # Whether it concerns one export, from its config.json; None: every export. A model card prints only those that do.
+    holds: Optional[Callable[[Mapping[str, Any]], bool]] = None
+    # Where it holds, the engine does not serve the export (the card says so instead of giving a command).
+    refuses: bool = False
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How one serving engine serves an architecture's exports."""
+
+    name: str  # "vLLM", "SGLang"
+    # Its arguments for the exported folder `{dir}`, `{count}` being the value of `count_key`; empty: not served.
+    arguments: str = ""
+    count_key: str = ""  # the setting that takes the token count, e.g. `num_speculative_tokens`
+    # The count holds the verified anchor too (one more than the drafts), as SGLang's --speculative-num-draft-tokens.
+    count_with_anchor: bool = False
+    notes: tuple[Note, ...] = ()
+    unsupported: str = ""  # where `arguments` is empty: what stands instead, e.g. "not supported upstream"
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How an architecture's exports are served: `serving.py` renders the README's and the guide's serve tables and
+    every model card's serve lines from it."""
+
+    title: str  # how cards and tables name the architecture, e.g. "DFlash"
+    # Whether the anchor's slot predicts too: a block of B slots drafts B tokens, else B - 1 (`Drafter.num_drafts`).
+    anchor_drafts: bool
+    engines: tuple[Engine, ...]
+    reference: str = ""  # the reference code that loads its exports, for the card, e.g. "z-lab/dflash"
+
+
+@dataclass(frozen=True)
 class Options:
     """What an architecture declares without torch (its package's `options.py` defines `OPTIONS = Options(...)`).
 
@@ -40,6 +77,8 @@ class Options:
     - `tree_refusal(config_json)`: why an export cannot be decoded with DDTree (`eval --tree-budget`; the message
       `Drafter.check_tree_decoding` raises), from its config.json alone; None where it can. Left unset: every export
       can.
+    - `serving`: how its exports are served (`Serving`), the one source of the serve tables and the model cards'
+      serve lines. None: the cards give no serve lines.
     """
 
     section: Optional[type] = None
@@ -52,6 +91,7 @@ class Options:
     draft_vocabulary: bool = False
     confidence_head: Optional[Callable[[dict], bool]] = None
     tree_refusal: Optional[Callable[[dict], Optional[str]]] = None
+    serving: Optional[Serving] = None
 
 
 NO_OPTIONS = Options()
@@ -61,7 +101,7 @@ NO_OPTIONS = Options()
 class Registered:
     name: str  # the `drafter.architecture` value
     hf_architecture: str  # `architectures[0]` of its exported config.json
-    # A module name whose `ARCHITECTURE` is its `algorithms.base.Architecture` (imported on first use), or that
+    # A module name whose `ARCHITECTURE` is its `algorithms.contract.Architecture` (imported on first use), or that
     # object itself (or any object with an `ARCHITECTURE`).
     package: Any
     # A module name whose `OPTIONS` is its `Options` (imported with importlib when a config loads: it must not import

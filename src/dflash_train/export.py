@@ -11,13 +11,14 @@ from typing import Optional
 
 import torch
 
-from .algorithms.base import sdpa_attention
+from .algorithms.attention import sdpa_attention
 from .errors import ConfigError
 from .layout import STATE, put_in_place
-from .model_card import CARD_NAME, export_card
+from .model_card import CARD_NAME, drafter_card
 from .algorithms.io import load_drafter, save_drafter
 from .target.provenance import PROVENANCE_NAME, serving_record
 from .outputs import check_export_out
+from .run.metrics import read_metrics
 from .runtime import dtype_named, read_json_file
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,29 @@ def checkpoint_weights(checkpoint: Path) -> str:
     return f"step {step}"
 
 
+def _run_target(provenance: Optional[dict], cfg_yaml: Optional[str]) -> Optional[str]:
+    """The target as the run named it: its dflash_train.json's, else its config's `target.path`."""
+    if provenance and provenance.get("target"):
+        return str(provenance["target"])
+    if cfg_yaml is None:
+        return None
+    import yaml
+
+    section = (yaml.safe_load(cfg_yaml) or {}).get("target")
+    return str(section["path"]) if isinstance(section, dict) and section.get("path") else None
+
+
+def _logged_step(run_dir: Path, drafter_dir: Path) -> Optional[dict]:
+    """The run's last training record (metrics.jsonl) at or before the checkpoint's step, for the card."""
+    from .train.checkpoint import read_state
+
+    if not (drafter_dir.parent / STATE).is_file():
+        return None
+    step = read_state(drafter_dir.parent).get("step") or 0
+    logged = [r for r in read_metrics(run_dir) if "loss" in r and "kind" not in r and r.get("step", 0) <= step]
+    return logged[-1] if logged else None
+
+
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", target: Optional[str] = None,
                       overwrite: bool = False) -> Path:
     """`target`: the target's path, for a drafter whose export needs its lm_head (`Drafter.export_needs_target_head`:
@@ -102,12 +126,15 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", targ
     if drafter.export_needs_target_head:
         drafter = drafter.materialized(target_head_weight(run_dir, target))
     extra = {}
-    if (run_dir / "config.yaml").is_file():
-        extra["training_config.yaml"] = (run_dir / "config.yaml").read_text()
+    cfg_yaml = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else None
+    if cfg_yaml is not None:
+        extra["training_config.yaml"] = cfg_yaml
+    record = None
     if (run_dir / PROVENANCE_NAME).is_file():  # the serving record from the drafter exported (a run may predate it)
         record = {**read_json_file(run_dir / PROVENANCE_NAME, "remove it to export without a provenance record"), **serving_record(drafter)}
         extra[PROVENANCE_NAME] = json.dumps(record, indent=1)
-    extra[CARD_NAME] = export_card(checkpoint, checkpoint_weights(checkpoint), serving_record(drafter))
+    extra[CARD_NAME] = drafter_card(drafter, dtype, _run_target(record, cfg_yaml), checkpoint_weights(checkpoint),
+                                    checkpoint, _logged_step(run_dir, src), cfg_yaml)
     staging = out.with_name(f".{out.name}.export-{os.getpid()}")
     try:
         save_drafter(drafter, staging, dtype=dtype, extra_files=extra)

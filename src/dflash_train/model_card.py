@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
+from . import architectures
+from .algorithms.io import drafter_config_text
 from .infer.evaluate import markdown_table
+from .layout import CONFIG_NAME
 from .runtime import write_text_atomic
+from .serving import card_section, serving_of
 
 CARD_NAME = "README.md"
-_TITLE = "# DFlash drafter\n"
 _EVAL_HEADING = "\n## Evaluation (speculative decoding)\n"
-_LOADING = "Load it with the reference DFlash code or a serving engine's DFlash support"
 
 
 def weights_line(step: int, best_tau: Optional[float], best_step: Optional[int]) -> str:
@@ -25,47 +28,55 @@ def weights_line(step: int, best_tau: Optional[float], best_step: Optional[int])
             f"`dflash-train export RUN/checkpoints/step-{step}` exports the last step's")
 
 
-def serving_line(serving: Optional[dict]) -> str:
-    """How many speculative tokens to serve it with (`target.provenance.serving_record`), as a card line."""
-    if not serving:
-        return ""
-    n = serving["num_speculative_tokens"]
-    return (f"- serve with {n} speculative tokens per step ({serving['architecture']}, block size "
-            f"{serving['block_size']}): vLLM `num_speculative_tokens: {n}`, SGLang "
-            f"`--speculative-num-draft-tokens {n + 1}`\n")
+def title(name: str) -> str:
+    """The card's first line: the architecture as it names itself (`Serving.title`), else its registry name."""
+    s = serving_of(name)
+    return f"# {s.title if s else name} drafter\n"
 
 
-def training_card(cfg_yaml: str, target_path: Path, layer_ids: list[int], mask_token_id: int, summary: dict,
-                  weights: str = "", serving: Optional[dict] = None) -> str:
-    return (
-        _TITLE + "\n"
-        "A block-diffusion speculative-decoding drafter trained with dflash-train.\n\n"
-        + (f"- weights: {weights}\n" if weights else "")
-        + serving_line(serving)
-        + f"- target: `{target_path}`\n"
-        f"- target layer ids: {layer_ids}\n"
-        f"- mask token id: {mask_token_id}\n"
-        f"- steps: {summary.get('step')}, final loss {summary.get('loss', float('nan')):.4f}, "
-        f"accuracy {summary.get('accuracy', float('nan')):.3f}, tau estimate {summary.get('tau_estimate', float('nan')):.3f}\n\n"
-        f"{_LOADING} "
-        "(config.json + model.safetensors, no embedding: the target's; the lm_head is the target's too, unless "
-        "config.json has a `draft_vocab_size`: then the drafter scores that many target tokens with its own "
-        "`lm_head.weight` and maps them back through `d2t` (target id = draft id + d2t[draft id]), which vLLM "
-        "loads and SGLang's DFlash, using the target's head, does not).\n\n"
-        "## Training config\n\n```yaml\n" + cfg_yaml + "```\n"
-    )
+def drafter_card(drafter: Any, dtype: str, target: Optional[str], weights: str = "",
+                 checkpoint: Optional[Path] = None, record: Optional[Mapping[str, Any]] = None,
+                 cfg_yaml: Optional[str] = None) -> str:
+    """An export's model card, written by the end of training and by `dflash-train export` (`checkpoint`: the one
+    it exported): which weights, the target (as the run named it) and how the drafter reads it, the last logged
+    training step (`record`), how each engine serves it (`serving.card_section`, for its block size and its
+    config.json in `dtype`), what its files hold, and the training config."""
+    config_json = json.loads(drafter_config_text(drafter, dtype))  # what the export's config.json holds
+    s = serving_of(drafter.architecture)
+    kind = s.title if s else drafter.architecture
+    origin = f"; exported by `dflash-train export` from `{checkpoint}`" if checkpoint else ""
+    facts = ([f"weights: {weights}"] if weights else []) + [
+        f"target: `{target}`" if target else "target: not recorded (no dflash_train.json or config.yaml beside it)",
+        f"target layer ids: {list(drafter.target_layer_ids)}",
+        f"mask token id: {drafter.mask_token_id}",
+        f"block size: {drafter.block_size}"]
+    if record and "loss" in record:
+        facts.append(f"last logged training step: {record.get('step')}, loss {record['loss']:.4f}, accuracy "
+                     f"{record.get('accuracy', float('nan')):.3f}, tau estimate "
+                     f"{record.get('tau_estimate', float('nan')):.3f}")
+    serve = card_section(drafter.architecture, drafter.block_size, config_json)
+    return (title(drafter.architecture) + f"\nA {kind} speculative-decoding drafter trained with dflash-train"
+            f"{origin}.\n\n"
+            + "".join(f"- {fact}\n" for fact in facts)
+            + ("\n" + serve if serve else "")
+            + "\n" + _files(config_json, s.reference if s else "")
+            + (f"\n## Training config\n\n```yaml\n{cfg_yaml}```\n" if cfg_yaml else ""))
 
 
-def export_card(checkpoint: Path, weights: str = "", serving: Optional[dict] = None) -> str:
-    return (_TITLE + f"\nExported by `dflash-train export` from `{checkpoint}`"
-            + (f": {weights}" if weights else "") + ".\n\n" + (serving_line(serving) + "\n" if serving else "") +
-            "Load with the reference DFlash code or a serving engine's DFlash support.\n")
+def _files(config_json: Mapping[str, Any], reference: str) -> str:
+    n = config_json.get("draft_vocab_size")
+    head = (f"its own `lm_head.weight` over {n} target tokens, mapped back through `d2t` (target id = draft id + "
+            "d2t[draft id])" if n else "no lm_head either (the target's)")
+    return ("## Files\n\n`config.json` + `model.safetensors`: no embedding (the target's), " + head + ". "
+            "`dflash_train.json` records what it was trained against: `dflash-train eval --drafter DIR --target "
+            "TARGET` decodes it and refuses a target with another tokenizer, chat template or RoPE"
+            + (f". Reference code that loads it: {reference}" if reference else "") + ".\n")
 
 
 def put_eval_table(drafter_dir: Path, report: dict) -> None:
     """Put the eval table into the drafter's card (replacing an earlier one)."""
     card = drafter_dir / CARD_NAME
-    text = card.read_text() if card.is_file() else _TITLE
+    text = card.read_text() if card.is_file() else _folder_title(drafter_dir)
     text = text.split(_EVAL_HEADING)[0].rstrip() + "\n" + _EVAL_HEADING
     c = report["config"]
     how = ("Tau by replay (`dflash-train eval --replay`: the tau of greedy speculative decoding, not timed)"
@@ -75,6 +86,12 @@ def put_eval_table(drafter_dir: Path, report: dict) -> None:
     text += (f"\nGreedy={c['temperature'] <= 0}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
              f"block size {c['block_size']}{truncation}. {how}.\n\n" + markdown_table(report) + "\n")
     write_text_atomic(card, text)
+
+
+def _folder_title(drafter_dir: Path) -> str:
+    """A card's title for a folder without one, from its config.json's architecture."""
+    config = json.loads((drafter_dir / CONFIG_NAME).read_text())
+    return title(architectures.entry_of_export(config).name)
 
 
 def link_images(drafter_dir: Path, images: Sequence[Path]) -> None:

@@ -11,8 +11,9 @@ The layers, lowest first (a module may import its own layer and those below it, 
 0 foundation: the package root, errors, numbers, permissions, procs, runtime (device, dtype, atomic writes),
   layout (the on-disk names and what a folder is), trackers (run.report_to's names), architectures (the
   drafter architectures' names). No torch at import, nothing of the package above them.
-1 run state, inputs and the target: assets, config, run (the run directory), data (but data.prepare, the prepare command),
-  target (the frozen target) and accel (the compile layer, the FP8 primitives and training kernels).
+1 run state, inputs and the target: assets, serving (how exports are served: the serve tables, the cards' lines),
+  config, run (the run directory), data (but data.prepare, the prepare command), target (the frozen target) and
+  accel (the compile layer, the FP8 primitives and training kernels).
 2 the drafter architectures: algorithms (with algorithms.io, a drafter's files, and algorithms.init_from_target).
 3 inference: infer, model_card (a drafter's README with its evaluation table, written by train and export).
 4 training: train.
@@ -44,6 +45,7 @@ LAYERS: dict[str, int] = {
     "trackers": 0,
     "architectures": 0,
     "assets": 1,
+    "serving": 1,
     "config": 1,
     "run": 1,
     "data": 1,

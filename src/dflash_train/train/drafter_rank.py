@@ -16,7 +16,7 @@ from ..algorithms.init_from_target import init_drafter_from_target
 from ..accel.fp8_training import use_fp8_training
 from ..target.provenance import serving_record, write_provenance
 from ..target.capture import TargetCapture, load_target_head
-from ..model_card import training_card
+from ..model_card import drafter_card
 from ..run.directory import RunDir
 from ..run.metrics import truncate_metrics
 from ..run.reporter import Reporter
@@ -89,9 +89,9 @@ def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep:
     stop_ids = assets.stop_token_ids(plan.target_path, a.tokenizer)
     return Session(cfg, run, ctx.rank, ctx.is_main, r.device, train_step, r.data, a.tokenizer.pad_token_id,
                    r.batching, r.per_step, r.drafters, r.drafter_group, r.total, a.identity,
-                   lambda cfg_yaml, record, weights: training_card(cfg_yaml, plan.target_path, plan.layer_ids,
-                                                                   plan.mask_token_id, record, weights,
-                                                                   serving_record(drafter)),
+                   lambda cfg_yaml, record, weights: drafter_card(drafter, cfg.run.export_dtype,
+                                                                  a.provenance["target"], weights, record=record,
+                                                                  cfg_yaml=cfg_yaml),
                    inbox, val, stop_ids)
 
 

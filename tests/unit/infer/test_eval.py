@@ -119,7 +119,7 @@ def test_eval_refuses_another_chat_template_and_updates_the_model_card(tmp_path,
     provenance = json.loads((export / "dflash_train.json").read_text())
     assert provenance["chat_template_sha256"].startswith("sha256:") and provenance["num_hidden_layers"] == 6
     assert (provenance["architecture"], provenance["block_size"], provenance["num_speculative_tokens"]) == ("dflash", 4, 3)
-    assert "vLLM `num_speculative_tokens: 3`" in (export / "README.md").read_text()
+    assert '"num_speculative_tokens": 3}' in (export / "README.md").read_text()
     other = tmp_path / "other-template"
     shutil.copytree(smollm2_slice_dir, other)
     template = other / "chat_template.jinja"
@@ -141,11 +141,11 @@ def test_eval_refuses_another_chat_template_and_updates_the_model_card(tmp_path,
 def test_eval_refuses_an_export_whose_recorded_speculative_tokens_differ(tiny_target_dir, tmp_path, architecture):
     """The export's dflash_train.json records the number of speculative tokens it is served with (DFlash drafts
     bs - 1 per block, DSpark bs); the model card says it; eval refuses a drafter that drafts another number."""
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.io import save_drafter
     from dflash_train.infer.evaluate import load_eval_models
-    from dflash_train.model_card import export_card
+    from dflash_train.model_card import drafter_card
     from dflash_train.target.capture import load_tokenizer, read_target_config
     from dflash_train.target.provenance import serving_record, target_provenance, write_provenance
 
@@ -164,8 +164,8 @@ def test_eval_refuses_an_export_whose_recorded_speculative_tokens_differ(tiny_ta
     record = serving_record(load_drafter(export))
     want = 5 if architecture == "dspark" else 4
     assert record == {"architecture": architecture, "block_size": 5, "num_speculative_tokens": want}
-    assert f"`num_speculative_tokens: {want}`, SGLang `--speculative-num-draft-tokens {want + 1}`" in export_card(
-        tmp_path, serving=record)
+    card = drafter_card(load_drafter(export), "float32", str(tiny_target_dir))
+    assert f'"num_speculative_tokens": {want}}}' in card and f"--speculative-num-draft-tokens {want + 1}`" in card
     tokenizer = load_tokenizer(tiny_target_dir)
     base = target_provenance(str(tiny_target_dir), tokenizer, read_target_config(tiny_target_dir))
     write_provenance(export, {**base, **record})

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ...architectures import Options
+from ...architectures import Engine, Note, Options, Serving
 from ...errors import ConfigError
 from ...numbers import NON_NEGATIVE_NUMBER, POSITIVE_INT, POSITIVE_NUMBER
+from ..dflash.options import FULL_VOCABULARY, SGLANG_ARGUMENTS, VLLM_ARGUMENTS
 
 NAME = "dflash2"
 
@@ -81,6 +82,19 @@ def training_layout(config_json: dict) -> bool:
     return (config_json.get("dflash_config") or {}).get("selector_codebooks") == "factored"
 
 
+SERVING = Serving(
+    title="DFlash2",
+    anchor_drafts=False,
+    engines=(
+        Engine("vLLM", VLLM_ARGUMENTS, "num_speculative_tokens", notes=(
+            Note("vLLM's V2 model runner only (`VLLM_USE_V2_MODEL_RUNNER=1`): the V1 runner silently runs it as plain "
+                 "DFlash"),
+            Note("an unquantized target lm_head"), FULL_VOCABULARY)),
+        Engine("SGLang", SGLANG_ARGUMENTS, "--speculative-num-draft-tokens", count_with_anchor=True,
+               notes=(Note("SGLang main (`DFlash2DraftModel`)"), FULL_VOCABULARY)),
+    ),
+)
+
 OPTIONS = Options(
     section=DFlash2Options,
     number_rules={"conv_kernel_size": POSITIVE_INT, "conv_group_size": POSITIVE_INT, "selector_rank": POSITIVE_INT,
@@ -92,4 +106,5 @@ OPTIONS = Options(
              **{f"objective.{k}": k for k in ("selector_loss_weight", "selector_rows", "acceptance_from")}},
     about="DFlash2's block convolutions and candidate selector",
     training_layout=training_layout,
+    serving=SERVING,
 )

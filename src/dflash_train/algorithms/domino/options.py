@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...architectures import Options
+from ...architectures import Engine, Note, Options, Serving
 from ...errors import ConfigError
 from ...numbers import FRACTION, POSITIVE_INT
+from ..dflash.options import FULL_VOCABULARY, SGLANG_ARGUMENTS
 
 NAME = "domino"
 
@@ -74,6 +75,28 @@ def tree_refusal(config_json: dict) -> str:
     return TREE_REFUSAL
 
 
+def _not_bf16(config_json: dict) -> bool:
+    return config_json.get("dtype", config_json.get("torch_dtype", "bfloat16")) != "bfloat16"
+
+
+def _longer_pure_prefix(config_json: dict) -> bool:
+    return (config_json.get("dflash_config") or {}).get("pure_draft_prefix_len", 1) != 1
+
+
+SERVING = Serving(
+    title="Domino",
+    anchor_drafts=False,  # SGLang's rollout drafts B - 1 and verifies B, as eval does (the reference's drafts B)
+    engines=(
+        Engine("vLLM", unsupported="not supported upstream"),
+        Engine("SGLang", SGLANG_ARGUMENTS, "--speculative-num-draft-tokens", count_with_anchor=True, notes=(
+            Note("SGLang main reads `dflash_config.projector_type: domino`"),
+            Note("greedy decoding on CUDA only"),
+            Note("BF16 weights (`run.export_dtype`, `export --dtype`: bfloat16 by default)", _not_bf16, refuses=True),
+            Note("`domino.pure_draft_prefix_len` 1", _longer_pure_prefix, refuses=True),
+            FULL_VOCABULARY)),
+    ),
+)
+
 OPTIONS = Options(
     section=DominoOptions,
     number_rules={"gru_hidden_dim": POSITIVE_INT, "emb_dim": POSITIVE_INT, "pure_draft_prefix_len": POSITIVE_INT,
@@ -85,4 +108,5 @@ OPTIONS = Options(
     # comparison of the recipes
     defaults={"objective.slot_weighting": "gamma"},
     tree_refusal=tree_refusal,
+    serving=SERVING,
 )

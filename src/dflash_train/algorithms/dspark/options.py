@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-from ...architectures import Options
+from ...architectures import Engine, Note, Options, Serving
 from ...errors import ConfigError
 from ...numbers import NON_NEGATIVE_NUMBER, POSITIVE_NUMBER, Rule
 
@@ -21,6 +21,7 @@ class DSparkOptions:
     # rnn: a recurrent state over the block's previous tokens and hidden states. vLLM serves vanilla only.
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
     # Train and export the confidence head (each slot's predicted acceptance, for confidence-based truncation).
+    # Without it SGLang serves the export only in its default verify mode (SGLANG_RAGGED_VERIFY_MODE=static).
     confidence_head: bool = True
     # The confidence head reads the previous token's Markov embedding beside the slot's hidden state (needs
     # markov_rank > 0).
@@ -110,6 +111,34 @@ def confidence_head(config_json: dict) -> bool:
     return bool(config_json.get("enable_confidence_head"))
 
 
+def _no_markov_head(config_json: dict) -> bool:
+    return not config_json.get("markov_rank")
+
+
+def _gated_or_rnn(config_json: dict) -> bool:
+    return bool(config_json.get("markov_rank")) and config_json.get("markov_head_type", "vanilla") != "vanilla"
+
+
+SERVING = Serving(
+    title="DSpark",
+    anchor_drafts=True,
+    engines=(
+        Engine("vLLM", """--speculative-config '{"method": "dspark", "model": "{dir}", """
+                       """"num_speculative_tokens": {count}}'""", "num_speculative_tokens",
+               notes=(Note("vanilla Markov heads only (`dspark.markov_head_type`)", _gated_or_rnn, refuses=True),)),
+        Engine("SGLang", "--speculative-algorithm DSPARK --speculative-draft-model-path {dir} "
+                         "--speculative-num-draft-tokens {count}", "--speculative-num-draft-tokens",
+               count_with_anchor=True, notes=(
+                   Note("a Markov head (`dspark.markov_rank` > 0)", _no_markov_head, refuses=True),
+                   # SGLang builds the confidence head in every verify mode but the default, whatever
+                   # enable_confidence_head says, and then needs its weights
+                   Note("without the confidence head (`dspark.confidence_head: false`), only in SGLang's default "
+                        "verify mode (`SGLANG_RAGGED_VERIFY_MODE=static`): its confidence-driven modes need the head's "
+                        "weights", lambda c: not confidence_head(c)))),
+    ),
+    reference="deepseek-ai/DeepSpec",
+)
+
 OPTIONS = Options(
     section=DSparkOptions,
     number_rules={"markov_rank": Rule(int, low=0, zero="0 = no Markov head"), "ce_weight": NON_NEGATIVE_NUMBER,
@@ -120,4 +149,5 @@ OPTIONS = Options(
     about="DSpark's Markov and confidence heads and its loss",
     confidence_head=confidence_head,
     tree_refusal=tree_refusal,
+    serving=SERVING,
 )
