@@ -98,6 +98,8 @@ def _train(args: argparse.Namespace) -> int:
     start = admit_start(args.config, args.overrides, run_dir, resume=args.resume, overwrite=args.overwrite,
                         max_steps=args.max_steps, check_owner=top_level)
     validate_world(start.cfg, world)
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        launch.check_local_ranks(start.cfg.run.device, args.nproc)
     if start.already_done:
         print(start.already_done)
         return EXIT_DONE
@@ -287,11 +289,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from . import assets
+    from .data.formats import require_packages
     from .data.prepare import PrepareConfig, prepare, summary
     from .target.capture import load_tokenizer
     from .outputs import check_prepare_out
 
     check_prepare_out(Path(args.out), args.data, args.overwrite)  # before the tokenizer loads
+    require_packages(args.data)  # every --data exists (a built-in set: its package), said before the tokenizer loads
     cfg = PrepareConfig(max_length=args.max_length, block_size=args.block_size, val_fraction=args.val_fraction,
                         thinking=args.thinking, shard_rows=args.shard_rows, max_samples=args.max_samples,
                         overwrite=args.overwrite, skip_damaged_files=args.skip_damaged_files)

@@ -32,7 +32,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device cuda (run.device / --device) but no CUDA device is visible; use cpu or auto")
+        from .errors import UserError
+
+        raise UserError("device cuda (run.device / --device) but no CUDA device is visible; use cpu or auto")
     return torch.device(name)
 
 

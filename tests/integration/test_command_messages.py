@@ -37,3 +37,40 @@ def test_max_steps_and_an_override_of_the_same_key_are_refused_unless_they_agree
     # the flag is the command line's word over the file's 3, as an override would be
     assert admit_start(str(cfg), [], run, resume=False, max_steps=5).cfg.optim.max_steps == 5
     assert yaml.safe_load(cfg.read_text())["optim"]["max_steps"] == 3 and not run.exists()
+
+
+def _cli(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True, text=True, env=ENV,
+                          timeout=300)
+
+
+def _one_error(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr
+    return errors[0]
+
+
+def test_more_local_ranks_than_gpus_are_refused_before_any_rank_starts(tmp_path, tiny_target_dir, counting_jsonl):
+    import torch
+
+    gpus = torch.cuda.device_count()
+    nproc = max(2, gpus + 1)
+    cfg = write_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl)
+    run = tmp_path / "R"
+    line = _one_error(_cli(["train", str(cfg), "--run-dir", str(run), "--nproc", str(nproc), "run.device=cuda"]))
+    said = f"one rank per GPU, and {gpus} GPU(s) are visible" if gpus else "run.device is cuda, but no GPU is visible"
+    assert line.startswith(f"error: --nproc {nproc}: {said}"), line
+    assert not run.exists()
+    if not gpus:  # one process: the same mistake is one line too
+        line = _one_error(_cli(["train", str(cfg), "--run-dir", str(run), "run.device=cuda"]))
+        assert "no CUDA device is visible" in line and not run.exists(), line
+
+
+def test_prepare_names_a_missing_input_before_it_reads_the_target(tmp_path, counting_jsonl):
+    no_model = tmp_path / "no-model"
+    no_model.mkdir()
+    missing = tmp_path / "missing.jsonl"
+    line = _one_error(_cli(["prepare", "--target", str(no_model), "--data", str(counting_jsonl), "--data",
+                            str(missing), "--out", str(tmp_path / "P")]))
+    assert f"data '{missing}' not found" in line, line

@@ -188,7 +188,8 @@ def test_a_detached_run_is_a_run_directory_and_stops_cleanly_from_the_moment_det
     assert "stops at once with nothing to checkpoint" in capsys.readouterr().out
     _wait_gone(pid)
     assert main(["status", str(run_dir)]) == 3
-    assert capsys.readouterr().out.startswith("phase:      stopped\n")
+    out = capsys.readouterr().out
+    assert out.startswith("phase:      stopped\n") and "stopped:    signal 15 before the run started" in out, out
     assert status(run_dir)["step"] == 0 and not (run_dir / "STOP").exists()
     assert not list((run_dir / "checkpoints").iterdir())
     assert "Traceback" not in (run_dir / "launcher.out").read_text()

@@ -348,7 +348,14 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, source: str
         named = re.match(r"config key '([^']+)'", str(e))
         item = given.get(named.group(1)) if named else None
         message = _renamed(str(e), moved)
-        raise ConfigError(f"{message} (override {_quoted(item)})" if item else f"{message}{suffix}") from None
+        if item:
+            raise ConfigError(f"{message} (override {_quoted(item)})") from None
+        # a cross-field check names the key it refuses; the other key it names may be an override's
+        other = next((o for key, o in given.items() if re.search(rf"\b{re.escape(key)}\b", message)), None)
+        if other is None:
+            raise ConfigError(f"{message}{suffix}") from None
+        both = f"{source} with the override" if source else "override"
+        raise ConfigError(f"{message} ({both} {_quoted(other)})") from None
     _warn_renamed(moved, cfg, source, given)
     return cfg
 

@@ -267,6 +267,10 @@ def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: O
     lines.append(f"ETA:        {_duration(status.get('eta_s'))}" if shown == "training" else "ETA:        -")
     if status.get("export_dir"):
         lines.append(f"export:     {status['export_dir']}")
+    if shown == "stopped" and status.get("checkpoint"):
+        lines.append(f"stopped:    checkpoint {status['checkpoint']}; continue it with train --resume")
+    elif shown == "stopped" and status.get("message"):
+        lines.append(f"stopped:    {status['message']}")
     err = status.get("error")
     if err:
         lines.append(f"last error: {err['type']}: {err['message']}")

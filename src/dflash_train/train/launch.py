@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .. import procs
-from ..errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR
+from ..errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, UserError
 from ..run.directory import ENDED, START_UP_PHASES, RunDir, clear_stop_request, request_stop_file
 from ..run.status import StatusWriter, read_heartbeats
 
@@ -89,6 +89,24 @@ def _mark_stopped(run: RunDir, message: str) -> None:
     if writer.state.get("phase") in ENDED:
         return
     writer.update(phase="stopped", checkpoint=None, message=message)
+
+
+def check_local_ranks(device: str, nproc: int) -> None:
+    """`--nproc N` on a GPU machine starts one rank per GPU: more ranks than visible GPUs are refused before any
+    starts (each would import torch, then fail on its missing device)."""
+    if device == "cpu":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if nproc <= gpus or (device == "auto" and gpus == 0):
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    if not gpus:
+        raise UserError(f"--nproc {nproc}: run.device is cuda, but no GPU is visible{shown}; use run.device=cpu or auto")
+    raise UserError(f"--nproc {nproc}: one rank per GPU, and {gpus} GPU(s) are visible{shown}; give --nproc {gpus} or "
+                    "fewer")
 
 
 def supervise(child_args: list[str], nproc: int, run_root: Path, stall_timeout: float = 300.0,

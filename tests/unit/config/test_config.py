@@ -168,3 +168,12 @@ def test_a_deprecated_key_is_named_where_it_was_written(tmp_path, caplog, monkey
     assert f"drafter.selector_top_k -> dflash2.selector_top_k (in {mixed})" in first, first
     assert "drafter.selector_rank -> dflash2.selector_rank (override 'drafter.selector_rank=4')" in first, first
     assert str(plain) not in second and "(override 'drafter.selector_rank=8')" in second, second
+
+
+def test_a_cross_field_refusal_names_the_override_it_comes_from():
+    """The refused key is the file's, the other key the check names was set on the command line: both are named."""
+    with pytest.raises(ConfigError, match=r"set drafter.attention_backend=sdpa \(or auto\) \(c.yaml with the override "
+                                          r"'run.device=cpu'\)$"):
+        config_from_dict({"drafter": {"attention_backend": "flex"}}, ["run.device=cpu"], "c.yaml")
+    with pytest.raises(ConfigError, match=r"\(c.yaml\)$"):  # both in the file: the file
+        config_from_dict({"drafter": {"attention_backend": "flex"}, "run": {"device": "cpu"}}, [], "c.yaml")
