@@ -295,10 +295,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from .outputs import check_prepare_out
 
     check_prepare_out(Path(args.out), args.data, args.overwrite)  # before the tokenizer loads
-    require_packages(args.data)  # every --data exists (a built-in set: its package), said before the tokenizer loads
     cfg = PrepareConfig(max_length=args.max_length, block_size=args.block_size, val_fraction=args.val_fraction,
                         thinking=args.thinking, shard_rows=args.shard_rows, max_samples=args.max_samples,
                         overwrite=args.overwrite, skip_damaged_files=args.skip_damaged_files)
+    require_packages(args.data)  # every --data exists (a built-in set: its package), said before the tokenizer loads
     target_path = assets.resolve_target(args.target, weights=False)  # the tokenizer is all prepare reads
     tokenizer = load_tokenizer(target_path, args.trust_remote_code)
     out = Path(args.out)
