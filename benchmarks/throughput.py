@@ -261,10 +261,10 @@ def measure_one_side(args) -> None:
     from transformers import AutoModelForCausalLM
 
     from dflash_train.config.load import config_from_dict
-    from dflash_train.algorithms.dflash.attention import resolve_backend
-    from dflash_train.algorithms.base import default_target_layer_ids
+    from dflash_train.algorithms.family.backend import resolve_backend
+    from dflash_train.algorithms.drafter import default_target_layer_ids
     from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
@@ -472,10 +472,10 @@ def main() -> None:
 
     from dflash_train.config.load import config_from_dict
     from dflash_train.algorithms import architecture, reads_target_final
-    from dflash_train.algorithms.dflash.attention import resolve_backend
-    from dflash_train.algorithms.base import default_target_layer_ids
+    from dflash_train.algorithms.family.backend import resolve_backend
+    from dflash_train.algorithms.drafter import default_target_layer_ids
     from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep

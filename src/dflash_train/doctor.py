@@ -73,13 +73,13 @@ def devices() -> list[Check]:
 
 
 def flex_smoke_test() -> Check:
-    """Compile flex_attention through our layer and run it with a DFlash-shaped BlockMask:
+    """Compile flex_attention through our layer and run it with a block drafter's BlockMask:
     forward + backward on GPU; forward only on CPU (FlexAttention has no CPU backward)."""
     import torch
 
-    from .algorithms.dflash.attention import compiled_flex_attention
-    from .algorithms.dflash.model import sdpa_attention
-    from .algorithms.dflash.mask import dense_mask, flex_block_mask
+    from .algorithms.attention import sdpa_attention
+    from .algorithms.family.backend import compiled_flex_attention
+    from .algorithms.family.mask import dense_mask, flex_block_mask
 
     dev = resolve_device("auto")
     device, dtype = dev.type, resolve_dtype("auto", dev)

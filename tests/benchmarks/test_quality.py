@@ -293,7 +293,7 @@ def test_read_records_ignores_a_torn_line_and_keeps_the_first_duplicate(tmp_path
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_target_dir):
     from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.target.capture import load_target_model, load_tokenizer
 
     target = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
@@ -510,7 +510,7 @@ def test_prepared_data_carries_label_counts_for_a_reduced_vocabulary_variant(tmp
 def _save_drafters(target, out: Path) -> dict[str, Path]:
     """A DFlash base (run/export), a DSpark variant with a confidence head and a Domino variant, block 4 each,
     saved where the comparison's runs export them."""
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.domino.config import make_domino_config
     from dflash_train.algorithms.domino.model import DominoDrafter
@@ -645,7 +645,7 @@ def test_confidence_thresholds_report_truncated_block_decoding_of_a_confidence_h
     """--confidence-thresholds: per drafter with a confidence head, tau and tokens verified per step of block decoding
     truncated at each threshold, as `dflash-train eval --confidence-threshold` decodes them (same tau, same
     verified_per_step); without the flag the summary has the keys and tables it had."""
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.algorithms.dspark.model import DSparkDrafter
     from dflash_train.algorithms.io import save_drafter
     from dflash_train.assets import stop_token_ids

@@ -97,7 +97,7 @@ def tree_state(root: Path) -> dict[str, str]:
 def tiny_drafter(tmp_path_factory, tiny_target_dir) -> Path:
     from transformers import AutoConfig
 
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.io import save_drafter
 

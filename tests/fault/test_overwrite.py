@@ -223,7 +223,7 @@ def test_eval_refuses_a_report_path_it_did_not_write(tmp_path, drafter_dir, caps
 def test_eval_replaces_its_own_report_only_with_overwrite(tmp_path, capsys, tiny_target_dir):
     from transformers import AutoConfig
 
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.io import save_drafter
 

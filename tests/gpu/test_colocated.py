@@ -27,9 +27,9 @@ def test_a_colocated_step_never_waits_for_the_gpu(compile_layers):
     a non-finite step is skipped on the device (fused AdamW's found_inf). CUDA's sync debug mode reports
     every wait with the line that caused it; the only ones allowed are in `_SYNCS_NOT_OURS`."""
     from dflash_train.config.load import config_from_dict
-    from dflash_train.algorithms.dflash.attention import resolve_backend
+    from dflash_train.algorithms.family.backend import resolve_backend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep

@@ -25,7 +25,7 @@ def test_reduced_vocabulary_loss_with_a_trained_head_matches_float64(softcap, ke
     """The compiled chunk math on the GPU (bf16 autocast, the head's float32 master weight, labels outside the
     vocabulary at -1), the head's weight gradient formed again or (keep) from the kept rows: loss, hits and both
     gradients against a float64 reference on the CPU."""
-    from dflash_train.algorithms.dflash.loss import chunked_weighted_ce
+    from dflash_train.algorithms.family.loss import CEOptions, chunked_weighted_ce
 
     g = torch.Generator().manual_seed(0)
     m, h, n = 3000, 256, 4096
@@ -35,8 +35,8 @@ def test_reduced_vocabulary_loss_with_a_trained_head_matches_float64(softcap, ke
     labels[torch.rand(m, generator=g) < 0.2] = -1
     w = torch.rand(m, generator=g) + 0.1
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = chunked_weighted_ce(hidden, weight, labels.cuda(), w.cuda(), 1024, softcap=softcap, unscored=True,
-                                  keep_grad_logits=keep)
+        out = chunked_weighted_ce(hidden, weight, labels.cuda(), w.cuda(),
+                                  CEOptions(1024, softcap=softcap, unscored=True, keep_grad_logits=keep))
     out.loss.backward()
     h64 = hidden.detach().double().cpu().requires_grad_()
     w64 = weight.detach().to(torch.bfloat16).double().cpu().requires_grad_()

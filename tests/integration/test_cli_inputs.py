@@ -221,7 +221,7 @@ def tiny_eval(tmp_path_factory, tiny_target_dir):
     from transformers import AutoConfig
 
     from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.algorithms.io import save_drafter
 
     root = tmp_path_factory.mktemp("tiny-eval")

@@ -321,7 +321,7 @@ def two_datasets(tmp_path_factory, tiny_target_dir):
     """An untrained drafter for the tiny target and two prompt files: eval runs in seconds on CPU."""
     from transformers import AutoConfig
 
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.algorithms.dflash.model import DFlashDrafter
     from dflash_train.algorithms.io import save_drafter
 

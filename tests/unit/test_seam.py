@@ -76,7 +76,7 @@ def _export_keys(name: str) -> set[str]:
 
 def own_words() -> dict[str, list[re.Pattern]]:
     """Architecture name -> what generic code must not hold of it: its name (the default's, which is also the
-    package's, as a string literal), its config section's keys and the keys its exported config.json adds to the
+    package's, as a string literal or its package's module path), its config section's keys and the keys its exported config.json adds to the
     default architecture's, less the generic keys and one-word keys (ordinary words of any code, e.g. `loss`)."""
     generic, default_keys = _generic_keys(), _export_keys(architectures.DEFAULT)
     words = {}
@@ -85,7 +85,8 @@ def own_words() -> dict[str, list[re.Pattern]]:
         keys = {f.name for f in dataclasses.fields(section)} if section else set()
         keys |= _export_keys(name) - default_keys
         keys = sorted(k for k in keys - generic if "_" in k)
-        named = (re.compile(rf"""["']{re.escape(name)}["']""") if name == architectures.DEFAULT
+        named = (re.compile(rf"""["']{re.escape(name)}["']|\balgorithms[./]{re.escape(name)}\b""")
+                 if name == architectures.DEFAULT
                  else re.compile(rf"\b{re.escape(name)}\b", re.IGNORECASE))
         words[name] = [named, *(re.compile(rf"\b{re.escape(k)}\b") for k in keys)]
     return words
@@ -126,7 +127,7 @@ def test_the_leak_check_finds_a_planted_name_and_key(tmp_path):
     (tmp_path / "train" / "step.py").write_text(
         'if cfg.drafter.architecture == "dflash2":\n    x.selector_top_k\nif arch != "dflash":\n'
         '    pass  # DSpark\'s own head\nhelp = "(DSpark) and dflash-train"\n'
-        'shape = {"gru_hidden_dim": 1, "loss": 2}\n')
+        'shape = {"gru_hidden_dim": 1, "loss": 2}\nfrom ..algorithms.dflash.model import DFlashDrafter\n')
     (tmp_path / "algorithms" / "dflash2").mkdir(parents=True)
     (tmp_path / "algorithms" / "dflash2" / "model.py").write_text("self.selector_top_k = 1\n")
     (tmp_path / "algorithms" / "dspark").mkdir(parents=True)
@@ -135,7 +136,8 @@ def test_the_leak_check_finds_a_planted_name_and_key(tmp_path):
         "algorithms/dspark/model.py:1: from ..dflash2.model import X",
         'train/step.py:1: if cfg.drafter.architecture == "dflash2":', "train/step.py:2: x.selector_top_k",
         'train/step.py:3: if arch != "dflash":', "train/step.py:4: pass  # DSpark's own head",
-        'train/step.py:6: shape = {"gru_hidden_dim": 1, "loss": 2}']
+        'train/step.py:6: shape = {"gru_hidden_dim": 1, "loss": 2}',
+        "train/step.py:7: from ..algorithms.dflash.model import DFlashDrafter"]
 
 
 # ------------------------------------------------------------------------------------------------ the sections
@@ -277,9 +279,10 @@ def test_a_resume_that_changes_the_architecture_names_its_keys_not_a_crash(tmp_p
 # the value of its one config key (`toy.gate_init`), written into its drafter config and exported; the gate's FLOPs
 # and the rows it keeps for its gradient are its own terms in the step's FLOPs and memory estimate.
 
-from dflash_train.algorithms.base import Architecture, DraftWork, StepFlops, StepMemory  # noqa: E402
-from dflash_train.algorithms.dflash.attention import resolve_backend  # noqa: E402
-from dflash_train.algorithms.dflash.config import drafter_config_from_dict, drafter_config_json  # noqa: E402
+from dflash_train.algorithms.contract import Architecture, StepFlops, StepMemory  # noqa: E402
+from dflash_train.algorithms.stats import DraftWork  # noqa: E402
+from dflash_train.algorithms.family.backend import resolve_backend  # noqa: E402
+from dflash_train.algorithms.family.config import drafter_config_from_dict, drafter_config_json  # noqa: E402
 from dflash_train.algorithms.dflash.config import config_for_run as dflash_config_for_run  # noqa: E402
 from dflash_train.algorithms.dflash.model import DFlashDrafter  # noqa: E402
 from dflash_train.algorithms.dflash.objective import DFlashObjective  # noqa: E402

@@ -1,5 +1,5 @@
 """The drafter architectures, by the `drafter.architecture` key. Adding one: a package beside `dflash/` that
-defines an `ARCHITECTURE` (see `base.Architecture`) and, for config keys of its own, a torch-free `options.py`;
+defines an `ARCHITECTURE` (see `contract.Architecture`) and, for config keys of its own, a torch-free `options.py`;
 then a line in `architectures._BUILTIN`, or `architectures.register(...)` at run time (docs/architectures/adding.md)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from .. import architectures as registry
 
 if TYPE_CHECKING:
     from ..config.schema import Config
-    from .base import Architecture
+    from .contract import Architecture
 
 
 class UnknownArchitecture(ValueError):

@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from . import UnknownArchitecture, architecture, architecture_of_export
-from .base import Drafter
+from .drafter import Drafter
 from ..errors import DamagedFileError, ModelError
 from ..layout import CONFIG_NAME, STATE, WEIGHTS_NAME
 from ..permissions import follow_umask

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from .. import assets
 from ..data.chat import prompt_ids
 from ..data.formats import RowError, iter_source, prompt_turns
-from ..algorithms.base import Drafter
+from ..algorithms.drafter import Drafter
 from ..errors import ConfigError, debug_enabled
 from ..accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
 from ..target.hf_config import text_config

@@ -22,7 +22,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..algorithms.base import Drafter, DrafterKVCache, sdpa_attention
+from ..algorithms.attention import DrafterKVCache, sdpa_attention
+from ..algorithms.drafter import Drafter
 
 
 @dataclass

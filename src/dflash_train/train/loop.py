@@ -37,7 +37,7 @@ from . import checkpoint as checkpoints
 from . import flops
 from .dist import StopVote
 from ..algorithms import reads_target_final
-from ..algorithms.base import DraftWork, StepStats
+from ..algorithms.stats import DraftWork, StepStats
 from .step import MicroBatch, TrainStep
 from .transport import DrafterInbox
 from .validate import validate

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from ..algorithms import architecture
-from ..algorithms.base import Drafter, StepStats
+from ..algorithms.drafter import Drafter
+from ..algorithms.stats import StepStats
 from ..config.schema import Config
 from ..data.batch import Batch
 from ..target.capture import TargetCapture, TargetHead

@@ -14,9 +14,10 @@ import torch
 import yaml
 from torch import nn
 
-from dflash_train.algorithms.dflash.config import make_drafter_config
-from dflash_train.algorithms.dflash.mask import dense_mask
-from dflash_train.algorithms.dflash.model import DFlashDrafter, sdpa_attention
+from dflash_train.algorithms.family.config import make_drafter_config
+from dflash_train.algorithms.family.mask import dense_mask
+from dflash_train.algorithms.attention import sdpa_attention
+from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.cli import main
 from dflash_train.config.load import config_from_dict
 from dflash_train.errors import ConfigError

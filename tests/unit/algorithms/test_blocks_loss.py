@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from dflash_train.algorithms.dflash.blocks import build_blocks, gamma_weights, sample_anchors
-from dflash_train.algorithms.dflash.loss import chunked_weighted_ce
-from dflash_train.algorithms.base import acceptance_estimate
+from dflash_train.algorithms.family.blocks import build_blocks, gamma_weights, sample_anchors
+from dflash_train.algorithms.family.loss import CEOptions, chunked_weighted_ce
+from dflash_train.algorithms.stats import acceptance_estimate
 from dflash_train.train.step import lr_factor
 
 
@@ -99,7 +99,7 @@ def test_chunked_loss_and_gradient_equal_unchunked_in_float64(chunk):
     weight = torch.randn(v, h, generator=g, dtype=torch.float64)
     labels = torch.randint(0, v, (m,), generator=g)
     weights = torch.rand(m, generator=g, dtype=torch.float64) + 0.1
-    out = chunked_weighted_ce(hidden, weight, labels, weights, chunk)
+    out = chunked_weighted_ce(hidden, weight, labels, weights, CEOptions(chunk))
     (grad,) = torch.autograd.grad(out.loss, hidden)
     ref_hidden = hidden.detach().clone().requires_grad_(True)
     ref, ref_correct = _reference(ref_hidden, weight, labels, weights)
@@ -117,8 +117,8 @@ def test_chunked_loss_with_multiplier_and_softcap_equals_autograd_on_full_logits
     """The drafter's scores x = cap * tanh(m * z / cap) (x = m * z without a cap): loss, gradient (the chain rule
     through the transform), hits and the label log-probabilities acceptance weighting reads all equal autograd
     on the full transformed logits; the target's logits (distillation) stay untransformed."""
-    from dflash_train.algorithms.base import transform_logits
-    from dflash_train.algorithms.dflash.loss import chunked_ce_rows
+    from dflash_train.algorithms.family.reference_fields import transform_logits
+    from dflash_train.algorithms.family.loss import chunked_ce_rows
 
     g = torch.Generator().manual_seed(chunk)
     m, h, v = 29, 16, 50
@@ -127,7 +127,7 @@ def test_chunked_loss_with_multiplier_and_softcap_equals_autograd_on_full_logits
     labels = torch.randint(0, v, (m,), generator=g)
     target_hidden = torch.randn(m, h, generator=g, dtype=torch.float64)
     weights = torch.rand(m, generator=g, dtype=torch.float64) + 0.1
-    rows = chunked_ce_rows(hidden, weight, labels, chunk, target_hidden, distill, 1.0, multiplier, cap)
+    rows = chunked_ce_rows(hidden, weight, labels, CEOptions(chunk, distill, 1.0, multiplier, cap), target_hidden)
     (grad,) = torch.autograd.grad((rows.loss * weights).sum(), hidden)
 
     ref_hidden = hidden.detach().clone().requires_grad_(True)
@@ -139,14 +139,14 @@ def test_chunked_loss_with_multiplier_and_softcap_equals_autograd_on_full_logits
     torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(rows.label_logp, torch.log_softmax(x, -1).gather(1, labels.view(-1, 1)).view(-1).detach())
     assert torch.equal(rows.correct, x.argmax(-1) == labels)
-    plain = chunked_ce_rows(hidden, weight, labels, chunk, target_hidden, distill, 1.0)
+    plain = chunked_ce_rows(hidden, weight, labels, CEOptions(chunk, distill, 1.0), target_hidden)
     assert not torch.allclose(plain.loss, rows.loss, rtol=1e-3)  # the transform is not a no-op here
 
 
 def test_the_eager_chunk_math_equals_the_compiled_one_in_float64():
     """CPU runs `_ce_chunk_eager` (in place, four passes); CUDA compiles `_ce_chunk`. Same outputs, ties in
     the argmax included (both take the first maximum)."""
-    from dflash_train.algorithms.dflash.loss import _ce_chunk, _ce_chunk_eager
+    from dflash_train.algorithms.family.loss import _ce_chunk, _ce_chunk_eager
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(23, 40, generator=g, dtype=torch.float64) * 4
@@ -163,7 +163,7 @@ def test_the_eager_chunk_math_equals_the_compiled_one_in_float64():
 
 @pytest.mark.parametrize("chunk", [3, 4, 7, 2048])
 def test_chunks_cover_the_rows_in_order_and_none_holds_one_row(chunk):
-    from dflash_train.algorithms.dflash.loss import chunk_bounds
+    from dflash_train.algorithms.family.loss import chunk_bounds
 
     for m in range(1, 3 * chunk + 3):
         bounds = chunk_bounds(m, chunk)
@@ -179,7 +179,7 @@ def test_no_micro_batch_size_gives_the_compiled_chunk_math_a_variant_of_its_own(
     when the warm-up's batches had none. The chunks never hold one row, so one variant serves every count.
     (Dynamo's eager backend on the CPU: the same tracing and guards as the GPU's inductor.)"""
     from dflash_train.accel import compile as compile_layer
-    from dflash_train.algorithms.dflash import loss as loss_mod
+    from dflash_train.algorithms.family import loss as loss_mod
 
     monkeypatch.setattr(compile_layer, "_compiled", {})
     monkeypatch.setattr(loss_mod, "chunk_function", lambda name, fn, device, eager=None: compile_layer.compiled(
@@ -190,7 +190,7 @@ def test_no_micro_batch_size_gives_the_compiled_chunk_math_a_variant_of_its_own(
 
     def run(m):
         h = torch.randn(m, 8, generator=g, requires_grad=True)
-        out = chunked_weighted_ce(h, weight, torch.randint(0, 50, (m,), generator=g), torch.ones(m), chunk_size=4)
+        out = chunked_weighted_ce(h, weight, torch.randint(0, 50, (m,), generator=g), torch.ones(m), CEOptions(4))
         out.loss.backward()
 
     run(10)  # chunks of 4, 4 and 2: the compile
@@ -212,7 +212,7 @@ def test_chunked_loss_never_holds_full_logits():
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = chunked_weighted_ce(hidden, weight, labels, weights, chunk)
+        out = chunked_weighted_ce(hidden, weight, labels, weights, CEOptions(chunk))
         out.loss.backward()
     biggest = max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
     assert 0 < biggest < full_logits_bytes / 8, (biggest, full_logits_bytes)

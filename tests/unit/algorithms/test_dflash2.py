@@ -15,13 +15,14 @@ from safetensors import safe_open
 from _reader_math import ReaderMath
 
 from dflash_train.algorithms import architecture
-from dflash_train.algorithms.base import sdpa_attention
-from dflash_train.algorithms.dflash.attention import resolve_backend
-from dflash_train.algorithms.dflash.blocks import build_blocks, sample_anchors
-from dflash_train.algorithms.dflash.config import make_drafter_config
-from dflash_train.algorithms.dflash.loss import grouped_topk
-from dflash_train.algorithms.dflash.mask import dense_mask
+from dflash_train.algorithms.attention import sdpa_attention
+from dflash_train.algorithms.family.backend import resolve_backend
+from dflash_train.algorithms.family.blocks import build_blocks, sample_anchors
+from dflash_train.algorithms.family.config import make_drafter_config
+from dflash_train.algorithms.family.loss import grouped_topk
+from dflash_train.algorithms.family.mask import dense_mask
 from dflash_train.algorithms.dflash.model import DFlashDrafter
+from dflash_train.algorithms.family.model import BlockDrafter
 from dflash_train.algorithms.dflash2.config import make_dflash2_config
 from dflash_train.algorithms.dflash2.conv import BlockConv
 from dflash_train.algorithms.dflash2.model import DFlash2Drafter
@@ -307,7 +308,7 @@ def test_tree_candidates_score_every_branch_given_its_own_predecessor(target):
         assert greedy == path[n].tolist()
     identity = dflash2(target, block_size=5).double()
     lp0, cand0 = identity.tree_candidates(hidden, head, anchors, 32)
-    want_lp, want_ids = DFlashDrafter.tree_candidates(identity, hidden, head, anchors, 32)
+    want_lp, want_ids = BlockDrafter.tree_candidates(identity, hidden, head, anchors, 32)
     assert torch.equal(cand0, want_ids)
     torch.testing.assert_close(lp0, want_lp.unsqueeze(2).expand_as(lp0), rtol=1e-5, atol=1e-6)  # float32 logits
 

@@ -20,10 +20,10 @@ from _reader_math import ReaderMath
 
 from dflash_train import architectures
 from dflash_train.algorithms import architecture_of_export
-from dflash_train.algorithms.base import sdpa_attention
-from dflash_train.algorithms.dflash.attention import resolve_backend
-from dflash_train.algorithms.dflash.blocks import sample_anchors
-from dflash_train.algorithms.dflash.mask import dense_mask
+from dflash_train.algorithms.attention import sdpa_attention
+from dflash_train.algorithms.family.backend import resolve_backend
+from dflash_train.algorithms.family.blocks import sample_anchors
+from dflash_train.algorithms.family.mask import dense_mask
 from dflash_train.algorithms.domino.config import make_domino_config
 from dflash_train.algorithms.domino.loss import chunked_domino_rows, final_label_logp
 from dflash_train.algorithms.domino.model import DominoDrafter
@@ -334,7 +334,7 @@ def test_greedy_drafts_take_one_head_product_and_equal_the_slot_by_slot_formula(
     `pure_draft_prefix_len` on, then the score transform), the GRU reading the drafts before it."""
     import copy
 
-    from dflash_train.algorithms.base import transform_logits
+    from dflash_train.algorithms.family.reference_fields import transform_logits
 
     d = domino(target, block_size=5, prefix=prefix, perturb=0.5, **transform).double()
     head = copy.deepcopy(target.lm_head).double()

@@ -16,8 +16,8 @@ import yaml
 from safetensors import safe_open
 
 from dflash_train.errors import ResourceError
-from dflash_train.algorithms.dflash.attention import resolve_backend
-from dflash_train.algorithms.dflash.config import drafter_config_from_dict, make_drafter_config
+from dflash_train.algorithms.family.backend import resolve_backend
+from dflash_train.algorithms.family.config import drafter_config_from_dict, make_drafter_config
 from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.algorithms.dflash.objective import DFlashObjective
 from dflash_train.cli import main
@@ -297,7 +297,7 @@ def test_loss_hits_and_outside_share_against_a_float64_brute_force(target64, slo
 def test_the_kept_head_gradient_equals_the_recomputed_one(softcap):
     """objective.head_gradient keep against recompute, float64: the same loss and both gradients, with a score
     transform (multiplier and softcap) and labels outside the vocabulary; the kept rows are [M, V]."""
-    from dflash_train.algorithms.dflash.loss import chunked_weighted_ce
+    from dflash_train.algorithms.family.loss import CEOptions, chunked_weighted_ce
 
     g = torch.Generator().manual_seed(0)
     m, h, n = 23, 16, 40
@@ -308,8 +308,8 @@ def test_the_kept_head_gradient_equals_the_recomputed_one(softcap):
     for keep in (False, True):
         hidden = torch.randn(m, h, generator=torch.Generator().manual_seed(1), dtype=torch.float64).requires_grad_()
         head = torch.randn(n, h, generator=torch.Generator().manual_seed(2), dtype=torch.float64).requires_grad_()
-        out = chunked_weighted_ce(hidden, head, labels, weights, 6, output_multiplier=1.5, softcap=softcap,
-                                  unscored=True, keep_grad_logits=keep)
+        out = chunked_weighted_ce(hidden, head, labels, weights, CEOptions(6, output_multiplier=1.5, softcap=softcap,
+                                                                           unscored=True, keep_grad_logits=keep))
         out.loss.backward()
         results.append((out.loss.detach(), hidden.grad, head.grad))
     for a, b in zip(*results):

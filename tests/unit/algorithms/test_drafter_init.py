@@ -11,7 +11,7 @@ from dflash_train.cli import main
 from dflash_train.config.load import load_config
 from dflash_train.errors import ConfigError
 from dflash_train.algorithms.dflash.model import DFlashDrafter
-from dflash_train.algorithms.dflash.config import make_drafter_config
+from dflash_train.algorithms.family.config import make_drafter_config
 from dflash_train.algorithms.init_from_target import init_drafter_from_target, init_layer_ids
 from dflash_train.algorithms.io import load_drafter
 from dflash_train.target.capture import read_target_config

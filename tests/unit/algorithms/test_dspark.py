@@ -12,10 +12,10 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from dflash_train.algorithms.base import sdpa_attention
-from dflash_train.algorithms.dflash.attention import resolve_backend
-from dflash_train.algorithms.dflash.config import make_drafter_config
-from dflash_train.algorithms.dflash.mask import dense_mask
+from dflash_train.algorithms.attention import sdpa_attention
+from dflash_train.algorithms.family.backend import resolve_backend
+from dflash_train.algorithms.family.config import make_drafter_config
+from dflash_train.algorithms.family.mask import dense_mask
 from dflash_train.algorithms.dspark.blocks import plan
 from dflash_train.algorithms.dspark.loss import chunked_dspark_rows, target_positions
 from dflash_train.algorithms.dspark.model import DSparkDrafter

@@ -126,7 +126,7 @@ def reader_decode(reader, target, prompt, max_new, threshold=0.0):
 
 @pytest.mark.parametrize("kind", ["vanilla", "rnn"])
 def test_an_independent_reader_decodes_the_export_as_eval_does(tiny_target_dir, tmp_path, kind):
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.algorithms.dspark.model import DSparkDrafter
     from dflash_train.algorithms.io import save_drafter
     from dflash_train.cli import main

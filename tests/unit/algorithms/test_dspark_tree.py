@@ -155,8 +155,8 @@ def test_eval_says_the_refusal_in_one_line(tiny_target_dir, target, tmp_path, ca
 def memorise_every_slot(d, target, sequences: list[list[int]], steps: int = 20):
     """Teach the drafter's base logits these sequences: slot k of the block at a predicts ids[a + k + 1] (the
     anchor's slot too), so that whole blocks are accepted and the tree's last depth is reached."""
-    from dflash_train.algorithms.base import sdpa_attention
-    from dflash_train.algorithms.dflash.mask import dense_mask
+    from dflash_train.algorithms.attention import sdpa_attention
+    from dflash_train.algorithms.family.mask import dense_mask
 
     opt = torch.optim.Adam(d.parameters(), lr=1e-2)
     batches = []

@@ -5,8 +5,8 @@ import warnings
 import pytest
 import torch
 
-from dflash_train.algorithms.dflash.mask import dense_mask, flex_block_mask, flex_mask_mod
-from dflash_train.algorithms.dflash.blocks import sample_anchors
+from dflash_train.algorithms.family.mask import dense_mask, flex_block_mask, flex_mask_mod
+from dflash_train.algorithms.family.blocks import sample_anchors
 from dflash_train.accel import compile as compile_layer
 
 
@@ -227,7 +227,7 @@ def _qkv(batch, n, bs, s, seed=0):
 
 
 def test_flex_attention_matches_sdpa_forward_on_cpu():
-    from dflash_train.algorithms.dflash.model import sdpa_attention
+    from dflash_train.algorithms.attention import sdpa_attention
 
     anchors, keep, s, bs = random_case(7)
     tile = 128
@@ -242,7 +242,7 @@ def test_flex_attention_matches_sdpa_forward_on_cpu():
 def test_flex_attention_with_a_window_or_causality_matches_sdpa_on_cpu(window, causal):
     """The flex form (block mask + mask_mod) runs the same attention as the dense form, per kind; and the kind
     matters (the plain mask gives another output)."""
-    from dflash_train.algorithms.dflash.model import sdpa_attention
+    from dflash_train.algorithms.attention import sdpa_attention
 
     anchors, keep, s, bs = random_case(11)
     tile = 128

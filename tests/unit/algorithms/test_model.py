@@ -8,10 +8,11 @@ from safetensors import safe_open
 
 from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
-from dflash_train.algorithms.dflash.attention import resolve_backend
-from dflash_train.algorithms.base import default_target_layer_ids
-from dflash_train.algorithms.dflash.model import DFlashDrafter, sdpa_attention
-from dflash_train.algorithms.dflash.config import make_drafter_config
+from dflash_train.algorithms.family.backend import resolve_backend
+from dflash_train.algorithms.drafter import default_target_layer_ids
+from dflash_train.algorithms.attention import sdpa_attention
+from dflash_train.algorithms.dflash.model import DFlashDrafter
+from dflash_train.algorithms.family.config import make_drafter_config
 from dflash_train.algorithms.io import load_drafter, save_drafter
 from dflash_train.target.capture import TargetCapture, load_target_model
 from dflash_train.train.step import TrainStep
@@ -102,7 +103,7 @@ def _manual_layer(layer, x, ctx, pos_q, pos_k, rotary, mask):
 
 
 def test_drafter_forward_matches_an_independent_float64_reference(tiny_model):
-    from dflash_train.algorithms.dflash.mask import dense_mask
+    from dflash_train.algorithms.family.mask import dense_mask
 
     d = _drafter(tiny_model).double()
     with torch.no_grad():
@@ -248,7 +249,7 @@ def test_rope_tables_stay_float32_when_the_drafter_is_cast(tiny_model):
 
 
 def test_not_kept_blocks_give_zero_output_and_finite_gradients():
-    from dflash_train.algorithms.dflash.mask import dense_mask
+    from dflash_train.algorithms.family.mask import dense_mask
 
     torch.manual_seed(0)
     q = torch.randn(1, 2, 8, 4, requires_grad=True)

@@ -12,9 +12,9 @@ import torch
 import yaml
 
 from dflash_train.config.load import config_from_dict
-from dflash_train.algorithms.dflash.blocks import build_blocks, dpace_weights, sample_anchors
-from dflash_train.algorithms.dflash.loss import chunked_weighted_ce
-from dflash_train.algorithms.dflash.objective import row_weights
+from dflash_train.algorithms.family.blocks import build_blocks, dpace_weights, sample_anchors
+from dflash_train.algorithms.family.loss import CEOptions, chunked_weighted_ce
+from dflash_train.algorithms.family.objective import row_weights
 from dflash_train.train.step import lr_factor
 
 F = torch.nn.functional
@@ -42,8 +42,8 @@ def test_distill_loss_and_gradient_equal_a_dense_reference(alpha, temperature, c
     target_hidden = torch.randn(m, h, generator=g, dtype=torch.float64)
     labels = torch.randint(0, v, (m,), generator=g)
     weights = torch.rand(m, generator=g, dtype=torch.float64) + 0.1
-    out = chunked_weighted_ce(hidden, weight, labels, weights, chunk, target_hidden=target_hidden,
-                              distill_weight=alpha, temperature=temperature)
+    out = chunked_weighted_ce(hidden, weight, labels, weights,
+                              CEOptions(chunk, distill_weight=alpha, temperature=temperature), target_hidden)
     (grad,) = torch.autograd.grad(out.loss, hidden)
     ref_hidden = hidden.detach().clone().requires_grad_(True)
     ref = _soft_ce_reference(ref_hidden, weight, labels, weights, target_hidden, alpha, temperature)
@@ -58,12 +58,12 @@ def test_distill_weight_zero_is_todays_loss_bit_for_bit():
     hidden = torch.randn(17, 8, generator=g, requires_grad=True)
     weight, target_hidden = torch.randn(30, 8, generator=g), torch.randn(17, 8, generator=g)
     labels, weights = torch.randint(0, 30, (17,), generator=g), torch.rand(17, generator=g) + 0.1
-    plain = chunked_weighted_ce(hidden, weight, labels, weights, 4)
-    mixed = chunked_weighted_ce(hidden, weight, labels, weights, 4, target_hidden=target_hidden, distill_weight=0.0)
+    plain = chunked_weighted_ce(hidden, weight, labels, weights, CEOptions(4))
+    mixed = chunked_weighted_ce(hidden, weight, labels, weights, CEOptions(4, distill_weight=0.0), target_hidden)
     assert torch.equal(plain.loss, mixed.loss)
     assert torch.equal(*(torch.autograd.grad(o.loss, hidden)[0] for o in (plain, mixed)))
     with pytest.raises(ValueError, match="target_hidden"):
-        chunked_weighted_ce(hidden, weight, labels, weights, 4, distill_weight=0.5)
+        chunked_weighted_ce(hidden, weight, labels, weights, CEOptions(4, distill_weight=0.5))
 
 
 # ---------------------------------------------------------------------------- acceptance weighting, loss level
@@ -105,7 +105,8 @@ def test_acceptance_weights_equal_a_brute_force_product_and_carry_no_gradient(ch
     out.requires_grad_(True)
     cfg = config_from_dict({"objective": {"slot_weighting": "acceptance", "acceptance_floor": floor}})
     idx = blocks.counted.view(-1).nonzero().squeeze(1)
-    res = chunked_weighted_ce(out[idx], weight, blocks.labels.view(-1)[idx], row_weights(cfg, blocks, idx), chunk)
+    res = chunked_weighted_ce(out[idx], weight, blocks.labels.view(-1)[idx], row_weights(cfg, blocks, idx),
+                              CEOptions(chunk))
     (grad,) = torch.autograd.grad(res.loss, out)
 
     logp = F.log_softmax(out.detach() @ weight.t(), -1).view(*blocks.labels.shape, v)
@@ -203,7 +204,8 @@ def test_dpace_row_weights_in_the_loss_equal_the_brute_force_and_carry_no_gradie
     out.requires_grad_(True)
     cfg = config_from_dict({"objective": {"slot_weighting": "dpace", "dpace_alpha": 0.3}})
     idx = blocks.counted.view(-1).nonzero().squeeze(1)
-    res = chunked_weighted_ce(out[idx], weight, blocks.labels.view(-1)[idx], row_weights(cfg, blocks, idx), chunk)
+    res = chunked_weighted_ce(out[idx], weight, blocks.labels.view(-1)[idx], row_weights(cfg, blocks, idx),
+                              CEOptions(chunk))
     (grad,) = torch.autograd.grad(res.loss, out)
 
     logp = F.log_softmax(out.detach() @ weight.t(), -1).view(*blocks.labels.shape, v)
@@ -263,9 +265,9 @@ def test_forward_loss_equals_a_dense_reference(tiny64, objective, context_multip
     slot k of the block at a learns input_ids[a + k] and the target's distribution at a + k - 1.
     With the context padded to a multiple (as the flex backend pads it), nothing changes: the padded
     keys lie past every anchor."""
-    from dflash_train.algorithms.dflash.attention import resolve_backend
+    from dflash_train.algorithms.family.backend import resolve_backend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.data.batch import Batch
     from dflash_train.algorithms.dflash.objective import DFlashObjective
 
@@ -416,8 +418,8 @@ def test_compiled_cuda_loss_matches_the_dense_reference_in_bf16(alpha):
 
     hid = hidden.cuda().requires_grad_(True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = chunked_weighted_ce(hid, weight.cuda(), labels.cuda(), by_prob, 1024, target_hidden=target_hidden.cuda(),
-                                  distill_weight=alpha, temperature=1.5)
+        out = chunked_weighted_ce(hid, weight.cuda(), labels.cuda(), by_prob,
+                                  CEOptions(1024, distill_weight=alpha, temperature=1.5), target_hidden.cuda())
     (grad,) = torch.autograd.grad(out.loss, hid)
     ref_hidden = hidden.double().requires_grad_(True)
     logp = F.log_softmax(ref_hidden @ weight.double().t(), -1)
@@ -436,9 +438,9 @@ def test_cuda_train_steps_with_every_option_on():
     """flex + bf16 + compiled chunks: acceptance weights, distillation (full target forward) and wsd."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash_train.algorithms.dflash.attention import resolve_backend
+    from dflash_train.algorithms.family.backend import resolve_backend
     from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.dflash.config import make_drafter_config
+    from dflash_train.algorithms.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep

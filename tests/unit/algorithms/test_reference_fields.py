@@ -7,11 +7,13 @@ import json
 import pytest
 import torch
 
-from dflash_train.algorithms.base import AttentionKind, DrafterKVCache, OutputFields, layer_kinds, transform_logits
-from dflash_train.algorithms.dflash.attention import resolve_backend
-from dflash_train.algorithms.dflash.blocks import Blocks
-from dflash_train.algorithms.dflash.config import make_drafter_config
-from dflash_train.algorithms.dflash.model import DFlashDrafter, sdpa_attention
+from dflash_train.algorithms.attention import DrafterKVCache
+from dflash_train.algorithms.family.reference_fields import AttentionKind, layer_kinds, OutputFields, transform_logits
+from dflash_train.algorithms.family.backend import resolve_backend
+from dflash_train.algorithms.family.blocks import Blocks
+from dflash_train.algorithms.family.config import make_drafter_config
+from dflash_train.algorithms.attention import sdpa_attention
+from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.algorithms.dflash.objective import DFlashObjective
 from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch

@@ -7,7 +7,7 @@ import torch
 from dflash_train.infer.replay import ReplayTurn, greedy_continuations, replay_turn, walk
 from dflash_train.infer.spec_decode import SpeculativeDecoder
 from dflash_train.algorithms.dflash.model import DFlashDrafter
-from dflash_train.algorithms.dflash.config import make_drafter_config
+from dflash_train.algorithms.family.config import make_drafter_config
 from dflash_train.target.capture import load_target_model
 from _memorise import memorise
 

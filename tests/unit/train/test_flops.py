@@ -8,11 +8,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from dflash_train.algorithms import architecture
-from dflash_train.algorithms.base import DraftWork
-from dflash_train.algorithms.dflash.attention import resolve_backend
-from dflash_train.algorithms.dflash.blocks import sample_anchors
-from dflash_train.algorithms.dflash.config import make_drafter_config
-from dflash_train.algorithms.dflash.mask import dense_mask
+from dflash_train.algorithms.stats import DraftWork
+from dflash_train.algorithms.family.backend import resolve_backend
+from dflash_train.algorithms.family.blocks import sample_anchors
+from dflash_train.algorithms.family.config import make_drafter_config
+from dflash_train.algorithms.family.mask import dense_mask
 from dflash_train.algorithms.dflash.model import DFlashDrafter
 from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch

@@ -1,12 +1,9 @@
-"""DFlash (arXiv 2602.06036): a block-diffusion drafter conditioned on the target's hidden states.
+"""DFlash (arXiv 2602.06036): a block-diffusion drafter conditioned on the target's hidden states; the family's
+block drafter and slot-weighted cross-entropy as they are (`algorithms/family/`), with a reduced draft vocabulary.
 
-- `blocks.py`: anchors, blocks, same-position labels, counted slots, slot weights.
-- `mask.py`: the one mask predicate (dense and flex forms).
-- `attention.py`: the attention backend (flex block-sparse on CUDA, dense sdpa elsewhere).
-- `model.py`: the drafter (Qwen3-style layers, KV injection of the context).
-- `loss.py`: the chunked lm_head + weighted cross-entropy (full logits never exist).
-- `objective.py`: the loss on one micro-batch, for the training step, validation and the warm-up.
-- `config.py`: the drafter's config from the target's, and the exported config.json;
+- `model.py`: the drafter (the family's, with its own head over a reduced vocabulary);
+- `objective.py`: the slot-weighted CE (with distillation) of a micro-batch;
+- `config.py`: the drafter's config from the run's;
 - `options.py`: what it declares without torch (the config loader imports it);
 - `architecture.py`: the `Architecture` the registry resolves.
 """

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from ..base import Architecture
-from .attention import resolve_backend
-from .config import config_for_run, drafter_config_from_dict, drafter_config_json
+from ..contract import Architecture
+from ..family.backend import resolve_backend
+from ..family.config import drafter_config_from_dict, drafter_config_json
+from .config import HF_ARCHITECTURE, config_for_run
 from .model import DFlashDrafter
 from .objective import DFlashObjective
 
 ARCHITECTURE = Architecture(
     name="dflash",
-    hf_architecture="DFlashDraftModel",
+    hf_architecture=HF_ARCHITECTURE,
     drafter_class=DFlashDrafter,
     config_for_run=config_for_run,
     config_from_dict=drafter_config_from_dict,

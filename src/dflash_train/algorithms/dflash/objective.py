@@ -1,184 +1,21 @@
-"""The DFlash training objective on one micro-batch: target capture -> anchors and blocks -> masks (one per
-layer kind) -> drafter forward -> chunked slot-weighted CE over the counted slots, of the drafter's scores as
-decoding ranks them (`Drafter.embed_block` inputs, `Drafter.logits`' multiplier and softcap)."""
+"""DFlash's objective: the family's slot-weighted cross-entropy of the counted slots (`objective.slot_weighting`),
+mixed with the target's distribution at `objective.distill_weight`; with a reduced draft vocabulary, over its
+tokens, a label outside it a miss."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from ...config.schema import Config
-from ...data.batch import Batch
-from ...runtime import to_device
-from ..base import StepStats, acceptance_estimate, target_to_draft
-from .attention import AttentionBackend
-from .blocks import Blocks, acceptance_weights, build_blocks, dpace_weights, sample_anchors
-from .loss import LossOutput, RowLoss, chunked_ce_rows, weighted_rows
-from .model import DFlashDrafter
+from ..family.blocks import Blocks
+from ..family.objective import BlockObjective, block_stats, ce_text
+from ..stats import StepStats
 
 
-def _distill_rows(final: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> torch.Tensor:
-    """The target's final normed hidden state that predicted each counted slot's label: slot k of the
-    block at a predicts `input_ids[a + k]`, which the target read off position `a + k - 1` (k >= 1)."""
-    b, s, h = final.shape
-    source = (blocks.block_positions - 1).clamp(min=0) + torch.arange(b, device=final.device).view(-1, 1) * s
-    return final.reshape(b * s, h).index_select(0, source.view(-1).index_select(0, idx))
-
-
-def row_weights(cfg: Config, blocks: Blocks, idx: torch.Tensor, mode: Optional[str] = None):
-    """The counted rows' loss weights: the gamma decay (`blocks.weights`), or (acceptance, dpace) a function of the
-    rows' label log-probabilities `[M]`, laid out over the blocks' counted slots: DFlash's loss calls it after its
-    forward, a loss that forms its gradients with the weights calls it on a gradient-free pass before. `mode`:
-    gamma, acceptance or dpace (default objective.slot_weighting)."""
-    o = cfg.objective
-    mode = mode or o.slot_weighting
-    if mode == "gamma":
-        return blocks.weights.view(-1).index_select(0, idx)
-    if mode == "acceptance":
-        per_block = functools.partial(acceptance_weights, floor=o.acceptance_floor)
-    else:
-        per_block = functools.partial(dpace_weights, alpha=o.dpace_alpha)
-
-    def by_prediction(label_logp: torch.Tensor) -> torch.Tensor:
-        full = label_logp.new_zeros(blocks.counted.numel()).index_put((idx,), label_logp)
-        w = per_block(full.view(blocks.counted.shape), blocks.counted)
-        return w.view(-1).index_select(0, idx)
-
-    return by_prediction
-
-
-def slot_weighting_text(cfg: Config) -> str:
-    """objective.slot_weighting in words (the run's log)."""
-    o = cfg.objective
-    if o.slot_weighting == "gamma":
-        return f"slots weighted exp(-k / {o.gamma:g}) (objective.slot_weighting gamma)"
-    if o.slot_weighting == "acceptance":
-        return (f"slots weighted by the drafter's probability of reaching them, floor {o.acceptance_floor:g} "
-                "(objective.slot_weighting acceptance)")
-    return f"D-PACE slot weights, alpha {o.dpace_alpha:g} (objective.slot_weighting dpace)"
-
-
-class DFlashObjective:
-    """Holds what the loss needs (the drafter, the frozen target, the attention backend, the config and the
-    compute dtype) and computes it on one micro-batch (`base.Objective`)."""
-
-    def __init__(self, drafter: DFlashDrafter, target, backend: AttentionBackend, cfg: Config,
-                 compute_dtype: torch.dtype):
-        self.drafter, self.target, self.backend, self.cfg = drafter, target, backend, cfg
-        self.compute_dtype = compute_dtype
-
+class DFlashObjective(BlockObjective):
     def describe(self) -> str:
-        """What this objective optimises, for the run's log."""
-        return f"cross-entropy on the data's next tokens; {slot_weighting_text(self.cfg)}" + (
-            f"; + {self.cfg.objective.distill_weight:g} x KL to the target (temperature "
-            f"{self.cfg.objective.distill_temperature:g})" if self.cfg.objective.distill_weight > 0 else "")
-
-    def capture(self, batch: Batch, hidden: Optional[torch.Tensor]):
-        """(features `[B, S, K*H]`, the target's final normed hidden states or None): the target runs here
-        unless another rank's capture is given."""
-        distill = self.cfg.objective.distill_weight > 0
-        if hidden is not None:
-            if distill:
-                raise ValueError("objective.distill_weight > 0 needs the target's final hidden states, which a "
-                                 "capture computed on another rank (parallel.placement=split) does not carry")
-            return hidden, None
-        if distill:
-            return self.target.capture(batch.input_ids, with_final=True)
-        return self.target(batch.input_ids), None  # no grad
-
-    def plan_blocks(self, batch: Batch, generator: torch.Generator) -> tuple[Blocks, torch.Tensor]:
-        """Anchors, blocks and the counted rows on the device. Their sizes are data-dependent, so they are
-        planned on the host copy of the batch when there is one: reading them never waits for the device."""
-        o, bs = self.cfg.objective, self.drafter.block_size
-        plan = batch.host if batch.host is not None else batch
-        anchors, keep = sample_anchors(plan.loss_mask, plan.lengths, bs, o.max_anchors, generator,
-                                       self.backend.blocks_multiple_of, o.max_anchors_per_batch)
-        blocks = build_blocks(plan.input_ids, plan.loss_mask, plan.lengths, anchors, keep, bs,
-                              self.drafter.mask_token_id, o.gamma)
-        idx = blocks.counted.view(-1).nonzero().squeeze(1)
-        device = batch.input_ids.device
-        return blocks.to(device), to_device(idx, device)
-
-    def __call__(self, batch: Batch, generator: torch.Generator, call: Optional[Callable] = None,
-                 hidden: Optional[torch.Tensor] = None) -> StepStats:
-        hidden, final = self.capture(batch, hidden)
-        blocks, idx = self.plan_blocks(batch, generator)
-        rows = self.block_rows(batch, hidden, blocks, idx, call or self.drafter)
-        with self.autocast(batch.input_ids.device):
-            return self.rows_loss(rows, blocks, idx, final)
-
-    def autocast(self, device: torch.device):
-        """The compute dtype's autocast around the drafter's forward and the loss (master weights stay float32)."""
-        if self.compute_dtype in (torch.bfloat16, torch.float16):
-            return torch.autocast(device.type, dtype=self.compute_dtype)
-        return contextlib.nullcontext()
-
-    def block_rows(self, batch: Batch, hidden: torch.Tensor, blocks: Blocks, idx: torch.Tensor,
-                   call: Callable) -> torch.Tensor:
-        """The drafter's final hidden states `[M, H]` of the counted rows (graph kept)."""
-        drafter, backend = self.drafter, self.backend
-        device = batch.input_ids.device
-        b, s = batch.input_ids.shape
-        with torch.no_grad():
-            block_embeds = drafter.embed_block(self.target.embed_tokens, blocks.block_ids)
-        if drafter.layers_compiled and torch.is_grad_enabled():
-            # Dynamo guards on requires_grad: an input that needs no gradient would give the first layer graphs
-            # of its own. One set for all layers costs the first layer's q/k/v input gradient (~0.6% of a step).
-            block_embeds.requires_grad_()
-        pad = -s % backend.context_multiple_of
-        if pad:  # padded context keys lie past every anchor: no block ever sees them
-            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
-            s += pad
-        context_pos = torch.arange(s, device=device).expand(b, s)
-        position_ids = torch.cat([context_pos, blocks.block_positions], dim=1)
-        bs = drafter.block_size
-        mask = drafter.layer_masks(lambda kind: backend.build_mask(blocks.anchors, blocks.keep, s, bs, kind))
-        with self.autocast(device):
-            out = call(hidden, block_embeds, position_ids, backend.attention, mask,
-                       compiled_layers=drafter.layers_compiled)  # [B, N*bs, H]
-            return out.reshape(-1, out.shape[-1]).index_select(0, idx)
-
-    def scored_labels(self, blocks: Blocks, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """(the counted rows' labels as the head's classes, the head's weight, whether some may be -1): the
-        target's ids and lm_head, or with a reduced draft vocabulary the draft ids (-1 outside it) and the
-        drafter's own head."""
-        labels = blocks.labels.view(-1).index_select(0, idx)
-        head = self.target.lm_head.weight
-        if not self.drafter.draft_vocab_size:
-            return labels, head, False
-        return target_to_draft(self.drafter.d2t, head.shape[0])[labels], self.drafter.lm_head.weight, True
-
-    def unary_rows(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, final: Optional[torch.Tensor],
-                   top_k: int = 0) -> tuple[RowLoss, torch.Tensor, bool]:
-        """(the counted rows' unweighted CE results through the drafter's vocabulary head (`loss.RowLoss`), their
-        labels as the head's classes, whether some may be -1): the target's lm_head, or the drafter's own over a
-        reduced vocabulary, where a label outside it is a miss that adds no loss."""
-        o = self.cfg.objective
-        labels, head, unscored = self.scored_labels(blocks, idx)
-        out = chunked_ce_rows(
-            rows,
-            head,
-            labels,
-            o.loss_chunk_size,
-            target_hidden=_distill_rows(final, blocks, idx) if final is not None else None,
-            distill_weight=o.distill_weight,
-            temperature=o.distill_temperature,
-            output_multiplier=self.drafter.output_multiplier,
-            softcap=self.drafter.final_logit_softcapping,
-            top_k=top_k,
-            unscored=unscored,
-            keep_grad_logits=self.cfg.keeps_head_gradient,
-        )
-        return out, labels, unscored
-
-    def unary_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, final: Optional[torch.Tensor],
-                   top_k: int = 0) -> LossOutput:
-        """The slot-weighted CE of the counted rows (`unary_rows`), weighted by `row_weights`."""
-        out, labels, unscored = self.unary_rows(rows, blocks, idx, final, top_k)
-        return weighted_rows(out, labels, row_weights(self.cfg, blocks, idx), unscored)
+        return ce_text(self.cfg)
 
     def rows_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor,
                   final: Optional[torch.Tensor]) -> StepStats:
@@ -187,18 +24,3 @@ class DFlashObjective:
         if self.drafter.draft_vocab_size:  # logged as a share of the counted slots
             stats.extra["label_outside_draft_vocab"] = (self.scored_labels(blocks, idx)[0] < 0).sum()
         return stats
-
-
-def block_stats(loss: torch.Tensor, correct_rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> StepStats:
-    """The step's sums from the counted rows' hits `[M]` (a draft equal to its label)."""
-    correct = torch.zeros_like(blocks.counted).view(-1).index_put((idx,), correct_rows)
-    correct = correct.view(blocks.labels.shape)  # [B, N, bs]
-    accept = acceptance_estimate(correct)
-    return StepStats(
-        loss=loss,
-        correct_per_slot=correct.sum((0, 1)),
-        counted_per_slot=blocks.counted.sum((0, 1)),
-        accepted_sum=(accept * blocks.keep).sum(),
-        kept_blocks=blocks.keep.sum(),
-        work=blocks.work,
-    )

@@ -11,7 +11,8 @@ untrained DFlash2 drafter computes what a DFlash one does):
 - `options.py`: the run config's `dflash2:` section (torch-free: the config loader imports it);
 - `architecture.py`: the `Architecture` the registry resolves.
 
-Everything else (anchors, blocks, the mask, the attention backend, the chunked loss) is DFlash's.
+Everything else (anchors, blocks, the mask, the attention backend, the chunked loss) is the family's
+(`algorithms/family/`).
 """
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..base import Architecture
-from ..dflash.attention import resolve_backend
+from ..contract import Architecture
+from ..family.backend import resolve_backend
 from .config import HF_ARCHITECTURE, config_for_run, dflash2_config_from_dict, dflash2_config_json
 from .memory import step_memory
 from .model import DFlash2Drafter

@@ -7,7 +7,7 @@ from typing import Any
 from transformers import PretrainedConfig, Qwen3Config
 
 from ...errors import ConfigError
-from ..dflash.config import drafter_config_from_dict, drafter_config_json, make_drafter_config, reference_fields
+from ..family.config import drafter_config_from_dict, drafter_config_json, make_drafter_config, reference_fields
 from .options import options_of
 
 HF_ARCHITECTURE = "DFlash2DraftModel"
@@ -17,7 +17,7 @@ FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_
 def make_dflash2_config(target_config: PretrainedConfig, *, conv_kernel_size: int = 2, conv_group_size: int = 16,
                         selector_rank: int = 256, selector_top_k: int = 32, selector_codebooks: str = "free",
                         **dflash: Any) -> Qwen3Config:
-    """DFlash's config (`make_drafter_config`, whose keyword arguments pass through) with the DFlash2 fields.
+    """The family's config (`make_drafter_config`, whose keyword arguments pass through) with the DFlash2 fields.
     `selector_codebooks=factored` is written into `dflash_config` (a training checkpoint's layout; the export
     drops it with the projections: `DFlash2Drafter.materialized`); free, the reference's, is not written."""
     cfg = make_drafter_config(target_config, **dflash)

@@ -12,13 +12,14 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from ..base import BlockProposals
-from ..dflash.model import DFlashDecoderLayer, DFlashDrafter, RopeTables
+from ..drafter import BlockProposals
+from ..family.layers import BlockDecoderLayer, RopeTables
+from ..family.model import BlockDrafter
 from .conv import BlockConv
 from .selector import CandidateSelector, Codebooks
 
 
-class DFlash2DecoderLayer(DFlashDecoderLayer):
+class DFlash2DecoderLayer(BlockDecoderLayer):
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
         d = config.dflash_config
@@ -41,7 +42,7 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         return x + self.mlp_conv(self.mlp(self.mlp_conv(normed, mlp_taps, 0, block_len)), mlp_taps, 1, block_len)
 
     def forward(self, x, context, rope, attention, mask, cache=None, layer_idx=0, parts=None) -> torch.Tensor:
-        """As `DFlashDecoderLayer.forward`; the convolutions need the block length: the trained block size in
+        """As `BlockDecoderLayer.forward`; the convolutions need the block length: the trained block size in
         the packed training layout, and the whole query (one block, possibly a shorter one) when decoding."""
         inputs, output = parts or (type(self).attention_inputs, type(self).attention_output_and_mlp)
         block_len = x.shape[1] if cache is not None else self.block_size
@@ -52,7 +53,7 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         return output(self, x, attention(q, k, v, mask), taps, block_len)
 
 
-class DFlash2Drafter(DFlashDrafter):
+class DFlash2Drafter(BlockDrafter):
     architecture = "dflash2"
     layer_class = DFlash2DecoderLayer
 
@@ -95,7 +96,7 @@ class DFlash2Drafter(DFlashDrafter):
         for m in self.modules():
             if isinstance(m, BlockConv):
                 m.reset_parameters()
-        if hasattr(self, "candidate_selector"):  # DFlashDrafter's constructor calls this before the selector exists
+        if hasattr(self, "candidate_selector"):  # BlockDrafter's constructor calls this before the selector exists
             self.candidate_selector.reset_parameters(self.config.initializer_range)
 
     def _slot_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:

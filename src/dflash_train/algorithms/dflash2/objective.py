@@ -30,10 +30,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..base import StepStats
-from ..dflash.blocks import Blocks
-from ..dflash.loss import weighted_rows
-from ..dflash.objective import DFlashObjective, block_stats, row_weights
+from ..family.blocks import Blocks
+from ..family.loss import weighted_rows
+from ..family.objective import BlockObjective, block_stats, ce_text, row_weights
+from ..stats import StepStats
 from .options import options_of
 
 
@@ -58,10 +58,10 @@ def forced_candidates(top_values: torch.Tensor, top_ids: torch.Tensor, labels: t
     return values, ids, target, present
 
 
-class DFlash2Objective(DFlashObjective):
+class DFlash2Objective(BlockObjective):
     def describe(self) -> str:
         own = options_of(self.cfg)
-        return (f"{super().describe()}; + {own.selector_loss_weight:g} x the selector's cross-entropy over its top "
+        return (f"{ce_text(self.cfg)}; + {own.selector_loss_weight:g} x the selector's cross-entropy over its top "
                 f"{self.drafter.selector_top_k} candidates")
 
     def rows_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor,

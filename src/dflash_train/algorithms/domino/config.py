@@ -10,7 +10,7 @@ from typing import Any
 from transformers import PretrainedConfig, Qwen3Config
 
 from ...errors import ConfigError
-from ..dflash.config import drafter_config_from_dict, drafter_config_json, make_drafter_config, reference_fields
+from ..family.config import drafter_config_from_dict, drafter_config_json, make_drafter_config, reference_fields
 from .options import options_of
 
 HF_ARCHITECTURE = "DFlashDraftModel"
@@ -20,7 +20,7 @@ FIELDS = ("projector_type", "shift_label", "pure_draft_prefix_len", "gru_hidden_
 
 def make_domino_config(target_config: PretrainedConfig, *, gru_hidden_dim: int = 1024, emb_dim: int = 256,
                        pure_draft_prefix_len: int = 1, **dflash: Any) -> Qwen3Config:
-    """DFlash's config (`make_drafter_config`, whose keyword arguments pass through) with Domino's fields."""
+    """The family's config (`make_drafter_config`, whose keyword arguments pass through) with Domino's fields."""
     cfg = make_drafter_config(target_config, **dflash)
     cfg.dflash_config.update(projector_type=PROJECTOR_TYPE, shift_label=True,
                              pure_draft_prefix_len=int(pure_draft_prefix_len), gru_hidden_dim=int(gru_hidden_dim),

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..base import DraftWork, StepFlops
+from ..contract import StepFlops
+from ..stats import DraftWork
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ..dflash.loss import chunk_bounds, chunk_function, transformed_scores
+from ..family.loss import chunk_bounds, chunk_function, transformed_scores
 
 
 def _ce_and_gradient(z: torch.Tensor, is_label: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..base import StepMemory
+from ..contract import StepMemory
 
 _F32 = 4
 

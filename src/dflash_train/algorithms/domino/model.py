@@ -13,12 +13,12 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from ..base import transform_logits
-from ..dflash.model import DFlashDrafter
+from ..family.model import BlockDrafter
+from ..family.reference_fields import transform_logits
 from .options import TREE_REFUSAL
 
 
-class DominoDrafter(DFlashDrafter):
+class DominoDrafter(BlockDrafter):
     architecture = "domino"
 
     def __init__(self, config: Qwen3Config):
@@ -39,7 +39,7 @@ class DominoDrafter(DFlashDrafter):
         """DFlash's (every Linear N(0, std), the projector's included); the GRU keeps PyTorch's own
         U(-1/sqrt(G), 1/sqrt(G)), as the reference does (HF's initialisation does not cover nn.GRU)."""
         super().reset_parameters()
-        if hasattr(self, "prefix_gru"):  # DFlashDrafter's constructor calls this before the GRU exists
+        if hasattr(self, "prefix_gru"):  # BlockDrafter's constructor calls this before the GRU exists
             self.prefix_gru.reset_parameters()
 
     def embed_block(self, embed: Callable[[torch.Tensor], torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:

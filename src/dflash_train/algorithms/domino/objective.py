@@ -8,7 +8,7 @@ without the correction `embed_proj[2](a)` (`a` the bottleneck, zero on the pure-
 one vocabulary-wide product, and neither `[rows, vocab]` logits tensor exists.
 
 Slot weights (`objective.slot_weighting`, both terms alike): `exp(-k / gamma)` (the reference's recipe, Domino's
-default), or DFlash's acceptance or dpace weights (`dflash.objective.row_weights`) of the final scores' label
+default), or the family's acceptance or dpace weights (`family.objective.row_weights`) of the final scores' label
 probabilities. Teacher-forced, the final distribution at slot k is the one decoding drafts slot k from when every
 draft before it was accepted (on the pure-draft slots it is the backbone's own), so the product of the final label
 probabilities over the slots before k is the drafter's probability of reaching slot k; slot 0 is the first draft,
@@ -21,11 +21,10 @@ from typing import Optional
 
 import torch
 
-from ..base import StepStats
-from ..dflash.blocks import Blocks, build_blocks, sample_anchors
-from ..dflash.objective import DFlashObjective, row_weights, slot_weighting_text
 from ...data.batch import Batch
-from ...runtime import to_device
+from ..family.blocks import Blocks, build_blocks
+from ..family.objective import BlockObjective, row_weights, slot_weighting_text
+from ..stats import StepStats
 from .loss import chunked_domino_rows, final_label_logp
 from .model import DominoDrafter
 from .options import options_of
@@ -75,7 +74,7 @@ def shifted_stats(loss: torch.Tensor, correct_rows: torch.Tensor, blocks: Blocks
                      accepted_sum=(accept * blocks.keep).sum(), kept_blocks=blocks.keep.sum(), work=blocks.work)
 
 
-class DominoObjective(DFlashObjective):
+class DominoObjective(BlockObjective):
     drafter: DominoDrafter
 
     def __init__(self, drafter, target, backend, cfg, compute_dtype):
@@ -92,16 +91,10 @@ class DominoObjective(DFlashObjective):
         o = options_of(self.cfg)
         self.lambda_base = lambda_base(step, total_steps, o.lambda_base_start, o.lambda_base_decay_ratio)
 
-    def plan_blocks(self, batch: Batch, generator: torch.Generator) -> tuple[DominoBlocks, torch.Tensor]:
-        o, bs = self.cfg.objective, self.drafter.block_size
-        plan = batch.host if batch.host is not None else batch
-        anchors, keep = sample_anchors(plan.loss_mask, plan.lengths, bs, o.max_anchors, generator,
-                                       self.backend.blocks_multiple_of, o.max_anchors_per_batch)
-        blocks = shifted_blocks(plan.input_ids, plan.loss_mask, plan.lengths, anchors, keep, bs,
-                                self.drafter.mask_token_id, o.gamma)
-        idx = blocks.counted.view(-1).nonzero().squeeze(1)
-        device = batch.input_ids.device
-        return blocks.to(device), to_device(idx, device)
+    def build_blocks(self, plan: Batch, anchors: torch.Tensor, keep: torch.Tensor) -> DominoBlocks:
+        """The shifted layout (`shifted_blocks`) at the anchors the family draws."""
+        return shifted_blocks(plan.input_ids, plan.loss_mask, plan.lengths, anchors, keep, self.drafter.block_size,
+                              self.drafter.mask_token_id, self.cfg.objective.gamma)
 
     def __call__(self, batch: Batch, generator: torch.Generator, call=None,
                  hidden: Optional[torch.Tensor] = None) -> StepStats:

@@ -1,7 +1,7 @@
 """DSpark (arXiv 2607.05147): DFlash's backbone with the anchor as the first prediction, a Markov head that corrects
 each slot's logits by the token before it, and a confidence head that predicts each slot's acceptance.
 
-- `blocks.py`: DSpark's block layout from DFlash's (`dflash.blocks`): slot k of the block at anchor a reads the
+- `blocks.py`: DSpark's block layout from the family's (`family.blocks`): slot k of the block at anchor a reads the
   anchor (k = 0) or the mask token and predicts `input_ids[a + k + 1]`; supervision stops at the first slot that
   does not count;
 - `model.py`: the drafter (DFlash's layers, the Markov and confidence heads, sequential decoding);

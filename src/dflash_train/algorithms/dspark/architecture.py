@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..base import Architecture
-from ..dflash.attention import resolve_backend
+from ..contract import Architecture
+from ..family.backend import resolve_backend
 from .config import HF_ARCHITECTURE, config_for_run, dspark_config_from_dict, dspark_config_json
 from .flops import step_flops
 from .memory import step_memory

@@ -1,4 +1,4 @@
-"""DSpark's blocks, read off DFlash's (`dflash.blocks.build_blocks`) one slot longer: DFlash's block of B + 1 at
+"""DSpark's blocks, read off the family's (`family.blocks.build_blocks`) one slot longer: DFlash's block of B + 1 at
 anchor a labels `input_ids[a + 0..B]`; DSpark's block of B at a reads its first B inputs (the anchor, then mask
 tokens) at positions `a + 0..B-1`, and slot k predicts DFlash's slot k + 1, `input_ids[a + k + 1]`. The token before
 slot k's label (the Markov head's input, teacher-forced) is DFlash's label k: the anchor for k = 0. A slot counts
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dflash.blocks import Blocks, build_blocks, sample_anchors
+from ..family.blocks import Blocks, build_blocks, sample_anchors
 
 
 def anchor_mask(loss_mask: torch.Tensor) -> torch.Tensor:

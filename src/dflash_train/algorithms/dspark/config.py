@@ -1,4 +1,4 @@
-"""The DSpark drafter config: DFlash's (`dflash.config.make_drafter_config`) with the head fields, and the exported
+"""The DSpark drafter config: the family's (`family.config.make_drafter_config`) with the head fields, and the exported
 config.json in the layout vLLM and SGLang load: `architectures: ["Qwen3DSparkModel"]`, every DSpark field flat at
 the top level (`block_size`, `mask_token_id`, `target_layer_ids`, `num_target_layers`, `markov_rank`,
 `markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov`), no `dflash_config`."""
@@ -10,7 +10,7 @@ from typing import Any
 from transformers import PretrainedConfig, Qwen3Config
 
 from ...errors import ConfigError
-from ..dflash.config import drafter_config_from_dict, drafter_config_json, make_drafter_config, reference_fields
+from ..family.config import drafter_config_from_dict, drafter_config_json, make_drafter_config, reference_fields
 from .options import options_of
 
 HF_ARCHITECTURE = "Qwen3DSparkModel"

@@ -14,7 +14,7 @@ and from it the gradients of h, f and W2, chunk by chunk; the backward only scal
 What each chunk costs: one matmul of `[h ; f]` with the joint weight `[W ; W2]` (the Markov bias inside the head's
 product, not a second `[rows, V]` tensor), one of the target's states with W, and the elementwise math, which on
 CUDA compiles to a few fused passes over the chunk (`_chunk`, or `_chunk_values` without the gradient, through
-`dflash.loss.chunk_function`). The blocks overlap (512 anchors in 2,048 tokens at B = 16: ~4 rows a position), so
+`family.loss.chunk_function`). The blocks overlap (512 anchors in 2,048 tokens at B = 16: ~4 rows a position), so
 the rows are sorted by the target position they read and each chunk forms the target's logits once per position
 (`TargetPositions`).
 """
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ...runtime import to_device
-from ..dflash.loss import chunk_bounds, chunk_function
+from ..family.loss import chunk_bounds, chunk_function
 
 
 def _chunk(z: torch.Tensor, target_logits: torch.Tensor, where: torch.Tensor, labels: torch.Tensor, a: torch.Tensor,

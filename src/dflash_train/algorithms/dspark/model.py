@@ -1,5 +1,5 @@
-"""The DSpark drafter: DFlash's layers (`DFlashDrafter`), whose block of B slots predicts B tokens (slot k the token
-after position a + k), with a Markov head that adds to slot k's base logits `lm_head(h_k)` a bias from the token
+"""The DSpark drafter: the family's block drafter (`BlockDrafter`), whose block of B slots predicts B tokens (slot k
+the token after position a + k), with a Markov head that adds to slot k's base logits `lm_head(h_k)` a bias from the token
 before it, and a confidence head whose logit predicts the slot's acceptance given the slots before it were accepted.
 
 Markov head (rank r, tables `markov_w1 [V, r]`, `markov_w2 [V, r]`): slot k's feature `f_k` gives the bias
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from ..base import BlockProposals
-from ..dflash.model import DFlashDrafter
+from ..drafter import BlockProposals
+from ..family.model import BlockDrafter
 from .options import tree_refusal
 
 
@@ -78,7 +78,7 @@ class ConfidenceHead(nn.Module):
         return self.proj(x.to(self.proj.weight.dtype)).squeeze(-1).float()
 
 
-class DSparkDrafter(DFlashDrafter):
+class DSparkDrafter(BlockDrafter):
     architecture = "dspark"
 
     def __init__(self, config: Qwen3Config):

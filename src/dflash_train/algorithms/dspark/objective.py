@@ -23,15 +23,15 @@ import torch
 
 from ...data.batch import Batch
 from ...runtime import to_device
-from ..base import StepStats
-from ..dflash.blocks import Blocks
-from ..dflash.objective import DFlashObjective, row_weights
+from ..family.blocks import Blocks
+from ..family.objective import BlockObjective, row_weights
+from ..stats import StepStats
 from .blocks import plan
 from .loss import TargetPositions, chunked_dspark_rows, target_positions
 from .options import loss_weights, options_of
 
 
-class DSparkObjective(DFlashObjective):
+class DSparkObjective(BlockObjective):
     def describe(self) -> str:
         o = options_of(self.cfg)
         if o.loss == "dpard":

@@ -1,4 +1,4 @@
-"""The DFlash training mask: one predicate, two builders (dense boolean for sdpa, BlockMask for flex).
+"""The block drafters' training mask: one predicate, two builders (dense boolean for sdpa, BlockMask for flex).
 
 Layout: keys/values are `[context 0..S-1 | block_0 | ... | block_{N-1}]` (KV = S + N*B),
 queries are `[block_0 ... block_{N-1}]` (Q = N*B). Query q in block n = q // B with anchor a_n

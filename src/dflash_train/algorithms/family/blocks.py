@@ -1,4 +1,4 @@
-"""Anchors, block inputs, labels and loss weights of one micro-batch (the DFlash objective's data side).
+"""Anchors, block inputs, labels and loss weights of one micro-batch (the block objective's data side).
 
 Anchors: positions p with `loss_mask[p] == 1` and `p <= length - block_size`, up to `max_anchors`
 per sequence, drawn without replacement, sorted; rows with fewer pad with `keep = False`.
@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from ...runtime import to_device
-from ..base import DraftWork
+from ..stats import DraftWork
 
 
 @dataclass

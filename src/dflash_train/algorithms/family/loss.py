@@ -125,13 +125,29 @@ def transformed_scores(logits: torch.Tensor, multiplier: float,
     return t * softcap, (1.0 - t * t) * multiplier
 
 
+@dataclass(frozen=True)
+class CEOptions:
+    """How the chunked cross-entropy scores its rows (`chunked_ce_rows`, `chunked_weighted_ce`)."""
+
+    chunk_size: int = 2048  # rows of one lm_head product
+    distill_weight: float = 0.0  # share of the target's distribution in each row's target q (needs target_hidden)
+    temperature: float = 1.0  # of the target's distribution
+    output_multiplier: float = 1.0  # the drafter's score transform (`BlockDrafter.logits`), before the CE
+    softcap: Optional[float] = None
+    top_k: int = 0  # > 0: each row's k best (transformed) scores too, read off the same chunks
+    unscored: bool = False  # labels may be -1: a row with no class of this head (outside a reduced vocabulary)
+    keep_grad_logits: bool = False  # a trained head's backward reads the forward's [M, V] gradient rows, kept
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, target_hidden, alpha: float, temperature: float, chunk_size: int,
-                top_k: int = 0, multiplier: float = 1.0, softcap: Optional[float] = None, unscored: bool = False,
-                keep_grad_logits: bool = False):
+    def forward(ctx, hidden, weight, labels, target_hidden, how: CEOptions):
         # hidden [M, H] (compute dtype), weight [V, H], labels [M] (with `unscored`, -1 marks a row without a
         # class: see chunked_ce_rows), target_hidden [M, H] or None
+        alpha, temperature = float(how.distill_weight), float(how.temperature)
+        chunk_size, top_k = how.chunk_size, how.top_k
+        multiplier, softcap = float(how.output_multiplier), float(how.softcap) if how.softcap else None
+        unscored, keep_grad_logits = how.unscored, how.keep_grad_logits
         m = hidden.shape[0]
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 in tests
         rows = torch.empty(m, device=hidden.device, dtype=acc_dtype)
@@ -201,7 +217,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             grad_weight = _weight_gradient_kept(grad_rows, *saved, ctx.scored, ctx.recompute[3])
         elif ctx.recompute:
             grad_weight = _weight_gradient(grad_rows, *saved, ctx.scored, *ctx.recompute)
-        return (grad_in, grad_weight) + (None,) * 10
+        return grad_in, grad_weight, None, None, None
 
 
 def _weight_gradient(grad_rows: torch.Tensor, hidden: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
@@ -244,38 +260,25 @@ class RowLoss:
     label_logits: Optional[torch.Tensor] = None  # [M] the label's logit
 
 
-def chunked_ce_rows(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    chunk_size: int = 2048,
-    target_hidden: Optional[torch.Tensor] = None,
-    distill_weight: float = 0.0,
-    temperature: float = 1.0,
-    output_multiplier: float = 1.0,
-    softcap: Optional[float] = None,
-    top_k: int = 0,
-    unscored: bool = False,
-    keep_grad_logits: bool = False,
-) -> RowLoss:
-    """Per-row CE of `lm_head(hidden) [M, V]` (times `output_multiplier`, then softcapped at `softcap`)
+def chunked_ce_rows(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                    how: CEOptions = CEOptions(), target_hidden: Optional[torch.Tensor] = None) -> RowLoss:
+    """Per-row CE of `lm_head(hidden) [M, V]` (times `how.output_multiplier`, then softcapped at `how.softcap`)
     against `labels [M]`, mixed with the target's distribution `softmax(lm_head(target_hidden) / temperature)`
-    at share `distill_weight` (`target_hidden [M, H]`). `top_k > 0` also returns each row's k best (transformed)
-    scores (read off the same chunks: no second lm_head pass).
+    at share `how.distill_weight` (`target_hidden [M, H]`). `how.top_k > 0` also returns each row's k best
+    (transformed) scores (read off the same chunks: no second lm_head pass).
 
-    `unscored`: labels may be -1, a row whose label is no class of this head (a label outside a reduced draft
+    `how.unscored`: labels may be -1, a row whose label is no class of this head (a label outside a reduced draft
     vocabulary): its loss and gradient are 0, it is never correct, its label log-probability is -inf.
     A `lm_head_weight` that requires grad (the drafter's own head) gets its gradient: the backward forms each
-    chunk's logits again (two more matmuls per row, with the weight gradient's), or with `keep_grad_logits` reads
+    chunk's logits again (two more matmuls per row, with the weight gradient's), or with `how.keep_grad_logits` reads
     the forward's `[M, V]` gradient rows, kept for it in the compute dtype (one matmul; `objective.head_gradient`)."""
-    if distill_weight > 0 and target_hidden is None:
+    if how.distill_weight > 0 and target_hidden is None:
         raise ValueError("distill_weight > 0 needs target_hidden (the target's final normed hidden state per row)")
-    if distill_weight == 0:
+    if how.distill_weight == 0:
         target_hidden = None  # alpha = 0 is plain CE: skip the target's logits altogether
     rows, label_logp, correct, top_values, top_ids, label_logits = _ChunkedLinearCE.apply(
-        hidden, lm_head_weight, labels, target_hidden, float(distill_weight), float(temperature), chunk_size, top_k,
-        float(output_multiplier), float(softcap) if softcap else None, unscored, keep_grad_logits)
-    if not top_k:
+        hidden, lm_head_weight, labels, target_hidden, how)
+    if not how.top_k:
         return RowLoss(rows, label_logp, correct)
     return RowLoss(rows, label_logp, correct, top_values, top_ids, label_logits)
 
@@ -289,29 +292,15 @@ class LossOutput:
     rows: Optional[RowLoss] = None  # the per-row results (top-k candidates among them when asked for)
 
 
-def chunked_weighted_ce(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    weights: Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
-    chunk_size: int = 2048,
-    target_hidden: Optional[torch.Tensor] = None,
-    distill_weight: float = 0.0,
-    temperature: float = 1.0,
-    output_multiplier: float = 1.0,
-    softcap: Optional[float] = None,
-    top_k: int = 0,
-    unscored: bool = False,
-    keep_grad_logits: bool = False,
-) -> LossOutput:
+def chunked_weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                        weights: Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
+                        how: CEOptions = CEOptions(), target_hidden: Optional[torch.Tensor] = None) -> LossOutput:
     """`hidden [M, H]`, `labels [M]` (only rows that count). `weights` is `[M]` (all > 0), or a function of
     the rows' detached label log-probabilities `[M] -> [M]` (weights that depend on the drafter's own
-    predictions, from this same forward). Weights never carry gradient. `output_multiplier`/`softcap`: the
-    drafter's score transform (`Drafter.logits`), applied before the CE. `unscored`: rows labelled -1 (no class,
-    `chunked_ce_rows`) weigh 0, so the loss is normalised over the scored rows alone."""
-    out = chunked_ce_rows(hidden, lm_head_weight, labels, chunk_size, target_hidden, distill_weight, temperature,
-                          output_multiplier, softcap, top_k, unscored, keep_grad_logits)
-    return weighted_rows(out, labels, weights, unscored)
+    predictions, from this same forward). Weights never carry gradient. `how` as `chunked_ce_rows` takes it; with
+    `how.unscored`, rows labelled -1 (no class) weigh 0, so the loss is normalised over the scored rows alone."""
+    out = chunked_ce_rows(hidden, lm_head_weight, labels, how, target_hidden)
+    return weighted_rows(out, labels, weights, how.unscored)
 
 
 def weighted_rows(out: RowLoss, labels: torch.Tensor,

@@ -13,9 +13,9 @@ from typing import Callable
 
 import torch
 
-from ..base import FULL_ATTENTION, AttentionKind
-from .model import AttentionFn, sdpa_attention
+from ..attention import AttentionFn, sdpa_attention
 from .mask import dense_mask, flex_block_mask
+from .reference_fields import FULL_ATTENTION, AttentionKind
 
 log = logging.getLogger(__name__)
 
