@@ -1,4 +1,4 @@
-"""Target capture, the drafter's reference semantics, one training step, and the export format."""
+"""DFlash: target capture, the drafter's reference semantics, one training step, and the export format."""
 
 import json
 
