@@ -348,6 +348,44 @@ def test_status_during_a_long_warm_up_shows_a_live_heartbeat_and_the_time_so_far
     assert writer.state["phase_since"] > warm and "so far" not in format_status(read_status(run.root)[0], None, now)
 
 
+@pytest.mark.long
+def test_status_of_a_real_warm_up_shows_a_heartbeat_that_moves(smollm2_dir, counting_jsonl, tmp_path, capsys):
+    """A real warm-up that compiles (the drafter through Dynamo on the CPU, on the real SmolLM2: about 10 s on 2
+    cores): two pulses into it, with nothing written since it began, `status` shows a heartbeat of a second or two
+    and the time the phase has lasted."""
+    import re
+
+    from _harness import cpu_drafter_compile_env
+    from dflash_train.run.status import PULSE_S
+
+    cfg = write_config(tmp_path / "c.yaml", smollm2_dir, counting_jsonl)
+    run_dir = tmp_path / "R"
+    proc = launch(["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", "2", "drafter.compile=true"],
+                  tmp_path / "r.log", env=cpu_drafter_compile_env(tmp_path / "site"))
+    try:
+        began = wait_until(lambda: _phase_began(run_dir, "warmup"), proc, 180, "the warm-up", interval=0.05)
+        time.sleep(max(0.0, began + 2 * PULSE_S + 0.5 - time.time()))
+        capsys.readouterr()
+        assert main(["status", str(run_dir)]) == 0
+        out = capsys.readouterr().out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if not out.startswith("phase:      warmup"):
+        pytest.skip(f"the warm-up ended within {2 * PULSE_S:.0f} s on this machine: {out.splitlines()[0]}")
+    assert re.search(r"warmup \(compiling and running the plan's batch shapes, \d+s so far\)", out), out
+    assert int(re.search(r"heartbeat:  (\d+)s ago", out).group(1)) <= PULSE_S + 1, out
+
+
+def _phase_began(run_dir: Path, phase: str) -> float:
+    """When status.json says `phase` began (its last update), or 0 while it says another phase."""
+    try:
+        st = status(run_dir)
+    except (OSError, ValueError):
+        return 0
+    return st["heartbeat"] if st.get("phase") == phase else 0
+
+
 def _mins(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 60}m{s % 60:02d}s"
