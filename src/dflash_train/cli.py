@@ -448,15 +448,8 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-train", description="Train block drafters for speculative decoding "
-                                "(DFlash, DFlash2, DSpark, Domino) for your own LLM.")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: off)")
-    p.add_argument("--version", action=_VersionAction, help="print the version (and torch's and transformers') and exit")
-    p.add_argument("--debug", action="store_true",
-                   help="print the traceback of a user error too (default: off; DFLASH_DEBUG=1 does the same)")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_run_parsers(sub) -> None:
+    """train, status and stop: a run's life."""
     t = sub.add_parser("train", help="train a drafter; exit code 0 done, 1 failed, 2 user error, 3 stopped before done",
                        description="Train a drafter. Exit codes: 0 done (exported), 1 failed, 2 user error (the message "
                                    "says what to change), 3 stopped before done (continue with --resume).")
@@ -467,8 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the log/save/eval cadence may change (default: none)")
     t.add_argument("--run-dir", default=None, help="run directory (default: runs/<config>-<time>)")
     t.add_argument("--max-steps", type=POSITIVE_INT.flag, default=None,
-                   help="train N optimizer steps in all (recorded as optim.max_steps; default: the config's epochs / "
-                        "optim.max_steps)")
+                   help="train N optimizer steps in all: optim.max_steps given on the command line, over the config "
+                        "file's (an override of optim.max_steps with another value is refused; default: the config's "
+                        "epochs / optim.max_steps)")
     t.add_argument("--fresh-compile-cache", action="store_true",
                    help="empty the inductor cache before compiling (default: off, reuse it)")
     t.add_argument("--resume", action="store_true",
@@ -477,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true",
                    help="start fresh in a --run-dir that holds a run: the old run is moved aside to "
                         "RUN.old-<time>, never deleted (default: off, refuse)")
-    t.add_argument("--nproc", type=POSITIVE_INT.flag, default=1, help="start N local ranks (default: 1)")
+    t.add_argument("--nproc", type=POSITIVE_INT.flag, default=1,
+                   help="start N local ranks, one per GPU on a GPU machine (default: 1)")
     t.add_argument("--detach", action="store_true",
                    help="run in the background; output goes to RUN/launcher.out (default: off)")
     t.add_argument("--stall-timeout", type=POSITIVE_NUMBER.flag, default=300.0,
@@ -496,6 +491,17 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("run_dir", help="the run directory")
     st.set_defaults(func=cmd_stop)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-train", description="Train block drafters for speculative decoding "
+                                "(DFlash, DFlash2, DSpark, Domino) for your own LLM.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: off)")
+    p.add_argument("--version", action=_VersionAction, help="print the version (and torch's and transformers') and exit")
+    p.add_argument("--debug", action="store_true",
+                   help="print the traceback of a user error too (default: off; DFLASH_DEBUG=1 does the same)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    _add_run_parsers(sub)
     e = sub.add_parser("eval", help="speculative decoding with the target: tau, histogram, speedup (block and DDTree)")
     e.add_argument("--target", required=True, help="target: smollm2, an HF folder or a .gguf file")
     e.add_argument("--drafter", required=True,
