@@ -195,6 +195,24 @@ def test_a_detached_run_is_a_run_directory_and_stops_cleanly_from_the_moment_det
     assert "Traceback" not in (run_dir / "launcher.out").read_text()
 
 
+def test_a_detached_start_killed_before_it_began_leaves_no_run_in_the_way(setup, tmp_path, capsys):
+    """SIGKILL while the background process imports: `status` says dead, and the same command starts there (the
+    record of a start that never began is a trace, like a refused start's)."""
+    _, cfg = setup
+    run_dir = tmp_path / "R"
+    argv = ["train", str(cfg), "--run-dir", str(run_dir), "--max-steps", "2"]
+    pid = _detach(argv)
+    os.kill(pid, signal.SIGKILL)
+    _wait_gone(pid)
+    capsys.readouterr()
+    assert main(["status", str(run_dir)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("phase:      dead (was starting: ") and "run the same command again)" in out, out
+    assert main(argv) == 0
+    assert "removed the trace of an earlier start" in capsys.readouterr().out
+    assert status(run_dir)["phase"] == "done"
+
+
 def test_a_detached_start_refused_after_detach_returned_says_why_in_status(setup, tmp_path, capsys):
     """A check that needs the target runs in the background process: its refusal is in status.json, one line as
     the terminal would have shown it, and the same command, fixed, starts there."""

@@ -11,6 +11,7 @@ from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from typing import Optional
 
+from .. import procs
 from ..layout import list_checkpoints, move_aside
 from ..runtime import write_text_atomic
 
@@ -103,15 +104,21 @@ class RunDir:
 
     def holds_only_a_refused_start(self) -> bool:
         """True when what is here is the trace of a start that failed on a user error before its first checkpoint
-        (status.json says failed, with the error marked as the user's, and nothing was trained): the same command,
-        fixed, may start here again, and the trace goes."""
+        (status.json says failed, with the error marked as the user's, and nothing was trained), or of a `--detach`ed
+        start whose process died before the run began (killed while it imported): the same command, fixed, may
+        start here again, and the trace goes."""
         try:
             status = json.loads(self.status.read_text())
         except (OSError, json.JSONDecodeError):
             return False
-        error = status.get("error") if isinstance(status, dict) else None
-        return (status.get("phase") == "failed" and isinstance(error, dict) and error.get("user_error") is True
-                and status.get("failed_phase") in START_UP_PHASES and not status.get("step")
+        if not isinstance(status, dict):
+            return False
+        error = status.get("error")
+        refused = (status.get("phase") == "failed" and isinstance(error, dict) and error.get("user_error") is True
+                   and status.get("failed_phase") in START_UP_PHASES)
+        never_began = (status.get("phase") == "starting" and "detached_start" in status
+                       and procs.same_process(status) is False)
+        return ((refused or never_began) and not status.get("step")
                 and not list_checkpoints(self.checkpoints) and not (self.checkpoints / "best").exists()
                 and not (self.export.is_dir() and any(self.export.iterdir())))
 

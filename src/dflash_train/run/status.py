@@ -230,9 +230,11 @@ def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: O
     shown, why = run_verdict(status, now)
     live = shown not in (*ENDED, "dead", "silent")
     beat = status["heartbeat"]
+    never_began = "detached_start" in status  # the record --detach wrote: the run never took it over
     if shown in ("dead", "silent"):
         head = (f"phase:      {shown} (was {status.get('phase')}: {why}; last heartbeat "
-                f"{_duration(now - beat)} ago at step {step}; continue with --resume)")
+                f"{_duration(now - beat)} ago at step {step}; "
+                f"{'run the same command again' if never_began else 'continue with --resume'})")
     elif live and shown in QUIET_PHASES:
         since = status.get("phase_since") or beat
         head = f"phase:      {shown} ({QUIET_PHASES[shown]}, {_duration(now - since)} so far)"
@@ -278,7 +280,7 @@ def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: O
             lines.append(err.get("traceback", "").rstrip())
     elif shown in ("dead", "silent"):
         lines.append("last error: none recorded: the process ended without a word (SIGKILL, the OOM killer, "
-                     "a lost node); its last checkpoint is intact")
+                     "a lost node)" + ("" if never_began else "; its last checkpoint is intact"))
     else:
         lines.append("last error: none")
     return "\n".join(lines)
