@@ -41,8 +41,8 @@ def main() -> None:
 
     from transformers import LlamaConfig
 
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.dflash.model import DFlashDrafter
     from dflash_train.train.checkpoint import CheckpointWriter, save_checkpoint
 
     device = torch.device(args.device)

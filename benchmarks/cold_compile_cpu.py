@@ -70,11 +70,11 @@ def main() -> None:
     from throughput import add_inductor_options
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dflash_train.algorithms.drafter import default_target_layer_ids
-    from dflash_train.algorithms.family import loss as loss_mod
-    from dflash_train.algorithms.family.backend import resolve_backend
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.architectures.drafter import default_target_layer_ids
+    from dflash_train.architectures.family import loss as loss_mod
+    from dflash_train.architectures.family.backend import resolve_backend
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.dflash.model import DFlashDrafter
     from dflash_train.config.load import config_from_dict
     from dflash_train.data.batch import Batch
     from dflash_train.accel import compile as compile_layer

@@ -106,9 +106,9 @@ def main(argv=None) -> int:
     from dflash_train.data.chat import prompt_ids
     from dflash_train.infer.evaluate import iter_prompts
     from dflash_train.infer.spec_decode import SpeculativeDecoder
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.io import load_drafter
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.io import load_drafter
     from dflash_train.target.capture import load_target_model, load_tokenizer
     from dflash_train.assets import stop_token_ids
 
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     else:
         torch.manual_seed(0)
         n = target.config.num_hidden_layers
-        from dflash_train.algorithms.drafter import default_target_layer_ids
+        from dflash_train.architectures.drafter import default_target_layer_ids
 
         drafter = DFlashDrafter(make_drafter_config(target.config, num_draft_layers=args.layers, block_size=args.block_size,
                                                     target_layer_ids=default_target_layer_ids(n, 5),

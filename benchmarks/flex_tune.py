@@ -51,9 +51,9 @@ def main() -> None:
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dflash_train.algorithms.family.backend import FLEX_TILE
-    from dflash_train.algorithms.family.mask import flex_block_mask
-    from dflash_train.algorithms.family.blocks import sample_anchors
+    from dflash_train.architectures.family.backend import FLEX_TILE
+    from dflash_train.architectures.family.mask import flex_block_mask
+    from dflash_train.architectures.family.blocks import sample_anchors
 
     torch._dynamo.config.cache_size_limit = 64
     dev = torch.device("cuda")
@@ -132,7 +132,7 @@ def compare_layouts(args, flex_attention, mask, q, k, v, grad_out, timed) -> Non
     """Where the training step's flex kernels lose time against this benchmark's: dynamic shapes (the
     kernel cannot assume lengths divisible by its tile), or the drafter's [B, L, H, D] -> [B, H, L, D]
     transposed views."""
-    from dflash_train.algorithms.family.backend import FLEX_TILE
+    from dflash_train.architectures.family.backend import FLEX_TILE
 
     def as_views(t):  # the drafter's layout: projections are [B, L, H*D], attention gets a transposed view
         return t.transpose(1, 2).contiguous().transpose(1, 2)

@@ -113,9 +113,9 @@ def drafter_params(shape: dict, layers: int) -> int:
     import torch
     from throughput import target_config
 
-    from dflash_train.algorithms.drafter import default_target_layer_ids
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.architectures.drafter import default_target_layer_ids
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.dflash.model import DFlashDrafter
 
     ids = default_target_layer_ids(shape["num_hidden_layers"], layers)
     with torch.device("meta"):
@@ -150,7 +150,7 @@ def sharded_plans(t: ShardedTarget, drafter_rate: float, gpus: int, drafter_gib:
 def main_sharded(args) -> None:
     from throughput import SHAPES
 
-    from dflash_train.algorithms.drafter import default_target_layer_ids
+    from dflash_train.architectures.drafter import default_target_layer_ids
 
     shape = SHAPES[args.shape]
     last = max(default_target_layer_ids(shape["num_hidden_layers"], args.layers))

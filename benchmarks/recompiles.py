@@ -74,9 +74,9 @@ def main() -> None:
     from dflash_train.data.dataset import batches_from, plan_batches
     from dflash_train.data.source import open_training_data
     from dflash_train.accel import compile as compile_layer
-    from dflash_train.algorithms.family.backend import resolve_backend
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.family.config import make_drafter_config
+    from dflash_train.architectures.family.backend import resolve_backend
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetHead, load_tokenizer
     from dflash_train.train import size_classes
     from dflash_train.train.step import MicroBatch, TrainStep
@@ -90,7 +90,7 @@ def main() -> None:
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     dtype = torch.float32 if args.cpu_smoke else torch.bfloat16
     if args.cpu_smoke:
-        import dflash_train.algorithms.family.model as drafter_mod
+        import dflash_train.architectures.family.model as drafter_mod
 
         drafter_mod.COMPILE_BACKEND = "eager"
     else:

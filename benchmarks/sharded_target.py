@@ -37,7 +37,7 @@ def save_random_target(shape: dict, path: Path) -> None:
 
 
 def main() -> None:
-    from dflash_train.algorithms.drafter import default_target_layer_ids
+    from dflash_train.architectures.drafter import default_target_layer_ids
     from dflash_train.target.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
     from dflash_train.target.tensor_parallel import load_tp_target
     from dflash_train.target.capture import TargetCapture, load_target_model

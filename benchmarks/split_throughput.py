@@ -36,13 +36,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from dflash_train.config.load import config_from_dict
-    from dflash_train.algorithms.family.backend import resolve_backend
-    from dflash_train.algorithms.drafter import default_target_layer_ids
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.family.config import make_drafter_config
+    from dflash_train.architectures.family.backend import resolve_backend
+    from dflash_train.architectures.drafter import default_target_layer_ids
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture, TargetHead
-    from dflash_train.algorithms.stats import DraftWork
-    from dflash_train.algorithms.family.blocks import sample_anchors
+    from dflash_train.architectures.stats import DraftWork
+    from dflash_train.architectures.family.blocks import sample_anchors
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
     from dflash_train.train.transport import DrafterInbox, SplitLayout, TargetOutbox

@@ -261,10 +261,10 @@ def measure_one_side(args) -> None:
     from transformers import AutoModelForCausalLM
 
     from dflash_train.config.load import config_from_dict
-    from dflash_train.algorithms.family.backend import resolve_backend
-    from dflash_train.algorithms.drafter import default_target_layer_ids
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.family.config import make_drafter_config
+    from dflash_train.architectures.family.backend import resolve_backend
+    from dflash_train.architectures.drafter import default_target_layer_ids
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
@@ -471,11 +471,11 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from dflash_train.config.load import config_from_dict
-    from dflash_train.algorithms import architecture, reads_target_final
-    from dflash_train.algorithms.family.backend import resolve_backend
-    from dflash_train.algorithms.drafter import default_target_layer_ids
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.family.config import make_drafter_config
+    from dflash_train.architectures import architecture, reads_target_final
+    from dflash_train.architectures.family.backend import resolve_backend
+    from dflash_train.architectures.drafter import default_target_layer_ids
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
@@ -514,8 +514,8 @@ def main() -> None:
     target = TargetCapture.from_model(model, ids, compile=args.compile_target)
     dshape, dkwargs = drafter_shape(shape, args)
     if args.architecture == "dflash2":
-        from dflash_train.algorithms.dflash2.config import make_dflash2_config
-        from dflash_train.algorithms.dflash2.model import DFlash2Drafter
+        from dflash_train.architectures.dflash2.config import make_dflash2_config
+        from dflash_train.architectures.dflash2.model import DFlash2Drafter
 
         dcfg = make_dflash2_config(tcfg, num_draft_layers=args.layers, block_size=args.block, target_layer_ids=ids,
                                    mask_token_id=5, selector_top_k=args.selector_top_k,

@@ -101,8 +101,8 @@ def tiny_drafter(seed: int):
     save, export and load in tests of the files and folders around it."""
     from transformers import LlamaConfig
 
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.dflash.model import DFlashDrafter
 
     target = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)

@@ -47,7 +47,7 @@ def flex_refusals(configs: dict) -> list[str]:
     """The runs (name -> loaded config) whose training on a GPU would stop at its start: flex attention (the GPU's
     `drafter.attention_backend: auto`) tiles whole blocks into 128-query tiles, so it needs a block size dividing
     128 (`family.backend.resolve_backend`). Named before anything runs, with the fix."""
-    from dflash_train.algorithms.family.backend import FLEX_TILE
+    from dflash_train.architectures.family.backend import FLEX_TILE
 
     return [f"{name}: drafter.block_size={c.drafter.block_size} does not divide {FLEX_TILE}, which flex attention "
             f"(drafter.attention_backend={c.drafter.attention_backend}, flex on a GPU) needs; choose a block size "

@@ -76,7 +76,7 @@ def drafter_facts(folder: Path) -> dict:
     it (`tree`: the refusal, None where it applies)."""
     import torch
 
-    from dflash_train.algorithms import architecture_of_export
+    from dflash_train.architectures import architecture_of_export
     from dflash_train.infer.replay import tree_refusal
 
     data = json.loads((Path(folder) / "config.json").read_text())

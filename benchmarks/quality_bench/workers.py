@@ -153,7 +153,7 @@ def replay_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from dflash_train.infer.evaluate import check_pair
     from dflash_train.infer.replay import ReplayTurn, prompt_records, turn_records
-    from dflash_train.algorithms.io import load_drafter
+    from dflash_train.architectures.io import load_drafter
     from dflash_train.runtime import write_text_atomic
 
     settings = EvalSettings(**json.loads(args.settings))

@@ -16,7 +16,7 @@ import textwrap
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-from . import architectures
+from .architectures import registry
 from .config.schema import config_sections
 from .config.validate import number_rules
 
@@ -101,7 +101,7 @@ def reference_markdown() -> str:
     for name, cls in sections():
         docs, hints = field_comments(cls), typing.get_type_hints(cls)
         out.append(f"## {name}\n")
-        own = architectures.options(name) if architectures.entry(name) else architectures.NO_OPTIONS
+        own = registry.options(name) if registry.entry(name) else registry.NO_OPTIONS
         about, old_names = own.about, {new: old for old, new in own.aliases.items()}
         if about:
             out.append(f"The keys of drafter.architecture={name} ({about}), accepted only when drafter.architecture "

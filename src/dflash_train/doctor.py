@@ -77,9 +77,9 @@ def flex_smoke_test() -> Check:
     forward + backward on GPU; forward only on CPU (FlexAttention has no CPU backward)."""
     import torch
 
-    from .algorithms.attention import sdpa_attention
-    from .algorithms.family.backend import compiled_flex_attention
-    from .algorithms.family.mask import dense_mask, flex_block_mask
+    from .architectures.attention import sdpa_attention
+    from .architectures.family.backend import compiled_flex_attention
+    from .architectures.family.mask import dense_mask, flex_block_mask
 
     dev = resolve_device("auto")
     device, dtype = dev.type, resolve_dtype("auto", dev)

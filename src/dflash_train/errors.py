@@ -26,7 +26,7 @@ class ConfigError(UserError):
 
 class ModelError(UserError):
     """A model folder, checkpoint or exported drafter that cannot be used as asked (a missing or mismatched
-    tensor, an unreadable config.json); raised by target/ and algorithms/io.py, the message names the file and what
+    tensor, an unreadable config.json); raised by target/ and architectures/io.py, the message names the file and what
     to do."""
 
 

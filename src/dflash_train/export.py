@@ -11,11 +11,11 @@ from typing import Optional
 
 import torch
 
-from .algorithms.attention import sdpa_attention
+from .architectures.attention import sdpa_attention
 from .errors import ConfigError
 from .layout import STATE, put_in_place
 from .model_card import CARD_NAME, drafter_card
-from .algorithms.io import load_drafter, save_drafter
+from .architectures.io import load_drafter, save_drafter
 from .target.provenance import PROVENANCE_NAME, serving_record
 from .outputs import check_export_out
 from .run.metrics import read_metrics

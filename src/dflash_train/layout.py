@@ -1,5 +1,5 @@
 """The on-disk layout every command shares, without torch: the files that make a folder an exported drafter
-(CONFIG_NAME and WEIGHTS_NAME, which algorithms/io.py writes) or a training checkpoint (STATE, which train/checkpoint.py
+(CONFIG_NAME and WEIGHTS_NAME, which architectures/io.py writes) or a training checkpoint (STATE, which train/checkpoint.py
 writes last), the complete checkpoints a folder holds, whether a folder is a complete model folder, and how a
 finished output takes the place of an existing one (moved aside, never deleted)."""
 

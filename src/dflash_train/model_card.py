@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from . import architectures
-from .algorithms.io import drafter_config_text
+from .architectures import registry
+from .architectures.io import drafter_config_text
 from .infer.evaluate import markdown_table
 from .layout import CONFIG_NAME
 from .runtime import write_text_atomic
@@ -91,7 +91,7 @@ def put_eval_table(drafter_dir: Path, report: dict) -> None:
 def _folder_title(drafter_dir: Path) -> str:
     """A card's title for a folder without one, from its config.json's architecture."""
     config = json.loads((drafter_dir / CONFIG_NAME).read_text())
-    return title(architectures.entry_of_export(config).name)
+    return title(registry.entry_of_export(config).name)
 
 
 def link_images(drafter_dir: Path, images: Sequence[Path]) -> None:

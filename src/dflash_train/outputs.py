@@ -40,7 +40,7 @@ _SHOWN = 4  # entries of a folder named in a message
 
 def is_export(path: Path) -> bool:
     """A DFlash drafter in the reference format: model.safetensors and a DFlash config.json."""
-    from .algorithms import UnknownArchitecture, architecture_of_export  # here: it imports torch
+    from .architectures import UnknownArchitecture, architecture_of_export  # here: it imports torch
 
     if not (path / "model.safetensors").is_file() or (path / STATE).exists():
         return False

@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from . import architectures
+from .architectures import registry
 from .layout import (DRAFTER_FILES, STATE, InputPathError, has_drafter_files, is_checkpoint, is_exported_drafter,
                      list_checkpoints)
 from .run.directory import RunDir
@@ -26,10 +26,10 @@ def has_training_layout(path: Path) -> bool:
     if not isinstance(config, dict):
         return False
     try:
-        entry = architectures.entry_of_export(config)
-    except architectures.NotAnExport:
+        entry = registry.entry_of_export(config)
+    except registry.NotAnExport:
         return False
-    check = architectures.options(entry.name).training_layout
+    check = registry.options(entry.name).training_layout
     return bool(check and check(config))
 
 

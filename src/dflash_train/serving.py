@@ -1,4 +1,4 @@
-"""How an exported drafter is served, rendered from what each architecture declares (`architectures.Serving`, in its
+"""How an exported drafter is served, rendered from what each architecture declares (`registry.Serving`, in its
 torch-free `options.py`): the serve table of README.md and of docs/guide/eval-and-export.md, and the serve lines of
 every model card (`model_card.py`), with the numbers of that drafter's block size and the notes its config.json
 meets.
@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from . import architectures
-from .architectures import Engine, Serving
+from .architectures import registry
+from .architectures.registry import Engine, Serving
 from .errors import EXIT_USER_ERROR, UserError
 
 PAGES = ("README.md", "docs/guide/eval-and-export.md")
@@ -27,7 +27,7 @@ DIR = "DIR"
 
 def serving_of(name: str) -> Optional[Serving]:
     """What the architecture `name` declares (None: nothing)."""
-    return architectures.options(name).serving
+    return registry.options(name).serving
 
 
 def drafts(serving: Serving, block_size: int) -> int:
@@ -66,7 +66,7 @@ def example_block_size(name: str) -> int:
 
 def serve_table() -> str:
     """The Markdown serve table of every registered architecture that declares its serving, one column per engine."""
-    declared = [(name, s) for name in architectures.names() if (s := serving_of(name)) is not None]
+    declared = [(name, s) for name in registry.names() if (s := serving_of(name)) is not None]
     engines: list[str] = []
     for _, s in declared:
         engines += [e.name for e in s.engines if e.name not in engines]
@@ -74,7 +74,7 @@ def serve_table() -> str:
     lines = ["| `drafter.architecture` | " + " | ".join(engines) + " |", "|---" * (len(engines) + 1) + "|"]
     for name, s in declared:
         by_engine = {e.name: e for e in s.engines}
-        label = f"`{name}`" + (" (default)" if name == architectures.DEFAULT else "")
+        label = f"`{name}`" + (" (default)" if name == registry.DEFAULT else "")
         lines.append(f"| {label} | " + " | ".join(table_cell(s, by_engine.get(e), sizes[name]) for e in engines)
                      + " |")
     shown = sorted(set(sizes.values()))

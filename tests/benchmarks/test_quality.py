@@ -292,8 +292,8 @@ def test_read_records_ignores_a_torn_line_and_keeps_the_first_duplicate(tmp_path
 
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_target_dir):
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.family.config import make_drafter_config
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import load_target_model, load_tokenizer
 
     target = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
@@ -347,7 +347,7 @@ def test_replay_worker_resumes_from_its_turn_records(tmp_path, tiny_pair, tiny_t
     import dataclasses
 
     from dflash_train.infer.replay import build_corpus
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.io import save_drafter
 
     target, tok, drafter = tiny_pair
     items = [{"dataset": "s", "id": "a", "turns": ["Name a river.", "Another one."]},
@@ -427,7 +427,7 @@ def test_train_summary_and_markdown(tmp_path):
 
 @pytest.mark.long
 def test_quality_evaluates_a_given_drafter_without_training(tmp_path, tiny_pair, tiny_target_dir):
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.io import save_drafter
 
     _, _, drafter = tiny_pair
     given = save_drafter(drafter, tmp_path / "brought-back" / "export", dtype="float32",
@@ -510,12 +510,12 @@ def test_prepared_data_carries_label_counts_for_a_reduced_vocabulary_variant(tmp
 def _save_drafters(target, out: Path) -> dict[str, Path]:
     """A DFlash base (run/export), a DSpark variant with a confidence head and a Domino variant, block 4 each,
     saved where the comparison's runs export them."""
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.domino.config import make_domino_config
-    from dflash_train.algorithms.domino.model import DominoDrafter
-    from dflash_train.algorithms.dspark.model import DSparkDrafter
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.domino.config import make_domino_config
+    from dflash_train.architectures.domino.model import DominoDrafter
+    from dflash_train.architectures.dspark.model import DSparkDrafter
+    from dflash_train.architectures.io import save_drafter
 
     shape = dict(num_draft_layers=1, block_size=4, target_layer_ids=[1, 4], mask_token_id=16)
     torch.manual_seed(0)
@@ -645,9 +645,9 @@ def test_confidence_thresholds_report_truncated_block_decoding_of_a_confidence_h
     """--confidence-thresholds: per drafter with a confidence head, tau and tokens verified per step of block decoding
     truncated at each threshold, as `dflash-train eval --confidence-threshold` decodes them (same tau, same
     verified_per_step); without the flag the summary has the keys and tables it had."""
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.dspark.model import DSparkDrafter
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.dspark.model import DSparkDrafter
+    from dflash_train.architectures.io import save_drafter
     from dflash_train.assets import stop_token_ids
     from dflash_train.infer.evaluate import evaluate
 

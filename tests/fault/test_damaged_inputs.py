@@ -97,9 +97,9 @@ def tree_state(root: Path) -> dict[str, str]:
 def tiny_drafter(tmp_path_factory, tiny_target_dir) -> Path:
     from transformers import AutoConfig
 
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.io import save_drafter
 
     cfg = make_drafter_config(AutoConfig.from_pretrained(tiny_target_dir), num_draft_layers=1, block_size=4,
                               target_layer_ids=[1, 4], mask_token_id=16)

@@ -59,7 +59,7 @@ def write_checkpoint(root: Path, step: int) -> Path:
 @pytest.fixture
 def run(tmp_path) -> Path:
     """A finished run: config, status, metrics, two checkpoints (different weights) and export/."""
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.io import save_drafter
     from dflash_train.run.directory import RunDir
 
     r = RunDir(tmp_path / "run").create()
@@ -192,7 +192,7 @@ def test_prepare_overwrite_moves_the_earlier_dataset_aside(tmp_path, capsys, cap
 
 @pytest.fixture
 def drafter_dir(tmp_path) -> Path:
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.io import save_drafter
 
     return save_drafter(tiny_drafter(seed=1), tmp_path / "drafter", dtype="float32")
 
@@ -223,9 +223,9 @@ def test_eval_refuses_a_report_path_it_did_not_write(tmp_path, drafter_dir, caps
 def test_eval_replaces_its_own_report_only_with_overwrite(tmp_path, capsys, tiny_target_dir):
     from transformers import AutoConfig
 
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.io import save_drafter
 
     cfg = make_drafter_config(AutoConfig.from_pretrained(tiny_target_dir), num_draft_layers=1, block_size=4,
                               target_layer_ids=[1, 4], mask_token_id=16)

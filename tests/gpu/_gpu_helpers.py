@@ -26,9 +26,9 @@ def _fresh_dynamo_per_test():
 def _drafter_and_inputs(block_size=16, s=300, batch=2, max_anchors=40, seed=0, layer_types=None, **keys):
     from transformers import Qwen3Config
 
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.family.blocks import sample_anchors
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.family.blocks import sample_anchors
 
     tcfg = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=64, vocab_size=1000)
@@ -59,7 +59,7 @@ def _drafter_and_inputs(block_size=16, s=300, batch=2, max_anchors=40, seed=0, l
 
 
 def _run(drafter, hidden, block, pos, anchors, keep, s, backend_name, dtype, compiled_layers=False):
-    from dflash_train.algorithms.family.backend import resolve_backend
+    from dflash_train.architectures.family.backend import resolve_backend
 
     backend = resolve_backend(backend_name, torch.device("cuda"), 16)
     drafter.zero_grad(set_to_none=True)
@@ -137,7 +137,7 @@ EAGER_FLEX_AROUND_THE_SEAL = textwrap.dedent("""
     import json, torch
     from torch.nn.attention.flex_attention import flex_attention
     from dflash_train.accel import compile as compile_layer
-    from dflash_train.algorithms.family.backend import compiled_flex_attention
+    from dflash_train.architectures.family.backend import compiled_flex_attention
     def qkv():
         return [torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     flex_attention(*qkv()).float().sum().backward()  # before the seal: runs (torch's one warning is spent)

@@ -27,9 +27,9 @@ def test_a_colocated_step_never_waits_for_the_gpu(compile_layers):
     a non-finite step is skipped on the device (fused AdamW's found_inf). CUDA's sync debug mode reports
     every wait with the line that caused it; the only ones allowed are in `_SYNCS_NOT_OURS`."""
     from dflash_train.config.load import config_from_dict
-    from dflash_train.algorithms.family.backend import resolve_backend
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.family.config import make_drafter_config
+    from dflash_train.architectures.family.backend import resolve_backend
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.step import TrainStep
@@ -87,7 +87,7 @@ def test_colocated_one_gpu_run_with_a_sliding_causal_softcapped_drafter(tmp_path
     and the export carries the fields and decodes losslessly."""
     from dflash_train.cli import main
     from dflash_train.infer.spec_decode import SpeculativeDecoder
-    from dflash_train.algorithms.io import load_drafter
+    from dflash_train.architectures.io import load_drafter
     from dflash_train.target.capture import load_target_model
 
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, log_every=5)

@@ -18,7 +18,7 @@ def test_a_compiled_domino_run_never_recompiles_after_its_warm_up(tmp_path, tiny
     """drafter.compile=true and target.compile=true with flex attention and validation: the warm-up compiles the
     graphs for batches of one row and of several; no step after it compiles again (the GRU and the correction run
     between the compiled layers, in every step alike). The export is SGLang's layout and decodes losslessly."""
-    from dflash_train.algorithms.io import load_drafter
+    from dflash_train.architectures.io import load_drafter
     from dflash_train.cli import main
     from dflash_train.infer.spec_decode import SpeculativeDecoder
     from dflash_train.target.capture import load_target_model

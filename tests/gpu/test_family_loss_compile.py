@@ -45,7 +45,7 @@ def _dspark_inputs(m: int, seed: int):
 def _dspark_step(inputs, source, chunk: int, dpard: bool):
     """The chunked loss as the objective runs it (forward under bf16 autocast, backward; D-PARD: its gradient-free
     first pass, then the pass with Renyi coefficients): (loss, per-row terms, gradients of hidden, feature, w2)."""
-    from dflash_train.algorithms.dspark.loss import chunked_dspark_rows, target_positions
+    from dflash_train.architectures.dspark.loss import chunked_dspark_rows, target_positions
 
     hidden, feature, head, w2, final, labels, a, b, c = inputs
     targets = target_positions(final, source, chunk)
@@ -64,7 +64,7 @@ def _dspark_step(inputs, source, chunk: int, dpard: bool):
 @pytest.mark.parametrize("dpard", [False, True])
 def test_dsparks_compiled_chunk_math_matches_eager_and_never_recompiles(monkeypatch, dpard):
     from dflash_train.accel import compile as compile_layer
-    from dflash_train.algorithms.dspark import loss as loss_mod
+    from dflash_train.architectures.dspark import loss as loss_mod
 
     compile_layer.watch_recompiles()
     inputs, source = _dspark_inputs(3000, 0)
@@ -112,7 +112,7 @@ def _domino_inputs(m: int, seed: int):
 
 
 def _domino_step(inputs, chunk: int, lam: float, transform: dict):
-    from dflash_train.algorithms.domino.loss import chunked_domino_rows
+    from dflash_train.architectures.domino.loss import chunked_domino_rows
 
     hidden, features, head, correction, labels, norm = inputs
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -124,7 +124,7 @@ def _domino_step(inputs, chunk: int, lam: float, transform: dict):
 @pytest.mark.parametrize("transform", [{}, {"output_multiplier": 0.5, "softcap": 30.0}])
 def test_dominos_compiled_chunk_math_matches_eager_and_never_recompiles(monkeypatch, transform):
     from dflash_train.accel import compile as compile_layer
-    from dflash_train.algorithms.domino import loss as loss_mod
+    from dflash_train.architectures.domino import loss as loss_mod
 
     compile_layer.watch_recompiles()
     inputs = _domino_inputs(3000, 0)
@@ -161,7 +161,7 @@ def test_dominos_compiled_weights_pass_matches_eager_and_never_recompiles(monkey
     """The gradient-free pass of the final scores' label log-probabilities (acceptance and dpace slot weights):
     compiled as eager computes it, minus the loss's final CE, and no recompile for other row counts or splits."""
     from dflash_train.accel import compile as compile_layer
-    from dflash_train.algorithms.domino import loss as loss_mod
+    from dflash_train.architectures.domino import loss as loss_mod
 
     def label_logp(inputs, chunk: int):
         hidden, features, head, correction, labels, _ = inputs

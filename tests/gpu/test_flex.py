@@ -64,8 +64,8 @@ def test_field_race_replayed_through_our_layer_has_zero_errors():
     (the production crash: 2 of 2 trials failed on this card without serialisation)."""
     import threading
 
-    from dflash_train.algorithms.family.backend import compiled_flex_attention
-    from dflash_train.algorithms.family.mask import flex_block_mask
+    from dflash_train.architectures.family.backend import compiled_flex_attention
+    from dflash_train.architectures.family.mask import flex_block_mask
 
     errors = []
     for _ in range(3):
@@ -118,9 +118,9 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
 
     from dflash_train.config.load import config_from_dict
     from dflash_train.accel import compile as compile_layer
-    from dflash_train.algorithms.family.backend import AttentionBackend
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.family.config import make_drafter_config
+    from dflash_train.architectures.family.backend import AttentionBackend
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture, load_target_model
     from dflash_train.train.step import Batch, TrainStep
     from dflash_train.train.warmup import warm_up
@@ -133,7 +133,7 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
                                                 target_layer_ids=[1, 3], mask_token_id=5)).to(device)
     eager = AttentionBackend("flex", lambda q, k, v, mask: flex_attention(q, k, v, block_mask=mask, enable_gqa=True),
                              8, 128)
-    from dflash_train.algorithms.family.mask import flex_block_mask
+    from dflash_train.architectures.family.mask import flex_block_mask
 
     eager.build_mask = lambda anchors, keep, s, bs, kind: flex_block_mask(anchors, keep, s, bs, window=kind.sliding_window,
                                                                           causal=kind.causal)

@@ -88,7 +88,7 @@ def test_an_fp8_target_as_the_plan_quantises_it_compiles_one_layer_graph_per_bat
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from dflash_train.accel import compile as compile_layer
-    from dflash_train.algorithms import reads_target_final
+    from dflash_train.architectures import reads_target_final
     from dflash_train.config.load import config_from_dict
     from dflash_train.target.capture import TargetCapture
     from dflash_train.target.quantize import Fp8Linear, quantize_decoder_layers

@@ -135,8 +135,8 @@ def test_dflash2_on_real_data_compiles_nothing_after_the_warm_up_and_learns(tmp_
     DFlash2 drafter."""
     from _harness import run
 
-    from dflash_train.algorithms.dflash2.model import DFlash2Drafter
-    from dflash_train.algorithms.io import load_drafter
+    from dflash_train.architectures.dflash2.model import DFlash2Drafter
+    from dflash_train.architectures.io import load_drafter
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps({

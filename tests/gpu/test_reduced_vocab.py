@@ -25,7 +25,7 @@ def test_reduced_vocabulary_loss_with_a_trained_head_matches_float64(softcap, ke
     """The compiled chunk math on the GPU (bf16 autocast, the head's float32 master weight, labels outside the
     vocabulary at -1), the head's weight gradient formed again or (keep) from the kept rows: loss, hits and both
     gradients against a float64 reference on the CPU."""
-    from dflash_train.algorithms.family.loss import CEOptions, chunked_weighted_ce
+    from dflash_train.architectures.family.loss import CEOptions, chunked_weighted_ce
 
     g = torch.Generator().manual_seed(0)
     m, h, n = 3000, 256, 4096
@@ -60,7 +60,7 @@ def test_colocated_one_gpu_run_with_a_reduced_vocabulary_compiles_nothing_after_
     decodes losslessly."""
     from dflash_train.cli import main
     from dflash_train.infer.spec_decode import SpeculativeDecoder
-    from dflash_train.algorithms.io import load_drafter
+    from dflash_train.architectures.io import load_drafter
     from dflash_train.target.capture import load_target_model
 
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, log_every=5)

@@ -10,10 +10,10 @@ import sys
 import torch
 from transformers import Qwen3Config
 
-from dflash_train.algorithms.family.config import make_drafter_config
-from dflash_train.algorithms.family.mask import dense_mask
-from dflash_train.algorithms.attention import sdpa_attention
-from dflash_train.algorithms.dflash.model import DFlashDrafter
+from dflash_train.architectures.family.config import make_drafter_config
+from dflash_train.architectures.family.mask import dense_mask
+from dflash_train.architectures.attention import sdpa_attention
+from dflash_train.architectures.dflash.model import DFlashDrafter
 from dflash_train.accel import compile as compile_layer
 from dflash_train.accel.fp8_training import use_fp8_training
 

@@ -20,8 +20,8 @@ EXPORTS = {
 def export_drafter(root: Path, target_dir: Path, case: str, block_size: int = 4):
     """(the export folder `root/case`, the drafter) of one `EXPORTS` case: one layer, target layers [1, 4], mask
     token 16."""
-    from dflash_train.algorithms import architecture
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures import architecture
+    from dflash_train.architectures.io import save_drafter
     from dflash_train.config.load import config_from_dict
     from dflash_train.target.capture import read_target_config
 

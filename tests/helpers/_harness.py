@@ -100,10 +100,10 @@ def wait_for_step(run_dir: Path, rank: int, step: int, proc: subprocess.Popen, t
 # stands in for the GPU in `drafter.compile` (the device check lifted, Dynamo's eager backend: tracing,
 # guards and recompiles without inductor), as the in-process compile tests do with monkeypatch.
 CPU_DRAFTER_COMPILE = """
-import dflash_train.config.validate, dflash_train.algorithms.family.model, dflash_train.train.rank_admission
+import dflash_train.config.validate, dflash_train.architectures.family.model, dflash_train.train.rank_admission
 dflash_train.config.validate.validate_compile_device = lambda *a: None
 dflash_train.train.rank_admission.validate_compile_device = lambda *a: None
-dflash_train.algorithms.family.model.COMPILE_BACKEND = "eager"
+dflash_train.architectures.family.model.COMPILE_BACKEND = "eager"
 """
 
 

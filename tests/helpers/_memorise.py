@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from dflash_train.algorithms.attention import sdpa_attention
-from dflash_train.algorithms.drafter import Drafter
-from dflash_train.algorithms.family.mask import dense_mask
+from dflash_train.architectures.attention import sdpa_attention
+from dflash_train.architectures.drafter import Drafter
+from dflash_train.architectures.family.mask import dense_mask
 
 IGNORE = -100  # a label the drafter's vocabulary cannot score (outside a reduced draft vocabulary): no loss
 

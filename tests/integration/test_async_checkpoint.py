@@ -22,7 +22,7 @@ from _harness import assert_same_losses, beat, launch, losses, status, stop, wai
 from dflash_train.cli import main
 from dflash_train.errors import UserError
 from dflash_train.layout import STATE, list_checkpoints
-from dflash_train.algorithms.io import load_drafter, save_drafter
+from dflash_train.architectures.io import load_drafter, save_drafter
 from dflash_train.train import checkpoint as ck
 from dflash_train.train.checkpoint import (WRITE_DELAY_ENV, CheckpointWriteError, CheckpointWriter, HostStaging,
                                            Snapshot, load_optimizer_state, newest_valid, read_state)

@@ -79,7 +79,7 @@ def run_dir(tmp_path):
     """A run as training leaves it: config.yaml, checkpoints step-10/20/30 and best (each its own weights), export/."""
     import torch
 
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.io import save_drafter
     from dflash_train.run.directory import RunDir
     from dflash_train.train.checkpoint import save_checkpoint
 
@@ -98,7 +98,7 @@ def run_dir(tmp_path):
 def _same_weights(a, b) -> bool:
     import torch
 
-    from dflash_train.algorithms.io import load_drafter
+    from dflash_train.architectures.io import load_drafter
 
     sa, sb = load_drafter(a).state_dict(), load_drafter(b).state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -220,9 +220,9 @@ def tiny_eval(tmp_path_factory, tiny_target_dir):
 
     from transformers import AutoConfig
 
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.io import save_drafter
 
     root = tmp_path_factory.mktemp("tiny-eval")
     cfg = make_drafter_config(AutoConfig.from_pretrained(tiny_target_dir), num_draft_layers=1, block_size=4,

@@ -114,12 +114,12 @@ def test_invalid_split_fails_before_anything_loads(tmp_path, tiny_target_dir, co
 
 def test_gradient_accumulation_is_the_mean_over_micro_batches(tiny_target_dir):
     """Two accumulated micro-batches update the weights like one backward of their mean loss."""
-    from dflash_train.algorithms.family.backend import resolve_backend
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.family.config import make_drafter_config
+    from dflash_train.architectures.family.backend import resolve_backend
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture, load_target_model
     from dflash_train.data.batch import Batch
-    from dflash_train.algorithms.dflash.objective import DFlashObjective
+    from dflash_train.architectures.dflash.objective import DFlashObjective
     from dflash_train.train.step import MicroBatch, TrainStep
 
     cfg = config_from_dict({"drafter": {"block_size": 4, "num_draft_layers": 1}, "objective": {"max_anchors": 8},

@@ -9,12 +9,12 @@ and `importlib.import_module(...)` (the architecture registry's) is not seen.
 The layers, lowest first (a module may import its own layer and those below it, never one above):
 
 0 foundation: the package root, errors, numbers, permissions, procs, runtime (device, dtype, atomic writes),
-  layout (the on-disk names and what a folder is), trackers (run.report_to's names), architectures (the
+  layout (the on-disk names and what a folder is), trackers (run.report_to's names), architectures.registry (the
   drafter architectures' names). No torch at import, nothing of the package above them.
 1 run state, inputs and the target: assets, serving (how exports are served: the serve tables, the cards' lines),
   config, run (the run directory), data (but data.prepare, the prepare command), target (the frozen target) and
   accel (the compile layer, the FP8 primitives and training kernels).
-2 the drafter architectures: algorithms (with algorithms.io, a drafter's files, and algorithms.init_from_target).
+2 the drafter architectures: architectures (with architectures.io, a drafter's files, and architectures.init_from_target).
 3 inference: infer, model_card (a drafter's README with its evaluation table, written by train and export).
 4 training: train.
 5 commands: cli, export, outputs (what each command may write over: it knows every command's output),
@@ -43,7 +43,7 @@ LAYERS: dict[str, int] = {
     "runtime": 0,
     "layout": 0,
     "trackers": 0,
-    "architectures": 0,
+    "architectures.registry": 0,
     "assets": 1,
     "serving": 1,
     "config": 1,
@@ -51,7 +51,7 @@ LAYERS: dict[str, int] = {
     "data": 1,
     "target": 1,
     "accel": 1,
-    "algorithms": 2,
+    "architectures": 2,
     "infer": 3,
     "model_card": 3,
     "train": 4,

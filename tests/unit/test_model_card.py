@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dflash_train import serving
-from dflash_train.algorithms.io import load_drafter
+from dflash_train.architectures.io import load_drafter
 from dflash_train.cli import main
 
 # Each architecture's own keys, small; DSpark's head without the confidence head and with a gated Markov head: two

@@ -321,9 +321,9 @@ def two_datasets(tmp_path_factory, tiny_target_dir):
     """An untrained drafter for the tiny target and two prompt files: eval runs in seconds on CPU."""
     from transformers import AutoConfig
 
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.io import save_drafter
 
     root = tmp_path_factory.mktemp("two-datasets")
     cfg = make_drafter_config(AutoConfig.from_pretrained(tiny_target_dir), num_draft_layers=1, block_size=4,

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.algorithms.dflash.model import DFlashDrafter
+from dflash_train.architectures.dflash.model import DFlashDrafter
 from dflash_train.errors import DamagedFileError
-from dflash_train.algorithms.family.config import make_drafter_config
-from dflash_train.algorithms.io import load_drafter, save_drafter
+from dflash_train.architectures.family.config import make_drafter_config
+from dflash_train.architectures.io import load_drafter, save_drafter
 from dflash_train.train.checkpoint import (CheckpointError, check_compatible, load_into, newest_valid, read_state,
                                            save_checkpoint)
 

@@ -22,7 +22,7 @@ import torch
 import yaml
 from torch import nn
 
-from dflash_train import architectures
+from dflash_train.architectures import registry
 from dflash_train.config.load import config_from_dict, config_to_dict, dump_config, load_config
 from dflash_train.config.schema import config_sections
 from dflash_train.errors import ConfigError
@@ -30,7 +30,7 @@ from dflash_train.errors import ConfigError
 SRC = Path(__file__).resolve().parents[2] / "src" / "dflash_train"
 
 # ------------------------------------------------------------------------------------------------ no names leak
-# Generic code (everything but an architecture's own package and the registry, `architectures.py`) names no
+# Generic code (everything but an architecture's own package and the registry, `architectures/registry.py`) names no
 # architecture and reads none of an architecture's own keys: what an architecture adds reaches it through the hooks
 # of its `Architecture` and `Options`. Each architecture is scanned for everywhere but in its own package, so no
 # architecture's package names another either.
@@ -54,15 +54,15 @@ def _case_blind_lines(text: str) -> set[int]:
 def _generic_keys() -> set[str]:
     """Every generic config key's name (a key an architecture also writes, e.g. `mask_token_id`, is generic), and
     the names of the `Options` hooks."""
-    return {f.name for name, section in config_sections() if name not in architectures.names()
-            for f in dataclasses.fields(section)} | {f.name for f in dataclasses.fields(architectures.Options)}
+    return {f.name for name, section in config_sections() if name not in registry.names()
+            for f in dataclasses.fields(section)} | {f.name for f in dataclasses.fields(registry.Options)}
 
 
 def _export_keys(name: str) -> set[str]:
     """The keys of a tiny drafter's exported config.json under architecture `name`, `dflash_config`'s flattened in."""
     from transformers import Qwen3Config
 
-    from dflash_train.algorithms import architecture
+    from dflash_train.architectures import architecture
 
     target = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=300)
@@ -78,15 +78,15 @@ def own_words() -> dict[str, list[re.Pattern]]:
     """Architecture name -> what generic code must not hold of it: its name (the default's, which is also the
     package's, as a string literal or its package's module path), its config section's keys and the keys its exported config.json adds to the
     default architecture's, less the generic keys and one-word keys (ordinary words of any code, e.g. `loss`)."""
-    generic, default_keys = _generic_keys(), _export_keys(architectures.DEFAULT)
+    generic, default_keys = _generic_keys(), _export_keys(registry.DEFAULT)
     words = {}
-    for name in architectures.names():
-        section = architectures.options(name).section
+    for name in registry.names():
+        section = registry.options(name).section
         keys = {f.name for f in dataclasses.fields(section)} if section else set()
         keys |= _export_keys(name) - default_keys
         keys = sorted(k for k in keys - generic if "_" in k)
-        named = (re.compile(rf"""["']{re.escape(name)}["']|\balgorithms[./]{re.escape(name)}\b""")
-                 if name == architectures.DEFAULT
+        named = (re.compile(rf"""["']{re.escape(name)}["']|\barchitectures[./]{re.escape(name)}\b""")
+                 if name == registry.DEFAULT
                  else re.compile(rf"\b{re.escape(name)}\b", re.IGNORECASE))
         words[name] = [named, *(re.compile(rf"\b{re.escape(k)}\b") for k in keys)]
     return words
@@ -96,12 +96,12 @@ def _leaks(src: Path, words: dict[str, list[re.Pattern]]) -> list[str]:
     found = []
     for path in sorted(src.rglob("*.py")):
         rel = path.relative_to(src)
-        if rel == Path("architectures.py"):
+        if rel == Path("architectures/registry.py"):
             continue  # the registry
         text = path.read_text(encoding="utf-8")
         prose = _case_blind_lines(text)
         for name, patterns in words.items():
-            if rel.parts[:2] == ("algorithms", name):
+            if rel.parts[:2] == ("architectures", name):
                 continue
             for number, line in enumerate(text.splitlines(), 1):
                 hit = any(p.search(line) for p in patterns[1:])
@@ -116,7 +116,7 @@ def _leaks(src: Path, words: dict[str, list[re.Pattern]]) -> list[str]:
 def test_generic_code_names_no_architecture_and_reads_none_of_its_keys():
     leaks = _leaks(SRC, own_words())
     assert not leaks, ("architecture names or keys outside their package (move the code behind `Architecture` / "
-                       "`architectures.Options` hooks):\n" + "\n".join(leaks))
+                       "`registry.Options` hooks):\n" + "\n".join(leaks))
 
 
 def test_the_leak_check_finds_a_planted_name_and_key(tmp_path):
@@ -127,17 +127,17 @@ def test_the_leak_check_finds_a_planted_name_and_key(tmp_path):
     (tmp_path / "train" / "step.py").write_text(
         'if cfg.drafter.architecture == "dflash2":\n    x.selector_top_k\nif arch != "dflash":\n'
         '    pass  # DSpark\'s own head\nhelp = "(DSpark) and dflash-train"\n'
-        'shape = {"gru_hidden_dim": 1, "loss": 2}\nfrom ..algorithms.dflash.model import DFlashDrafter\n')
-    (tmp_path / "algorithms" / "dflash2").mkdir(parents=True)
-    (tmp_path / "algorithms" / "dflash2" / "model.py").write_text("self.selector_top_k = 1\n")
-    (tmp_path / "algorithms" / "dspark").mkdir(parents=True)
-    (tmp_path / "algorithms" / "dspark" / "model.py").write_text("from ..dflash2.model import X\n")
+        'shape = {"gru_hidden_dim": 1, "loss": 2}\nfrom ..architectures.dflash.model import DFlashDrafter\n')
+    (tmp_path / "architectures" / "dflash2").mkdir(parents=True)
+    (tmp_path / "architectures" / "dflash2" / "model.py").write_text("self.selector_top_k = 1\n")
+    (tmp_path / "architectures" / "dspark").mkdir(parents=True)
+    (tmp_path / "architectures" / "dspark" / "model.py").write_text("from ..dflash2.model import X\n")
     assert _leaks(tmp_path, words) == [
-        "algorithms/dspark/model.py:1: from ..dflash2.model import X",
+        "architectures/dspark/model.py:1: from ..dflash2.model import X",
         'train/step.py:1: if cfg.drafter.architecture == "dflash2":', "train/step.py:2: x.selector_top_k",
         'train/step.py:3: if arch != "dflash":', "train/step.py:4: pass  # DSpark's own head",
         'train/step.py:6: shape = {"gru_hidden_dim": 1, "loss": 2}',
-        "train/step.py:7: from ..algorithms.dflash.model import DFlashDrafter"]
+        "train/step.py:7: from ..architectures.dflash.model import DFlashDrafter"]
 
 
 # ------------------------------------------------------------------------------------------------ the sections
@@ -191,8 +191,8 @@ def _old_shape(cfg) -> dict:
     objective (every key, at its value)."""
     plain = config_to_dict(cfg)
     section = plain.pop(cfg.drafter.architecture, None) or dataclasses.asdict(
-        architectures.options("dflash2").section())
-    for old, new in architectures.options("dflash2").aliases.items():
+        registry.options("dflash2").section())
+    for old, new in registry.options("dflash2").aliases.items():
         where, key = old.split(".")
         plain[where][key] = section[new]
     return plain
@@ -279,13 +279,13 @@ def test_a_resume_that_changes_the_architecture_names_its_keys_not_a_crash(tmp_p
 # the value of its one config key (`toy.gate_init`), written into its drafter config and exported; the gate's FLOPs
 # and the rows it keeps for its gradient are its own terms in the step's FLOPs and memory estimate.
 
-from dflash_train.algorithms.contract import Architecture, StepFlops, StepMemory  # noqa: E402
-from dflash_train.algorithms.stats import DraftWork  # noqa: E402
-from dflash_train.algorithms.family.backend import resolve_backend  # noqa: E402
-from dflash_train.algorithms.family.config import drafter_config_from_dict, drafter_config_json  # noqa: E402
-from dflash_train.algorithms.dflash.config import config_for_run as dflash_config_for_run  # noqa: E402
-from dflash_train.algorithms.dflash.model import DFlashDrafter  # noqa: E402
-from dflash_train.algorithms.dflash.objective import DFlashObjective  # noqa: E402
+from dflash_train.architectures.contract import Architecture, StepFlops, StepMemory  # noqa: E402
+from dflash_train.architectures.stats import DraftWork  # noqa: E402
+from dflash_train.architectures.family.backend import resolve_backend  # noqa: E402
+from dflash_train.architectures.family.config import drafter_config_from_dict, drafter_config_json  # noqa: E402
+from dflash_train.architectures.dflash.config import config_for_run as dflash_config_for_run  # noqa: E402
+from dflash_train.architectures.dflash.model import DFlashDrafter  # noqa: E402
+from dflash_train.architectures.dflash.objective import DFlashObjective  # noqa: E402
 from dflash_train.numbers import POSITIVE_NUMBER  # noqa: E402
 
 TOY_HF = "ToyGateDraftModel"
@@ -337,18 +337,18 @@ TOY_PLAIN = Architecture(name="toy", hf_architecture=TOY_HF, drafter_class=ToyDr
                          config_json=drafter_config_json, resolve_backend=resolve_backend, objective=DFlashObjective)
 TOY = dataclasses.replace(TOY_PLAIN, step_flops=lambda c: ToyStepFlops(c.hidden_size),
                           step_memory=lambda c: ToyStepMemory(c.hidden_size))
-TOY_OPTIONS = architectures.Options(section=ToyOptions, number_rules={"gate_init": POSITIVE_NUMBER},
+TOY_OPTIONS = registry.Options(section=ToyOptions, number_rules={"gate_init": POSITIVE_NUMBER},
                                     about="the toy drafter's gate")
 
 
 @pytest.fixture
 def toy_registered():
-    architectures.register("toy", TOY_HF, TOY, TOY_OPTIONS)
+    registry.register("toy", TOY_HF, TOY, TOY_OPTIONS)
     try:
         yield
     finally:
-        architectures.unregister("toy")
-    assert "toy" not in architectures.names()
+        registry.unregister("toy")
+    assert "toy" not in registry.names()
 
 
 def test_a_toy_section_is_checked_like_any_other(toy_registered):
@@ -368,7 +368,7 @@ def test_a_reduced_draft_vocabulary_is_a_declared_capability(toy_registered):
                                           r"for drafter.architecture=dflash only; toy scores"):
         config_from_dict(tree)
     capable = dataclasses.replace(TOY_OPTIONS, draft_vocabulary=True)
-    architectures._REGISTRY["toy"] = dataclasses.replace(architectures._REGISTRY["toy"], options=capable)
+    registry._REGISTRY["toy"] = dataclasses.replace(registry._REGISTRY["toy"], options=capable)
     assert config_from_dict(tree).drafter.draft_vocab_size == 10
     with pytest.raises(ConfigError, match=r"drafter.architecture=dflash / toy only; dflash2 scores"):
         config_from_dict({"drafter": {"architecture": "dflash2", "draft_vocab_size": 10}})
@@ -396,7 +396,7 @@ def test_the_activation_estimate_counts_the_toys_own_memory_terms(toy_registered
                                    "cpu")
 
     own = estimate()
-    architectures._REGISTRY["toy"] = dataclasses.replace(architectures._REGISTRY["toy"], package=TOY_PLAIN)
+    registry._REGISTRY["toy"] = dataclasses.replace(registry._REGISTRY["toy"], package=TOY_PLAIN)
     plain = estimate()
     assert own.shape == plain.shape
     assert own.parts["loss rows"] - plain.parts["loss rows"] == ToyStepMemory(64).loss_rows(own.shape.counted) > 0
@@ -405,7 +405,7 @@ def test_the_activation_estimate_counts_the_toys_own_memory_terms(toy_registered
 def test_a_toy_architecture_from_a_test_file_trains_decodes_exports_and_reloads(toy_registered, tmp_path,
                                                                              tiny_target_dir, counting_jsonl):
     from dflash_train.cli import main
-    from dflash_train.algorithms.io import load_drafter
+    from dflash_train.architectures.io import load_drafter
 
     cfg = {
         "target": {"path": str(tiny_target_dir)},
@@ -424,14 +424,14 @@ def test_a_toy_architecture_from_a_test_file_trains_decodes_exports_and_reloads(
     assert yaml.safe_load((run / "config.yaml").read_text())["toy"] == {"gate_init": 0.5}
 
     # the step's model FLOPs and MFU count the toy's own FLOP term: the same run without it logs that much less
-    architectures._REGISTRY["toy"] = dataclasses.replace(architectures._REGISTRY["toy"], package=TOY_PLAIN)
+    registry._REGISTRY["toy"] = dataclasses.replace(registry._REGISTRY["toy"], package=TOY_PLAIN)
     plain = _train(main, tmp_path / "toy.yaml", tmp_path / "plain")
     for r, p in zip(records, plain):
         assert (r["target_flops"], r["drafted_blocks"]) == (p["target_flops"], p["drafted_blocks"])
         gate = ToyStepFlops(64).parts(DraftWork(block_tokens=r["drafted_blocks"] * 4))["toy_gate"]
         assert gate > 0 and r["drafter_flops"] == pytest.approx(p["drafter_flops"] + gate, rel=1e-12)
         assert r["drafter_mfu"] == pytest.approx(r["mfu"] * r["drafter_flops"] / r["step_flops"], rel=1e-9)
-    architectures._REGISTRY["toy"] = dataclasses.replace(architectures._REGISTRY["toy"], package=TOY)
+    registry._REGISTRY["toy"] = dataclasses.replace(registry._REGISTRY["toy"], package=TOY)
 
     exported = load_drafter(run / "export")
     assert type(exported) is ToyDrafter and exported.config.dflash_config["toy_gate_init"] == 0.5
@@ -462,28 +462,28 @@ def test_exports_sharing_an_architectures_name_are_told_apart_by_their_marks():
     """Two architectures may export the same `architectures` name: the registry tells their config.json files
     apart by the keys each one marks, and refuses a marked key holding a value none of them claims."""
     marks = {"dflash_config.projector_type": "toy_projector"}
-    architectures.register("toy", "DFlashDraftModel", TOY, TOY_OPTIONS, export_marks=marks)
+    registry.register("toy", "DFlashDraftModel", TOY, TOY_OPTIONS, export_marks=marks)
     try:
         def of(**dflash):
-            return architectures.entry_of_export({"architectures": ["DFlashDraftModel"], "dflash_config": dflash}).name
+            return registry.entry_of_export({"architectures": ["DFlashDraftModel"], "dflash_config": dflash}).name
 
         assert of(projector_type="toy_projector") == "toy"
-        assert of(mask_token_id=3) == architectures.DEFAULT  # no mark: the plain one
-        with pytest.raises(architectures.NotAnExport, match=r"DFlashDraftModel config with "
+        assert of(mask_token_id=3) == registry.DEFAULT  # no mark: the plain one
+        with pytest.raises(registry.NotAnExport, match=r"DFlashDraftModel config with "
                                                             r"dflash_config.projector_type 'other': this version reads "
                                                             r".*'toy_projector' \(toy\).*absent \(dflash\)"):
             of(projector_type="other")
-        with pytest.raises(architectures.NotAnExport, match=r"architectures is \['NoSuchModel'\]"):
-            architectures.entry_of_export({"architectures": ["NoSuchModel"]})
+        with pytest.raises(registry.NotAnExport, match=r"architectures is \['NoSuchModel'\]"):
+            registry.entry_of_export({"architectures": ["NoSuchModel"]})
         with pytest.raises(ValueError, match="already registered with the marks"):
-            architectures.register("toy2", "DFlashDraftModel", TOY, None, export_marks=marks)
+            registry.register("toy2", "DFlashDraftModel", TOY, None, export_marks=marks)
     finally:
-        architectures.unregister("toy")
+        registry.unregister("toy")
 
 
 def test_an_architecture_changes_a_generic_default_and_a_given_value_stays(toy_registered):
     options = dataclasses.replace(TOY_OPTIONS, defaults={"objective.slot_weighting": "gamma"})
-    architectures._REGISTRY["toy"] = dataclasses.replace(architectures._REGISTRY["toy"], options=options)
+    registry._REGISTRY["toy"] = dataclasses.replace(registry._REGISTRY["toy"], options=options)
     assert config_from_dict({"drafter": {"architecture": "toy"}}).objective.slot_weighting == "gamma"
     given = {"drafter": {"architecture": "toy"}, "objective": {"slot_weighting": "dpace"}}
     assert config_from_dict(given).objective.slot_weighting == "dpace"

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_train import architectures, serving
+from dflash_train import serving
+from dflash_train.architectures import registry
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,8 +24,8 @@ def test_the_readme_and_the_guide_hold_the_generated_serve_table():
 
 
 def test_every_builtin_architecture_declares_each_engine_of_the_table():
-    engines = {e.name for name in architectures.names() for e in serving.serving_of(name).engines}
-    for name in architectures.names():
+    engines = {e.name for name in registry.names() for e in serving.serving_of(name).engines}
+    for name in registry.names():
         declared = serving.serving_of(name)
         assert declared is not None, name
         assert {e.name for e in declared.engines} == engines, name  # "not supported" is declared, not left out

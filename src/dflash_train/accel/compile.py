@@ -72,7 +72,7 @@ def _guard_dense_flex() -> None:
                 raise UncompiledFlexAttention(
                     f"{_name} ran uncompiled after the warm-up began: eager flex attention materialises the whole "
                     "score matrix (276 GB at a 27B production shape). Call it through "
-                    "dflash_train.algorithms.family.backend.compiled_flex_attention(); for a deliberate reference computation "
+                    "dflash_train.architectures.family.backend.compiled_flex_attention(); for a deliberate reference computation "
                     "wrap it in compile.allow_eager_flex()")
             return _kernel(*args, **kwargs)
 

@@ -203,7 +203,7 @@ def _apply_override(tree: dict, item: str, renamed: Optional[str] = None) -> Non
 
 
 # ---------------------------------------------------------------------------- the architectures' sections
-# Each registered architecture may declare its own keys (`architectures.Options`, in its package's torch-free
+# Each registered architecture may declare its own keys (`registry.Options`, in its package's torch-free
 # options.py): a top-level section named after it, built here beside the generic ones, accepted only when
 # drafter.architecture names it, and handed to its code as `Config.options`.
 

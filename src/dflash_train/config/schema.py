@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from .. import architectures
+from ..architectures import registry
 
 
 @dataclass
@@ -44,10 +44,10 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    # The drafter architecture (`algorithms/`; docs/architectures/): dflash, the reference block drafter, or another
+    # The drafter architecture (`architectures/`; docs/architectures/): dflash, the reference block drafter, or another
     # registered one. An architecture's own keys sit in a section named after it (`NAME.key`; the sections after
     # `parallel` on this page), accepted only when drafter.architecture names it.
-    architecture: str = architectures.DEFAULT
+    architecture: str = registry.DEFAULT
     # Decoder layers of the drafter.
     num_draft_layers: int = 5
     # Tokens per block: the anchor (a known token) and block_size - 1 masked slots the drafter fills in one
@@ -266,9 +266,9 @@ def _section_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(Config) if f.metadata.get("section", True)]
 
 
-def _sections() -> dict[str, architectures.Options]:
+def _sections() -> dict[str, registry.Options]:
     """Architecture name -> its options, for every registered architecture that declares a section."""
-    return {name: o for name in architectures.names() if (o := architectures.options(name)).section is not None}
+    return {name: o for name in registry.names() if (o := registry.options(name)).section is not None}
 
 
 def config_sections() -> list[tuple[str, type]]:

@@ -9,7 +9,7 @@ import functools
 import typing
 from typing import Any, get_args
 
-from .. import architectures
+from ..architectures import registry
 from ..errors import ConfigError
 from ..numbers import (ALL_IF_ZERO, BLOCK_SIZE, FRACTION, INDEX, NON_NEGATIVE_NUMBER, POSITIVE_INT, POSITIVE_NUMBER,
                       TRAINING_SEED, Rule)
@@ -99,7 +99,7 @@ def _check_number(key: str, rule: Rule, value: Any, nullable: bool) -> None:
             raise ConfigError(f"config key '{key}': {'each item ' if items else ''}{problem}")
 
 
-def _check_section_numbers(name: str, options: architectures.Options, section: Any) -> None:
+def _check_section_numbers(name: str, options: registry.Options, section: Any) -> None:
     hints = _hints(type(section))
     for key, rule in options.number_rules.items():
         _check_number(f"{name}.{key}", rule, getattr(section, key), type(None) in get_args(hints[key]))
@@ -113,7 +113,7 @@ def check_numbers(cfg: Config) -> None:
         owner = getattr(cfg, section)
         _check_number(key, rule, getattr(owner, name), type(None) in get_args(_hints(type(owner))[name]))
     if cfg.options is not None:
-        _check_section_numbers(cfg.drafter.architecture, architectures.options(cfg.drafter.architecture), cfg.options)
+        _check_section_numbers(cfg.drafter.architecture, registry.options(cfg.drafter.architecture), cfg.options)
 
 
 def validate(cfg: Config) -> None:
@@ -125,9 +125,9 @@ def validate(cfg: Config) -> None:
 
     check_numbers(cfg)
     d, o, op, dt, r = cfg.drafter, cfg.objective, cfg.optim, cfg.data, cfg.run
-    need(d.architecture in architectures.names(), "drafter.architecture",
-         f"must be one of {', '.join(architectures.names())} (got {d.architecture!r})")
-    own = architectures.options(d.architecture)
+    need(d.architecture in registry.names(), "drafter.architecture",
+         f"must be one of {', '.join(registry.names())} (got {d.architecture!r})")
+    own = registry.options(d.architecture)
     if own.validate is not None:  # the architecture's own cross-checks (its options.py)
         own.validate(cfg)
     if d.target_layer_ids is not None:
@@ -147,7 +147,7 @@ def validate(cfg: Config) -> None:
              "keep is for a trained head (drafter.draft_vocab_size > 0); the target's frozen head has no weight "
              "gradient: leave objective.head_gradient at auto")
     if d.draft_vocab_size:
-        capable = [n for n in architectures.names() if architectures.options(n).draft_vocabulary]
+        capable = [n for n in registry.names() if registry.options(n).draft_vocabulary]
         need(own.draft_vocabulary, "drafter.draft_vocab_size",
              f"a reduced draft vocabulary is implemented for drafter.architecture={' / '.join(capable)} only; "
              f"{d.architecture} scores the target's whole vocabulary: set drafter.draft_vocab_size=0 or "

@@ -1,6 +1,6 @@
 """`eval`'s decoding options, checked against each other and against the drafter's config.json before any model
 loads: a combination the decoding would refuse only once the target is loaded (tens of seconds for a large one) is
-refused here in one line. What an architecture supports comes from its declared `architectures.Options`
+refused here in one line. What an architecture supports comes from its declared `registry.Options`
 (`confidence_head`, `tree_refusal`), read from the config.json without weights or torch."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .. import architectures
+from ..architectures import registry
 from ..errors import ModelError
 from ..layout import CONFIG_NAME
 from ..runtime import read_json_file
@@ -42,7 +42,7 @@ def check_flags(o: DecodingOptions) -> None:
                          "--tree-budget or --confidence-threshold")
 
 
-def read_export_config(drafter: Path) -> tuple[architectures.Registered, dict]:
+def read_export_config(drafter: Path) -> tuple[registry.Registered, dict]:
     """(the registered architecture, the parsed config.json) of an exported drafter folder; a config.json no
     architecture exports, or a damaged one, raises a user error naming the file."""
     path = Path(drafter) / CONFIG_NAME
@@ -51,8 +51,8 @@ def read_export_config(drafter: Path) -> tuple[architectures.Registered, dict]:
     if not isinstance(data, dict):
         raise ModelError(f"{path}: not a drafter config (a JSON object); export the checkpoint again")
     try:
-        return architectures.entry_of_export(data), data
-    except architectures.NotAnExport as e:
+        return registry.entry_of_export(data), data
+    except registry.NotAnExport as e:
         raise ModelError(f"{path}: {e}") from None
 
 
@@ -61,7 +61,7 @@ def check_against_drafter(o: DecodingOptions, drafter: Path) -> None:
     its trained block size."""
     entry, config = read_export_config(drafter)
     where = Path(drafter) / CONFIG_NAME
-    declared = architectures.options(entry.name)
+    declared = registry.options(entry.name)
     if o.tree_budgets and declared.tree_refusal is not None:
         why = declared.tree_refusal(config)
         if why:

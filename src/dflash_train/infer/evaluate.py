@@ -21,11 +21,11 @@ from tqdm import tqdm
 from .. import assets
 from ..data.chat import prompt_ids
 from ..data.formats import RowError, iter_source, prompt_turns
-from ..algorithms.drafter import Drafter
+from ..architectures.drafter import Drafter
 from ..errors import ConfigError, debug_enabled
 from ..accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
 from ..target.hf_config import text_config
-from ..algorithms.io import load_drafter
+from ..architectures.io import load_drafter
 from ..target.provenance import compare, read_provenance, target_provenance
 from ..target.capture import load_target_model, load_tokenizer, read_target_config, target_fp8_linears
 from ..runtime import write_text_atomic

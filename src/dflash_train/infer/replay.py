@@ -31,8 +31,8 @@ from transformers import DynamicCache
 
 from ..data.batch import left_pad
 from ..data.chat import prompt_ids
-from ..algorithms.attention import sdpa_attention
-from ..algorithms.drafter import Drafter
+from ..architectures.attention import sdpa_attention
+from ..architectures.drafter import Drafter
 from .spec_decode import SpeculativeDecoder, confident_drafts
 
 

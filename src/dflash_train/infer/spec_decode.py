@@ -22,8 +22,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..algorithms.attention import DrafterKVCache, sdpa_attention
-from ..algorithms.drafter import Drafter
+from ..architectures.attention import DrafterKVCache, sdpa_attention
+from ..architectures.drafter import Drafter
 
 
 @dataclass

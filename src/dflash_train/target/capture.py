@@ -237,7 +237,7 @@ class TargetCapture:
         """Compile what captures will run (no-op unless `compile`): no grad, the weights' dtype and device,
         batch >= 2 and batch 1 (Dynamo specialises size 1; `one_row` / `several_rows`: the kinds the data has),
         the layers the captures run: every layer with `with_final` (a run that reads the target's final hidden
-        states, `algorithms.reads_target_final`), else those up to the last captured layer, as a capture
+        states, `architectures.reads_target_final`), else those up to the last captured layer, as a capture
         stops there. The layers share one compiled forward, so running layers that no capture runs can only
         add graphs: a target quantised to FP8 up to its last captured layer (`train.fp8_plan.fp8_target_layers`)
         would compile its bf16 layers too, on a failed guard on their linears' type. At lengths from

@@ -1,7 +1,7 @@
 """Finding the parts of a Hugging Face causal LM the same way everywhere: the class that loads it (a multimodal
 checkpoint: its text model), the module that holds its decoder layers, and the safetensors file of each of its
 tensors. Shared by the whole target (capture.py), the sharded ones (shard.py, tensor_parallel.py) and the drafter's
-initialisation from the target (algorithms/init_from_target.py)."""
+initialisation from the target (architectures/init_from_target.py)."""
 
 from __future__ import annotations
 

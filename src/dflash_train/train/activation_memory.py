@@ -12,14 +12,14 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..algorithms import architecture, reads_target_final
-from ..algorithms.contract import StepMemory
+from ..architectures import architecture, reads_target_final
+from ..architectures.contract import StepMemory
 from ..config.schema import Config
 from ..target.hf_config import text_config
 from .size_classes import blocks_for
 
 _F32 = 4
-FLEX_TILE = 128  # algorithms/family/backend.py: flex tiles whole query blocks and pads the context to tiles
+FLEX_TILE = 128  # architectures/family/backend.py: flex tiles whole query blocks and pads the context to tiles
 TRANSPORT_DEPTH = 2  # transport.TargetOutbox's sends in flight
 
 
@@ -135,7 +135,7 @@ KEPT_HEAD_GRADIENT = "kept head gradient rows"  # the name of that part (preflig
 
 
 def _ce_chunk_bytes(s: DrafterStepSettings, rows: int) -> int:
-    """One lm_head + CE chunk `[rows, classes]` (algorithms/family/loss.py): the previous chunk's gradient (still
+    """One lm_head + CE chunk `[rows, classes]` (architectures/family/loss.py): the previous chunk's gradient (still
     referenced while the next chunk's logits form), the logits, and the chunk math: compiled (a GPU), one fused
     kernel writing the gradient; eager, the float32 copy of the logits, their shifted copy and its exp live together.
     More for distillation (the target's logits and its softmax), a score transform (float32 copies) and the
@@ -151,7 +151,7 @@ def _ce_chunk_bytes(s: DrafterStepSettings, rows: int) -> int:
 
 
 def drafter_layer_saved(drafter_config, queries: int, context: int, e: int, own: StepMemory = StepMemory()) -> int:
-    """What one drafter layer saves for its backward (algorithms/family/layers.py, eager): per query token the
+    """What one drafter layer saves for its backward (architectures/family/layers.py, eager): per query token the
     residual and normed input of both sublayers (4 H), q before its norm and after RoPE, the attention output, its
     masked copy and o_proj's contiguous input (5 nh*hd), the block's k before its norm (nkv*hd), the MLP's gate, SiLU,
     up and product (4 I); per context token k before its norm; per key (context + block) the concatenated k and v.

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import DamagedFileError, UserError
 from ..layout import STATE, list_checkpoints
-from ..algorithms.io import drafter_config_text, load_drafter, write_drafter_files
+from ..architectures.io import drafter_config_text, load_drafter, write_drafter_files
 from ..runtime import write_json_atomic
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from .. import assets
 from ..config.schema import Config
 from ..data.label_counts import coverage, draft_vocabulary
 from ..data.source import open_validation_data
-from ..algorithms import architecture
-from ..algorithms.init_from_target import init_drafter_from_target
+from ..architectures import architecture
+from ..architectures.init_from_target import init_drafter_from_target
 from ..accel.fp8_training import use_fp8_training
 from ..target.provenance import serving_record, write_provenance
 from ..target.capture import TargetCapture, load_target_head

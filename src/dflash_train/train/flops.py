@@ -8,11 +8,11 @@ Useful FLOPs only (docs/results/performance.md), from sizes the host knows (no d
   unmasked (query, key) pairs, 4 x heads x head_dim each;
 - the drafter, forward + backward (3 x forward: input and weight gradients): the fc over the context tokens, per
   layer q/o and the MLP over the block tokens, k/v over context and block tokens, attention over the pairs a
-  block's queries see (`algorithms.stats.DraftWork`);
+  block's queries see (`architectures.stats.DraftWork`);
 - the vocabulary head in the loss's chunks, over the counted rows: the target's frozen lm_head forward and
   input gradient (2 x), a trained draft-vocabulary head forward and both gradients (3 x; its backward forms the
   logits again, which counts as no useful FLOP);
-- an architecture's own modules: its `Architecture.step_flops` hook (`algorithms.contract.StepFlops`), from its
+- an architecture's own modules: its `Architecture.step_flops` hook (`architectures.contract.StepFlops`), from its
   drafter config, over the same host counts; an architecture counts there what its own modules compute and says
   what it leaves out (e.g. a second, gradient-free forward of products already counted).
 Padding (past a row's length, blocks not kept) is computed but not counted.
@@ -28,9 +28,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..algorithms import architecture
-from ..algorithms.contract import StepFlops
-from ..algorithms.stats import DraftWork
+from ..architectures import architecture
+from ..architectures.contract import StepFlops
+from ..architectures.stats import DraftWork
 from ..target.hf_config import text_config
 
 # The dense bf16 matmul peak measured on an H200 (benchmarks/throughput.py `matmul_peak_tflops`: the median
@@ -169,7 +169,7 @@ class StepAccounting:
     @classmethod
     def of(cls, target_config: Any, layer_ids: Sequence[int], reads_final: bool, drafter) -> "StepAccounting":
         """`target_config`: the target's HF config when this rank runs the capture, else None; `reads_final`: the
-        captures run every layer (`algorithms.reads_target_final`)."""
+        captures run every layer (`architectures.reads_target_final`)."""
         target = model_shape(target_config) if target_config is not None else None
         last = (target["num_hidden_layers"] - 1) if target is not None and reads_final else max(layer_ids)
         return cls(target, last, drafter_shape(drafter), len(drafter.layers), len(layer_ids), own_flops(drafter))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..algorithms import architecture, reads_target_final
+from ..architectures import architecture, reads_target_final
 from ..config.schema import Config
 from ..errors import ConfigError
 from ..accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
@@ -21,7 +21,7 @@ _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 def fp8_target_layers(cfg: Config, layer_ids: list[int], num_layers: int) -> int:
     """How many decoder layers (from the first) `target.quantize=fp8` quantises: those the captures run, up to
     the last captured layer, or every layer when the run reads the target's final hidden states (distillation, or
-    an architecture that needs them: `algorithms.reads_target_final`). 0: off. Every layer a capture runs is
+    an architecture that needs them: `architectures.reads_target_final`). 0: off. Every layer a capture runs is
     quantised alike: the decoder layers share one compiled forward, and a mix of FP8 and bf16 layers would
     compile a graph for each (a failed guard on the linears' type)."""
     if cfg.target.quantize != "fp8":

@@ -27,7 +27,7 @@ from ..data.batch import collate
 from ..data.dataset import batches_from, padding_fraction, plan_batches
 from ..layout import STATE
 from ..accel import compile as compile_layer
-from ..algorithms.io import load_drafter, save_drafter
+from ..architectures.io import load_drafter, save_drafter
 from ..model_card import CARD_NAME, weights_line
 from ..target.capture import TargetCapture
 from ..target.provenance import PROVENANCE_NAME
@@ -36,8 +36,8 @@ from ..run.reporter import Reporter
 from . import checkpoint as checkpoints
 from . import flops
 from .dist import StopVote
-from ..algorithms import reads_target_final
-from ..algorithms.stats import DraftWork, StepStats
+from ..architectures import reads_target_final
+from ..architectures.stats import DraftWork, StepStats
 from .step import MicroBatch, TrainStep
 from .transport import DrafterInbox
 from .validate import validate

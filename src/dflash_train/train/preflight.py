@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 
-from ..algorithms import architecture
+from ..architectures import architecture
 from ..config.schema import Config
 from ..errors import ResourceError
 from .activation_memory import KEPT_HEAD_GRADIENT, ActivationEstimate, activation_estimate

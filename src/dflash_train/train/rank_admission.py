@@ -20,8 +20,8 @@ from ..config.schema import Config
 from ..config.validate import validate_against_target, validate_compile_device, validate_world
 from ..data.source import require_label_counts
 from ..errors import UserError
-from ..algorithms import architecture
-from ..algorithms.drafter import default_target_layer_ids
+from ..architectures import architecture
+from ..architectures.drafter import default_target_layer_ids
 from ..target.provenance import target_provenance
 from ..target.tensor_parallel import check_tp_target
 from ..target.capture import default_mask_token_id, load_tokenizer, read_target_config

@@ -17,7 +17,7 @@ from ..data.dataset import plan_batches
 from ..data.source import open_training_data
 from ..errors import UserError
 from ..accel import compile as compile_layer
-from ..algorithms import architecture
+from ..architectures import architecture
 from ..target.shard import shard_mesh
 from ..run.directory import RunDir
 from ..run.reporter import Reporter

@@ -1,6 +1,6 @@
 """One training step, start to end: the architecture's objective on each micro-batch (target capture,
 blocks, drafter forward, loss) -> backward -> clip -> AdamW -> schedule. Generic: the algorithm is reached
-through the registry (`algorithms.architecture(cfg.drafter.architecture)`)."""
+through the registry (`architectures.architecture(cfg.drafter.architecture)`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..algorithms import architecture
-from ..algorithms.drafter import Drafter
-from ..algorithms.stats import StepStats
+from ..architectures import architecture
+from ..architectures.drafter import Drafter
+from ..architectures.stats import StepStats
 from ..config.schema import Config
 from ..data.batch import Batch
 from ..target.capture import TargetCapture, TargetHead

@@ -12,7 +12,7 @@ import torch
 from ..config.schema import Config
 from ..data.batch import collate
 from ..accel import compile as compile_layer
-from ..algorithms import reads_target_final
+from ..architectures import reads_target_final
 from ..target.capture import TargetCapture
 from ..run.reporter import Reporter
 from .loop import memory_gib, micro_batch_groups

@@ -22,7 +22,7 @@ from ..data.batch import Batch, collate
 from ..data.dataset import plan_batches
 from ..infer.replay import teacher_forced_walk
 from ..infer.spec_decode import SpeculativeDecoder
-from ..algorithms.stats import StepStats, acceptance_estimate
+from ..architectures.stats import StepStats, acceptance_estimate
 from . import size_classes
 from .step import TrainStep
 

@@ -12,7 +12,7 @@ import torch
 
 from ..data.batch import Batch, collate
 from ..accel import compile as compile_layer
-from ..algorithms import reads_target_final
+from ..architectures import reads_target_final
 from ..target.capture import TargetCapture
 from ..run.reporter import Reporter
 from . import size_classes

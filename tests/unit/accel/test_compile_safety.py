@@ -15,8 +15,8 @@ from dflash_train.accel import compile as compile_layer
 
 RACE = textwrap.dedent("""
     import threading, torch
-    from dflash_train.algorithms.family.backend import compiled_flex_attention
-    from dflash_train.algorithms.family.mask import flex_block_mask
+    from dflash_train.architectures.family.backend import compiled_flex_attention
+    from dflash_train.architectures.family.mask import flex_block_mask
     errors = []
     for trial in range(2):
         torch._dynamo.reset()  # cold: every thread's first call must compile
@@ -55,7 +55,7 @@ SEALED = textwrap.dedent("""
     import torch.nn.attention.flex_attention as fa
     from torch.nn.attention.flex_attention import flex_attention
     from dflash_train.accel import compile as compile_layer
-    from dflash_train.algorithms.family.backend import compiled_flex_attention
+    from dflash_train.architectures.family.backend import compiled_flex_attention
     q = torch.randn(1, 2, 128, 16)
     flex_attention(q, q, q)  # before the seal: runs (and torch's once-per-process warning is now spent)
     compile_layer.seal()
@@ -101,9 +101,9 @@ def test_an_eager_flex_call_in_a_warm_up_is_an_error(tiny_target_dir):
     from torch.nn.attention.flex_attention import flex_attention
 
     from dflash_train.config.load import config_from_dict
-    from dflash_train.algorithms.family.backend import AttentionBackend
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.family.config import make_drafter_config
+    from dflash_train.architectures.family.backend import AttentionBackend
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture, load_target_model
     from dflash_train.train.step import Batch, TrainStep
     from dflash_train.train.warmup import warm_up

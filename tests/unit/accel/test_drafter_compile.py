@@ -16,11 +16,11 @@ import torch
 from dflash_train.config.load import config_from_dict, load_config
 from dflash_train.errors import ConfigError
 from dflash_train.accel import compile as compile_layer
-from dflash_train.algorithms.family import model as drafter_mod
-from dflash_train.algorithms.attention import DrafterKVCache, sdpa_attention
-from dflash_train.algorithms.dflash.model import DFlashDrafter
-from dflash_train.algorithms.family.config import make_drafter_config
-from dflash_train.algorithms.family.mask import dense_mask
+from dflash_train.architectures.family import model as drafter_mod
+from dflash_train.architectures.attention import DrafterKVCache, sdpa_attention
+from dflash_train.architectures.dflash.model import DFlashDrafter
+from dflash_train.architectures.family.config import make_drafter_config
+from dflash_train.architectures.family.mask import dense_mask
 
 H, BS = 64, 4
 

@@ -14,17 +14,17 @@ import torch
 import yaml
 from torch import nn
 
-from dflash_train.algorithms.family.config import make_drafter_config
-from dflash_train.algorithms.family.mask import dense_mask
-from dflash_train.algorithms.attention import sdpa_attention
-from dflash_train.algorithms.dflash.model import DFlashDrafter
+from dflash_train.architectures.family.config import make_drafter_config
+from dflash_train.architectures.family.mask import dense_mask
+from dflash_train.architectures.attention import sdpa_attention
+from dflash_train.architectures.dflash.model import DFlashDrafter
 from dflash_train.cli import main
 from dflash_train.config.load import config_from_dict
 from dflash_train.errors import ConfigError
 from dflash_train.accel import compile as compile_layer
 from dflash_train.accel.fp8 import dequantize, quantize
 from dflash_train.accel.fp8_training import Fp8Matmul, Fp8TrainingLinear, fp8_drafter_linears, use_fp8_training
-from dflash_train.algorithms.io import load_drafter
+from dflash_train.architectures.io import load_drafter
 from dflash_train.train.fp8_plan import check_fp8_device
 from _harness import write_config
 
@@ -195,8 +195,8 @@ def test_the_projections_and_fc_switch_keeping_their_parameters_and_names():
 def test_dflash2_keeps_its_own_small_projections_out():
     from transformers import Qwen3Config
 
-    from dflash_train.algorithms.dflash2.config import make_dflash2_config
-    from dflash_train.algorithms.dflash2.model import DFlash2Drafter
+    from dflash_train.architectures.dflash2.config import make_dflash2_config
+    from dflash_train.architectures.dflash2.model import DFlash2Drafter
 
     tcfg = Qwen3Config(hidden_size=H, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, vocab_size=1000)

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from dflash_train.cli import main
-from dflash_train.algorithms.io import load_drafter
+from dflash_train.architectures.io import load_drafter
 
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def _eval(tmp, target_dir, drafter_dir, data, name, extra=()):
 
 @pytest.mark.long  # trains a drafter on the real SmolLM2 slice first (~65 s on 2 cores)
 def test_trained_drafter_beats_untrained_and_stays_lossless(tmp_path, regen_data, trained_run, smollm2_slice_dir):
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.io import save_drafter
 
     trained = load_drafter(trained_run / "export")
     torch.manual_seed(0)
@@ -141,9 +141,9 @@ def test_eval_refuses_another_chat_template_and_updates_the_model_card(tmp_path,
 def test_eval_refuses_an_export_whose_recorded_speculative_tokens_differ(tiny_target_dir, tmp_path, architecture):
     """The export's dflash_train.json records the number of speculative tokens it is served with (DFlash drafts
     bs - 1 per block, DSpark bs); the model card says it; eval refuses a drafter that drafts another number."""
-    from dflash_train.algorithms.family.config import make_drafter_config
-    from dflash_train.algorithms.dflash.model import DFlashDrafter
-    from dflash_train.algorithms.io import save_drafter
+    from dflash_train.architectures.family.config import make_drafter_config
+    from dflash_train.architectures.dflash.model import DFlashDrafter
+    from dflash_train.architectures.io import save_drafter
     from dflash_train.infer.evaluate import load_eval_models
     from dflash_train.model_card import drafter_card
     from dflash_train.target.capture import load_tokenizer, read_target_config
@@ -152,7 +152,7 @@ def test_eval_refuses_an_export_whose_recorded_speculative_tokens_differ(tiny_ta
     cfg = make_drafter_config(read_target_config(tiny_target_dir), num_draft_layers=1, block_size=5,
                               target_layer_ids=[1, 4], mask_token_id=16)
     if architecture == "dspark":
-        from dflash_train.algorithms.dspark.model import DSparkDrafter
+        from dflash_train.architectures.dspark.model import DSparkDrafter
 
         cfg.architectures = ["Qwen3DSparkModel"]
         cfg.markov_rank, cfg.markov_head_type = 4, "vanilla"

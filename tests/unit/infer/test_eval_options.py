@@ -1,5 +1,5 @@
 """eval's decoding options against each other and against an exported drafter's config.json (`infer.eval_options`):
-what the config.json declares (`architectures.Options.confidence_head`, `tree_refusal`) must be what the loaded
+what the config.json declares (`registry.Options.confidence_head`, `tree_refusal`) must be what the loaded
 drafter does, for every built-in architecture."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from _drafter_exports import EXPORTS, export_drafter
-from dflash_train import architectures
+from dflash_train.architectures import registry
 from dflash_train.infer.eval_options import DecodingOptions, check_against_drafter, check_flags, read_export_config
 
 
@@ -20,7 +20,7 @@ def exports(tmp_path_factory, tiny_target_dir):
 
 
 def test_every_architecture_is_covered():
-    assert {arch for arch, _ in EXPORTS.values()} == set(architectures.names())
+    assert {arch for arch, _ in EXPORTS.values()} == set(registry.names())
 
 
 @pytest.mark.parametrize("case", list(EXPORTS))
@@ -29,7 +29,7 @@ def test_the_declared_capabilities_are_what_the_drafter_does(exports, case):
     DDTree's refusal word for word."""
     folder, drafter = exports[case]
     entry, config = read_export_config(folder)
-    declared = architectures.options(entry.name)
+    declared = registry.options(entry.name)
     assert entry.name == drafter.architecture
     assert bool(declared.confidence_head and declared.confidence_head(config)) == drafter.has_confidence
     try:

@@ -6,8 +6,8 @@ import torch
 
 from dflash_train.infer.replay import ReplayTurn, greedy_continuations, replay_turn, walk
 from dflash_train.infer.spec_decode import SpeculativeDecoder
-from dflash_train.algorithms.dflash.model import DFlashDrafter
-from dflash_train.algorithms.family.config import make_drafter_config
+from dflash_train.architectures.dflash.model import DFlashDrafter
+from dflash_train.architectures.family.config import make_drafter_config
 from dflash_train.target.capture import load_target_model
 from _memorise import memorise
 
@@ -109,8 +109,8 @@ def test_replay_equals_real_decoding_for_block_and_tree(target, memorised):
 @pytest.mark.long  # ~30 s: memorising takes 40 float64 steps for DFlash2's drafter to accept multi-token steps
 def test_replay_equals_real_decoding_for_a_dflash2_drafter_block_and_tree(target):
     """DFlash2: the selector's path (block) and its parent-conditioned tree replay as real decoding decodes them."""
-    from dflash_train.algorithms.dflash2.config import make_dflash2_config
-    from dflash_train.algorithms.dflash2.model import DFlash2Drafter
+    from dflash_train.architectures.dflash2.config import make_dflash2_config
+    from dflash_train.architectures.dflash2.model import DFlash2Drafter
 
     bs, max_new = 5, 20
     prompts = _prompts()
@@ -226,7 +226,7 @@ def test_confidence_sums_and_slot_acceptance_of_a_block_walk_by_hand():
 
 
 def _dspark(target, block_size: int, confidence: bool = True, markov_rank: int = 8):
-    from dflash_train.algorithms.dspark.model import DSparkDrafter
+    from dflash_train.architectures.dspark.model import DSparkDrafter
 
     torch.manual_seed(0)
     cfg = make_drafter_config(target.config, num_draft_layers=1, block_size=block_size, target_layer_ids=[1, 4],
@@ -278,8 +278,8 @@ def test_replay_of_a_drafter_that_refuses_ddtree_gives_its_block_mode_only(targe
     """Domino refuses DDTree (`check_tree_decoding`): replay asked for tree budgets replays block verification alone
     (as real decoding decodes it), and its turn records carry no tree mode, instead of failing the replay of every
     drafter."""
-    from dflash_train.algorithms.domino.config import make_domino_config
-    from dflash_train.algorithms.domino.model import DominoDrafter
+    from dflash_train.architectures.domino.config import make_domino_config
+    from dflash_train.architectures.domino.model import DominoDrafter
     from dflash_train.infer.replay import tree_refusal, turn_records
     from dflash_train.target.capture import load_tokenizer
 
@@ -382,8 +382,8 @@ def test_confidence_truncation_accepts_no_more_and_verifies_between_the_anchor_a
 
 
 def _dflash2(target, block_size: int):
-    from dflash_train.algorithms.dflash2.config import make_dflash2_config
-    from dflash_train.algorithms.dflash2.model import DFlash2Drafter
+    from dflash_train.architectures.dflash2.config import make_dflash2_config
+    from dflash_train.architectures.dflash2.model import DFlash2Drafter
 
     torch.manual_seed(0)
     cfg = make_dflash2_config(target.config, num_draft_layers=1, block_size=block_size, target_layer_ids=[1, 4],

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dflash_train.infer.spec_decode import SpeculativeDecoder, speculative_accept
-from dflash_train.algorithms.dflash.model import DFlashDrafter
-from dflash_train.algorithms.family.config import make_drafter_config
+from dflash_train.architectures.dflash.model import DFlashDrafter
+from dflash_train.architectures.family.config import make_drafter_config
 from dflash_train.target.capture import load_target_model
 
 

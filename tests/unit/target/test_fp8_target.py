@@ -21,7 +21,7 @@ from dflash_train.errors import ConfigError
 from dflash_train.accel import compile as compile_layer
 from dflash_train.target import capture as target_mod
 from dflash_train.accel.fp8 import FP8, FP8_MAX, dequantize, quantize, scales
-from dflash_train.algorithms.io import load_drafter
+from dflash_train.architectures.io import load_drafter
 from dflash_train.target.capture import TargetCapture, load_target_model, target_fp8_linears
 from dflash_train.target.quantize import Fp8Linear, quantize_decoder_layers, quantized_bytes_saved
 from dflash_train.train import preflight
@@ -162,7 +162,7 @@ def test_the_layers_quantised_follow_the_capture():
 def test_an_architecture_that_reads_the_targets_final_state_quantises_every_layer():
     """Its captures run every layer (`reads_target_final`): all of them FP8 alike, none left in bf16 to compile
     a second graph of the shared layer forward."""
-    from dflash_train.algorithms import reads_target_final
+    from dflash_train.architectures import reads_target_final
 
     plain = config_from_dict({"target": {"quantize": "fp8"}})
     final = config_from_dict({"target": {"quantize": "fp8"}, "drafter": {"architecture": "dspark"}})

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash_train.algorithms.drafter import default_target_layer_ids
+from dflash_train.architectures.drafter import default_target_layer_ids
 from dflash_train.target.capture import TargetCapture, load_target_head, load_target_model, read_target_config
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

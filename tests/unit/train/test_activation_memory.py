@@ -9,9 +9,9 @@ import torch
 from _live_bytes import LiveBytes
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from dflash_train.algorithms import architecture
-from dflash_train.algorithms.family.backend import resolve_backend
-from dflash_train.algorithms.family.blocks import sample_anchors
+from dflash_train.architectures import architecture
+from dflash_train.architectures.family.backend import resolve_backend
+from dflash_train.architectures.family.blocks import sample_anchors
 from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.train import activation_memory as am

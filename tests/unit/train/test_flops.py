@@ -7,13 +7,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from dflash_train.algorithms import architecture
-from dflash_train.algorithms.stats import DraftWork
-from dflash_train.algorithms.family.backend import resolve_backend
-from dflash_train.algorithms.family.blocks import sample_anchors
-from dflash_train.algorithms.family.config import make_drafter_config
-from dflash_train.algorithms.family.mask import dense_mask
-from dflash_train.algorithms.dflash.model import DFlashDrafter
+from dflash_train.architectures import architecture
+from dflash_train.architectures.stats import DraftWork
+from dflash_train.architectures.family.backend import resolve_backend
+from dflash_train.architectures.family.blocks import sample_anchors
+from dflash_train.architectures.family.config import make_drafter_config
+from dflash_train.architectures.family.mask import dense_mask
+from dflash_train.architectures.dflash.model import DFlashDrafter
 from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.target.capture import TargetCapture

@@ -17,11 +17,11 @@ from dflash_train.config.load import config_from_dict
 from dflash_train.data.dataset import plan_batches
 from dflash_train.accel import compile as compile_layer
 from dflash_train.target import capture as target_mod
-from dflash_train.algorithms.family.backend import AttentionBackend
-from dflash_train.algorithms.attention import sdpa_attention
-from dflash_train.algorithms.dflash.model import DFlashDrafter
-from dflash_train.algorithms.family.config import make_drafter_config
-from dflash_train.algorithms.family.mask import dense_mask
+from dflash_train.architectures.family.backend import AttentionBackend
+from dflash_train.architectures.attention import sdpa_attention
+from dflash_train.architectures.dflash.model import DFlashDrafter
+from dflash_train.architectures.family.config import make_drafter_config
+from dflash_train.architectures.family.mask import dense_mask
 from dflash_train.train import indexing
 from dflash_train.train.size_classes import block_bound
 
@@ -171,7 +171,7 @@ def test_a_plan_over_two_to_the_31_is_warned_about_naming_what_to_lower():
 
 def _cpu_compile_run(monkeypatch, tiny_target_dir, counting_jsonl):
     import dflash_train.config.validate as config_mod
-    from dflash_train.algorithms.family import model as drafter_mod
+    from dflash_train.architectures.family import model as drafter_mod
     from dflash_train.train import rank_admission, trainer
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
@@ -221,7 +221,7 @@ def test_block_counts_from_the_datas_anchor_positions_are_sample_anchors_own(tin
     from dflash_train.data.batch import collate
     from dflash_train.data.source import open_training_data
     from dflash_train.target.capture import load_tokenizer
-    from dflash_train.algorithms.family.blocks import sample_anchors
+    from dflash_train.architectures.family.blocks import sample_anchors
     from dflash_train.train.size_classes import blocks_for
 
     cfg = config_from_dict({"target": {"path": str(tiny_target_dir)}, "drafter": {"block_size": BS},

@@ -7,7 +7,7 @@ import torch
 
 from dflash_train.data.dataset import plan_batches
 from dflash_train.train import size_classes
-from dflash_train.algorithms.family.blocks import sample_anchors
+from dflash_train.architectures.family.blocks import sample_anchors
 
 
 def _lengths(n=600, seed=0):

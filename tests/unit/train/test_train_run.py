@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from dflash_train.cli import main
-from dflash_train.algorithms.io import load_drafter
+from dflash_train.architectures.io import load_drafter
 
 
 def _write_config(path: Path, target: Path, data: Path, **extra) -> Path:
@@ -82,7 +82,7 @@ def test_metrics_carry_the_steps_flops_mfu_and_drafted_blocks(finished_run, tiny
     the drafter's; MFU is the window's FLOPs over its time (tokens / tokens_per_s) and the peak; drafted blocks
     per second are the window's blocks over the same time; the target's share is the benchmark's formula for
     its rows through the last captured layer."""
-    from dflash_train.algorithms.drafter import default_target_layer_ids
+    from dflash_train.architectures.drafter import default_target_layer_ids
     from dflash_train.train import flops
     from dflash_train.target.capture import read_target_config
 
