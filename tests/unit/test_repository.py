@@ -152,3 +152,33 @@ def test_the_two_click_check_catches_what_it_is_for(tmp_path):
     (tmp_path / "b.md").write_text("[c](c.md)\n")
     (tmp_path / "c.md").write_text("end\n")
     assert {p.name for p in pages_within(tmp_path / "README.md", 2)} == {"README.md", "a.md", "b.md"}
+
+
+MAX_FUNCTION_LINES = 120
+
+
+def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Every function or method under `root` longer than `limit` lines (its `def` line to its last), by file."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}: {lines} lines")
+    return found
+
+
+def test_no_function_in_the_package_is_longer_than_120_lines():
+    long = long_functions(REPO / "src" / "dflash_train")
+    assert not long, (f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps):\n" + "\n".join(long))
+
+
+def test_the_function_length_check_catches_what_it_is_for(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(f"def fits():\n{body}\n\nclass C:\n    def too_long(self):\n"
+                                           + body.replace("    ", "        ") + "        return 1\n")
+    assert long_functions(tmp_path / "pkg") == [f"pkg/m.py:{MAX_FUNCTION_LINES + 4} too_long: {MAX_FUNCTION_LINES + 1} lines"]  # fits: 120

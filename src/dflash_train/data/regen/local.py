@@ -173,6 +173,77 @@ class LocalGenerator:
         return [(msgs[i], answered[i], ended[i], ntok[i]) for i in range(len(batch))]
 
 
+def max_prompt_tokens(s: RegenSettings, config) -> int:
+    """--max-prompt-tokens, else the target's context less --max-new-tokens (no bound for a target without one)."""
+    if s.max_prompt_tokens is not None:
+        return s.max_prompt_tokens
+    context = getattr(config, "max_position_embeddings", None)
+    max_prompt = (context - s.max_new_tokens) if context else 1 << 30
+    if max_prompt <= 0:
+        raise ValueError(f"--max-new-tokens {s.max_new_tokens} leaves no room for a prompt in the target's "
+                         f"context of {context} tokens")
+    return max_prompt
+
+
+def guarded_settings(s: RegenSettings, target: Union[str, Path], target_path: Path, sources: list[str],
+                     stops: list[int], dtype: torch.dtype) -> dict:
+    """The settings an output's rows depend on: a resume must give the same ones (--limit, --batch-size and
+    --sort-window may change between runs, e.g. a smaller batch after an OOM)."""
+    return {"target": assets.target_identity(str(target), target_path), "data": sources,
+            "max_new_tokens": s.max_new_tokens,
+            "temperature": s.temperature, "top_p": s.top_p if s.temperature > 0 else None,
+            "seed": s.seed if s.temperature > 0 else None, "stop_token_ids": stops, "thinking": s.thinking,
+            "max_prompt_tokens": s.max_prompt_tokens, "dtype": str(dtype).replace("torch.", ""),
+            **({"max_turns": s.max_turns} if s.max_turns else {})}  # absent when 0: older outputs continue
+
+
+def count_earlier(where: str, done_rejects: dict, summary: Summary) -> None:
+    """A row an earlier run finished: its rejection again in the summary, else one more row already done."""
+    if where in done_rejects:
+        rec = done_rejects[where] or {}
+        summary.reject(where, rec.get("reason", "?"), rec.get("detail", ""))
+    else:
+        summary.already_done += 1
+
+
+def window_prompts(window: list, gen: LocalGenerator, max_prompt: int, done: set,
+                   summary: Summary) -> tuple[list[tuple], list[dict]]:
+    """A window's conversations with their first prompts, (prompt length, position, convo, prompt ids), longest
+    first; and the reject records of its rows new to this run (unreadable, or a first prompt over `max_prompt`)."""
+    new_rejects: list[dict] = []
+    items = []
+    for pos, (where, e) in enumerate(window):
+        if isinstance(e, Convo):
+            ids = gen.prompt_ids(e.system + [{"role": "user", "content": e.users[0]}])
+            if len(ids) <= max_prompt:
+                items.append((len(ids), pos, e, ids))
+                continue
+            e = RowError("prompt too long", f"{len(ids)} tokens > max prompt tokens {max_prompt}")
+        summary.reject(where, e.reason, e.detail)
+        if where not in done:
+            new_rejects.append(reject_record(where, e.reason, e.detail))
+    items.sort(key=lambda t: (-t[0], t[1]))
+    return items, new_rejects
+
+
+def answered_rows(convos: list[Convo], results: list, done: set, summary: Summary) -> tuple[list[dict], list[dict]]:
+    """A batch's new output rows and reject records (a conversation whose first answer is empty)."""
+    rows, rejected = [], []
+    for c, (msgs, answered, ended, ntok) in zip(convos, results):
+        if c.id in done:
+            continue
+        summary.new_tokens += ntok
+        if answered == 0:
+            reason, detail = ended or "empty response", "the target's first answer is empty"
+            summary.reject(c.id, reason, detail)
+            rejected.append(reject_record(c.id, reason, detail))
+            continue
+        if answered < len(c.users):
+            summary.truncated[ended] += 1
+        rows.append({"id": c.id, "messages": msgs})
+    return rows, rejected
+
+
 def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str, Path],
                settings: Optional[RegenSettings] = None, *, model=None, tokenizer=None) -> dict:
     """Generate the assistant turns of `sources` with `target` into `out` (resumable; see the package
@@ -192,21 +263,9 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
     stops = assets.stop_token_ids(target_path, tokenizer, config, s.stop_token_ids)
     device = resolve_device(s.device)
     dtype = resolve_dtype(s.dtype, device)
-    max_prompt = s.max_prompt_tokens
-    if max_prompt is None:
-        context = getattr(config, "max_position_embeddings", None)
-        max_prompt = (context - s.max_new_tokens) if context else 1 << 30
-        if max_prompt <= 0:
-            raise ValueError(f"--max-new-tokens {s.max_new_tokens} leaves no room for a prompt in the target's "
-                             f"context of {context} tokens")
-    # --limit, --batch-size and --sort-window may change between runs (e.g. a smaller batch after an OOM).
-    guarded = {"target": assets.target_identity(str(target), target_path), "data": sources,
-               "max_new_tokens": s.max_new_tokens,
-               "temperature": s.temperature, "top_p": s.top_p if s.temperature > 0 else None,
-               "seed": s.seed if s.temperature > 0 else None, "stop_token_ids": stops, "thinking": s.thinking,
-               "max_prompt_tokens": s.max_prompt_tokens, "dtype": str(dtype).replace("torch.", ""),
-               **({"max_turns": s.max_turns} if s.max_turns else {})}  # absent when 0: older outputs continue
-    check_settings(out, "generate", guarded, also_accepted={"target": str(target_path)})
+    max_prompt = max_prompt_tokens(s, config)
+    check_settings(out, "generate", guarded_settings(s, target, target_path, sources, stops, dtype),
+                   also_accepted={"target": str(target_path)})
     sidecar, rejects_path = side_paths(out)
     done_rejects = read_done_ids(rejects_path, full=True)
     done = set(read_done_ids(out)) | set(done_rejects)
@@ -231,57 +290,26 @@ def regenerate(target: Union[str, Path], sources: Iterable[str], out: Union[str,
     try:
         for window in windows(iter_entries(sources, s.limit, damaged, s.max_turns), s.sort_window):
             if all(where in done for where, _ in window):  # finished: no need to tokenise it to sort it
-                for where, e in window:
-                    if where in done_rejects:
-                        rec = done_rejects[where] or {}
-                        summary.reject(where, rec.get("reason", "?"), rec.get("detail", ""))
-                    else:
-                        summary.already_done += 1
+                for where, _ in window:
+                    count_earlier(where, done_rejects, summary)
                 continue
-            new_rejects: list[dict] = []
-            items = []  # (prompt length, position, convo, prompt ids)
-            for pos, (where, e) in enumerate(window):
-                if isinstance(e, Convo):
-                    ids = gen.prompt_ids(e.system + [{"role": "user", "content": e.users[0]}])
-                    if len(ids) <= max_prompt:
-                        items.append((len(ids), pos, e, ids))
-                        continue
-                    e = RowError("prompt too long", f"{len(ids)} tokens > max prompt tokens {max_prompt}")
-                summary.reject(where, e.reason, e.detail)
-                if where not in done:
-                    new_rejects.append(reject_record(where, e.reason, e.detail))
+            items, new_rejects = window_prompts(window, gen, max_prompt, done, summary)
             rej_f.write(new_rejects)
             bar.update(len(new_rejects))
-            items.sort(key=lambda t: (-t[0], t[1]))
             for rows in token_batches([it[0] for it in items], s.batch_size, s.batch_tokens, s.max_new_tokens):
                 batch = items[rows.start: rows.stop]
                 todo = sum(1 for it in batch if it[2].id not in done)
                 for it in batch:
-                    if it[2].id in done_rejects:
-                        rec = done_rejects[it[2].id] or {}
-                        summary.reject(it[2].id, rec.get("reason", "?"), rec.get("detail", ""))
-                    elif it[2].id in done:
-                        summary.already_done += 1
+                    if it[2].id in done:
+                        count_earlier(it[2].id, done_rejects, summary)
                 if not todo:
                     continue
                 convos = [it[2] for it in batch]
-                results = gen.converse(convos, [it[3] for it in batch], max_prompt)
-                rows, rejected = [], []
-                for c, (msgs, answered, ended, ntok) in zip(convos, results):
-                    if c.id in done:
-                        continue
-                    summary.new_tokens += ntok
-                    if answered == 0:
-                        reason, detail = ended or "empty response", "the target's first answer is empty"
-                        summary.reject(c.id, reason, detail)
-                        rejected.append(reject_record(c.id, reason, detail))
-                        continue
-                    if answered < len(c.users):
-                        summary.truncated[ended] += 1
-                    rows.append({"id": c.id, "messages": msgs})
-                out_f.write(rows)
+                written, rejected = answered_rows(convos, gen.converse(convos, [it[3] for it in batch], max_prompt),
+                                                  done, summary)
+                out_f.write(written)
                 rej_f.write(rejected)
-                summary.rows_written += len(rows)
+                summary.rows_written += len(written)
                 bar.update(todo)
                 elapsed = time.perf_counter() - t0
                 bar.set_postfix_str(f"{summary.new_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
