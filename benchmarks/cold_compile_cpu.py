@@ -79,7 +79,7 @@ def main() -> None:
     from dflash_train.data.batch import Batch
     from dflash_train.accel import compile as compile_layer
     from dflash_train.target import capture as target_mod
-    from dflash_train.train.step import TrainStep
+    from dflash_train.train.loop.step import TrainStep
 
     add_inductor_options(args.inductor_option)
     target_mod._COMPILE_DEVICES = ("cuda", "cpu")  # the GPU's compiled functions, compiled for the CPU

@@ -89,7 +89,7 @@ def main() -> None:
     for name, architecture, overrides in variants:
         run(architecture, cache, args.repeat, out, args.timeout, args.extra, name, overrides)
     results = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    for r in results:  # what each step's counted FLOPs are made of (train/flops.py), TFLOP
+    for r in results:  # what each step's counted FLOPs are made of (train/loop/flops.py), TFLOP
         print(f"{r.get('name', r['architecture'])}: drafter TFLOP {r['drafter_tflop_parts']}, counted rows {r['counted_rows']}, "
               f"target positions {r['target_positions']}")
     wanted = len(args.architectures.split(",")) + len(variants)

@@ -22,7 +22,7 @@ last captured one) costs max(compute, gather), the next layer's all-gather overl
             replace with nccl-tests' number on the machine).
 Colocated over G GPUs (one shard group): G micro-batches per (capture + drafter step), the drafter's time from
 its one-GPU rate. Split T + D (the target ranks one shard group): min(T x capture rate, D x drafter rate).
-Memory per GPU: the preflight's count (train/preflight.py: the shard, the embedding and lm_head whole, three
+Memory per GPU: the preflight's count (train/plan/preflight.py: the shard, the embedding and lm_head whole, three
 gathered layers, the drafter's 16 bytes a parameter, 2 GiB margin), activations not counted.
 """
 
@@ -98,7 +98,7 @@ class ShardedTarget:
         """Target memory per rank, the preflight's way."""
         from throughput import layer_resident_params
 
-        from dflash_train.train.preflight import TargetShare
+        from dflash_train.train.plan.preflight import TargetShare
 
         c = self.shape
         layer = layer_resident_params(c)

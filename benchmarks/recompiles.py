@@ -78,9 +78,9 @@ def main() -> None:
     from dflash_train.architectures.dflash.model import DFlashDrafter
     from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetHead, load_tokenizer
-    from dflash_train.train import size_classes
-    from dflash_train.train.step import MicroBatch, TrainStep
-    from dflash_train.train.warmup import batch_kinds, warm_up
+    from dflash_train.train.plan import size_classes
+    from dflash_train.train.loop.step import MicroBatch, TrainStep
+    from dflash_train.train.start.warmup import batch_kinds, warm_up
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.options is not None:

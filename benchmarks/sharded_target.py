@@ -41,7 +41,7 @@ def main() -> None:
     from dflash_train.target.shard import SHARD_DIM, load_sharded_target, peak_host_gib, shard_mesh
     from dflash_train.target.tensor_parallel import load_tp_target
     from dflash_train.target.capture import TargetCapture, load_target_model
-    from dflash_train.train.dist import DistContext
+    from dflash_train.train.processes.dist import DistContext
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))

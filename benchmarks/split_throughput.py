@@ -1,5 +1,5 @@
 """Split placement throughput on one host: T target ranks + D drafter ranks over NCCL, randomly
-initialised target of a real shape, the real transport (`train/transport.py`) and training step.
+initialised target of a real shape, the real transport (`train/split/transport.py`) and training step.
 
     PYTHONPATH=src torchrun --nproc-per-node 2 benchmarks/split_throughput.py --shape qwen3-8b --targets 1
 
@@ -44,8 +44,8 @@ def main() -> None:
     from dflash_train.architectures.stats import DraftWork
     from dflash_train.architectures.family.blocks import sample_anchors
     from dflash_train.data.batch import Batch
-    from dflash_train.train.step import TrainStep
-    from dflash_train.train.transport import DrafterInbox, SplitLayout, TargetOutbox
+    from dflash_train.train.loop.step import TrainStep
+    from dflash_train.train.split.transport import DrafterInbox, SplitLayout, TargetOutbox
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()  # without a GPU: a gloo smoke run of the same code (tiny shape)

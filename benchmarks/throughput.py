@@ -4,7 +4,7 @@
     PYTHONPATH=src python benchmarks/throughput.py --part target --shape qwen3-8b --batch 4 --seq 2048 --compile-target
 
 Reports tokens/s (target tokens), time per part, MFU against a measured bf16 matmul peak, and peak
-memory. FLOP accounting: the training loop's own (src/dflash_train/train/flops.py, docs/guide/runs.md
+memory. FLOP accounting: the training loop's own (src/dflash_train/train/loop/flops.py, docs/guide/runs.md
 "Efficiency"): matmuls + attention over unmasked entries; target layers up to the last captured one; drafter
 forward + backward (weights and inputs) over the blocks the timed step drafted, lm_head forward + input
 gradient on counted rows; no weight gradient for frozen parts. With `--draft-vocab N` the drafter's own trained
@@ -95,8 +95,8 @@ def fp8_matmul_peak_tflops() -> float:
     return 2 * n**3 / t / 1e12
 
 
-# The FLOP accounting is the training loop's (src/dflash_train/train/flops.py): one function for both.
-from dflash_train.train.flops import (drafter_flop_parts, drafter_flops, layer_matmul_params,  # noqa: E402,F401
+# The FLOP accounting is the training loop's (src/dflash_train/train/loop/flops.py): one function for both.
+from dflash_train.train.loop.flops import (drafter_flop_parts, drafter_flops, layer_matmul_params,  # noqa: E402,F401
                                       layer_resident_params, own_flops, target_flop_parts, target_flops)
 
 
@@ -188,11 +188,11 @@ def drafter_sections(args) -> dict:
 
 
 def preflight_estimate(cfg, target_model, drafter, tcfg, dcfg, ids: list[int]) -> dict:
-    """The trainer's preflight prediction for this colocated shape (train/preflight.py, activation_memory.py):
+    """The trainer's preflight prediction for this colocated shape (train/plan/preflight.py, activation_memory.py):
     weights and optimizer state (bf16 target, 16 bytes a drafter parameter) plus the activations of its micro-batch,
     no margin, to set beside the measured `peak_mem_gib` (the allocator's peak)."""
-    from dflash_train.train.activation_memory import activation_estimate
-    from dflash_train.train.preflight import MARGIN, needed_bytes
+    from dflash_train.train.plan.activation_memory import activation_estimate
+    from dflash_train.train.plan.preflight import MARGIN, needed_bytes
 
     trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     weights = needed_bytes(sum(p.numel() for p in target_model.parameters()), torch.bfloat16, trained, "colocated",
@@ -267,7 +267,7 @@ def measure_one_side(args) -> None:
     from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
-    from dflash_train.train.step import TrainStep
+    from dflash_train.train.loop.step import TrainStep
 
     from dflash_train.accel import compile as compile_layer
 
@@ -478,7 +478,7 @@ def main() -> None:
     from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
-    from dflash_train.train.step import TrainStep
+    from dflash_train.train.loop.step import TrainStep
 
     from dflash_train.accel import compile as compile_layer
 

@@ -75,7 +75,7 @@ def _split_config_argument(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .train import launch
+    from .train.processes import launch
 
     if launch.is_detached_launcher():  # the process --detach started: status.json tells what becomes of the start
         return launch.run_detached(Path(args.run_dir), float(os.environ[launch.LAUNCH_TIME_ENV]), lambda: _train(args))
@@ -83,8 +83,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import launch
-    from .train.admission import Footprint, admit_start, undo_refused_start
+    from .train.processes import launch
+    from .train.start.directory_admission import Footprint, admit_start, undo_refused_start
 
     _split_config_argument(args)
     if args.resume and not args.run_dir:
@@ -179,7 +179,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from .train.launch import request_stop
+    from .train.processes.launch import request_stop
 
     code, message = request_stop(Path(args.run_dir))
     print(message)
@@ -187,7 +187,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .commands.demo import run_demo
 
     return run_demo(Path(args.run_dir), args.overrides)
 
@@ -197,8 +197,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from .infer.eval_options import DecodingOptions, check_against_drafter, check_flags
     from .infer.evaluate import evaluate, load_eval_models, require_eval_fp8_device
-    from .outputs import check_report_out
-    from .paths import require_exported_drafter
+    from .files.outputs import check_report_out
+    from .files.paths import require_exported_drafter
     from .runtime import resolve_device, resolve_dtype
 
     budgets = tuple(args.tree_budget or ())
@@ -265,7 +265,7 @@ def _finish_eval(args: argparse.Namespace, report: dict) -> int:
         print(DamagedDataFile.from_record(record).cut_line())
     failed = failure_line(report)
     if args.update_card and not failed:
-        from .model_card import put_eval_table
+        from .exports.card import put_eval_table
 
         put_eval_table(Path(args.drafter), report)
     print(f"report: {out} and {out.with_suffix('.md')}")
@@ -277,8 +277,8 @@ def _finish_eval(args: argparse.Namespace, report: dict) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import checkpoint_weights, export_checkpoint
-    from .paths import resolve_checkpoint
+    from .commands.export import checkpoint_weights, export_checkpoint
+    from .files.paths import resolve_checkpoint
 
     checkpoint = resolve_checkpoint(Path(args.checkpoint))
     out = export_checkpoint(checkpoint, Path(args.out), dtype=args.dtype, target=args.target, overwrite=args.overwrite)
@@ -290,9 +290,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from . import assets
     from .data.formats import require_packages
-    from .data.prepare import PrepareConfig, prepare, summary
+    from .commands.prepare import PrepareConfig, prepare, summary
     from .target.capture import load_tokenizer
-    from .outputs import check_prepare_out
+    from .files.outputs import check_prepare_out
 
     check_prepare_out(Path(args.out), args.data, args.overwrite)  # before the tokenizer loads
     cfg = PrepareConfig(max_length=args.max_length, block_size=args.block_size, val_fraction=args.val_fraction,
@@ -310,7 +310,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_regen(args: argparse.Namespace) -> int:
     from .data.regen.inputs import RegenSettings
     from .data.regen.journal import format_summary
-    from .outputs import check_regen_outputs
+    from .files.outputs import check_regen_outputs
 
     check_regen_outputs(Path(args.out) if args.out else None, Path(args.export_batch) if args.export_batch else None,
                         args.data, args.import_batch or ())
@@ -337,7 +337,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import format_report, remove_stale_targets, run_doctor
+    from .commands.doctor import format_report, remove_stale_targets, run_doctor
 
     if args.remove_stale_targets:
         print(remove_stale_targets())
@@ -442,7 +442,7 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from .doctor import version_line
+        from .commands.doctor import version_line
 
         print(version_line())
         parser.exit()

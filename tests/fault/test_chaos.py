@@ -29,7 +29,7 @@ import torch
 
 from _harness import assert_same_losses, beat, launch, losses, run, status, stop, wait_until, write_config
 from dflash_train.architectures.io import load_drafter
-from dflash_train.layout import list_checkpoints
+from dflash_train.files.layout import list_checkpoints
 from dflash_train.train.checkpoint import newest_valid
 
 pytestmark = pytest.mark.slow

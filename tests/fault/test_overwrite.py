@@ -1,4 +1,4 @@
-"""What a command may write over (outputs.py): `--overwrite` replaces only that command's own earlier output
+"""What a command may write over (files/outputs.py): `--overwrite` replaces only that command's own earlier output
 (a folder is moved aside, never deleted); anything else (unrelated files, the command's inputs, a run, a live
 run) is refused in one line, before anything loads, and left byte-identical. And what the tool writes for
 others to read follows the umask."""
@@ -77,7 +77,7 @@ def export_argv(run: Path, step: int, out: Path, *extra: str) -> list[str]:
 
 
 def live_status() -> dict:
-    from dflash_train import procs
+    from dflash_train.run import procs
 
     return {"phase": "training", "step": 3, "heartbeat": time.time(), "pid": os.getpid(),
             "pid_start": procs.start_ticks(os.getpid()), "host": socket.gethostname()}
@@ -128,7 +128,7 @@ def test_export_refuses_a_folder_holding_the_checkpoint(run, tmp_path, capsys):
 
 
 def test_overwrite_moves_an_earlier_export_aside(run, tmp_path, capsys, caplog):
-    from dflash_train.outputs import is_export
+    from dflash_train.files.outputs import is_export
 
     out = tmp_path / "exported"
     assert main(export_argv(run, 10, out)) == 0
@@ -299,7 +299,7 @@ def test_exports_checkpoints_and_prepared_data_follow_the_umask(tmp_path, counti
 
 def test_the_converted_target_cache_follows_the_umask(tmp_path, monkeypatch):
     """The cache's own steps (temp folder, modes, publishing) around a stand-in for the dequantisation (the real
-    conversion, ~25 s: tests/unit/test_assets.py), which leaves owner-only modes that the cache must widen."""
+    conversion, ~25 s: tests/unit/foundations/test_assets.py), which leaves owner-only modes that the cache must widen."""
     from dflash_train import assets
 
     def convert(gguf, out):

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from _harness import assert_same_losses, launch, losses, run, status, stop, wait_until, write_config
-from dflash_train.layout import list_checkpoints
+from dflash_train.files.layout import list_checkpoints
 from dflash_train.architectures.io import load_drafter
 from dflash_train.cli import main
 from dflash_train.train.checkpoint import CheckpointWriteError, newest_valid, read_state, save_checkpoint

@@ -32,7 +32,7 @@ def test_a_colocated_step_never_waits_for_the_gpu(compile_layers):
     from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
-    from dflash_train.train.step import TrainStep
+    from dflash_train.train.loop.step import TrainStep
 
     model = _qwen3_target(layers=4)
     cfg = config_from_dict({"drafter": {"block_size": 16, "num_draft_layers": 2}, "objective": {"max_anchors": 32},
@@ -111,7 +111,7 @@ def test_colocated_one_gpu_run_with_a_sliding_causal_softcapped_drafter(tmp_path
 
 def test_preflight_refuses_a_plan_that_cannot_fit():
     from dflash_train.errors import UserError
-    from dflash_train.train.preflight import check_gpu
+    from dflash_train.train.plan.preflight import check_gpu
 
     free, _ = torch.cuda.mem_get_info(0)
     check_gpu(torch.device("cuda", 0), free // 2, 0, "a small plan")  # fits: no error

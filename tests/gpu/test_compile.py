@@ -88,7 +88,7 @@ def test_compile_workers_start_before_any_compile(tmp_path):
 
 
 def test_inductor_recompiles_a_kernel_whose_elements_cross_two_to_the_31(caplog):
-    """The premise of train/indexing.py: inductor indexes a kernel that fits 2^31 - 1 elements with 32-bit
+    """The premise of train/plan/indexing.py: inductor indexes a kernel that fits 2^31 - 1 elements with 32-bit
     integers and guards the dynamic sizes to stay there, so the first call past it recompiles (a run refuses
     such a plan up front)."""
     import logging

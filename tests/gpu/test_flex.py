@@ -122,8 +122,8 @@ def test_an_eager_flex_call_in_a_gpu_warm_up_is_an_error(tiny_target_dir):
     from dflash_train.architectures.dflash.model import DFlashDrafter
     from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture, load_target_model
-    from dflash_train.train.step import Batch, TrainStep
-    from dflash_train.train.warmup import warm_up
+    from dflash_train.train.loop.step import Batch, TrainStep
+    from dflash_train.train.start.warmup import warm_up
 
     device = torch.device("cuda")
     model = load_target_model(tiny_target_dir, torch.bfloat16, device)

@@ -92,7 +92,7 @@ def test_an_fp8_target_as_the_plan_quantises_it_compiles_one_layer_graph_per_bat
     from dflash_train.config.load import config_from_dict
     from dflash_train.target.capture import TargetCapture
     from dflash_train.target.quantize import Fp8Linear, quantize_decoder_layers
-    from dflash_train.train.fp8_plan import fp8_target_layers
+    from dflash_train.train.plan.fp8_plan import fp8_target_layers
 
     compile_layer.watch_recompiles()
     torch.manual_seed(0)
@@ -170,7 +170,7 @@ def test_colocated_one_gpu_run_with_fp8_target_and_drafter_compiled_compiles_not
     assert status["target_compiled_graphs"] == 1, status
     records = [json.loads(line) for line in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["recompiles_after_warmup"] == 0 for r in records)
-    from dflash_train.train.flops import peak_tflops
+    from dflash_train.train.loop.flops import peak_tflops
 
     if peak_tflops(torch.device("cuda", 0)) is not None:  # a GPU of the peak table (H200, H100 SXM)
         assert all(r["mfu"] is not None and 0 < r["mfu"] < 1 for r in records), records[-1]

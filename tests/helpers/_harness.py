@@ -100,9 +100,9 @@ def wait_for_step(run_dir: Path, rank: int, step: int, proc: subprocess.Popen, t
 # stands in for the GPU in `drafter.compile` (the device check lifted, Dynamo's eager backend: tracing,
 # guards and recompiles without inductor), as the in-process compile tests do with monkeypatch.
 CPU_DRAFTER_COMPILE = """
-import dflash_train.config.validate, dflash_train.architectures.family.model, dflash_train.train.rank_admission
+import dflash_train.config.validate, dflash_train.architectures.family.model, dflash_train.train.start.rank_checks
 dflash_train.config.validate.validate_compile_device = lambda *a: None
-dflash_train.train.rank_admission.validate_compile_device = lambda *a: None
+dflash_train.train.start.rank_checks.validate_compile_device = lambda *a: None
 dflash_train.architectures.family.model.COMPILE_BACKEND = "eager"
 """
 
@@ -117,10 +117,10 @@ def cpu_drafter_compile_env(folder: Path) -> dict:
 # compile layer's recompile limit set to `limit`; `static`: the target's layers compiled with static shapes, so
 # that every new batch shape a target rank captures is a recompile after the warm-up.
 CPU_TARGET_COMPILE = """
-import dflash_train.config.validate, dflash_train.train.rank_admission
+import dflash_train.config.validate, dflash_train.train.start.rank_checks
 import dflash_train.accel.compile as compile_layer, dflash_train.target.capture as target_mod
 dflash_train.config.validate.validate_compile_device = lambda *a: None
-dflash_train.train.rank_admission.validate_compile_device = lambda *a: None
+dflash_train.train.start.rank_checks.validate_compile_device = lambda *a: None
 target_mod._COMPILE_DEVICES = ("cuda", "cpu")
 target_mod._COMPILE_BACKEND = "eager"
 compile_layer.RECOMPILE_LIMIT = {limit}

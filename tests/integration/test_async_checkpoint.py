@@ -21,12 +21,12 @@ import torch
 from _harness import assert_same_losses, beat, launch, losses, status, stop, wait_until, write_config
 from dflash_train.cli import main
 from dflash_train.errors import UserError
-from dflash_train.layout import STATE, list_checkpoints
+from dflash_train.files.layout import STATE, list_checkpoints
 from dflash_train.architectures.io import load_drafter, save_drafter
 from dflash_train.train import checkpoint as ck
 from dflash_train.train.checkpoint import (WRITE_DELAY_ENV, CheckpointWriteError, CheckpointWriter, HostStaging,
                                            Snapshot, load_optimizer_state, newest_valid, read_state)
-from dflash_train.runtime import write_json_atomic
+from dflash_train.files.io import write_json_atomic
 
 from conftest import tiny_drafter
 
@@ -220,7 +220,7 @@ def test_buffers_staged_after_the_first_step_are_the_ones_every_snapshot_uses(tm
 
 
 def test_the_preflight_counts_the_snapshot_and_refuses_a_host_without_room_for_it():
-    from dflash_train.train import preflight
+    from dflash_train.train.plan import preflight
 
     drafter, opt, sched = _trained()
     need = preflight.snapshot_need("dflash", drafter.config)

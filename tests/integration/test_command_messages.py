@@ -12,7 +12,7 @@ from _harness import ENV, write_config
 
 import dflash_train
 from dflash_train.cli import main
-from dflash_train.train.admission import admit_start
+from dflash_train.train.start.directory_admission import admit_start
 
 
 def test_version_names_the_package_torch_and_transformers():

@@ -167,7 +167,7 @@ def _vote_rank(rank: int, init_file: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from dflash_train.train.dist import StopVote
+    from dflash_train.train.processes.dist import StopVote
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     vote = StopVote(torch.device("cpu"))

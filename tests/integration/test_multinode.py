@@ -14,7 +14,7 @@ import pytest
 from _harness import ENV, assert_same_losses, losses, wait_for_step, write_config
 
 from dflash_train.cli import main
-from dflash_train.train.launch import free_port
+from dflash_train.train.processes.launch import free_port
 
 pytestmark = pytest.mark.long
 

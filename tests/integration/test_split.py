@@ -19,7 +19,7 @@ from dflash_train.cli import main
 from dflash_train.config.load import config_from_dict
 from dflash_train.config.validate import validate_world
 from dflash_train.errors import ConfigError
-from dflash_train.train.transport import NOTE_BYTES, SplitLayout, decode_note, encode_note
+from dflash_train.train.split.transport import NOTE_BYTES, SplitLayout, decode_note, encode_note
 
 
 # ---------------------------------------------------------------------------- the schedule
@@ -120,7 +120,7 @@ def test_gradient_accumulation_is_the_mean_over_micro_batches(tiny_target_dir):
     from dflash_train.target.capture import TargetCapture, load_target_model
     from dflash_train.data.batch import Batch
     from dflash_train.architectures.dflash.objective import DFlashObjective
-    from dflash_train.train.step import MicroBatch, TrainStep
+    from dflash_train.train.loop.step import MicroBatch, TrainStep
 
     cfg = config_from_dict({"drafter": {"block_size": 4, "num_draft_layers": 1}, "objective": {"max_anchors": 8},
                             "data": {"max_length": 64, "token_budget": 256}, "optim": {"grad_accum": 2}})
@@ -316,7 +316,7 @@ def test_a_killed_target_rank_fails_the_run_within_seconds_and_resume_is_exact(s
 
 def test_preflight_counts_parameters_from_headers_and_budgets_by_role(tiny_target_dir):
     from dflash_train.target.capture import load_target_model
-    from dflash_train.train.preflight import MARGIN, check_gpu, checkpoint_parameters, needed_bytes
+    from dflash_train.train.plan.preflight import MARGIN, check_gpu, checkpoint_parameters, needed_bytes
 
     model = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
     assert checkpoint_parameters(tiny_target_dir) == sum(p.numel() for p in model.parameters())

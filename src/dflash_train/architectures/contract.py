@@ -36,7 +36,7 @@ class Objective(Protocol):
 
 @dataclass(frozen=True)
 class StepMemory:
-    """An architecture's own terms in the drafter step's activation estimate (train/activation_memory.py
+    """An architecture's own terms in the drafter step's activation estimate (train/plan/activation_memory.py
     `drafter_step_parts`), beside the generic ones every block drafter's step has (its layers, the lm_head + CE
     chunk); all zero here. `e` is the compute dtype's bytes. An architecture with more overrides these from its
     drafter config (`Architecture.step_memory`)."""
@@ -75,7 +75,7 @@ def no_step_memory(drafter_config: "PretrainedConfig") -> StepMemory:
 
 @dataclass(frozen=True)
 class StepFlops:
-    """An architecture's own modules in the model FLOPs of a training step (train/flops.py `drafter_flop_parts`),
+    """An architecture's own modules in the model FLOPs of a training step (train/loop/flops.py `drafter_flop_parts`),
     beside the generic ones every block drafter's step has (fc, layers, attention, the vocabulary head); none here.
     An architecture with more overrides `parts` from its drafter config (`Architecture.step_flops`)."""
 
@@ -105,9 +105,9 @@ class Architecture:
     objective: Callable[[Drafter, Any, Any, "Config", torch.dtype], Objective]  # (drafter, target, backend, cfg, dtype)
     # (drafter, cfg) -> AdamW's parameter groups (a group may set its own "lr"; the schedule scales every group's)
     parameter_groups: Callable[[Drafter, "Config"], list[dict]] = one_parameter_group
-    # the drafter config -> its terms in the step's activation estimate (train/activation_memory.py)
+    # the drafter config -> its terms in the step's activation estimate (train/plan/activation_memory.py)
     step_memory: Callable[["PretrainedConfig"], StepMemory] = no_step_memory
-    # the drafter config -> its own modules' FLOPs in the step's model FLOPs and MFU (train/flops.py)
+    # the drafter config -> its own modules' FLOPs in the step's model FLOPs and MFU (train/loop/flops.py)
     step_flops: Callable[["PretrainedConfig"], StepFlops] = no_step_flops
     # Whether its objective reads the target's final normed hidden states (target.capture(..., with_final=True)):
     # the step's memory estimate then counts them and their counted rows, as it does for distillation.

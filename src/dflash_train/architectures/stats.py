@@ -12,7 +12,7 @@ import torch
 @dataclass(frozen=True)
 class DraftWork:
     """The sizes of a micro-batch's drafter work, counted on the host where its blocks were planned (no device
-    read): the drafter's side of the FLOP accounting (train/flops.py). Counts add up over micro-batches."""
+    read): the drafter's side of the FLOP accounting (train/loop/flops.py). Counts add up over micro-batches."""
 
     blocks: int = 0  # kept blocks (the drafted blocks)
     block_tokens: int = 0  # their query positions: blocks x block size

@@ -12,9 +12,9 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-from .. import procs
 from ..errors import debug_enabled, is_user_error
-from ..runtime import write_json_atomic, write_text_atomic
+from ..files.io import write_json_atomic, write_text_atomic
+from . import procs
 from .directory import ENDED, RunDir
 from .metrics import metrics_parts
 
@@ -287,7 +287,7 @@ def format_status(status: dict[str, Any], last: Optional[dict[str, Any]], now: O
 
 
 def _efficiency_lines(last: dict[str, Any]) -> list[str]:
-    """The last record's model FLOPs a step, MFU and drafted blocks per second (rank 0's GPU; train/flops.py)."""
+    """The last record's model FLOPs a step, MFU and drafted blocks per second (rank 0's GPU; train/loop/flops.py)."""
     if last.get("step_flops") is None:
         return []
     line = (f"efficiency: {last['step_flops'] / 1e12:,.3g} TFLOP a step (target {last['target_flops'] / 1e12:,.3g}, "

@@ -33,9 +33,9 @@ from typing import Any, Optional
 import torch
 
 from ..errors import DamagedFileError, UserError
-from ..layout import STATE, list_checkpoints
+from ..files.layout import STATE, list_checkpoints, step_folder
 from ..architectures.io import drafter_config_text, load_drafter, write_drafter_files
-from ..runtime import write_json_atomic
+from ..files.io import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ def write_snapshot(snap: Snapshot, root: Path, keep_last: int) -> Path:
     """Built in `.NAME.tmp`, flushed to disk and renamed into place; on any failure the temp folder is removed,
     earlier checkpoints stay as they were and CheckpointWriteError says what happened."""
     root = Path(root)
-    final = root / (snap.name or f"step-{snap.step:08d}")
+    final = root / (snap.name or step_folder(snap.step))
     tmp = root / f".{final.name}.tmp"
     old = None
     try:
@@ -425,7 +425,7 @@ class CheckpointWriter:
                 log.warning("checkpoint at step %d waited %.1f s for the previous one (%s) to be written: the "
                             "disk is slower than run.save_every steps", step, waited, previous)
         snap = Snapshot.take(step, drafter, optimizer, scheduler, record, name, self.staging)
-        final = self.root / (name or f"step-{step:08d}")
+        final = self.root / (name or step_folder(step))
         with self._lock:
             self._stall_s += time.perf_counter() - t0
         self._writing = final

@@ -1,8 +1,9 @@
-"""One rank's whole run, start to end: admit the start (`rank_admission.py`: every check that needs no weights,
-before anything is written), set the rank up (`rank_setup.py`: process group, data plan, preflight), then on a
-split target rank serve hidden states (`target_rank.py`), else build the target and the drafter and continue from
-a checkpoint on resume (`drafter_rank.py`), warm up (`warmup.py`) and train (`loop.py`). Stop requests:
-`stop.py`. The run directory tells at any moment what is happening (`run.reporter.Reporter`)."""
+"""One rank's whole run, start to end: admit the start (`start/rank_checks.py`: every check that needs no weights,
+before anything is written), set the rank up (`start/rank_setup.py`: process group, data plan, preflight), then on a
+split target rank serve hidden states (`split/target_server.py`), else build the target and the drafter and continue
+from a checkpoint on resume (`start/drafter_session.py`), warm up (`start/warmup.py`) and train
+(`loop/train_loop.py`). Stop requests: `loop/stop.py`. The run directory tells at any moment what is happening
+(`run.reporter.Reporter`)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,15 @@ from ..config.schema import Config
 from ..errors import debug_enabled, is_user_error
 from ..run.directory import RunDir, clear_stop_request
 from ..run.reporter import Reporter
-from .admission import with_step_cap
-from .dist import DistContext
-from .drafter_rank import build_drafter_rank
-from .loop import train_loop
-from .rank_admission import admit, take_over
-from .rank_setup import set_up_rank
-from .stop import StopRequest, StoppedDuringStartUp, launch_time
-from .target_rank import run_target_rank
-from .warmup import warm_up_drafter_rank
+from .start.directory_admission import with_step_cap
+from .processes.dist import DistContext
+from .start.drafter_session import build_drafter_session
+from .loop.train_loop import train_loop
+from .start.rank_checks import admit, take_over
+from .start.rank_setup import set_up_rank
+from .loop.stop import StopRequest, StoppedDuringStartUp, launch_time
+from .split.target_server import run_target_server
+from .start.warmup import warm_up_drafter_rank
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
     (`loop.train_loop`) or, in the split placement, serve hidden states as a target rank. Rank 0 owns status,
     metrics, checkpoints. Returns the export folder (done), the checkpoints folder (stopped), or None
     (stopped during start-up, or a target rank's end). `changes`: what a resume changed against the run's
-    config (admission.py); `launched_at`: when the command that started it was launched (a STOP file older
+    config (start/directory_admission.py); `launched_at`: when the command that started it was launched (a STOP file older
     than that is stale); `on_admitted`: called on rank 0 once the start is admitted and its status is written."""
     ctx = DistContext.from_env()
     run = RunDir(run_root)
@@ -60,9 +61,9 @@ def train(cfg: Config, run_root: Path, max_steps: Optional[int] = None, fresh_co
         rep.report(phase="loading")
         rank = set_up_rank(cfg, run, admitted, ctx, rep, fresh_compile_cache)
         if rank.role == "target":
-            run_target_rank(cfg, admitted, rank, rep, stop)
+            run_target_server(cfg, admitted, rank, rep, stop)
             return None
-        session = build_drafter_rank(cfg, run, admitted, rank, rep, ctx, resume)
+        session = build_drafter_session(cfg, run, admitted, rank, rep, ctx, resume)
         warm = warm_up_drafter_rank(session, admitted, rank, rep)
         rep.report(phase="training", step=rank.state.step, total_steps=rank.total,
                    drafter_params=sum(p.numel() for p in session.train_step.drafter.parameters()),

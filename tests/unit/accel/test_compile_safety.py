@@ -105,8 +105,8 @@ def test_an_eager_flex_call_in_a_warm_up_is_an_error(tiny_target_dir):
     from dflash_train.architectures.dflash.model import DFlashDrafter
     from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture, load_target_model
-    from dflash_train.train.step import Batch, TrainStep
-    from dflash_train.train.warmup import warm_up
+    from dflash_train.train.loop.step import Batch, TrainStep
+    from dflash_train.train.start.warmup import warm_up
 
     model = load_target_model(tiny_target_dir, torch.float32, torch.device("cpu"))
     cfg = config_from_dict({"drafter": {"block_size": 16, "num_draft_layers": 1}, "objective": {"max_anchors": 8},
@@ -223,7 +223,7 @@ def test_doctor_gives_a_verdict(capsys, tmp_path, monkeypatch):
     import os
 
     from dflash_train.cli import main
-    from dflash_train.doctor import cache_check
+    from dflash_train.commands.doctor import cache_check
 
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

@@ -171,11 +171,12 @@ def test_trainer_warm_up_covers_the_planned_batch_kinds_and_steps_never_compile(
     none. A budget of 256 tokens fits one of these conversations per batch: one kind, half the graphs."""
     import dflash_train.config.validate as config_mod
     from dflash_train.data.batch import Batch
-    from dflash_train.train import rank_admission, trainer
-    from dflash_train.train.step import TrainStep
+    from dflash_train.train.start import rank_checks
+    from dflash_train.train import trainer
+    from dflash_train.train.loop.step import TrainStep
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
-    monkeypatch.setattr(rank_admission, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(rank_checks, "validate_compile_device", lambda *a: None)
     monkeypatch.setattr(drafter_mod, "COMPILE_BACKEND", "eager")
     rows_seen, graphs_at = [], []
     original_step = TrainStep.__call__
@@ -241,10 +242,11 @@ def test_a_run_that_keeps_recompiling_stops_before_the_limit_with_a_checkpoint_a
     boundary, before any function reaches the recompile limit, with a clear error in status.json and a checkpoint
     of that step; --resume (dynamic shapes again, a fresh Dynamo as in a new process) finishes the run."""
     import dflash_train.config.validate as config_mod
-    from dflash_train.train import rank_admission, trainer
+    from dflash_train.train.start import rank_checks
+    from dflash_train.train import trainer
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
-    monkeypatch.setattr(rank_admission, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(rank_checks, "validate_compile_device", lambda *a: None)
     monkeypatch.setattr(drafter_mod, "COMPILE_BACKEND", "eager")
     # the warm-up leaves 7 variants of the busiest function; each step's new shape adds about one
     monkeypatch.setattr(compile_layer, "RECOMPILE_LIMIT", 12)
@@ -310,10 +312,12 @@ def test_validation_runs_the_warm_ups_graphs_and_compiles_nothing_mid_run(
     them, so validating at steps 2, 4 and 6 compiles nothing after the seal."""
     import dflash_train.config.validate as config_mod
     from conftest import counting_conversations
-    from dflash_train.train import rank_admission, trainer, warmup
+    from dflash_train.train.start import rank_checks
+    from dflash_train.train import trainer
+    from dflash_train.train.start import warmup
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
-    monkeypatch.setattr(rank_admission, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(rank_checks, "validate_compile_device", lambda *a: None)
     monkeypatch.setattr(drafter_mod, "COMPILE_BACKEND", "eager")
     short = []
     for row in counting_conversations(12, seed=3):

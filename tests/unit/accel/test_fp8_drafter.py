@@ -25,7 +25,7 @@ from dflash_train.accel import compile as compile_layer
 from dflash_train.accel.fp8 import dequantize, quantize
 from dflash_train.accel.fp8_training import Fp8Matmul, Fp8TrainingLinear, fp8_drafter_linears, use_fp8_training
 from dflash_train.architectures.io import load_drafter
-from dflash_train.train.fp8_plan import check_fp8_device
+from dflash_train.train.plan.fp8_plan import check_fp8_device
 from _harness import write_config
 
 # Each operand element is rounded by at most 2^-4 of itself; a product of two rounded operands is off by at most
@@ -245,7 +245,7 @@ def test_compiled_fp8_layers_equal_the_eager_ones(fresh_dynamo, backend):
 
 
 def test_shapes_and_dtypes_fp8_refuses(tmp_path, tiny_target_dir, counting_jsonl, capsys, monkeypatch):
-    from dflash_train.train import target_load
+    from dflash_train.train.start import target_load
 
     monkeypatch.setattr(target_load, "load_target_model", lambda *a, **k: pytest.fail("weights loaded"))
     cfg = {"target": {"path": str(tiny_target_dir)},

@@ -61,13 +61,14 @@ def test_cli_names_the_key_before_anything_starts(tmp_path, capsys):
 
 
 def test_auto_resolving_to_cpu_is_refused_before_weights_load(tiny_target_dir, monkeypatch):
-    from dflash_train.train import rank_admission, target_load
+    from dflash_train.train.start import rank_checks
+    from dflash_train.train.start import target_load
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(target_load, "load_target_model", lambda *a, **k: pytest.fail("weights loaded"))
     cfg = config_from_dict({"target": {"path": str(tiny_target_dir), "compile": True}})
     with pytest.raises(ConfigError, match=r"'target.compile'.*device is cpu \(run.device=auto\)"):
-        rank_admission.plan_run(cfg)
+        rank_checks.plan_run(cfg)
 
 
 def test_a_cpu_model_refuses_the_compiled_capture():
@@ -172,10 +173,12 @@ def test_trainer_warm_up_compiles_the_target_first_and_steps_never_compile(tmp_p
     """The trainer's wiring on CPU, with the device check lifted: the warm-up compiles the target
     (reported in status.json) and the training steps (various batch sizes and lengths) add nothing."""
     import dflash_train.config.validate as config_mod
-    from dflash_train.train import rank_admission, trainer, warmup
+    from dflash_train.train.start import rank_checks
+    from dflash_train.train import trainer
+    from dflash_train.train.start import warmup
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
-    monkeypatch.setattr(rank_admission, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(rank_checks, "validate_compile_device", lambda *a: None)
     cfg = config_from_dict({
         "target": {"path": str(tiny_target_dir), "compile": True},
         "drafter": {"num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},

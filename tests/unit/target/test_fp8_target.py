@@ -24,8 +24,8 @@ from dflash_train.accel.fp8 import FP8, FP8_MAX, dequantize, quantize, scales
 from dflash_train.architectures.io import load_drafter
 from dflash_train.target.capture import TargetCapture, load_target_model, target_fp8_linears
 from dflash_train.target.quantize import Fp8Linear, quantize_decoder_layers, quantized_bytes_saved
-from dflash_train.train import preflight
-from dflash_train.train.fp8_plan import check_fp8_device, check_fp8_shapes, fp8_target_layers
+from dflash_train.train.plan import preflight
+from dflash_train.train.plan.fp8_plan import check_fp8_device, check_fp8_shapes, fp8_target_layers
 
 # e4m3 keeps 3 mantissa bits: round to nearest is off by at most half a unit in the last place, 2^-4 of the
 # value for normal numbers; below 2^-6 (subnormals, spacing 2^-9) at most 2^-10 absolute.
@@ -195,7 +195,7 @@ def test_the_key_is_typed_and_off_by_default():
 def test_shapes_scaled_mm_refuses_fail_before_any_weights_load(tmp_path, tokenizer_dir, counting_jsonl, capsys,
                                                                monkeypatch):
     from conftest import make_tiny_target
-    from dflash_train.train import target_load
+    from dflash_train.train.start import target_load
 
     target = make_tiny_target(tmp_path / "odd", tokenizer_dir, layers=3, intermediate_size=120)
     monkeypatch.setattr(target_load, "load_target_model", lambda *a, **k: pytest.fail("weights loaded"))

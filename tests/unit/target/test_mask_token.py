@@ -11,7 +11,7 @@ from conftest import make_tiny_target
 from dflash_train.config.load import load_config
 from dflash_train.errors import ConfigError
 from dflash_train.target.capture import default_mask_token_id, load_tokenizer
-from dflash_train.train.rank_admission import plan_run
+from dflash_train.train.start.rank_checks import plan_run
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 CPU = ["run.device=cpu", "drafter.attention_backend=sdpa", "run.dtype=float32", "target.dtype=float32", "target.compile=false", "drafter.compile=false"]

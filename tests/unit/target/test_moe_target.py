@@ -100,7 +100,7 @@ def test_benchmark_moe_shape_counts_active_parameters():
 def test_preflight_counts_every_expert_as_resident(tmp_path):
     """A MoE target keeps all its experts in memory, however few a token uses: the preflight's count is the
     checkpoint's every tensor (per-expert tensors on disk, fused in the model), the model's whole size."""
-    from dflash_train.train import preflight
+    from dflash_train.train.plan import preflight
 
     path = save(qwen3_moe, tmp_path)
     model = load_target_model(path, torch.float32, torch.device("cpu"))

@@ -116,7 +116,7 @@ def test_each_rank_reads_only_its_share_of_a_target_larger_than_it(tmp_path, mon
     few layers, not more. glibc is told to give large blocks back when they are freed, so the peaks are the
     program's, not the allocator's keeping."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))
-    from dflash_train.train.preflight import checkpoint_parameters
+    from dflash_train.train.plan.preflight import checkpoint_parameters
 
     torch.manual_seed(0)
     target = tmp_path / "target"
@@ -140,7 +140,7 @@ def test_each_rank_reads_only_its_share_of_a_target_larger_than_it(tmp_path, mon
 def test_preflight_counts_a_rank_s_shard_the_whole_rest_and_the_gathered_layers(tmp_path, build):
     """From the checkpoint's headers: the decoder layers (a vision tower's blocks are not among them), the
     largest one, and a rank's need: its 1/parts of the layers, everything else whole, 3 gathered layers."""
-    from dflash_train.train.preflight import TargetShare, checkpoint_parameters, needed_bytes
+    from dflash_train.train.plan.preflight import TargetShare, checkpoint_parameters, needed_bytes
 
     torch.manual_seed(0)
     model = build()

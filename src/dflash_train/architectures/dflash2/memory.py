@@ -1,4 +1,4 @@
-"""DFlash2's terms in the drafter step's activation estimate (train/activation_memory.py, `StepMemory`), from its
+"""DFlash2's terms in the drafter step's activation estimate (train/plan/activation_memory.py, `StepMemory`), from its
 drafter config: the block convolutions' saved inputs, the selector's top-k and codebook gathers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Domino's own modules in the step's model FLOPs (train/flops.py, `StepFlops`), from its drafter config, forward +
+"""Domino's own modules in the step's model FLOPs (train/loop/flops.py, `StepFlops`), from its drafter config, forward +
 backward: the GRU over the block tokens (the target's embeddings it reads need no gradient) and the correction over
 the counted rows (the bottleneck and the `[V, E]` projection; the pure-draft slots' included: they are formed, then
 zeroed). The gradient-free pass that forms acceptance or dpace slot weights is a second forward of products already

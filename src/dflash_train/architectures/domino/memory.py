@@ -1,4 +1,4 @@
-"""Domino's terms in the drafter step's activation estimate (train/activation_memory.py, `StepMemory`): the chunk's
+"""Domino's terms in the drafter step's activation estimate (train/plan/activation_memory.py, `StepMemory`): the chunk's
 second logits (the correction's) and gradient, the GRU's saved states, the projector's rows and the correction's
 output weight with its float32 gradient."""
 

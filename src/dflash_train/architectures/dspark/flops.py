@@ -1,4 +1,4 @@
-"""DSpark's own modules in the step's model FLOPs (train/flops.py, `StepFlops`), from its drafter config, forward +
+"""DSpark's own modules in the step's model FLOPs (train/loop/flops.py, `StepFlops`), from its drafter config, forward +
 backward: the target's logits its L1 term reads (forward only, the target is frozen; once per target position the
 counted rows read), the Markov head (the bias through the `[V, r]` table over the counted rows, and a gated or rnn
 head's projection over the block tokens) and the confidence head over the counted rows. The gradient-free first pass

@@ -1,4 +1,4 @@
-"""DSpark's terms in the drafter step's activation estimate (train/activation_memory.py, `StepMemory`), beside
+"""DSpark's terms in the drafter step's activation estimate (train/plan/activation_memory.py, `StepMemory`), beside
 DFlash's and the target distribution that `needs_target_final` already counts there (the target's logits and
 softmax in each lm_head chunk, which also covers the sign of p - p_t and D-PARD's geometric mean, formed in
 place): the Markov head's activations over the block

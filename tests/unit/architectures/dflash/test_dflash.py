@@ -15,7 +15,7 @@ from dflash_train.architectures.dflash.model import DFlashDrafter
 from dflash_train.architectures.family.config import make_drafter_config
 from dflash_train.architectures.io import load_drafter, save_drafter
 from dflash_train.target.capture import TargetCapture, load_target_model
-from dflash_train.train.step import TrainStep
+from dflash_train.train.loop.step import TrainStep
 
 
 def test_default_layer_ids_follow_the_reference_rule():

@@ -25,17 +25,17 @@ from dflash_train.config.load import config_from_dict
 from dflash_train.config.validate import validate_against_target
 from dflash_train.data.batch import Batch
 from dflash_train.data.label_counts import COUNTS_FILE, draft_vocabulary
-from dflash_train.data.prepare import PrepareConfig, prepare, summary
+from dflash_train.commands.prepare import PrepareConfig, prepare, summary
 from dflash_train.data.source import open_training_data, require_label_counts
 from dflash_train.data.store import PreparedDataset, read_label_counts
 from dflash_train.errors import ConfigError
-from dflash_train.export import export_checkpoint
+from dflash_train.commands.export import export_checkpoint
 from dflash_train.infer.replay import ReplayTurn, greedy_continuations, replay_turn
 from dflash_train.infer.spec_decode import SpeculativeDecoder
 from dflash_train.architectures.io import load_drafter, save_drafter
 from dflash_train.target.capture import TargetCapture, load_target_model, load_tokenizer
-from dflash_train.train import preflight
-from dflash_train.train.drafter_rank import choose_draft_vocabulary
+from dflash_train.train.plan import preflight
+from dflash_train.train.start.drafter_session import choose_draft_vocabulary
 from _harness import write_config
 from _memorise import memorise
 
@@ -197,7 +197,7 @@ def test_preflight_counts_the_drafters_own_head(target64):
 def test_preflight_counts_the_kept_head_gradient_rows(target64):
     """objective.head_gradient keep (and auto, the default, with a trained head) adds exactly [counted rows,
     draft_vocab_size] in the compute dtype; a plan short of memory is told that recompute saves it."""
-    from dflash_train.train import activation_memory as am
+    from dflash_train.train.plan import activation_memory as am
 
     dcfg = make_drafter_config(target64.config, num_draft_layers=1, block_size=4, target_layer_ids=[1, 4],
                                mask_token_id=16, draft_vocab_size=100)
@@ -318,7 +318,7 @@ def test_the_kept_head_gradient_equals_the_recomputed_one(softcap):
 
 
 def test_a_training_step_trains_the_head_and_keeps_the_vocabulary(target64):
-    from dflash_train.train.step import TrainStep
+    from dflash_train.train.loop.step import TrainStep
 
     vocab = torch.arange(100, 140)
     drafter = _drafter(target64, 4, vocab)
@@ -484,7 +484,7 @@ def test_two_ranks_train_the_head_together_and_resume_exactly(prepared, tiny_tar
 
 
 def test_the_index_check_sizes_the_loss_chunk_by_the_draft_vocabulary(target64):
-    from dflash_train.train.indexing import compiled_widths
+    from dflash_train.train.plan.indexing import compiled_widths
 
     dcfg = make_drafter_config(target64.config, num_draft_layers=1, block_size=4, target_layer_ids=[1, 4],
                                mask_token_id=16, draft_vocab_size=300)

@@ -534,7 +534,7 @@ def test_acceptance_from_selector_is_refused_where_there_is_no_selector_or_no_ac
 def test_the_selector_trains_at_its_own_learning_rate_through_the_schedule(target):
     """`drafter.selector_lr_scale`: one AdamW step from the same gradients moves each selector weight by scale x
     what it moves at scale 1, every other weight by the same amount, at every step of the warm-up and decay."""
-    from dflash_train.train.step import lr_factor, make_optimizer
+    from dflash_train.train.loop.step import lr_factor, make_optimizer
 
     def steps(scale: float) -> list[dict[str, torch.Tensor]]:
         d = dflash2(target, perturb=0.1)
@@ -660,7 +660,7 @@ def test_a_factored_dflash2_run_trains_resumes_and_exports_the_reference_layout(
     and `dflash-train export` of a checkpoint (the target found through the run's config) carry the free tables
     computed from them; an export without the run's config says to pass --target."""
     from dflash_train.cli import main
-    from dflash_train.export import export_checkpoint
+    from dflash_train.commands.export import export_checkpoint
     from dflash_train.train.trainer import train
 
     cfg = config_from_dict({

@@ -8,7 +8,7 @@ import torch
 from dflash_train.architectures.family.blocks import build_blocks, gamma_weights, sample_anchors
 from dflash_train.architectures.family.loss import CEOptions, chunked_weighted_ce
 from dflash_train.architectures.stats import acceptance_estimate
-from dflash_train.train.step import lr_factor
+from dflash_train.train.loop.step import lr_factor
 
 
 def test_anchors_are_valid_sorted_distinct_and_capped():

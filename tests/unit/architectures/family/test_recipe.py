@@ -15,7 +15,7 @@ from dflash_train.config.load import config_from_dict
 from dflash_train.architectures.family.blocks import build_blocks, dpace_weights, sample_anchors
 from dflash_train.architectures.family.loss import CEOptions, chunked_weighted_ce
 from dflash_train.architectures.family.objective import row_weights
-from dflash_train.train.step import lr_factor
+from dflash_train.train.loop.step import lr_factor
 
 F = torch.nn.functional
 
@@ -443,7 +443,7 @@ def test_cuda_train_steps_with_every_option_on():
     from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
-    from dflash_train.train.step import TrainStep
+    from dflash_train.train.loop.step import TrainStep
 
     torch.manual_seed(0)
     tcfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,

@@ -9,24 +9,24 @@ from typing import Optional
 
 import torch
 
-from ..config.schema import Config
-from ..data.batch import collate
-from ..accel import compile as compile_layer
-from ..architectures import reads_target_final
-from ..target.capture import TargetCapture
-from ..run.reporter import Reporter
-from .loop import memory_gib, micro_batch_groups
-from .rank_admission import Admitted
-from .rank_setup import RankSetup
-from .stop import StopRequest
-from .target_load import load_target
+from ...config.schema import Config
+from ...data.batch import collate
+from ...accel import compile as compile_layer
+from ...architectures import reads_target_final
+from ...target.capture import TargetCapture
+from ...run.reporter import Reporter
+from ..loop.train_loop import memory_gib, micro_batch_groups
+from ..start.rank_checks import Admitted
+from ..start.rank_setup import RankSetup
+from ..loop.stop import StopRequest
+from ..start.target_load import load_target
 from .transport import SplitLayout, TargetOutbox
-from .warmup import batch_kinds
+from ..start.warmup import batch_kinds
 
 log = logging.getLogger(__name__)
 
 
-def run_target_rank(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter, stop: StopRequest) -> None:
+def run_target_server(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter, stop: StopRequest) -> None:
     """A split placement's target rank: load and (optionally) compile the target, then serve every step."""
     target = TargetCapture.from_model(load_target(cfg, a.plan, r, rep), a.plan.layer_ids, compile=cfg.target.compile)
     if target.compile:  # this rank's only compiled code: warm it before serving any step

@@ -1,7 +1,7 @@
 """A rank's admission of its start: every check that needs no weights (the config against the target's
 config.json and tokenizer, the FP8 and tensor-parallel shapes, on resume the checkpoint that matches this setup),
 before the run directory is touched; then rank 0 takes the directory over. The supervisor's admission (may this
-command use its run directory at all) is `admission.py`."""
+command use its run directory at all) is `directory_admission.py`."""
 
 from __future__ import annotations
 
@@ -14,24 +14,24 @@ from typing import Optional
 
 import torch
 
-from .. import assets
-from ..config.load import dump_config
-from ..config.schema import Config
-from ..config.validate import validate_against_target, validate_compile_device, validate_world
-from ..data.source import require_label_counts
-from ..errors import UserError
-from ..architectures import architecture
-from ..architectures.drafter import default_target_layer_ids
-from ..target.provenance import target_provenance
-from ..target.tensor_parallel import check_tp_target
-from ..target.capture import default_mask_token_id, load_tokenizer, read_target_config
-from ..run.directory import RunDir, clear_stop_request, stop_requested_since
-from .stop import launch_time
-from ..runtime import resolve_device, resolve_dtype
-from . import checkpoint as checkpoints
-from .admission import holds_run_message
-from .fp8_plan import check_fp8_device, check_fp8_shapes, fp8_target_layers
-from .transport import SplitLayout
+from ... import assets
+from ...config.load import dump_config
+from ...config.schema import Config
+from ...config.validate import validate_against_target, validate_compile_device, validate_world
+from ...data.source import require_label_counts
+from ...errors import UserError
+from ...architectures import architecture
+from ...architectures.drafter import default_target_layer_ids
+from ...target.provenance import target_provenance
+from ...target.tensor_parallel import check_tp_target
+from ...target.capture import default_mask_token_id, load_tokenizer, read_target_config
+from ...run.directory import RunDir, clear_stop_request, stop_requested_since
+from ..loop.stop import launch_time
+from ...runtime import resolve_device, resolve_dtype
+from .. import checkpoint as checkpoints
+from .directory_admission import holds_run_message
+from ..plan.fp8_plan import check_fp8_device, check_fp8_shapes, fp8_target_layers
+from ..split.transport import SplitLayout
 
 log = logging.getLogger(__name__)
 

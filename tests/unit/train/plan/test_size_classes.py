@@ -1,4 +1,4 @@
-"""The plan's size classes (train/size_classes.py): the extreme batches the warm-up runs are the plan's own,
+"""The plan's size classes (train/plan/size_classes.py): the extreme batches the warm-up runs are the plan's own,
 reach every edge over every epoch, and the block bound is what `sample_anchors` gives."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_train.data.dataset import plan_batches
-from dflash_train.train import size_classes
+from dflash_train.train.plan import size_classes
 from dflash_train.architectures.family.blocks import sample_anchors
 
 

@@ -7,32 +7,32 @@ import logging
 
 import torch
 
-from .. import assets
-from ..config.schema import Config
-from ..data.label_counts import coverage, draft_vocabulary
-from ..data.source import open_validation_data
-from ..architectures import architecture
-from ..architectures.init_from_target import init_drafter_from_target
-from ..accel.fp8_training import use_fp8_training
-from ..target.provenance import serving_record, write_provenance
-from ..target.capture import TargetCapture, load_target_head
-from ..model_card import drafter_card
-from ..run.directory import RunDir
-from ..run.metrics import truncate_metrics
-from ..run.reporter import Reporter
-from . import checkpoint as checkpoints
-from .admission import flatten
-from .loop import Session
-from .rank_admission import Admitted
+from ... import assets
+from ...config.schema import Config
+from ...data.label_counts import coverage, draft_vocabulary
+from ...data.source import open_validation_data
+from ...architectures import architecture
+from ...architectures.init_from_target import init_drafter_from_target
+from ...accel.fp8_training import use_fp8_training
+from ...target.provenance import serving_record, write_provenance
+from ...target.capture import TargetCapture, load_target_head
+from ...exports.card import drafter_card
+from ...run.directory import RunDir
+from ...run.metrics import truncate_metrics
+from ...run.reporter import Reporter
+from .. import checkpoint as checkpoints
+from .directory_admission import flatten
+from ..loop.train_loop import Session
+from .rank_checks import Admitted
 from .rank_setup import RankSetup
-from .step import TrainStep
+from ..loop.step import TrainStep
 from .target_load import load_target
-from .transport import DrafterInbox
+from ..split.transport import DrafterInbox
 
 log = logging.getLogger(__name__)
 
 
-def build_drafter_rank(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep: Reporter, ctx, resume: bool) -> Session:
+def build_drafter_session(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep: Reporter, ctx, resume: bool) -> Session:
     """Load the target (colocated) or its embedding and lm_head (split), build the drafter and its optimizer,
     continue from the checkpoint on resume, open validation data: the loop's Session."""
     plan = a.plan

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from ..architectures import architecture, reads_target_final
-from ..config.schema import Config
-from ..errors import ConfigError
-from ..accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
-from ..accel.fp8_training import fp8_drafter_linears
-from ..target.capture import target_fp8_linears
-from ..target.quantize import quantized_bytes_saved
+from ...architectures import architecture, reads_target_final
+from ...config.schema import Config
+from ...errors import ConfigError
+from ...accel.fp8 import SCALED_MM_MULTIPLE, require_fp8_device, unsupported_shapes
+from ...accel.fp8_training import fp8_drafter_linears
+from ...target.capture import target_fp8_linears
+from ...target.quantize import quantized_bytes_saved
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 

@@ -1,6 +1,6 @@
 """The training loop of a drafter rank: one sitting, from the first planned step to the export.
 
-`trainer.train` admits the start and sets the rank up; `drafter_rank.build_drafter_rank` builds the target,
+`trainer.train` admits the start and sets the rank up; `drafter_session.build_drafter_session` builds the target,
 the drafter, its data and the resumed state into a `Session`, `warmup.warm_up_drafter_rank` compiles, and
 `trainer.train` hands the Session here with the `RunState` to continue from. Each step: take the micro-batches
 (collated here, or received from the target ranks in the split placement), one optimizer step, then the
@@ -22,24 +22,24 @@ from typing import Any, Optional
 
 import torch
 
-from ..config.schema import Config
-from ..data.batch import collate
-from ..data.dataset import batches_from, padding_fraction, plan_batches
-from ..layout import STATE
-from ..accel import compile as compile_layer
-from ..architectures.io import load_drafter, save_drafter
-from ..model_card import CARD_NAME, weights_line
-from ..target.capture import TargetCapture
-from ..target.provenance import PROVENANCE_NAME
-from ..run.directory import RunDir
-from ..run.reporter import Reporter
-from . import checkpoint as checkpoints
+from ...config.schema import Config
+from ...data.batch import collate
+from ...data.dataset import batches_from, padding_fraction, plan_batches
+from ...files.layout import STATE, step_folder
+from ...accel import compile as compile_layer
+from ...architectures.io import load_drafter, save_drafter
+from ...exports.card import CARD_NAME, weights_line
+from ...target.capture import TargetCapture
+from ...target.provenance import PROVENANCE_NAME
+from ...run.directory import RunDir
+from ...run.reporter import Reporter
+from .. import checkpoint as checkpoints
 from . import flops
-from .dist import StopVote
-from ..architectures import reads_target_final
-from ..architectures.stats import DraftWork, StepStats
+from ..processes.dist import StopVote
+from ...architectures import reads_target_final
+from ...architectures.stats import DraftWork, StepStats
 from .step import MicroBatch, TrainStep
-from .transport import DrafterInbox
+from ..split.transport import DrafterInbox
 from .validate import validate
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class RunState:
 
 @dataclass
 class Session:
-    """Everything a drafter rank's loop uses, built by `drafter_rank.build_drafter_rank` before the first step."""
+    """Everything a drafter rank's loop uses, built by `drafter_session.build_drafter_session` before the first step."""
 
     cfg: Config
     run: RunDir
@@ -187,7 +187,7 @@ def _train_loop(s: Session, state: RunState, rep: Reporter, stop) -> Path:
                                      tok_s=f"{last_record['tokens_per_s']:.0f}")
         if progress is not None:
             progress.update(1)
-        # this rank's compiled functions, or a target rank's (its note arrives with a capture; transport.py)
+        # this rank's compiled functions, or a target rank's (its note arrives with a capture; split/transport.py)
         near = compile_layer.recompile_headroom_error(variants_ahead) or (s.inbox.target_note if s.inbox else None)
         if near is not None if recompile_vote is None else recompile_vote(near is not None):
             _stop_before_the_recompile_limit(s, state, rep, near)
@@ -395,7 +395,7 @@ def finish(s: Session, state: RunState, rep: Reporter, last_record: dict) -> Pat
     rep.report(phase="exporting")
     cfg_yaml = run.config.read_text()
     if run.export.is_dir() and any(run.export.iterdir()):
-        kept = run.export.rename(run.root / f"export.before-step-{state.step:08d}-{time.strftime('%Y%m%d-%H%M%S')}")
+        kept = run.export.rename(run.root / f"export.before-{step_folder(state.step)}-{time.strftime('%Y%m%d-%H%M%S')}")
         log.info("the previous export moved to %s", kept)
     drafter, weights = export_weights(s, state)
     try:

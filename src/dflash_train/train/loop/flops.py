@@ -1,5 +1,5 @@
 """The model FLOPs of a training step and its MFU: one accounting for the training loop's metrics
-(train/loop.py) and the throughput benchmarks (benchmarks/throughput.py), so that the two compare.
+(train/loop/train_loop.py) and the throughput benchmarks (benchmarks/throughput.py), so that the two compare.
 
 Useful FLOPs only (docs/results/performance.md), from sizes the host knows (no device read):
 - the target's capture, forward only: the matmuls of the decoder layers it runs (up to the last captured
@@ -28,10 +28,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..architectures import architecture
-from ..architectures.contract import StepFlops
-from ..architectures.stats import DraftWork
-from ..target.hf_config import text_config
+from ...architectures import architecture
+from ...architectures.contract import StepFlops
+from ...architectures.stats import DraftWork
+from ...target.hf_config import text_config
 
 # The dense bf16 matmul peak measured on an H200 (benchmarks/throughput.py `matmul_peak_tflops`: the median
 # 8192^3 bf16 matmul), what the benchmarks' MFU divides by (docs/results/performance.md).

@@ -17,9 +17,9 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 
-from ..architectures import architecture
-from ..config.schema import Config
-from ..errors import ResourceError
+from ...architectures import architecture
+from ...config.schema import Config
+from ...errors import ResourceError
 from .activation_memory import KEPT_HEAD_GRADIENT, ActivationEstimate, activation_estimate
 
 log = logging.getLogger(__name__)

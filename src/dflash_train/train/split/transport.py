@@ -33,8 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..data.batch import Batch
-from .step import MicroBatch
+from ...data.batch import Batch
+from ..loop.step import MicroBatch
 
 GO, STOP = 1, 0
 HEADER = 8  # m, B, S, width, dtype code, note bytes, then spare

@@ -9,8 +9,8 @@ import signal
 import threading
 import time
 
-from ..run.directory import RunDir, stop_requested_since
-from .launch import LAUNCH_TIME_ENV
+from ...run.directory import RunDir, stop_requested_since
+from ..processes.launch import LAUNCH_TIME_ENV
 
 log = logging.getLogger(__name__)
 

@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .. import assets
-from ..config.load import config_to_dict, load_config, old_key_names
-from ..config.schema import Config
-from ..data.formats import DamagedDataFile, check_readable, expand_source
-from ..data.store import SPLITS, PreparedDataset, is_prepared
-from ..errors import ConfigError, UserError
-from ..layout import list_checkpoints
-from ..run.directory import ENDED, RunDir
-from ..run.status import liveness
+from ... import assets
+from ...config.load import config_to_dict, load_config, old_key_names
+from ...config.schema import Config
+from ...data.formats import DamagedDataFile, check_readable, expand_source
+from ...data.store import SPLITS, PreparedDataset, is_prepared
+from ...errors import ConfigError, UserError
+from ...files.layout import list_checkpoints
+from ...run.directory import ENDED, RunDir
+from ...run.status import liveness
 
 log = logging.getLogger(__name__)
 

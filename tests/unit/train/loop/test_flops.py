@@ -1,4 +1,4 @@
-"""The FLOP accounting of train/flops.py (the training loop's metrics and the throughput benchmarks): its formula
+"""The FLOP accounting of train/loop/flops.py (the training loop's metrics and the throughput benchmarks): its formula
 against the matmuls a tiny real target and drafter run, counted by torch's FlopCounterMode on the CPU, and the
 efficiency fields' arithmetic."""
 
@@ -17,7 +17,7 @@ from dflash_train.architectures.dflash.model import DFlashDrafter
 from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.target.capture import TargetCapture
-from dflash_train.train import flops
+from dflash_train.train.loop import flops
 
 H, BS, LAYER_IDS = 64, 4, [0, 2]
 

@@ -3,12 +3,12 @@ shard of a sharded (`target.sharding: fsdp`) or tensor-parallel (`tp`) target.""
 
 from __future__ import annotations
 
-from ..config.schema import Config
-from ..target.capture import load_target_model
-from ..target.shard import SHARD_DIM, load_sharded_target, peak_host_gib
-from ..target.tensor_parallel import load_tp_target
-from ..run.reporter import Reporter
-from .rank_admission import Plan
+from ...config.schema import Config
+from ...target.capture import load_target_model
+from ...target.shard import SHARD_DIM, load_sharded_target, peak_host_gib
+from ...target.tensor_parallel import load_tp_target
+from ...run.reporter import Reporter
+from .rank_checks import Plan
 from .rank_setup import RankSetup
 
 

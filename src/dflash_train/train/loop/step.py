@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..architectures import architecture
-from ..architectures.drafter import Drafter
-from ..architectures.stats import StepStats
-from ..config.schema import Config
-from ..data.batch import Batch
-from ..target.capture import TargetCapture, TargetHead
-from .dist import HostCopy
+from ...architectures import architecture
+from ...architectures.drafter import Drafter
+from ...architectures.stats import StepStats
+from ...config.schema import Config
+from ...data.batch import Batch
+from ...target.capture import TargetCapture, TargetHead
+from ..processes.dist import HostCopy
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..data.dataset import plan_batches
+from ...data.dataset import plan_batches
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..data.dataset import plan_batches
+from ...data.dataset import plan_batches
 from .size_classes import blocks_for
 
 INT32_MAX = 2**31 - 1

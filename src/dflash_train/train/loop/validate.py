@@ -18,12 +18,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ..data.batch import Batch, collate
-from ..data.dataset import plan_batches
-from ..infer.replay import teacher_forced_walk
-from ..infer.spec_decode import SpeculativeDecoder
-from ..architectures.stats import StepStats, acceptance_estimate
-from . import size_classes
+from ...data.batch import Batch, collate
+from ...data.dataset import plan_batches
+from ...infer.replay import teacher_forced_walk
+from ...infer.spec_decode import SpeculativeDecoder
+from ...architectures.stats import StepStats, acceptance_estimate
+from ..plan import size_classes
 from .step import TrainStep
 
 

@@ -1,4 +1,4 @@
-"""How far a plan keeps the compiled graphs from 2^31 elements (train/indexing.py): the element counts it
+"""How far a plan keeps the compiled graphs from 2^31 elements (train/plan/indexing.py): the element counts it
 computes are the real tensors' of the compiled functions (recorded op by op on CPU), its plan maximum is the
 brute-force one, a plan over 2^31 - 1 is warned about naming what to lower, and the trainer reports it (and
 warns, then trains: the warm-up compiles the largest batches, so nothing recompiles mid-run). That inductor's 32-bit guard recompiles a kernel past 2^31 is checked on a GPU
@@ -22,8 +22,8 @@ from dflash_train.architectures.attention import sdpa_attention
 from dflash_train.architectures.dflash.model import DFlashDrafter
 from dflash_train.architectures.family.config import make_drafter_config
 from dflash_train.architectures.family.mask import dense_mask
-from dflash_train.train import indexing
-from dflash_train.train.size_classes import block_bound
+from dflash_train.train.plan import indexing
+from dflash_train.train.plan.size_classes import block_bound
 
 BS = 4
 
@@ -172,10 +172,11 @@ def test_a_plan_over_two_to_the_31_is_warned_about_naming_what_to_lower():
 def _cpu_compile_run(monkeypatch, tiny_target_dir, counting_jsonl):
     import dflash_train.config.validate as config_mod
     from dflash_train.architectures.family import model as drafter_mod
-    from dflash_train.train import rank_admission, trainer
+    from dflash_train.train.start import rank_checks
+    from dflash_train.train import trainer
 
     monkeypatch.setattr(config_mod, "validate_compile_device", lambda *a: None)
-    monkeypatch.setattr(rank_admission, "validate_compile_device", lambda *a: None)
+    monkeypatch.setattr(rank_checks, "validate_compile_device", lambda *a: None)
     monkeypatch.setattr(drafter_mod, "COMPILE_BACKEND", "eager")
     return trainer, config_from_dict({
         "target": {"path": str(tiny_target_dir)},
@@ -222,7 +223,7 @@ def test_block_counts_from_the_datas_anchor_positions_are_sample_anchors_own(tin
     from dflash_train.data.source import open_training_data
     from dflash_train.target.capture import load_tokenizer
     from dflash_train.architectures.family.blocks import sample_anchors
-    from dflash_train.train.size_classes import blocks_for
+    from dflash_train.train.plan.size_classes import blocks_for
 
     cfg = config_from_dict({"target": {"path": str(tiny_target_dir)}, "drafter": {"block_size": BS},
                             "data": {"train_files": [str(counting_jsonl)], "max_length": 256}})
@@ -242,7 +243,7 @@ def test_a_prepared_datasets_anchor_positions_bound_the_real_ones(tmp_path, tiny
     """A prepared dataset gives its supervised tokens (counted before a shorter data.max_length cuts rows, and
     its last block's among them): never fewer than the positions that can anchor a block, never more than a
     row's length allows."""
-    from dflash_train.data.prepare import PrepareConfig, prepare
+    from dflash_train.commands.prepare import PrepareConfig, prepare
     from dflash_train.data.source import open_training_data
     from dflash_train.target.capture import load_tokenizer
 

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from .. import procs
-from ..errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, UserError
-from ..run.directory import ENDED, START_UP_PHASES, RunDir, clear_stop_request, request_stop_file
-from ..run.status import StatusWriter, read_heartbeats
+from ...run import procs
+from ...errors import EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, UserError
+from ...run.directory import ENDED, START_UP_PHASES, RunDir, clear_stop_request, request_stop_file
+from ...run.status import StatusWriter, read_heartbeats
 
 GRACE_S = 10.0
 # The launcher's start time, inherited by its ranks: a STOP file older than it is stale (stop.StopRequest).

@@ -12,10 +12,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..architectures import architecture, reads_target_final
-from ..architectures.contract import StepMemory
-from ..config.schema import Config
-from ..target.hf_config import text_config
+from ...architectures import architecture, reads_target_final
+from ...architectures.contract import StepMemory
+from ...config.schema import Config
+from ...target.hf_config import text_config
 from .size_classes import blocks_for
 
 _F32 = 4
@@ -172,7 +172,7 @@ def _head_copy(s: DrafterStepSettings, hidden: int) -> int:
 
 
 def drafter_step_parts(drafter_config, shape: MicroBatchShape, s: DrafterStepSettings) -> dict[str, int]:
-    """The drafter training step's peak beyond its weights, gradients and optimizer state (train/step.py and the
+    """The drafter training step's peak beyond its weights, gradients and optimizer state (train/loop/step.py and the
     algorithm's objective, eager): every layer's saved activations (`drafter_layer_saved`) over the query tokens
     (rows x blocks x block_size) and the context (rows x context, padded to whole flex tiles), the context the
     captured states are projected to (fc output and its norm), the block embeddings' layer input and the final

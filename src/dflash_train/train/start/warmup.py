@@ -10,17 +10,17 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..data.batch import Batch, collate
-from ..accel import compile as compile_layer
-from ..architectures import reads_target_final
-from ..target.capture import TargetCapture
-from ..run.reporter import Reporter
-from . import size_classes
-from .loop import Session
-from .rank_admission import Admitted
+from ...data.batch import Batch, collate
+from ...accel import compile as compile_layer
+from ...architectures import reads_target_final
+from ...target.capture import TargetCapture
+from ...run.reporter import Reporter
+from ..plan import size_classes
+from ..loop.train_loop import Session
+from .rank_checks import Admitted
 from .rank_setup import RankSetup
-from .step import TrainStep
-from .validate import evaluating, validation_batches_to_warm_up, validation_loss
+from ..loop.step import TrainStep
+from ..loop.validate import evaluating, validation_batches_to_warm_up, validation_loss
 
 log = logging.getLogger(__name__)
 

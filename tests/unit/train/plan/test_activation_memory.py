@@ -1,4 +1,4 @@
-"""The activation estimate (train/activation_memory.py) against the live tensors of real eager runs on CPU: a capture
+"""The activation estimate (train/plan/activation_memory.py) against the live tensors of real eager runs on CPU: a capture
 of tiny random Qwen3 targets (dense and MoE) and real drafter training steps (dflash, dflash2, dspark; float32 and bfloat16
 autocast), measured op by op (tests/helpers/_live_bytes.py). The estimate must bound the measured peak, stay within 2.5x
 of it, and each shape's dominant named part must be needed (the estimate without it falls below the measurement)."""
@@ -14,9 +14,9 @@ from dflash_train.architectures.family.backend import resolve_backend
 from dflash_train.architectures.family.blocks import sample_anchors
 from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
-from dflash_train.train import activation_memory as am
-from dflash_train.train.preflight import drafter_parameters
-from dflash_train.train.step import TrainStep
+from dflash_train.train.plan import activation_memory as am
+from dflash_train.train.plan.preflight import drafter_parameters
+from dflash_train.train.loop.step import TrainStep
 
 LOOSEST = 2.5
 
@@ -151,7 +151,7 @@ def test_a_plan_whose_activations_cannot_fit_stops_before_loading_naming_the_tok
     message gives the parts and names data.token_budget first; a quarter of the budget fits."""
     from dflash_train.target.capture import read_target_config
     from dflash_train.errors import UserError
-    from dflash_train.train.preflight import MARGIN, check_gpu, rank_need
+    from dflash_train.train.plan.preflight import MARGIN, check_gpu, rank_need
 
     tc = read_target_config(tiny_target_dir)
 

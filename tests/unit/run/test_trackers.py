@@ -20,9 +20,9 @@ from dflash_train.run.directory import RunDir
 from dflash_train.run.metrics import MetricsWriter
 from dflash_train.run.reporter import Reporter
 from dflash_train.run.tracker_runs import read_tracker_ids
-from dflash_train.runtime import write_json_atomic
+from dflash_train.files.io import write_json_atomic
 from dflash_train.trackers import TrackerPackage, tracker_unavailable
-from dflash_train.train.admission import flatten, resume_changes
+from dflash_train.train.start.directory_admission import flatten, resume_changes
 
 PARAMS = {"optim.lr": 0.0006, "drafter.block_size": 16, "run.report_to": ["mlflow"], "drafter.target_layer_ids": None}
 

@@ -12,18 +12,19 @@ from pathlib import Path
 
 import torch
 
-from ..config.schema import Config
-from ..data.dataset import plan_batches
-from ..data.source import open_training_data
-from ..errors import UserError
-from ..accel import compile as compile_layer
-from ..architectures import architecture
-from ..target.shard import shard_mesh
-from ..run.directory import RunDir
-from ..run.reporter import Reporter
-from . import indexing, preflight
-from .loop import RunState
-from .rank_admission import Admitted, shard_group_size, target_rank_ids
+from ...config.schema import Config
+from ...data.dataset import plan_batches
+from ...data.source import open_training_data
+from ...errors import UserError
+from ...accel import compile as compile_layer
+from ...architectures import architecture
+from ...target.shard import shard_mesh
+from ...run.directory import RunDir
+from ...run.reporter import Reporter
+from ..plan import indexing
+from ..plan import preflight
+from ..loop.train_loop import RunState
+from .rank_checks import Admitted, shard_group_size, target_rank_ids
 
 log = logging.getLogger(__name__)
 
