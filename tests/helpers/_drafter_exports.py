@@ -14,6 +14,8 @@ EXPORTS = {
     "dspark-no-confidence": ("dspark", {"markov_rank": 4, "confidence_head": False, "confidence_weight": 0.0}),
     "dspark-rnn": ("dspark", {"markov_rank": 4, "markov_head_type": "rnn"}),
     "domino": ("domino", None),
+    "lilicorr": ("lilicorr", {"candidate_topk": 4, "head_hidden_size": 16, "head_num_layers": 1, "head_num_heads": 2,
+                              "factor_dim": 8}),
 }
 
 

@@ -120,6 +120,7 @@ _BUILTIN = (
     Registered("dflash2", "DFlash2DraftModel", "dflash_train.architectures.dflash2", "dflash_train.architectures.dflash2.options"),
     Registered("dspark", "Qwen3DSparkModel", "dflash_train.architectures.dspark", "dflash_train.architectures.dspark.options"),
     Registered("domino", "DFlashDraftModel", "dflash_train.architectures.domino", "dflash_train.architectures.domino.options", {"dflash_config.projector_type": "domino"}),
+    Registered("lilicorr", "LiLiCorrDraftModel", "dflash_train.architectures.lilicorr", "dflash_train.architectures.lilicorr.options"),
 )
 _REGISTRY: dict[str, Registered] = {r.name: r for r in _BUILTIN}
 DEFAULT = "dflash"

@@ -38,13 +38,14 @@ def test_the_declared_capabilities_are_what_the_drafter_does(exports, case):
     except ValueError as e:
         refused = str(e)
     assert (declared.tree_refusal(config) if declared.tree_refusal else None) == refused
-    assert (refused is not None) == (case in ("domino", "dspark-rnn"))
+    assert (refused is not None) == (case in ("domino", "dspark-rnn", "lilicorr"))
     assert drafter.has_confidence == (case in ("dspark", "dspark-rnn"))
 
 
 @pytest.mark.parametrize("case,options,said", [
     ("domino", DecodingOptions(tree_budgets=(4,)), "domino drafts a chain"),
     ("dspark-rnn", DecodingOptions(tree_budgets=(4,)), "markov_head_type is rnn"),
+    ("lilicorr", DecodingOptions(tree_budgets=(4,)), "walking that lattice"),
     ("dflash", DecodingOptions(confidence_threshold=0.5),
      "--confidence-threshold 0.5: the dflash drafter in {folder} has no confidence head"),
     ("dspark-no-confidence", DecodingOptions(confidence_threshold=0.5), "dspark drafter in {folder} has no confidence"),

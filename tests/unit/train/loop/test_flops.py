@@ -111,6 +111,11 @@ OWN_MODULES = {  # name: (architecture, its section, the own parts the formula c
                                                "confidence_weight": 0.0}, {"target_logits", "markov"}),
     "dspark rnn": ("dspark", {"markov_rank": 8, "markov_head_type": "rnn"}, {"target_logits", "markov", "confidence"}),
     "domino": ("domino", {"gru_hidden_dim": 24, "emb_dim": 12}, {"gru", "correction"}),
+    "lilicorr": ("lilicorr", {"candidate_topk": 4, "head_hidden_size": 32, "head_num_layers": 1, "head_num_heads": 2,
+                              "factor_dim": 8}, {"lilicorr_candidates", "lilicorr_anchor_rows", "lilicorr_head"}),
+    "lilicorr as wide as the drafter": ("lilicorr", {"candidate_topk": 2, "head_hidden_size": 0, "head_num_layers": 2,
+                                                     "head_num_heads": 4, "factor_dim": 16, "mlp_ratio": 1.5},
+                                        {"lilicorr_candidates", "lilicorr_anchor_rows", "lilicorr_head"}),
 }
 
 
@@ -142,7 +147,8 @@ def test_the_formula_counts_dspark_and_domino_modules_that_run(case):
     shape = flops.drafter_shape(drafter)
     parts = flops.drafter_flop_parts(shape, 80, work, 2, len(LAYER_IDS), flops.own_flops(drafter))
     assert {k for k in parts if k not in ("linears", "attention", "lm_head") and parts[k]} == own
-    last = tcfg.num_hidden_layers - 1 if arch == "dspark" else max(LAYER_IDS)  # DSpark reads the final norm
+    # DSpark and LiLiCorr read the final norm
+    last = tcfg.num_hidden_layers - 1 if arch in ("dspark", "lilicorr") else max(LAYER_IDS)
     target_linears = flops.target_flop_parts(flops.model_shape(tcfg), [40, 40], last)["linears"]
     fc_input_gradient = 2 * 80 * len(LAYER_IDS) * H * H
     first_state_gradients = work.blocks * 2 * 3 * 24 * 24 if arch == "domino" else 0

@@ -36,7 +36,9 @@ def _config(rows: int, length: int, block: int, anchors: int, chunk: int, arch: 
     """`arch`: an architecture name, or dflash2:factored (its selector's codebooks factored through the head)."""
     arch, _, codebooks = arch.partition(":")
     extra = {"selector_codebooks": codebooks} if codebooks else {}
-    sections = {"domino": {"gru_hidden_dim": 256, "emb_dim": 64}} if arch == "domino" else {}
+    own = {"domino": {"gru_hidden_dim": 256, "emb_dim": 64},
+           "lilicorr": {"candidate_topk": 8, "head_hidden_size": 128, "head_num_heads": 4, "factor_dim": 128}}
+    sections = {arch: own[arch]} if arch in own else {}
     return config_from_dict({**sections,
                              "drafter": {"block_size": block, "num_draft_layers": layers, "attention_backend": "sdpa",
                                          "architecture": arch, **extra},
@@ -93,6 +95,7 @@ STEPS = {  # name: (target shape, architecture, rows, length, block, anchors, CE
     "domino's correction": (dict(vocab_size=1000), "domino", 2, 128, 16, 4, 128, torch.float32, "domino_correction"),
     "domino's chunk, both terms": (dict(vocab_size=8000), "domino", 2, 128, 16, 4, 128, torch.float32,
                                    "lm_head + CE chunk"),
+    "lilicorr's lattice": (dict(vocab_size=1000), "lilicorr", 2, 128, 16, 8, 128, torch.float32, "loss rows"),
 }
 
 
@@ -120,7 +123,7 @@ def test_the_step_estimate_bounds_the_live_bytes_of_a_real_training_step(case):
         step(batch, 1)
     grads = sum(p.numel() * p.element_size() for p in drafter.parameters())
     estimate = am.activation_estimate("colocated", cfg, model.config, dcfg, ids, torch.float32, dtype, "cpu",
-                                      drafter_parameters(arch, dcfg))
+                                      drafter_parameters(architecture(arch), dcfg))
     assert estimate.shape == am.MicroBatchShape(rows, length, anchors, block)
     _assert_bounds(estimate.parts, live.peak - grads, needed)
 
@@ -132,7 +135,7 @@ def test_the_largest_micro_batches_bound_every_batch_the_keys_allow(max_anchors,
     cfg = config_from_dict({"drafter": {"block_size": 4},
                             "objective": {"max_anchors": max_anchors, "max_anchors_per_batch": per_batch},
                             "data": {"max_length": 60, "token_budget": 150, "max_batch_size": 5}})
-    shapes = {s.rows: s for s in am.largest_micro_batches(cfg, multiple)}
+    shapes = {s.rows: s for s in am.largest_micro_batches(cfg, multiple, 4)}
     assert sorted(shapes) == [1, 2, 3, 4, 5] and shapes[1].context == 60 and shapes[5].context == 30
     rng = np.random.default_rng(0)
     g = torch.Generator().manual_seed(0)
@@ -160,7 +163,8 @@ def test_a_plan_whose_activations_cannot_fit_stops_before_loading_naming_the_tok
                                 "data": {"max_length": 4096, "token_budget": token_budget, "max_batch_size": 16}})
         ids = [1, 3]
         dcfg = architecture("dflash").config_for_run(tc, cfg, ids, 5)
-        return rank_need(cfg, tiny_target_dir, tc, dcfg, ids, torch.bfloat16, torch.bfloat16, "colocated", False)
+        return rank_need(cfg, tiny_target_dir, tc, dcfg, ids, torch.bfloat16, torch.bfloat16, "colocated", False,
+                         arch=architecture("dflash"))
 
     big, what = need(65536)
     small, _ = need(4096)

@@ -27,7 +27,7 @@ from dflash_train.config.load import config_from_dict, config_to_dict, dump_conf
 from dflash_train.config.schema import config_sections
 from dflash_train.errors import ConfigError
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "dflash_train"
+SRC = Path(__file__).resolve().parents[3] / "src" / "dflash_train"
 
 # ------------------------------------------------------------------------------------------------ no names leak
 # Generic code (everything but an architecture's own package and the registry, `architectures/registry.py`) names no
@@ -77,13 +77,23 @@ def _export_keys(name: str) -> set[str]:
 def own_words() -> dict[str, list[re.Pattern]]:
     """Architecture name -> what generic code must not hold of it: its name (the default's, which is also the
     package's, as a string literal or its package's module path), its config section's keys and the keys its exported config.json adds to the
-    default architecture's, less the generic keys and one-word keys (ordinary words of any code, e.g. `loss`)."""
+    default architecture's, less the generic keys and one-word keys (ordinary words of any code, e.g. `loss`). A key
+    the exports of several architectures add (`dflash_config.projector_type`, each with its own value) is theirs
+    together: an entry `"a+b"` of its own, which their packages may hold."""
     generic, default_keys = _generic_keys(), _export_keys(registry.DEFAULT)
-    words = {}
+    added = {name: _export_keys(name) - default_keys for name in registry.names()}
+    owners: dict[str, list[str]] = {}
+    for name, keys in added.items():
+        for k in keys - generic:
+            owners.setdefault(k, []).append(name)
+    shared = {k for k, names in owners.items() if len(names) > 1 and "_" in k}
+    words: dict[str, list[re.Pattern]] = {}
+    for k in sorted(shared):
+        words.setdefault("+".join(owners[k]), [re.compile(r"(?!)")]).append(re.compile(rf"\b{re.escape(k)}\b"))
     for name in registry.names():
         section = registry.options(name).section
         keys = {f.name for f in dataclasses.fields(section)} if section else set()
-        keys |= _export_keys(name) - default_keys
+        keys |= added[name] - shared
         keys = sorted(k for k in keys - generic if "_" in k)
         named = (re.compile(rf"""["']{re.escape(name)}["']|\barchitectures[./]{re.escape(name)}\b""")
                  if name == registry.DEFAULT
@@ -101,7 +111,7 @@ def _leaks(src: Path, words: dict[str, list[re.Pattern]]) -> list[str]:
         text = path.read_text(encoding="utf-8")
         prose = _case_blind_lines(text)
         for name, patterns in words.items():
-            if rel.parts[:2] == ("architectures", name):
+            if rel.parts[0] == "architectures" and rel.parts[1:2] and rel.parts[1] in name.split("+"):
                 continue
             for number, line in enumerate(text.splitlines(), 1):
                 hit = any(p.search(line) for p in patterns[1:])
@@ -239,7 +249,7 @@ def test_a_run_whose_config_yaml_has_the_old_keys_resumes_with_no_change(tmp_pat
                                                                        counting_jsonl, caplog, monkeypatch):
     from dflash_train.config import load as config_load
     from dflash_train.run.directory import RunDir
-    from dflash_train.train.admission import admit_start, flatten
+    from dflash_train.train.start.directory_admission import admit_start, flatten
 
     fresh = config_from_dict({"target": {"path": str(tiny_target_dir)}, "data": {"train_files": [str(counting_jsonl)]},
                               "drafter": {"architecture": arch, "block_size": 4},
@@ -267,7 +277,7 @@ def test_a_run_whose_config_yaml_has_the_old_keys_resumes_with_no_change(tmp_pat
 
 def test_a_resume_that_changes_the_architecture_names_its_keys_not_a_crash(tmp_path):
     from dflash_train.run.directory import RunDir
-    from dflash_train.train.admission import resume_changes
+    from dflash_train.train.start.directory_admission import resume_changes
 
     dflash2 = config_from_dict({"drafter": {"architecture": "dflash2"}})
     with pytest.raises(ConfigError, match=r"'drafter.architecture' is 'dflash2' .* and 'dflash'"):
@@ -384,7 +394,7 @@ def test_the_activation_estimate_counts_the_toys_own_memory_terms(toy_registered
     """The preflight's activation estimate reads the architecture's `step_memory`: the toy's gate rows are in it."""
     from transformers import AutoConfig
 
-    from dflash_train.train.activation_memory import activation_estimate
+    from dflash_train.train.plan.activation_memory import activation_estimate
 
     target = AutoConfig.from_pretrained(tiny_target_dir)
     cfg = config_from_dict({"drafter": {"architecture": "toy", "num_draft_layers": 1, "block_size": 4},

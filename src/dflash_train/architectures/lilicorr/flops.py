@@ -1,0 +1,54 @@
+"""LiLiCorr's own work in the step's model FLOPs (train/flops.py, `StepFlops`), forward + backward, from its drafter
+config. The lattice is counted over every counted row (k nodes each; its blocks, counted rows / (B - 1)): exact when
+every kept block's drafted slots all count, an upper bound otherwise (a block with an uncounted slot forms none).
+
+- `lilicorr_candidates`: the candidates' logits and the label's (with their input gradients) for the
+  log-probabilities, and the target's logits at the candidates (forward only: the target is frozen);
+- `lilicorr_anchor_rows`: `fc` over each kept block's anchor row (its weight gradient; the target's features need
+  none);
+- `lilicorr_head`: the head's projections, layers (their attention over each block's nodes), factor heads and
+  scores; the token projection reads detached embeddings (no input gradient)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..contract import StepFlops
+from ..stats import DraftWork
+from .config import head_fields
+
+
+@dataclass(frozen=True)
+class LiLiCorrStepFlops(StepFlops):
+    hidden: int  # H
+    features: int  # K * H: the captured target layers' features
+    width: int  # h
+    layers: int
+    inner: int  # the layers' MLP width
+    factor_dim: int  # f
+    topk: int  # k
+    block_size: int
+
+    def parts(self, work: DraftWork) -> dict[str, float]:
+        big, h, f, k, slots = self.hidden, self.width, self.factor_dim, self.topk, self.block_size - 1
+        rows = work.counted_rows
+        nodes, blocks = rows * k, rows // slots
+        token = 4 * nodes * big * h if h != big else 0
+        per_node = 5 * h + h * h + 3 * h * h + 2 * h * f + self.layers * (4 * h * h + 2 * h * self.inner)
+        attention = self.layers * 4 * blocks * (slots * k) ** 2 * h
+        per_block = big * h + h * f + k * f + (slots - 1) * k * k * f
+        return {
+            "lilicorr_candidates": 4.0 * rows * k * big + 4.0 * rows * big + 2.0 * rows * k * big,
+            "lilicorr_anchor_rows": 4.0 * work.blocks * self.features * big,
+            "lilicorr_head": token + 3.0 * (2 * nodes * per_node + attention + 2 * rows * big * h
+                                            + 2 * blocks * per_block),
+        }
+
+
+def step_flops(drafter_config) -> LiLiCorrStepFlops:
+    f = head_fields(drafter_config.dflash_config)
+    big = int(drafter_config.hidden_size)
+    width = f["lilicorr_hidden_size"] or big
+    features = len(drafter_config.dflash_config["target_layer_ids"]) * big
+    return LiLiCorrStepFlops(big, features, width, f["lilicorr_num_layers"], int(width * f["lilicorr_mlp_ratio"]),
+                             f["lilicorr_factor_dim"], f["lilicorr_candidate_topk"], int(drafter_config.block_size))

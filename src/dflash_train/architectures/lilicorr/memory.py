@@ -1,0 +1,53 @@
+"""LiLiCorr's terms in the drafter step's activation estimate (train/activation_memory.py, `StepMemory`), beside
+DFlash's and the target's final states that `needs_target_final` counts: the head's activations over the lattice of
+every counted row's k candidates (at most `counted * k` nodes), which it keeps to the backward, and the candidate
+rows of the target's head gathered for the log-probabilities and the target's logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..contract import StepMemory
+from .config import head_fields
+
+_F32 = 4
+
+
+@dataclass(frozen=True)
+class LiLiCorrStepMemory(StepMemory):
+    hidden: int  # H
+    width: int  # h
+    layers: int
+    mlp_ratio: float
+    factor_dim: int  # f
+    topk: int  # k
+    heads: int
+    block_size: int
+
+    def values_per_node(self) -> int:
+        """Values one lattice node keeps to the backward: its embedding and head row (H each), the input sum and its
+        projections (~6 h), each layer's norms, packed q/k/v and their per-head copies, attention output and MLP
+        (~(10 + 3 ratio) h), the factor input (3 h), its output and the three factor vectors (~h + 3 f)."""
+        h = self.width
+        per_layer = int((10 + 3 * self.mlp_ratio) * h)
+        return 2 * self.hidden + 6 * h + self.layers * per_layer + 4 * h + 3 * self.factor_dim
+
+    def attention_per_block(self) -> int:
+        """Values each layer's attention keeps per block (eager: the biased scores and their softmax, per head, over
+        the block's (B - 1) k nodes)."""
+        nodes = (self.block_size - 1) * self.topk
+        return self.layers * 2 * self.heads * nodes * nodes
+
+    def loss_rows(self, counted: int) -> int:
+        """The lattice's nodes (k per counted row; a block per B - 1 of them) at float32, the widest compute
+        dtype."""
+        blocks = counted // (self.block_size - 1) + 1
+        return (counted * self.topk * self.values_per_node() + blocks * self.attention_per_block()) * _F32
+
+
+def step_memory(drafter_config) -> LiLiCorrStepMemory:
+    f = head_fields(drafter_config.dflash_config)
+    h = int(drafter_config.hidden_size)
+    return LiLiCorrStepMemory(h, f["lilicorr_hidden_size"] or h, f["lilicorr_num_layers"], f["lilicorr_mlp_ratio"],
+                              f["lilicorr_factor_dim"], f["lilicorr_candidate_topk"], f["lilicorr_num_heads"],
+                              int(drafter_config.block_size))
