@@ -26,7 +26,7 @@ by position, not by text: ShareGPT repeats prompts ("continue", pasted texts), a
 any of them. Every eval prompt whose turn equals a training user turn (whitespace collapsed, case folded), or
 shares its first `--overlap-prefix` normalised characters with one, is dropped and counted in the summary.
 
-Every stage is resumable and skipped when done (`dflash_train.pipeline`: the stages' state and times in
+Every stage is resumable and skipped when done (`dflash_train.commands.pipeline`: the stages' state and times in
 OUT/pipeline.json; a work directory holds one target's work), so the work can span several calls
 (`--deadline-s`): regen is stopped and continues, training stops with a checkpoint (the STOP file) and
 resumes, evaluation keeps what it finished. Exit code 3 = not finished yet: run the same command again; 1 = a
@@ -189,7 +189,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     missing = missing_inputs(eval_sets, regen="data" in stages and not args.data)
     if missing:
         raise SystemExit("this machine lacks what the stages need:\n  " + "\n  ".join(missing))
-    from dflash_train.pipeline import RecipeMismatch
+    from dflash_train.commands.pipeline import RecipeMismatch
 
     try:
         drv = Driver(args)

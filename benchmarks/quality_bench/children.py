@@ -85,7 +85,7 @@ class Children:
 def run_helpers(cmds: list[list[str]], folder: Path, what: str, runner, device: str, log: Callable[[str], None]) -> None:
     """Run these processes at once, one per GPU; raise with a log tail if one fails; Unfinished if the
     deadline passes."""
-    from dflash_train.pipeline import Unfinished
+    from dflash_train.commands.pipeline import Unfinished
 
     env = child_env(TOKENIZERS_PARALLELISM="false")
     gpus = visible_gpus(device)
@@ -140,7 +140,7 @@ def run_regen(cmd: list[str], log_path: Path, runner, device: str, log: Callable
     """Run `dflash-train regen` (`cmd`) as a child process on one GPU, its output appended to `log_path`; its
     summary goes to `log`. Once the deadline passes it is killed and the stage is Unfinished: regen appends each
     finished batch at once, so the same command continues where it stopped."""
-    from dflash_train.pipeline import Unfinished
+    from dflash_train.commands.pipeline import Unfinished
 
     def tick() -> None:
         if runner.remaining() < 0:

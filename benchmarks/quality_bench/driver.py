@@ -66,7 +66,7 @@ class Driver:
 
     def __init__(self, args: argparse.Namespace):
         from dflash_train.config.load import load_config
-        from dflash_train.pipeline import StageRunner
+        from dflash_train.commands.pipeline import StageRunner
 
         self.args = args
         self.out = Path(args.out).resolve()
@@ -109,7 +109,7 @@ class Driver:
 
     def stages(self, names: set[str]) -> list:
         """The selected stages, in order. A done stage is skipped while its key (what it depends on) is unchanged."""
-        from dflash_train.pipeline import Stage
+        from dflash_train.commands.pipeline import Stage
 
         data_key = {"source": REGEN_SOURCE, "limit": self.args.regen_limit,
                     "max_new_tokens": self.args.regen_max_new_tokens, "max_turns": self.args.regen_max_turns}
@@ -216,7 +216,7 @@ class Driver:
         return 1 + (k - 1) % (gpus - 1)
 
     def train_command(self, run: Path, overrides: list[str]) -> list[str]:
-        from dflash_train.layout import list_checkpoints
+        from dflash_train.files.layout import list_checkpoints
 
         cmd = [sys.executable, "-m", "dflash_train", "train", str(self.args.config), *overrides,
                f"data.train_files=[{self.prepared}]", "--run-dir", str(run)]
@@ -229,7 +229,7 @@ class Driver:
     def stage_train(self) -> None:
         """Train every run not yet exported, at the same time (spread over the GPUs). Unfinished when the
         deadline stopped them (with a checkpoint: the next call resumes)."""
-        from dflash_train.pipeline import Unfinished
+        from dflash_train.commands.pipeline import Unfinished
 
         runs = self.runs()
         todo = {n: r for n, r in runs.items() if not exported(r[0] / "export")}
@@ -268,7 +268,7 @@ class Driver:
     def stage_eval(self) -> dict:
         """Tau of the drafter(s) on every eval prompt, then summary.json and summary.md (printed). Unfinished
         while prompts are left (the deadline)."""
-        from dflash_train.pipeline import Unfinished
+        from dflash_train.commands.pipeline import Unfinished
 
         items, info = self.eval_items()
         if self.args.method == "decode":
@@ -410,15 +410,15 @@ class Driver:
             return {"default": self.given_drafter}
         out = {name: run / "export" for name, (run, _) in self.runs().items() if name not in self.failed}
         if self.args.curve_every:
-            from dflash_train.export import export_checkpoint
-            from dflash_train.layout import list_checkpoints
+            from dflash_train.commands.export import export_checkpoint
+            from dflash_train.files.layout import list_checkpoints, step_folder, step_of
 
             for ckpt in list_checkpoints(self.run / "checkpoints"):
-                step = int(ckpt.name.split("-")[1])
-                folder = self.out / "curve" / f"step-{step:08d}"
+                name = step_folder(step_of(ckpt.name))
+                folder = self.out / "curve" / name
                 if not (folder / "model.safetensors").is_file():
                     export_checkpoint(ckpt, folder, "float32")
-                out[f"step-{step:08d}"] = folder
+                out[name] = folder
         return out
 
     def stage_replay(self, items: list[dict]) -> dict[str, dict[str, dict]]:
@@ -511,11 +511,13 @@ class Driver:
         if self.args.confidence_thresholds:
             extra["confidence_truncation"] = self.truncation_section(items, records, facts, reports, pooled_names)
         if self.args.curve_every and self.given_drafter is None:
+            from dflash_train.files.layout import step_of
+
             times = metric_times(self.run)
-            extra["curve"] = [{"step": int(name.split("-")[1]), "train_s_after_first_log": times.get(int(name.split("-")[1])),
+            extra["curve"] = [{"step": step_of(name), "train_s_after_first_log": times.get(step_of(name)),
                                "tau_mt-bench+sharegpt": pooled_tau(reports[name], modes, pooled_names),
                                "tau_all": pooled_tau(reports[name], modes)}
-                              for name in sorted(n for n in reports if n.startswith("step-"))]
+                              for name in sorted(n for n in reports if step_of(n) is not None)]
         complete = True
         if self.args.check_decode:
             complete, extra["decode_check"] = self.decode_check(items, info, records, drafters)
@@ -544,13 +546,15 @@ class Driver:
         """--check-decode N: the first N prompts of each set decoded for real with every trained drafter (the
         default's with the target alone too: its speedup and lossless check), all at once, and compared with their
         replay turn by turn: (complete, the summary's decode_check section)."""
+        from dflash_train.files.layout import step_of
+
         per_ds: dict[str, int] = {}
         check_items = []
         for item in items:
             if per_ds.get(item["dataset"], 0) < self.args.check_decode:
                 per_ds[item["dataset"]] = per_ds.get(item["dataset"], 0) + 1
                 check_items.append(item)
-        names = [n for n in drafters if not n.startswith("step-")]  # the trained runs, not the curve's checkpoints
+        names = [n for n in drafters if step_of(n) is None]  # the trained runs, not the curve's checkpoints
         check_info = {k: dict(v) for k, v in info.items() if not k.startswith("_")}
         jobs = {name: DecodeJob(drafters[name], check_items, json.loads(json.dumps(check_info)),
                                 self.out / "eval-decode" / name,

@@ -34,7 +34,7 @@ def prepare_training_data(cfg, data: str, val_fraction: float, prepared: Path, l
     """`prepared` from the training file, unless it holds that file prepared with the same settings already.
     Returns the seconds spent preparing (None: reused)."""
     from dflash_train import assets
-    from dflash_train.data.prepare import PrepareConfig, prepare, summary
+    from dflash_train.commands.prepare import PrepareConfig, prepare, summary
     from dflash_train.data.store import has_label_counts
     from dflash_train.target.capture import load_tokenizer
 

@@ -125,7 +125,7 @@ def corpus_main(argv: list[str]) -> int:
     from dataclasses import asdict
 
     from dflash_train.infer.replay import build_corpus
-    from dflash_train.runtime import write_text_atomic
+    from dflash_train.files.io import write_text_atomic
 
     settings = EvalSettings(**json.loads(args.settings))
     target, tokenizer, stops, _ = _load_target(args.target, settings)
@@ -154,7 +154,7 @@ def replay_main(argv: list[str]) -> int:
     from dflash_train.infer.evaluate import check_pair
     from dflash_train.infer.replay import ReplayTurn, prompt_records, turn_records
     from dflash_train.architectures.io import load_drafter
-    from dflash_train.runtime import write_text_atomic
+    from dflash_train.files.io import write_text_atomic
 
     settings = EvalSettings(**json.loads(args.settings))
     target, tokenizer, stops, device = _load_target(args.target, settings)

@@ -16,15 +16,15 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .layout import check_model_folder
-from .permissions import follow_umask
+from .files.io import replace_dir, temp_dir_beside, write_text_atomic
+from .files.layout import check_model_folder
+from .files.permissions import follow_umask
 
 logger = logging.getLogger("dflash_train.assets")
 
@@ -231,17 +231,9 @@ def _cache_key(gguf: Path, targets: Path) -> str:
     logger.info("Hashing %s (%.2f GB) to find its conversion (once per file version)", gguf, gguf.stat().st_size / 1e9)
     key = _content_key(gguf)
     known[stamp] = key
-    tmp: Optional[str] = None
-    try:
+    with contextlib.suppress(OSError):  # a cache this account cannot write (shared, read-only): only the memo is lost
         targets.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{_KEYS_FILE}.", dir=targets)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(known, f, indent=1)
-        follow_umask(Path(tmp))
-        os.replace(tmp, targets / _KEYS_FILE)
-    except OSError:  # a cache this account cannot write (shared, read-only): the key holds, only the memo is lost
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        write_text_atomic(targets / _KEYS_FILE, json.dumps(known, indent=1))
     return key
 
 
@@ -256,14 +248,13 @@ def _cached_conversion(gguf: Path, cache_dir: Path | None) -> Path:
     final = targets / f"{gguf.stem}-{_cache_key(gguf, targets)}"
     if is_converted_target(final):
         return final
-    targets.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=targets))
+    tmp = temp_dir_beside(final)
     try:
         logger.info("Converting %s into %s (one time)", gguf, final)
         start = time.perf_counter()
         convert_gguf(gguf, tmp)
         follow_umask(tmp)
-        _publish(tmp, final)
+        replace_dir(tmp, final, complete=is_converted_target)  # a stale incomplete one is replaced
         logger.info("Converted %s in %.1f s", gguf.name, time.perf_counter() - start)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -320,17 +311,6 @@ def remove_unreached_conversions(cache_dir: Path | None = None) -> tuple[list[Ca
             continue
         removed.append(conversion)
     return removed, failed
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Move a finished folder into place; a stale incomplete one is replaced."""
-    if final.exists() and not is_converted_target(final):
-        shutil.rmtree(final)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        if not is_converted_target(final):  # not a concurrent converter winning the race
-            raise
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:

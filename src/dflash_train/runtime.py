@@ -1,20 +1,13 @@
-"""What every command shares at run time: the device and dtype it computes in, and writes that a reader (or a
-kill) never sees half done.
+"""What every command shares at run time: the device and dtype it computes in. (Files and folders are written
+by files/io.py.)
 
-torch is imported inside the functions that need it: `dflash-train status` and
-`stop` import this module (through run/) and start in 0.1 s, and importing torch alone takes 1.7 s
-(measured on the 2-core CPU machine).
+torch is imported inside the functions that need it: a command that loads no model imports this module without
+it (importing torch alone takes 1.7 s, measured on the 2-core CPU machine).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
-import threading
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -61,60 +54,3 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device.type == "cpu" and device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
-
-
-# --------------------------------------------------------------------------------- atomic writes
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write through a temp file and a rename: a reader (or a kill) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True))
-
-
-def read_json_file(path: Path, remedy: str) -> Any:
-    """The JSON value in `path`; an empty, cut or garbled file raises DamagedFileError naming it and `remedy`."""
-    from .errors import DamagedFileError
-
-    path = Path(path)
-    data = path.read_bytes()
-    try:
-        return json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        problem = f"not UTF-8 text: invalid byte at offset {e.start}"
-    except json.JSONDecodeError as e:
-        problem = "empty" if not data.strip() else f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-    except RecursionError:
-        problem = "not valid JSON: nested too deeply"
-    raise DamagedFileError(path, problem, remedy, size=len(data))
-
-
-def publish(tmp: Path, final: Path) -> None:
-    """Move a finished temp file (or folder, onto a missing or empty one) to `final` in one rename."""
-    os.replace(tmp, final)
-
-
-def temp_dir_beside(final: Path) -> Path:
-    """A fresh hidden folder next to `final` (same filesystem: `replace_dir` is then a rename)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Put a finished temp folder in place of `final`: an existing `final` is moved aside first and removed
-    after, so a kill at any moment leaves the old folder or the new one, never half of one."""
-    if not final.exists():
-        os.replace(tmp, final)
-        return
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    os.replace(final, old)
-    os.replace(tmp, final)
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-    else:  # a file or a link where the folder goes: it was replaced too, so it must not stay behind
-        old.unlink(missing_ok=True)

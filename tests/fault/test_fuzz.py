@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from dflash_train.config.load import config_from_dict, config_to_dict, load_config
 from dflash_train.config.schema import Config
 from dflash_train.errors import ConfigError
-from dflash_train.data.prepare import PrepareConfig, prepare
+from dflash_train.commands.prepare import PrepareConfig, prepare
 from dflash_train.target.capture import load_tokenizer
 
 SCALE = float(os.environ.get("DFLASH_FUZZ_EXAMPLES", "1"))

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from _harness import launch, status, stop, write_config
-from dflash_train.layout import list_checkpoints
+from dflash_train.files.layout import list_checkpoints
 
 KEEP_LAST = 2
 

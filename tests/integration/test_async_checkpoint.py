@@ -22,6 +22,7 @@ from _harness import assert_same_losses, beat, launch, losses, status, stop, wai
 from dflash_train.cli import main
 from dflash_train.errors import UserError
 from dflash_train.files.layout import STATE, list_checkpoints
+from dflash_train.architectures import architecture
 from dflash_train.architectures.io import load_drafter, save_drafter
 from dflash_train.train import checkpoint as ck
 from dflash_train.train.checkpoint import (WRITE_DELAY_ENV, CheckpointWriteError, CheckpointWriter, HostStaging,
@@ -223,7 +224,7 @@ def test_the_preflight_counts_the_snapshot_and_refuses_a_host_without_room_for_i
     from dflash_train.train.plan import preflight
 
     drafter, opt, sched = _trained()
-    need = preflight.snapshot_need("dflash", drafter.config)
+    need = preflight.snapshot_need(architecture("dflash"), drafter.config)
     assert need.total == Snapshot.take(2, drafter, opt, sched, {}).nbytes  # what a save really copies
     assert need.optimizer == 2 * need.weights + 4 * len(list(drafter.parameters()))
     preflight.check_host_snapshot(need, 0, memory=lambda: (need.total, 2 * need.total))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.demo import DemoSize, open_pipeline, recipe, run_demo
+from dflash_train.commands.demo import DemoSize, open_pipeline, recipe, run_demo
 
 SMALL = DemoSize(prompts=24, max_prompt_tokens=96, max_new_tokens=24, regen_batch=12, train_steps=8,
                  eval_prompts=2, eval_prompt_tokens=200, eval_new_tokens=16, tree_budget=4,

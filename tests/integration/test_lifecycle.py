@@ -17,7 +17,7 @@ import yaml
 
 from _harness import ENV, assert_same_losses, launch, losses, status, wait_for_step, wait_until, write_config
 
-from dflash_train import procs
+from dflash_train.run import procs
 from dflash_train.cli import main
 
 pytestmark = pytest.mark.slow

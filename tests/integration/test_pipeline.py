@@ -1,4 +1,4 @@
-"""The stage runner (`dflash_train.pipeline`): done stages skipped, failed ones run again, one recipe per
+"""The stage runner (`dflash_train.commands.pipeline`): done stages skipped, failed ones run again, one recipe per
 root, times kept over calls. The stages are real functions writing real files; each one appends its name
 to a log file when it runs, so the tests read what ran from disk."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.pipeline import RecipeMismatch, Stage, StageRunner, Unfinished
+from dflash_train.commands.pipeline import RecipeMismatch, Stage, StageRunner, Unfinished
 
 
 def _ran(root: Path) -> list[str]:

@@ -14,9 +14,10 @@ from safetensors.torch import save_file
 from . import UnknownArchitecture, architecture, architecture_of_export
 from .drafter import Drafter
 from ..errors import DamagedFileError, ModelError
-from ..layout import CONFIG_NAME, STATE, WEIGHTS_NAME
-from ..permissions import follow_umask
-from ..runtime import dtype_named, read_json_file, replace_dir, temp_dir_beside
+from ..files.io import read_json_file, replace_dir, temp_dir_beside
+from ..files.layout import CONFIG_NAME, STATE, WEIGHTS_NAME
+from ..files.permissions import follow_umask
+from ..runtime import dtype_named
 
 def save_drafter(
     drafter: Drafter,

@@ -2,7 +2,7 @@
 key's type, default, valid range and the comment written above its field in config/schema.py, then the sections of the
 registered architectures (each one's `options.py`), the same way.
 
-    python -m dflash_train.config_reference > docs/guide/config-reference.md
+    python -m dflash_train.commands.config_reference > docs/guide/config-reference.md
 
 A test regenerates the page and fails when it is stale or when a key has no comment.
 """
@@ -16,9 +16,9 @@ import textwrap
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-from .architectures import registry
-from .config.schema import config_sections
-from .config.validate import number_rules
+from ..architectures import registry
+from ..config.schema import config_sections
+from ..config.validate import number_rules
 
 PAGE = "docs/guide/config-reference.md"
 _INTRO = """# Configuration reference
@@ -30,7 +30,7 @@ refused before anything loads, naming the key.
 
 This page is generated from the schema (`src/dflash_train/config/schema.py`, and each architecture's `options.py` for
 the sections named after an architecture): run
-`python -m dflash_train.config_reference > docs/guide/config-reference.md` after changing a key.
+`python -m dflash_train.commands.config_reference > docs/guide/config-reference.md` after changing a key.
 """
 
 

@@ -23,25 +23,25 @@ from pathlib import Path
 
 import torch
 
-from . import assets
-from .config.load import config_from_dict
-from .data.chat import prompt_ids
-from .data.formats import require_packages
-from .data.prepare import PrepareConfig, prepare
-from .data.regen.inputs import RegenSettings
-from .data.regen.local import regenerate
-from .errors import EXIT_STOPPED
-from .infer.evaluate import (HISTOGRAM_HEADER, format_histogram, iter_prompts, load_eval_models, make_modes,
+from .. import assets
+from ..config.load import config_from_dict
+from ..data.chat import prompt_ids
+from ..data.formats import require_packages
+from ..data.regen.inputs import RegenSettings
+from ..data.regen.local import regenerate
+from ..errors import EXIT_STOPPED
+from ..exports.card import link_images, put_eval_table
+from ..files.layout import list_checkpoints
+from ..infer.evaluate import (HISTOGRAM_HEADER, format_histogram, iter_prompts, load_eval_models, make_modes,
                              replay_reports, run_prompt, summarize_records)
-from .infer.spec_decode import SpeculativeDecoder
-from .layout import list_checkpoints
-from .target.capture import load_tokenizer
-from .model_card import link_images, put_eval_table
+from ..infer.spec_decode import SpeculativeDecoder
+from ..run.directory import RunDir
+from ..run.metrics import read_metrics
+from ..runtime import resolve_device, resolve_dtype
+from ..target.capture import load_tokenizer
+from ..train.trainer import train
 from .pipeline import Stage, StageRunner, Unfinished
-from .run.directory import RunDir
-from .run.metrics import read_metrics
-from .runtime import resolve_device, resolve_dtype
-from .train.trainer import train
+from .prepare import PrepareConfig, prepare
 
 log = logging.getLogger(__name__)
 

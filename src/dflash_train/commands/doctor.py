@@ -10,7 +10,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from .runtime import resolve_device, resolve_dtype
+from ..runtime import resolve_device, resolve_dtype
 
 
 @dataclass
@@ -31,7 +31,7 @@ def _version(pkg: str) -> str:
 def version_line() -> str:
     """`dflash-train --version`: this package's version and those of the libraries a bug report needs, read from
     their installed metadata (torch is not imported)."""
-    from . import __version__
+    from .. import __version__
 
     libs = ", ".join(f"{pkg} {_version(pkg)}" for pkg in ("torch", "transformers"))
     return f"dflash-train {__version__} ({libs}, python {platform.python_version()})"
@@ -77,9 +77,9 @@ def flex_smoke_test() -> Check:
     forward + backward on GPU; forward only on CPU (FlexAttention has no CPU backward)."""
     import torch
 
-    from .architectures.attention import sdpa_attention
-    from .architectures.family.backend import compiled_flex_attention
-    from .architectures.family.mask import dense_mask, flex_block_mask
+    from ..architectures.attention import sdpa_attention
+    from ..architectures.family.backend import compiled_flex_attention
+    from ..architectures.family.mask import dense_mask, flex_block_mask
 
     dev = resolve_device("auto")
     device, dtype = dev.type, resolve_dtype("auto", dev)
@@ -106,7 +106,7 @@ def flex_smoke_test() -> Check:
 
 
 def cache_check() -> Check:
-    from .accel.compile import default_cache_dir
+    from ..accel.compile import default_cache_dir
 
     path = default_cache_dir()
     try:
@@ -126,7 +126,7 @@ _LISTED = 3  # stale conversions named in doctor's line; the rest are counted
 def target_cache_check() -> Check:
     """The converted targets in the cache, and those no GGUF known to it reaches any more (removed only by
     `remove_stale_targets`, on request)."""
-    from .assets import cached_conversions, targets_dir
+    from ..assets import cached_conversions, targets_dir
 
     folders = cached_conversions()
     where = targets_dir()
@@ -147,7 +147,7 @@ def target_cache_check() -> Check:
 
 def remove_stale_targets() -> str:
     """Delete the converted targets no known GGUF reaches; what was removed (a line each) and what could not be."""
-    from .assets import remove_unreached_conversions, targets_dir
+    from ..assets import remove_unreached_conversions, targets_dir
 
     removed, failed = remove_unreached_conversions()
     where = targets_dir()
@@ -162,7 +162,7 @@ def remove_stale_targets() -> str:
 
 def compile_workers_check() -> Check:
     """How many inductor compile workers a rank starts here (as `train` sizes them)."""
-    from .accel.compile import compile_workers_per_rank, usable_cores
+    from ..accel.compile import compile_workers_per_rank, usable_cores
 
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     why = "TORCHINDUCTOR_COMPILE_THREADS" if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else \

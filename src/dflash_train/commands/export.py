@@ -11,15 +11,16 @@ from typing import Optional
 
 import torch
 
-from .architectures.attention import sdpa_attention
-from .errors import ConfigError
-from .layout import STATE, put_in_place
-from .model_card import CARD_NAME, drafter_card
-from .architectures.io import load_drafter, save_drafter
-from .target.provenance import PROVENANCE_NAME, serving_record
-from .outputs import check_export_out
-from .run.metrics import read_metrics
-from .runtime import dtype_named, read_json_file
+from ..architectures.attention import sdpa_attention
+from ..architectures.io import load_drafter, save_drafter
+from ..errors import ConfigError
+from ..exports.card import CARD_NAME, drafter_card
+from ..files.io import read_json_file
+from ..files.layout import STATE
+from ..files.outputs import check_export_out, put_in_place
+from ..run.metrics import read_metrics
+from ..runtime import dtype_named
+from ..target.provenance import PROVENANCE_NAME, serving_record
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,9 @@ def parity_check(source, exported, dtype: torch.dtype, seed: int = 0) -> None:
 
 def target_head_weight(run_dir: Path, target: Optional[str]) -> torch.Tensor:
     """The target's lm_head weight (float32, CPU): from `target`, or the target the run at `run_dir` trained on."""
-    from . import assets
-    from .config.load import load_config
-    from .target.capture import load_target_head
+    from .. import assets
+    from ..config.load import load_config
+    from ..target.capture import load_target_head
 
     trust_remote_code = False
     if target is None:
@@ -72,7 +73,7 @@ def target_head_weight(run_dir: Path, target: Optional[str]) -> torch.Tensor:
 def checkpoint_weights(checkpoint: Path) -> str:
     """Which weights a training checkpoint holds, for the card and the command's output: its step, and how it
     stands against the run's best by validation tau (when the run validated)."""
-    from .train.checkpoint import read_state
+    from ..train.checkpoint import read_state
 
     if not (checkpoint / STATE).is_file():
         return ""
@@ -103,7 +104,7 @@ def _run_target(provenance: Optional[dict], cfg_yaml: Optional[str]) -> Optional
 
 def _logged_step(run_dir: Path, drafter_dir: Path) -> Optional[dict]:
     """The run's last training record (metrics.jsonl) at or before the checkpoint's step, for the card."""
-    from .train.checkpoint import read_state
+    from ..train.checkpoint import read_state
 
     if not (drafter_dir.parent / STATE).is_file():
         return None
@@ -116,7 +117,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", targ
                       overwrite: bool = False) -> Path:
     """`target`: the target's path, for a drafter whose export needs its lm_head (`Drafter.export_needs_target_head`:
     e.g. factored codebooks); by default the one the run's config names. `overwrite`: an earlier export in `out` is moved
-    aside (outputs.py says what else is refused). The export is built and checked beside `out` and renamed into
+    aside (files/outputs.py says what else is refused). The export is built and checked beside `out` and renamed into
     place, so a failed one leaves `out` as it was."""
     out = Path(out)
     check_export_out(out, checkpoint, overwrite)

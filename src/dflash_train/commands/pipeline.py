@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from .errors import UserError
-from .runtime import write_text_atomic
+from ..errors import UserError
+from ..files.io import write_text_atomic
 
 STATE_FORMAT = 1
 

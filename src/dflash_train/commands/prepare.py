@@ -21,14 +21,14 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from ..data import store
+from ..data.dataset import tokenize_row
+from ..data.formats import DamagedDataFile, RowError, builtin_file, expand_source, iter_source
+from ..data.label_counts import COUNTS_FILE, LabelCounter, write_counts
+from ..data.rejects import Rejects
 from ..errors import UserError
+from ..files.outputs import check_prepare_out, put_in_place
 from ..target.fingerprints import chat_template_fingerprint, chat_template_text, tokenizer_fingerprint
-from ..outputs import check_prepare_out
-from . import store
-from .dataset import tokenize_row
-from .formats import DamagedDataFile, RowError, builtin_file, expand_source, iter_source
-from .label_counts import COUNTS_FILE, LabelCounter, write_counts
-from .rejects import Rejects
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def prepare(tokenizer, target: str, data: list[str], out: str | Path, cfg: Prepa
                              "distinct": int((counts > 0).sum())},
         }
         store.write_json(tmp / store.MANIFEST, manifest)  # last: a directory with a manifest is complete
-        moved = store.publish_dir(tmp, out, cfg.overwrite)
+        moved = put_in_place(tmp, out, cfg.overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for folder in made:  # a failed prepare leaves no folder it made either

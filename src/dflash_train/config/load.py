@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 import yaml
 
 from ..errors import ConfigError
-from ..runtime import write_text_atomic
+from ..files.io import write_text_atomic
 from .schema import Config, _section_fields, _sections
 from .validate import _check_section_numbers, validate
 

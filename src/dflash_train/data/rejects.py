@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional, TextIO
 
-from ..runtime import write_text_atomic
+from ..files.io import write_text_atomic
 from .formats import RowError
 
 EXAMPLES = 5  # ids shown per reason in a summary line

@@ -24,9 +24,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import DamagedFileError
-from ..layout import put_in_place
 from ..target.fingerprints import chat_template_fingerprint, tokenizer_fingerprint
-from ..runtime import read_json_file
+from ..files.io import read_json_file
 from .chat import Tokenized
 from .label_counts import read_counts
 
@@ -131,13 +130,6 @@ class ShardWriter:
 
 def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def publish_dir(tmp: Path, final: Path, overwrite: bool) -> Optional[Path]:
-    """Move a finished temp directory into place (same filesystem: a rename). An earlier dataset there
-    (admitted by outputs.check_prepare_out) is replaced only with `overwrite`: it is moved aside to
-    FINAL.old-<time>, never deleted; returns where it went, or None."""
-    return put_in_place(tmp, final, overwrite)
 
 
 # ------------------------------------------------------------------------------------------- read

@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from .architectures import registry
-from .architectures.io import drafter_config_text
-from .infer.evaluate import markdown_table
-from .layout import CONFIG_NAME
-from .runtime import write_text_atomic
+from ..architectures import registry
+from ..architectures.io import drafter_config_text
+from ..files.io import write_text_atomic
+from ..files.layout import CONFIG_NAME
+from ..infer.evaluate import markdown_table
 from .serving import card_section, serving_of
 
 CARD_NAME = "README.md"

@@ -1,9 +1,9 @@
 """How an exported drafter is served, rendered from what each architecture declares (`registry.Serving`, in its
 torch-free `options.py`): the serve table of README.md and of docs/guide/eval-and-export.md, and the serve lines of
-every model card (`model_card.py`), with the numbers of that drafter's block size and the notes its config.json
+every model card (`card.py`), with the numbers of that drafter's block size and the notes its config.json
 meets.
 
-    python -m dflash_train.serving
+    python -m dflash_train.exports.serving
 
 rewrites the table between the markers in both pages (run it from the repository's root); a test fails when a page
 holds another table than this module renders.
@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from .architectures import registry
-from .architectures.registry import Engine, Serving
-from .errors import EXIT_USER_ERROR, UserError
+from ..architectures import registry
+from ..architectures.registry import Engine, Serving
+from ..errors import EXIT_USER_ERROR, UserError
 
 PAGES = ("README.md", "docs/guide/eval-and-export.md")
-BEGIN = "<!-- serve table: written by `python -m dflash_train.serving` from each architecture's `serving` -->"
+BEGIN = "<!-- serve table: written by `python -m dflash_train.exports.serving` from each architecture's `serving` -->"
 END = "<!-- end of the serve table -->"
 DIR = "DIR"
 
@@ -59,7 +59,7 @@ def table_cell(serving: Serving, engine: Optional[Engine], block_size: int) -> s
 
 def example_block_size(name: str) -> int:
     """The block size a config that names only `drafter.architecture: name` trains (the tables' example)."""
-    from .config.load import config_from_dict
+    from ..config.load import config_from_dict
 
     return config_from_dict({"drafter": {"architecture": name}}).drafter.block_size
 
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] = ()) -> int:
     try:
         for page in pages:
             if not page.is_file():
-                raise UserError(f"{page} is not there: run `python -m dflash_train.serving` from the repository's root")
+                raise UserError(f"{page} is not there: run `python -m dflash_train.exports.serving` from the repository's root")
             text = page.read_text()
             new = rewritten(text, str(page))
             if new != text:

@@ -1,25 +1,25 @@
 """The on-disk layout every command shares, without torch: the files that make a folder an exported drafter
-(CONFIG_NAME and WEIGHTS_NAME, which architectures/io.py writes) or a training checkpoint (STATE, which train/checkpoint.py
-writes last), the complete checkpoints a folder holds, whether a folder is a complete model folder, and how a
-finished output takes the place of an existing one (moved aside, never deleted)."""
+(CONFIG_NAME and WEIGHTS_NAME, which architectures/io.py writes) or a training checkpoint (STATE, written last
+by train's checkpoint writer), the name of a step's checkpoint folder, the complete checkpoints a folder holds, and
+whether a folder is a complete model folder."""
 
 from __future__ import annotations
 
 import json
-import os
-import time
+import re
 from pathlib import Path
 from typing import Optional
 
 from safetensors import SafetensorError, safe_open
 
-from .errors import DamagedFileError, UserError
-from .runtime import read_json_file
+from ..errors import DamagedFileError, UserError
+from .io import read_json_file
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 STATE = "trainer_state.json"
 DRAFTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)  # an exported drafter
+_STEP = re.compile(r"step-(\d+)")
 _TOKENIZER_HINT = "tokenizer.json, or tokenizer.model / vocab files"
 _WEIGHTS_HINT = "*.safetensors or pytorch_model*.bin"
 
@@ -41,11 +41,24 @@ def is_exported_drafter(path: Path) -> bool:
     return has_drafter_files(path) and not is_checkpoint(path)
 
 
+def step_folder(step: int) -> str:
+    """The name of step `step`'s checkpoint folder: `step-00000120`."""
+    return f"step-{step:08d}"
+
+
+def step_of(name: str) -> Optional[int]:
+    """The step a checkpoint folder's name gives, zero-padded or not (`step-00000120`, `step-120`), else None."""
+    m = _STEP.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints of the step-N rotation, oldest first."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and (p / STATE).is_file())
+    found = [(step, p) for p in root.iterdir()
+             if (step := step_of(p.name)) is not None and p.is_dir() and (p / STATE).is_file()]
+    return [p for _, p in sorted(found)]
 
 
 def _weight_files(path: Path) -> tuple[list[Path], list[str]]:
@@ -105,40 +118,3 @@ def check_model_files(path: Path, weights: bool = True) -> None:
         except SafetensorError as e:
             raise DamagedFileError(file, f"not a readable safetensors file: {e}", redo,
                                    size=file.stat().st_size) from None
-
-
-# ------------------------------------------------------------------------------------------ outputs
-
-
-class OutputRefused(UserError):
-    """An output path this command may not write (or may not replace without --overwrite)."""
-
-
-def move_aside(path: Path) -> Path:
-    """Rename `path` to a free `NAME.old-YYYYmmdd-HHMMSS[-k]` beside it (never deletes); returns the new name."""
-    path = Path(path)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for k in range(1000):
-        dest = path.with_name(f"{path.name}.old-{stamp}" + (f"-{k}" if k else ""))
-        if not dest.exists():
-            path.rename(dest)
-            return dest
-    raise FileExistsError(f"no free name to move {path} aside")
-
-
-def put_in_place(tmp: Path, final: Path, overwrite: bool) -> Optional[Path]:
-    """Rename the finished folder `tmp` to `final`. A non-empty `final` (admitted earlier by outputs.py's checks) is
-    moved aside first; returns where it went, or None."""
-    moved = None
-    if holds_something(final):
-        if not overwrite:  # it appeared while this command was working
-            raise OutputRefused(f"{final} already exists; pass --overwrite to replace it or choose another --out")
-        moved = move_aside(final)
-    os.replace(tmp, final)
-    return moved
-
-
-def holds_something(path: Path) -> bool:
-    if path.is_dir():
-        return any(path.iterdir())
-    return path.exists() and path.stat().st_size > 0

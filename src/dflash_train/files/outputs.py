@@ -27,12 +27,33 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from .layout import STATE, OutputRefused, holds_something
-from .run.directory import RunDir
+from ..errors import UserError
+from ..run.directory import RunDir
+from .io import replace_dir
+from .layout import STATE
 
 Input = tuple[str, Path]  # (the flag that gave it, the path)
 
 _SHOWN = 4  # entries of a folder named in a message
+
+
+class OutputRefused(UserError):
+    """An output path this command may not write (or may not replace without --overwrite)."""
+
+
+def holds_something(path: Path) -> bool:
+    if path.is_dir():
+        return any(path.iterdir())
+    return path.exists() and path.stat().st_size > 0
+
+
+def put_in_place(tmp: Path, final: Path, overwrite: bool) -> Optional[Path]:
+    """Rename the finished folder `tmp` to `final` (export's and prepare's output). A non-empty `final` (admitted
+    earlier by the checks below) is moved aside to FINAL.old-<time>, never deleted; returns where it went, or None."""
+    full = holds_something(final)
+    if full and not overwrite:  # it appeared while this command was working
+        raise OutputRefused(f"{final} already exists; pass --overwrite to replace it or choose another --out")
+    return replace_dir(tmp, final, keep_old=full)
 
 
 # ------------------------------------------------------------------------------------------ output kinds
@@ -40,7 +61,7 @@ _SHOWN = 4  # entries of a folder named in a message
 
 def is_export(path: Path) -> bool:
     """A DFlash drafter in the reference format: model.safetensors and a DFlash config.json."""
-    from .architectures import UnknownArchitecture, architecture_of_export  # here: it imports torch
+    from ..architectures import UnknownArchitecture, architecture_of_export  # here: it imports torch
 
     if not (path / "model.safetensors").is_file() or (path / STATE).exists():
         return False
@@ -52,7 +73,7 @@ def is_export(path: Path) -> bool:
 
 
 def is_prepared_dataset(path: Path) -> bool:
-    from .data.store import FORMAT, MANIFEST
+    from ..data.store import FORMAT, MANIFEST
 
     return _json_object(path / MANIFEST).get("format") == FORMAT
 
@@ -64,7 +85,7 @@ def is_eval_report(path: Path) -> bool:
 
 
 def is_eval_table(path: Path) -> bool:
-    from .infer.evaluate import REPORT_TITLE
+    from ..infer.evaluate import REPORT_TITLE
 
     return _starts_with(path, REPORT_TITLE.encode())
 
@@ -92,7 +113,7 @@ def check_export_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
     out = Path(out)
     found = _run_around(out)
     if found is not None:
-        from .train.admission import live_owner  # here: it imports torch
+        from ..train.start.directory_admission import live_owner  # here: it imports torch
 
         folder, kind = found
         owner = live_owner(RunDir(folder))
@@ -138,7 +159,7 @@ def check_regen_outputs(out: Optional[Path], export_batch: Optional[Path], data:
                         imports: Iterable[str]) -> None:
     """regen continues its own output (the same command resumes it); it never writes onto an input, a
     folder or a file it did not write."""
-    from .data.regen.journal import side_paths
+    from ..data.regen.journal import side_paths
 
     inputs = _inputs("--data", data) + _inputs("--import-batch", imports)
     if out is not None:

@@ -1,19 +1,16 @@
 """What a folder given on the command line is (a run, a training checkpoint, an exported drafter), and the one-line
 errors that say which command takes it instead. The file names, and whether a folder is a complete model folder,
-are layout.py's."""
+are files/layout.py's."""
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
-from .architectures import registry
+from ..architectures import registry
+from ..run.directory import RunDir
 from .layout import (DRAFTER_FILES, STATE, InputPathError, has_drafter_files, is_checkpoint, is_exported_drafter,
-                     list_checkpoints)
-from .run.directory import RunDir
-
-_STEP = re.compile(r"step-0*(\d+)")
+                     list_checkpoints, step_of)
 
 
 def has_training_layout(path: Path) -> bool:
@@ -57,11 +54,10 @@ def _step_shorthand(path: Path) -> Path | None:
     """`step-20` -> the existing `step-00000020` beside it (or in RUN/checkpoints/ for RUN/step-20);
     `RUN/best` -> RUN/checkpoints/best."""
     folders = [path.parent] + ([RunDir(path.parent).checkpoints] if is_run(path.parent) else [])
-    m = _STEP.fullmatch(path.name)
+    step = step_of(path.name)
     for folder in folders:
-        if m:
-            hits = [p for p in list_checkpoints(folder)
-                    if (n := _STEP.fullmatch(p.name)) and int(n.group(1)) == int(m.group(1))]
+        if step is not None:
+            hits = [p for p in list_checkpoints(folder) if step_of(p.name) == step]
             if hits:
                 return hits[0]
         elif path.name == "best" and is_checkpoint(folder / "best"):

@@ -11,8 +11,8 @@ from typing import Optional
 
 from ..architectures import registry
 from ..errors import ModelError
-from ..layout import CONFIG_NAME
-from ..runtime import read_json_file
+from ..files.layout import CONFIG_NAME
+from ..files.io import read_json_file
 
 
 @dataclass(frozen=True)

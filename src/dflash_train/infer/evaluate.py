@@ -28,7 +28,7 @@ from ..target.hf_config import text_config
 from ..architectures.io import load_drafter
 from ..target.provenance import compare, read_provenance, target_provenance
 from ..target.capture import load_target_model, load_tokenizer, read_target_config, target_fp8_linears
-from ..runtime import write_text_atomic
+from ..files.io import write_text_atomic
 from .replay import build_corpus, replay_records
 from .spec_decode import DecodeResult, SpeculativeDecoder
 
@@ -449,7 +449,7 @@ def lossless_line(report: dict, dataset: str) -> str:
     return f"lossless: {dataset}: {why}"
 
 
-REPORT_TITLE = "# Speculative decoding evaluation\n"  # how outputs.py recognises the table beside a report
+REPORT_TITLE = "# Speculative decoding evaluation\n"  # how files/outputs.py recognises the table beside a report
 
 
 def write_report(report: dict, out: Path) -> None:

@@ -11,9 +11,9 @@ from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from typing import Optional
 
-from .. import procs
-from ..layout import list_checkpoints, move_aside
-from ..runtime import write_text_atomic
+from ..files.io import move_aside, write_text_atomic
+from ..files.layout import list_checkpoints
+from . import procs
 
 PHASES = ("starting", "loading", "warmup", "training", "exporting", "done", "failed", "stopped")
 ENDED = ("done", "failed", "stopped")

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..runtime import publish, write_text_atomic
+from ..files.io import replace_file, write_text_atomic
 from .directory import RunDir
 from .tracker_runs import Tracker, open_tracker
 
@@ -100,7 +100,7 @@ class MetricsWriter:
     def _rotate(self) -> None:
         if self.path.is_file() and self.path.stat().st_size >= self.max_bytes:
             taken = [int(p.stem.split("-")[1]) for p in self.run.root.glob("metrics-*.jsonl")]
-            publish(self.path, self.run.root / f"metrics-{max(taken, default=0) + 1:05d}.jsonl")
+            replace_file(self.path, self.run.root / f"metrics-{max(taken, default=0) + 1:05d}.jsonl")
         if self.tb is not None:
             events = sorted(self.run.tensorboard.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
             if events and events[-1].stat().st_size >= self.max_bytes:

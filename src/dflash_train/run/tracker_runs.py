@@ -12,7 +12,7 @@ import time
 from typing import Any, Optional, Protocol
 from urllib.parse import urlparse
 
-from ..runtime import write_json_atomic
+from ..files.io import write_json_atomic
 from ..trackers import TRACKERS
 from .directory import RunDir
 

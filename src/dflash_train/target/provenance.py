@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from ..runtime import read_json_file, write_json_atomic
+from ..files.io import read_json_file, write_json_atomic
 from .hf_config import text_config
 from .fingerprints import chat_template_fingerprint, tokenizer_fingerprint
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from dflash_train.config_reference import PAGE, field_comments, reference_markdown, undocumented
+from dflash_train.commands.config_reference import PAGE, field_comments, reference_markdown, undocumented
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -17,7 +17,7 @@ def test_every_config_key_has_a_comment_in_the_schema():
 def test_the_reference_page_is_the_generated_one():
     page = (REPO / PAGE).read_text()
     assert page == reference_markdown(), (
-        f"{PAGE} is stale: run `python -m dflash_train.config_reference > {PAGE}`")
+        f"{PAGE} is stale: run `python -m dflash_train.commands.config_reference > {PAGE}`")
 
 
 def test_the_generator_reads_the_comment_block_above_each_field_and_only_that():

@@ -20,7 +20,7 @@ import pytest
 from dflash_train.cli import main
 from dflash_train.data.dataset import tokenize_row
 from dflash_train.data.formats import RowError, iter_rows, to_messages
-from dflash_train.data.prepare import PrepareConfig, holdout_key, prepare
+from dflash_train.commands.prepare import PrepareConfig, holdout_key, prepare
 from dflash_train.data.store import PreparedDataset
 from dflash_train.target.fingerprints import chat_template_fingerprint, tokenizer_fingerprint
 from dflash_train.target.capture import load_tokenizer
@@ -316,7 +316,7 @@ def test_validation_split_follows_the_content_not_the_position(tok, tmp_path):
 
 
 def test_thinking_flag_reaches_templates_that_read_it(tok, tmp_path):
-    from dflash_train.data.prepare import template_kwargs_for
+    from dflash_train.commands.prepare import template_kwargs_for
 
     assert template_kwargs_for(tok, True) == {}  # SmolLM2's template has no thinking switch
     tok2 = load_tokenizer(tok.name_or_path)

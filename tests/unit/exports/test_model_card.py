@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_train import serving
+from dflash_train.exports import serving
 from dflash_train.architectures.io import load_drafter
 from dflash_train.cli import main
 

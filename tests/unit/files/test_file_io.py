@@ -1,8 +1,13 @@
-"""Atomic placement of finished folders (runtime.replace_dir): whatever stood at the destination is gone after, and
-nothing is left beside it."""
+"""The one atomic write of a file and replace of a folder (files/io.py): whatever stood at the destination is gone
+after (or, asked to keep it, moved aside beside it), nothing else is left beside it, and a folder another process
+finished first stays."""
+import os
+import stat
 from pathlib import Path
 
-from dflash_train.runtime import replace_dir, temp_dir_beside
+import pytest
+
+from dflash_train.files.io import replace_dir, temp_dir_beside, write_text_atomic
 
 
 def _finished(final: Path) -> Path:
@@ -38,3 +43,36 @@ def test_a_link_where_the_folder_goes_is_replaced_and_its_target_kept(tmp_path):
     assert not final.is_symlink() and (final / "model.safetensors").read_text() == "new"
     assert (elsewhere / "keep.txt").read_text() == "kept"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "export"]
+
+
+def test_kept_the_old_folder_is_moved_aside_and_its_new_name_returned(tmp_path):
+    final = tmp_path / "export"
+    final.mkdir()
+    (final / "model.safetensors").write_text("old")
+    moved = replace_dir(_finished(final), final, keep_old=True)
+    assert moved is not None and moved.name.startswith("export.old-")
+    assert (moved / "model.safetensors").read_text() == "old"
+    assert (final / "model.safetensors").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["export", moved.name])
+
+
+def test_a_folder_another_process_finished_first_stays(tmp_path):
+    final = tmp_path / "export"
+    final.mkdir()
+    (final / "model.safetensors").write_text("theirs")
+    tmp = _finished(final)
+    assert replace_dir(tmp, final, complete=lambda p: (p / "model.safetensors").is_file()) is None
+    assert (final / "model.safetensors").read_text() == "theirs"
+    assert tmp.is_dir()  # the caller's to delete
+
+
+def test_a_text_file_is_written_whole_with_ordinary_modes_and_a_failed_write_leaves_no_temp_file(tmp_path):
+    path = tmp_path / "status.json"
+    write_text_atomic(path, "{}")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.read_text() == "{}" and stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask
+    with pytest.raises(UnicodeEncodeError):
+        write_text_atomic(path, "half \udc80")  # a lone surrogate cannot be encoded: the write fails midway
+    assert path.read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["status.json"]

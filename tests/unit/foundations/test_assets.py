@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash_train import assets
+from dflash_train.files.io import replace_dir
 
 
 class _ListHandler(logging.Handler):
@@ -179,10 +180,21 @@ def test_partial_folder_is_not_valid_and_gets_replaced(tmp_path: Path) -> None:
     tmp.mkdir()
     (tmp / "config.json").write_text('{"ok": true}')
     (tmp / assets.TARGET_META).write_text("{}")
-    assets._publish(tmp, final)
+    replace_dir(tmp, final, complete=assets.is_converted_target)  # the cache's way of placing a conversion
     assert assets.is_converted_target(final)
     assert json.loads((final / "config.json").read_text()) == {"ok": True}
-    assert not tmp.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-abc"]  # the partial one is gone, not kept aside
+
+
+def test_a_conversion_another_process_finished_first_stays_and_ours_is_left_to_delete(tmp_path: Path) -> None:
+    final = tmp_path / "model-abc"
+    for folder, marker in ((final, "theirs"), (tmp_path / ".model-abc.tmp-1", "ours")):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"who": marker}))
+        (folder / assets.TARGET_META).write_text("{}")
+    replace_dir(tmp_path / ".model-abc.tmp-1", final, complete=assets.is_converted_target)
+    assert json.loads((final / "config.json").read_text()) == {"who": "theirs"}
+    assert (tmp_path / ".model-abc.tmp-1").is_dir()
 
 
 def test_target_defaults_absent(tmp_path: Path) -> None:
@@ -259,7 +271,7 @@ def test_humaneval() -> None:
 
 @pytest.mark.slow
 def test_doctor_names_conversions_no_known_gguf_reaches_and_removes_nothing(converted: dict, monkeypatch) -> None:
-    from dflash_train.doctor import target_cache_check
+    from dflash_train.commands.doctor import target_cache_check
 
     targets = converted["cache"] / "targets"
     orphan = targets / "Old-Model.Q8_0-0123456789abcdef"  # e.g. converted from a GGUF since deleted
@@ -297,7 +309,7 @@ def test_doctor_names_a_few_stale_conversions_and_removes_them_only_when_asked(t
     import subprocess
     import sys
 
-    from dflash_train.doctor import target_cache_check
+    from dflash_train.commands.doctor import target_cache_check
 
     cache, gguf, key = tmp_path / "cache", tmp_path / "Model.Q4_0.gguf", "0123456789abcdef"
     targets = cache / "targets"

@@ -15,7 +15,7 @@ from dflash_train.cli import build_parser, main
 from dflash_train.config.validate import NUMBER_RULES, number_rules, numeric_keys
 from dflash_train.numbers import POSITIVE_INT, Rule, rule_of
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY_CONFIG = str(REPO / "configs" / "tiny-cpu.yaml")
 
 # Every numeric flag: its range as the error states it, and values it accepts. A new numeric flag fails

@@ -8,18 +8,19 @@ and `importlib.import_module(...)` (the architecture registry's) is not seen.
 
 The layers, lowest first (a module may import its own layer and those below it, never one above):
 
-0 foundation: the package root, errors, numbers, permissions, procs, runtime (device, dtype, atomic writes),
-  layout (the on-disk names and what a folder is), trackers (run.report_to's names), architectures.registry (the
-  drafter architectures' names). No torch at import, nothing of the package above them.
-1 run state, inputs and the target: assets, serving (how exports are served: the serve tables, the cards' lines),
-  config, run (the run directory), data (but data.prepare, the prepare command), target (the frozen target) and
-  accel (the compile layer, the FP8 primitives and training kernels).
+0 foundation: the package root, errors, numbers, runtime (device, dtype), files (the on-disk names and what a folder
+  holds, file modes, the one atomic write of a file and replace of a folder; but files.paths and files.outputs),
+  trackers (run.report_to's names), architectures.registry (the drafter architectures' names). No torch at import,
+  nothing of the package above them.
+1 run state, inputs and the target: assets, exports.serving (how exports are served: the serve tables, the cards'
+  lines), config, run (the run directory, run.procs: is a PID still that process), data, target (the frozen target)
+  and accel (the compile layer, the FP8 primitives and training kernels).
 2 the drafter architectures: architectures (with architectures.io, a drafter's files, and architectures.init_from_target).
-3 inference: infer, model_card (a drafter's README with its evaluation table, written by train and export).
+3 inference: infer, exports (exports.card: a drafter's README with its evaluation table, written by train and export).
 4 training: train.
-5 commands: cli, export, outputs (what each command may write over: it knows every command's output),
-  data.prepare, paths (what a folder given on the command line is, and which command takes it), pipeline,
-  demo, doctor, config_reference, __main__.
+5 commands: cli, commands (export, prepare, pipeline, demo, doctor, config_reference), files.outputs (what each
+  command may write over: it knows every command's output), files.paths (what a folder given on the command line is,
+  and which command takes it), __main__.
 
 A new module needs a line in LAYERS, or a package above it that has one (test_every_module_has_a_layer).
 """
@@ -29,7 +30,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 PACKAGE = "dflash_train"
 
 # module or package (relative to dflash_train; "__init__" is the package root itself) -> layer. A package's line
@@ -38,14 +39,12 @@ LAYERS: dict[str, int] = {
     "__init__": 0,
     "errors": 0,
     "numbers": 0,
-    "permissions": 0,
-    "procs": 0,
     "runtime": 0,
-    "layout": 0,
+    "files": 0,
     "trackers": 0,
     "architectures.registry": 0,
     "assets": 1,
-    "serving": 1,
+    "exports.serving": 1,
     "config": 1,
     "run": 1,
     "data": 1,
@@ -53,16 +52,11 @@ LAYERS: dict[str, int] = {
     "accel": 1,
     "architectures": 2,
     "infer": 3,
-    "model_card": 3,
+    "exports": 3,
     "train": 4,
-    "outputs": 5,
-    "paths": 5,
-    "data.prepare": 5,
-    "export": 5,
-    "pipeline": 5,
-    "demo": 5,
-    "doctor": 5,
-    "config_reference": 5,
+    "files.outputs": 5,
+    "files.paths": 5,
+    "commands": 5,
     "cli": 5,
     "__main__": 5,
 }

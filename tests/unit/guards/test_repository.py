@@ -7,7 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".sh", ".cfg", ".ini", ".json", ""}
 # Words of a development diary, not of the product. (`Session`, the training loop's class, and pytest's
 # scope="session" are product words: only "session" followed by a number is a diary's.)

@@ -31,7 +31,7 @@ from dflash_train.architectures.io import load_drafter, save_drafter
 from dflash_train.train.checkpoint import (CheckpointError, check_compatible, load_into, newest_valid, read_state,
                                            save_checkpoint)
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "dflash_train"
+SRC = Path(__file__).resolve().parents[3] / "src" / "dflash_train"
 
 
 class Payload:

@@ -145,7 +145,7 @@ def test_eval_refuses_an_export_whose_recorded_speculative_tokens_differ(tiny_ta
     from dflash_train.architectures.dflash.model import DFlashDrafter
     from dflash_train.architectures.io import save_drafter
     from dflash_train.infer.evaluate import load_eval_models
-    from dflash_train.model_card import drafter_card
+    from dflash_train.exports.card import drafter_card
     from dflash_train.target.capture import load_tokenizer, read_target_config
     from dflash_train.target.provenance import serving_record, target_provenance, write_provenance
 

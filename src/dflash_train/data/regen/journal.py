@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ... import __version__
-from ...runtime import write_text_atomic
+from ...files.io import write_text_atomic
 from ..formats import DamagedDataFile
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from ...runtime import publish, write_text_atomic
+from ...files.io import replace_file, write_text_atomic
 from ..formats import RowError, check_readable
 from . import batch_api
 from .inputs import Convo, RegenSettings, batch_seed, check_sources, iter_entries
@@ -98,7 +98,7 @@ class _RequestFile:
 
     def publish(self) -> None:
         self.f.close()
-        publish(self.tmp, self.path)
+        replace_file(self.tmp, self.path)
 
 
 @dataclass

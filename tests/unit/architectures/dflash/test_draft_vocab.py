@@ -16,6 +16,7 @@ import yaml
 from safetensors import safe_open
 
 from dflash_train.errors import ResourceError
+from dflash_train.architectures import architecture
 from dflash_train.architectures.family.backend import resolve_backend
 from dflash_train.architectures.family.config import drafter_config_from_dict, make_drafter_config
 from dflash_train.architectures.dflash.model import DFlashDrafter
@@ -106,7 +107,7 @@ def test_the_head_starts_as_the_targets_rows_of_the_chosen_tokens(prepared, tiny
     cfg = config_from_dict({"target": {"path": str(tiny_target_dir)},
                             "drafter": {"block_size": 4, "num_draft_layers": 1, "draft_vocab_size": 30},
                             "data": {"train_files": [str(prepared)], "max_length": 256, "token_budget": 1024}})
-    data = open_training_data(cfg, load_tokenizer(tiny_target_dir))
+    data = open_training_data(cfg, load_tokenizer(tiny_target_dir), 4)
     head = target64.get_output_embeddings().weight
     dcfg = make_drafter_config(target64.config, num_draft_layers=1, block_size=4, target_layer_ids=[1, 4],
                                mask_token_id=16, draft_vocab_size=30)
@@ -185,7 +186,7 @@ def test_an_exported_config_with_a_bad_draft_vocab_size_is_refused(target64):
 
 def test_preflight_counts_the_drafters_own_head(target64):
     def params(n):
-        return preflight.drafter_parameters("dflash", make_drafter_config(
+        return preflight.drafter_parameters(architecture("dflash"), make_drafter_config(
             target64.config, num_draft_layers=1, block_size=4, target_layer_ids=[1, 4], mask_token_id=16,
             draft_vocab_size=n))
 
@@ -205,7 +206,8 @@ def test_preflight_counts_the_kept_head_gradient_rows(target64):
     parts = {}
     for how in ("recompute", "keep", "auto"):
         cfg = config_from_dict({}, ["drafter.draft_vocab_size=100", f"objective.head_gradient={how}"])
-        settings = am.step_settings(cfg, target64.config, dcfg, [1, 4], torch.bfloat16, torch.bfloat16, "cuda", 0)
+        settings = am.step_settings(cfg, target64.config, dcfg, [1, 4], torch.bfloat16, torch.bfloat16, "cuda", 0,
+                                    architecture("dflash"))
         parts[how] = am.drafter_step_parts(dcfg, shape, settings)
     assert parts["keep"]["kept head gradient rows"] == shape.counted * 100 * 2
     assert sum(parts["keep"].values()) - sum(parts["recompute"].values()) == shape.counted * 100 * 2

@@ -540,7 +540,7 @@ def test_the_selector_trains_at_its_own_learning_rate_through_the_schedule(targe
         d = dflash2(target, perturb=0.1)
         cfg = config_from_dict({"drafter": {"architecture": "dflash2", "selector_lr_scale": scale},
                                 "optim": {"lr": 1e-3, "warmup_ratio": 0.5, "schedule": "cosine"}})
-        opt = make_optimizer(d, cfg, torch.device("cpu"))
+        opt = make_optimizer(d, cfg, architecture("dflash2"))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 4, 0.5, 0.0, "cosine", 0.2))
         g = torch.Generator().manual_seed(3)
         grads = {n: torch.randn(p.shape, generator=g) for n, p in d.named_parameters()}

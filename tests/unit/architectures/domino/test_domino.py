@@ -29,7 +29,7 @@ from dflash_train.architectures.domino.loss import chunked_domino_rows, final_la
 from dflash_train.architectures.domino.model import DominoDrafter
 from dflash_train.architectures.domino.objective import DominoObjective, lambda_base, shifted_blocks
 from dflash_train.architectures.io import load_drafter, save_drafter
-from dflash_train.export import parity_check
+from dflash_train.commands.export import parity_check
 from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.errors import ConfigError

@@ -112,7 +112,7 @@ def test_the_counts_are_the_largest_tensors_of_the_compiled_functions(recorded, 
 
 
 def test_flex_counts_keys_of_the_padded_context_and_the_blocks():
-    dcfg = SimpleNamespace(hidden_size=64, head_dim=16, num_attention_heads=8, num_key_value_heads=2,
+    dcfg = SimpleNamespace(hidden_size=64, head_dim=16, num_attention_heads=8, num_key_value_heads=2, block_size=BS,
                            intermediate_size=200)
     widths = indexing.compiled_widths(_cfg(), dcfg, _qwen3(), AttentionBackend("flex", sdpa_attention, 8, 128), True)
     terms = {what.split(" (")[0]: int(v[0]) for what, v in widths.terms(np.array([3]), np.array([300]),
@@ -125,7 +125,7 @@ def test_flex_counts_keys_of_the_padded_context_and_the_blocks():
 @pytest.mark.parametrize("max_batch_anchors", [0, 96])
 def test_the_plan_maximum_is_the_brute_force_one_over_every_epoch(max_batch_anchors):
     lengths = np.random.default_rng(0).integers(20, 900, 500)
-    dcfg = SimpleNamespace(hidden_size=64, head_dim=16, num_attention_heads=8, num_key_value_heads=2,
+    dcfg = SimpleNamespace(hidden_size=64, head_dim=16, num_attention_heads=8, num_key_value_heads=2, block_size=BS,
                            intermediate_size=200)
     widths = indexing.compiled_widths(_cfg(), dcfg, _qwen3(), AttentionBackend("flex", sdpa_attention, 8, 128), True)
     got = indexing.largest_tensor(widths, lengths, 4096, 12, 7, range(0, 3), 48, max_batch_anchors, 8)
@@ -148,7 +148,7 @@ def test_a_plan_over_two_to_the_31_is_warned_about_naming_what_to_lower():
     loss chunk of 16,384 rows of a 151,936-token vocabulary would cross it."""
     t = _qwen3(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                head_dim=128, vocab_size=151936)
-    dcfg = SimpleNamespace(hidden_size=4096, head_dim=128, num_attention_heads=32, num_key_value_heads=8,
+    dcfg = SimpleNamespace(hidden_size=4096, head_dim=128, num_attention_heads=32, num_key_value_heads=8, block_size=BS,
                            intermediate_size=12288)
     lengths = np.full(64, 4096)
     backend = AttentionBackend("flex", sdpa_attention, 8, 128)
@@ -227,7 +227,7 @@ def test_block_counts_from_the_datas_anchor_positions_are_sample_anchors_own(tin
 
     cfg = config_from_dict({"target": {"path": str(tiny_target_dir)}, "drafter": {"block_size": BS},
                             "data": {"train_files": [str(counting_jsonl)], "max_length": 256}})
-    data = open_training_data(cfg, load_tokenizer(tiny_target_dir))
+    data = open_training_data(cfg, load_tokenizer(tiny_target_dir), BS)
     positions = data.anchor_positions
     assert (positions < data.lengths - BS + 1).all()  # the prompts are not supervised
     g = torch.Generator().manual_seed(0)
@@ -254,7 +254,7 @@ def test_a_prepared_datasets_anchor_positions_bound_the_real_ones(tmp_path, tiny
         cfg = config_from_dict({"target": {"path": str(tiny_target_dir)}, "drafter": {"block_size": BS},
                                 "data": {"train_files": [str(tmp_path / "prep")], "max_length": max_length,
                                          "token_budget": 1024}})
-        data = open_training_data(cfg, tok)
+        data = open_training_data(cfg, tok, BS)
         exact = [int(np.count_nonzero(data.example(i).loss_mask[:int(data.lengths[i]) - BS + 1]))
                  for i in range(len(data))]
         assert (data.anchor_positions >= exact).all() and (data.anchor_positions <= data.lengths - BS + 1).all()
