@@ -126,6 +126,7 @@ class LiLiCorrHead(nn.Module):
         features = torch.stack([lp, lp.exp(), lp - lp.amax(-1, keepdim=True),
                                 (rank / (k - 1) if k > 1 else rank * 0).expand_as(lp), (rank == 0).to(lp.dtype)
                                 .expand_as(lp)], -1)
+        features = features.to(self.feature_mlp[1].weight.dtype)  # autocast, where on, casts it again
         x = (self.token_proj(cand_embeds) + self.pass_hidden_proj(pass_hidden).unsqueeze(2)
              + self.feature_mlp(features) + self.slot_embedding[0, 0, :slots] + self.rank_embedding[0, 0, 0])
         x = x.reshape(n, slots * k, -1)
