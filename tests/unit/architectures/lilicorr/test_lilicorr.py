@@ -19,6 +19,7 @@ from dflash_train.architectures.family.mask import dense_mask
 from dflash_train.architectures.lilicorr.model import LiLiCorrDrafter
 from dflash_train.architectures.lilicorr.objective import LiLiCorrObjective
 from dflash_train.architectures import architecture
+from dflash_train.architectures.io import load_drafter
 from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.errors import ConfigError
@@ -265,3 +266,35 @@ def test_a_lilicorr_run_learns_and_logs_the_lattice_terms(tiny_target_dir, count
     assert last < 0.9 * first
     exported = json.loads((run / "export" / "config.json").read_text())
     assert exported["architectures"] == ["LiLiCorrDraftModel"]
+    assert exported["dflash_config"]["lilicorr_candidate_topk"] == 4
+    checkpoint = sorted((run / "checkpoints").glob("step-*"))[-1]
+    again = tmp_path / "again"
+    assert main(["export", str(checkpoint), "--out", str(again), "--dtype", "float32"]) == 0
+    assert json.loads((again / "config.json").read_text())["dflash_config"] == exported["dflash_config"]
+    first, second = load_drafter(run / "export"), load_drafter(again)
+    assert all(torch.equal(t, second.state_dict()[k]) for k, t in first.state_dict().items())
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--target", str(tiny_target_dir), "--drafter", str(again), "--data", str(counting_jsonl),
+                 "--limit", "2", "--max-new-tokens", "8", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    body = json.loads(out.read_text())["datasets"][str(counting_jsonl)]
+    assert body["modes"]["block"]["tau"] >= 1 and body["lossless_mismatches"] == []
+
+
+def test_a_block_without_an_anchor_row_conditions_on_nothing(small_vocab_target):
+    """No row before the anchor (anchor 0): the anchor state is 0 whatever the row and context_proj's bias hold, as
+    the specification's head computes it."""
+    d = drafter_for(small_vocab_target, run_cfg()).double()
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(2, BLOCK - 1, 8, 64, generator=g, dtype=torch.float64)
+    slots = torch.randn(2, BLOCK - 1, 64, generator=g, dtype=torch.float64)
+    lp = torch.log_softmax(torch.randn(2, BLOCK - 1, 8, generator=g, dtype=torch.float64), -1).sort(-1, True).values
+    anchor = torch.randn(2, 64, generator=g, dtype=torch.float64)
+    valid = torch.tensor([True, False])
+    start, pair = d.lilicorr(embeds, slots, lp, anchor, valid)
+    tensors = dict(d.lilicorr.named_parameters())
+    for i in range(2):
+        ref_start, ref_pair = head_scores(tensors, d.lilicorr.exported_fields(), 64, d.config.rms_norm_eps,
+                                          embeds[i], slots[i], lp[i], anchor[i], float(valid[i]))
+        torch.testing.assert_close(start[i], ref_start)
+        torch.testing.assert_close(pair[i], ref_pair)
+    assert not torch.allclose(start[0], start[1])
