@@ -403,9 +403,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_workload_args(ap)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--architecture", default="dflash", choices=["dflash", "dflash2", "dspark", "domino"],
+    from dflash_train.architectures import registry
+
+    ap.add_argument("--architecture", default="dflash", choices=registry.names(),
                     help="the drafter architecture (full step only; dflash2: reference convolution/selector sizes; "
-                         "dspark, domino: their sections' defaults)")
+                         "the others: their sections' defaults)")
     ap.add_argument("--selector-top-k", type=int, default=32,
                     help="dflash2.selector_top_k of --architecture dflash2 (its candidates per slot)")
     ap.add_argument("--selector-codebooks", default="free", choices=("free", "factored"),
@@ -526,7 +528,7 @@ def main() -> None:
                             "data": {"max_length": args.seq, "token_budget": args.seq * args.batch,
                                      "max_batch_size": args.batch}},
                            overrides=args.set or None)
-    if args.architecture in ("dspark", "domino"):  # built as the trainer builds it, from the run's config
+    if args.architecture not in ("dflash", "dflash2"):  # built as the trainer builds it, from the run's config
         arch = architecture(args.architecture)
         dcfg = arch.config_for_run(tcfg, cfg, ids, 5)
         drafter = arch.drafter_class(dcfg).cuda()

