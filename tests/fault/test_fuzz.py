@@ -24,6 +24,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import tempfile
 from dataclasses import fields, is_dataclass
@@ -187,8 +188,9 @@ def _write_inputs(root: Path, files) -> tuple[list[str], int, list[str]]:
         if kind in ("jsonl", "jsonl.gz"):
             content = b"\n".join(payload) + (b"\n" if trailing else b"")
             path.write_bytes(gzip.compress(content, mtime=0) if kind.endswith(".gz") else content)
-            total += _jsonl_rows(content)
-            if (kind == "jsonl" and not content) or _jsonl_cut(content):
+            rows = _jsonl_rows(content)
+            total += rows
+            if not rows or _jsonl_cut(content):  # no row at all (empty, or blank lines only) reads as damaged too
                 damaged.append(str(path))
         elif kind == "json":
             sep = b",\n" if trailing else b","
@@ -219,13 +221,17 @@ def _check_prepare(tok, files, shard_rows: int) -> None:
             return
         try:
             manifest = prepare(tok, "tiny", specs, out, cfg)
-        except ValueError as e:  # the one documented failure: nothing usable at all
+        except ValueError as e:  # the documented failures: nothing usable at all, or one input gave nothing
             msg = str(e)
-            assert msg.startswith("no usable row"), msg
-            assert f"({expected} read;" in msg, (expected, msg)
+            unused = re.match(r"--data (\S+) gave no usable row \(", msg)
+            if unused:
+                assert unused.group(1) in specs and len(specs) > 1, msg
+            else:
+                assert msg.startswith("no usable row"), msg
+                assert (f"({expected} read;" if expected else "(0 rows read: it holds none)") in msg, (expected, msg)
             assert not out.exists()
             assert not list(root.glob(".out.prepare-*")), "temp dir left behind"
-            event("prepare: no usable row")
+            event("prepare: an input gave no usable row" if unused else "prepare: no usable row")
             return
         c = manifest["counts"]
         event("prepare: some rows kept")
