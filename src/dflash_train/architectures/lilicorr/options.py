@@ -99,6 +99,10 @@ def validate(cfg: Any) -> None:
     if d.output_multiplier != 1.0 or d.final_logit_softcapping:
         raise ConfigError("config keys 'drafter.output_multiplier' / 'drafter.final_logit_softcapping': LiLiCorr's "
                           "candidates are the target head's plain log-probabilities; leave them at their defaults")
+    if cfg.parallel.placement == "split":
+        raise ConfigError("config key 'parallel.placement': LiLiCorr's target penalty reads the target's final hidden "
+                          "states, which the split placement does not send to the drafter ranks; use "
+                          "parallel.placement=colocated")
     if cfg.objective.distill_weight > 0:
         raise ConfigError("config key 'objective.distill_weight': LiLiCorr's block loss is the hard cross-entropy "
                           "(its target penalty reads the target's logits); set objective.distill_weight=0")

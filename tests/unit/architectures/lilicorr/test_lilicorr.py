@@ -228,6 +228,7 @@ def test_the_section_defaults_to_the_shipped_recipe_and_refuses_bad_values_namin
         ({"drafter": {"architecture": "lilicorr", "draft_vocab_size": 100}}, r"'drafter.draft_vocab_size'"),
         ({"drafter": {"architecture": "lilicorr", "causal": True}}, r"'drafter.causal'"),
         ({"objective": {"distill_weight": 0.5}}, r"'objective.distill_weight'"),
+        ({"parallel": {"placement": "split"}}, r"'parallel.placement': LiLiCorr's target penalty"),
     ]
     for extra, message in refused:
         with pytest.raises(ConfigError, match=message):
@@ -298,3 +299,30 @@ def test_a_block_without_an_anchor_row_conditions_on_nothing(small_vocab_target)
         torch.testing.assert_close(start[i], ref_start)
         torch.testing.assert_close(pair[i], ref_pair)
     assert not torch.allclose(start[0], start[1])
+
+
+@pytest.mark.long  # ~40 s: the run above again, and one in real processes killed and resumed
+def test_a_lilicorr_run_killed_and_resumed_reaches_the_uninterrupted_losses(tiny_target_dir, counting_jsonl, tmp_path):
+    """Through the CLI in real processes: a run SIGKILLed after its step-2 checkpoint, resumed with --resume, logs
+    the losses of the run that was never stopped (the head's weights and optimizer state included)."""
+    import signal
+
+    from _harness import assert_same_losses, launch, losses, run, wait_until
+
+    from dflash_train.cli import main
+
+    cfg = _run_config(tmp_path, tiny_target_dir, counting_jsonl)
+    every = ["run.save_every=2", "optim.max_steps=6"]
+    whole, part, log = tmp_path / "whole", tmp_path / "part", tmp_path / "run.log"
+    assert main(["train", str(cfg), *every, "--run-dir", str(whole)]) == 0
+    proc = launch(["train", str(cfg), *every, "--run-dir", str(part)], log)
+    try:
+        wait_until(lambda: (part / "checkpoints" / "step-00000002" / "trainer_state.json").is_file(), proc, 300,
+                   "the step-2 checkpoint")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert run(["train", "--run-dir", str(part), "--resume"], log) == 0, log.read_text()[-3000:]
+    assert_same_losses(losses(whole), losses(part), 6)
