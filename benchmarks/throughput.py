@@ -458,9 +458,10 @@ def main() -> None:
         ap.error("--selector-codebooks: a dflash2 key; add --architecture dflash2")
     if args.draft_vocab and args.architecture != "dflash":
         ap.error("--draft-vocab: a reduced draft vocabulary is implemented for --architecture dflash only")
-    if args.architecture in ("dspark", "domino") and (args.draft_intermediate or args.draft_heads or args.draft_kv_heads):
+    from_config = args.architecture not in ("dflash", "dflash2")  # built from the run config's sections
+    if from_config and (args.draft_intermediate or args.draft_heads or args.draft_kv_heads):
         ap.error(f"--draft-intermediate/--draft-heads/--draft-kv-heads: not taken with --architecture {args.architecture}")
-    if args.architecture in ("dspark", "domino") and args.part != "both":
+    if from_config and args.part != "both":
         ap.error(f"--part: --architecture {args.architecture} measures the full step only")
     if args.cold_compile_levers:
         os.environ["DFLASH_TRAIN_COLD_COMPILE_LEVERS"] = "1" if args.cold_compile_levers == "on" else "0"
