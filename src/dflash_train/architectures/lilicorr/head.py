@@ -141,8 +141,9 @@ class LiLiCorrHead(nn.Module):
         out = F.normalize(wide(self.out_head(g)), dim=-1, eps=self.vector_eps).view(n, slots, k, -1)
         inn = F.normalize(wide(self.in_head(g)), dim=-1, eps=self.vector_eps).view(n, slots, k, -1)
         anchor_out = F.normalize(wide(self.anchor_out_head(u)), dim=-1, eps=self.vector_eps)
-        log_start = self.logit_scale * torch.einsum("nf,nkf->nk", anchor_out, inn[:, 0])
-        log_pair = self.logit_scale * torch.einsum("nsif,nsjf->nsij", out[:, :-1], inn[:, 1:])
+        with torch.autocast(out.device.type, enabled=False):  # the cosines in float32, not the compute dtype
+            log_start = self.logit_scale * torch.einsum("nf,nkf->nk", anchor_out, inn[:, 0])
+            log_pair = self.logit_scale * torch.einsum("nsif,nsjf->nsij", out[:, :-1], inn[:, 1:])
         return log_start, log_pair
 
 

@@ -5,6 +5,7 @@ included, its config section's checks, and a real training run whose loss falls.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -326,3 +327,24 @@ def test_a_lilicorr_run_killed_and_resumed_reaches_the_uninterrupted_losses(tiny
             proc.kill()
     assert run(["train", "--run-dir", str(part), "--resume"], log) == 0, log.read_text()[-3000:]
     assert_same_losses(losses(whole), losses(part), 6)
+
+
+def test_under_bfloat16_autocast_the_scores_are_float32_and_the_losses_finite(small_vocab_target):
+    cfg = run_cfg(8)
+    d = drafter_for(small_vocab_target, cfg)
+    capture = TargetCapture.from_model(small_vocab_target, [1, 3])
+    ids = torch.randint(0, 24, (2, 30), generator=torch.Generator().manual_seed(5))
+    batch = Batch(ids, torch.ones_like(ids), torch.tensor([30, 30]))
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        objective = LiLiCorrObjective(d, capture, resolve_backend("sdpa", torch.device("cpu"), BLOCK), cfg, dtype)
+        stats = objective(batch, torch.Generator().manual_seed(7))
+        losses[dtype] = {k: float(v) for k, v in stats.extra.items() if k.endswith("_loss")}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g = torch.Generator().manual_seed(0)
+        start, pair = d.lilicorr(torch.randn(1, BLOCK - 1, 8, 64, generator=g), torch.randn(1, BLOCK - 1, 64, generator=g),
+                                 torch.randn(1, BLOCK - 1, 8, generator=g), torch.randn(1, 64, generator=g),
+                                 torch.tensor([True]))
+    assert start.dtype == pair.dtype == torch.float32
+    assert set(losses[torch.bfloat16]) == set(losses[torch.float32])
+    assert all(math.isfinite(v) for v in losses[torch.bfloat16].values())
