@@ -107,7 +107,7 @@ def main() -> None:
         "objective": {"max_anchors": 512, "gamma": 7.0},
         "run": {"device": device.type},
     })
-    data = open_training_data(cfg, tok)
+    data = open_training_data(cfg, tok, cfg.drafter.block_size)
     tcfg = Qwen3Config(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=8,
                        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=128,
                        vocab_size=len(tok))

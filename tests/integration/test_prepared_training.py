@@ -71,11 +71,15 @@ def test_train_runs_on_a_prepared_dataset(prepared, tiny_target_dir, tmp_path, c
     assert state["epoch"] == 0 and state["batch_index"] == 5
 
 
+def _open_training_data(cfg, tok):
+    return open_training_data(cfg, tok, cfg.drafter.block_size)
+
+
 def test_training_data_reads_prepared_rows_lazily_and_mixes_with_raw_files(prepared, tiny_target_dir, counting_jsonl):
     tok = load_tokenizer(tiny_target_dir)
     manifest = json.loads((prepared / "manifest.json").read_text())
     n_train = manifest["splits"]["train"]["rows"]
-    data = open_training_data(_cfg(tiny_target_dir, [prepared]), tok)
+    data = _open_training_data(_cfg(tiny_target_dir, [prepared]), tok)
     assert len(data) == n_train == 64 - manifest["splits"]["val"]["rows"] and manifest["counts"]["kept"] == 64
     assert len(manifest["splits"]["train"]["shards"]) == 4  # 16 rows per shard
     for i in range(len(data)):
@@ -83,15 +87,15 @@ def test_training_data_reads_prepared_rows_lazily_and_mixes_with_raw_files(prepa
         assert len(ex.input_ids) == data.lengths[i] and not ex.input_ids.flags.writeable  # a view of the mapped file
         assert tok.decode(ex.input_ids[ex.loss_mask.astype(bool)]).endswith("<|im_end|>\n")
     # a prepared directory and a raw file together; max_samples caps the total
-    mixed = open_training_data(_cfg(tiny_target_dir, [prepared, counting_jsonl]), tok)
+    mixed = _open_training_data(_cfg(tiny_target_dir, [prepared, counting_jsonl]), tok)
     assert len(mixed) == n_train + 64
-    assert np.array_equal(mixed.example(n_train + 3).input_ids, open_training_data(
+    assert np.array_equal(mixed.example(n_train + 3).input_ids, _open_training_data(
         _cfg(tiny_target_dir, [counting_jsonl]), tok).example(3).input_ids)
-    assert len(open_training_data(_cfg(tiny_target_dir, [prepared, counting_jsonl], max_samples=70), tok)) == 70
+    assert len(_open_training_data(_cfg(tiny_target_dir, [prepared, counting_jsonl], max_samples=70), tok)) == 70
     # a shorter data.max_length truncates when read; a larger block size drops rows with too few supervised tokens
-    short = open_training_data(_cfg(tiny_target_dir, [prepared], max_length=64), tok)
+    short = _open_training_data(_cfg(tiny_target_dir, [prepared], max_length=64), tok)
     assert short.lengths.max() == 64 and len(short.example(0).input_ids) == 64
-    strict = open_training_data(_cfg(tiny_target_dir, [prepared], block_size=64), tok)
+    strict = _open_training_data(_cfg(tiny_target_dir, [prepared], block_size=64), tok)
     assert 0 < len(strict) < n_train and strict.rejected["too few supervised tokens (block_size 64)"] == n_train - len(strict)
 
 

@@ -5,7 +5,7 @@ then a line in `registry._BUILTIN`, or `registry.register(...)` at run time (doc
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from . import registry
 
@@ -27,11 +27,13 @@ def architecture(name: str) -> "Architecture":
     return getattr(package, "ARCHITECTURE", package)
 
 
-def reads_target_final(cfg: "Config") -> bool:
+def reads_target_final(cfg: "Config", arch: Optional["Architecture"] = None) -> bool:
     """Whether the run's objective reads the target's final normed hidden states (`capture(..., with_final=True)`):
     distillation, or an architecture that needs them (`Architecture.needs_target_final`). Its captures then run
-    every decoder layer, not only those up to the last captured one."""
-    return cfg.objective.distill_weight > 0 or architecture(cfg.drafter.architecture).needs_target_final
+    every decoder layer, not only those up to the last captured one. `arch`: the run's resolved architecture
+    (training passes the one its start resolved; without it, `drafter.architecture`'s)."""
+    arch = arch if arch is not None else architecture(cfg.drafter.architecture)
+    return cfg.objective.distill_weight > 0 or arch.needs_target_final
 
 
 def architecture_of_export(config: dict) -> "Architecture":

@@ -1,4 +1,4 @@
-"""The trainer's view of its data: `open_training_data(cfg, tokenizer)`.
+"""The trainer's view of its data: `open_training_data(cfg, tokenizer, block_size)`.
 
 Each `data.train_files` entry is a prepared dataset directory (read from its memory-mapped shards,
 one example at a time; its tokenizer and chat-template fingerprints must match the target's) or a
@@ -144,9 +144,10 @@ def _list_rejects_then_check(parts: list, rejects_path: Optional[Path]) -> None:
         require_examples(part.dataset, [part.source])
 
 
-def open_training_data(cfg, tokenizer, rejects_path: Optional[Path] = None) -> TrainingData:
-    """`cfg.data.train_files` as one TrainingData (at most `cfg.data.max_samples` rows when set). Rows of
-    raw entries that are rejected are summarised in the log and, with `rejects_path`, all listed there."""
+def open_training_data(cfg, tokenizer, block_size: int, rejects_path: Optional[Path] = None) -> TrainingData:
+    """`cfg.data.train_files` as one TrainingData (at most `cfg.data.max_samples` rows when set), for a drafter of
+    `block_size` (the drafter config's, which the trainer passes). Rows of raw entries that are rejected are
+    summarised in the log and, with `rejects_path`, all listed there."""
     files = list(cfg.data.train_files)
     if not files:
         raise ValueError("data.train_files is empty: give conversation files, prepared dataset directories "
@@ -159,9 +160,9 @@ def open_training_data(cfg, tokenizer, rejects_path: Optional[Path] = None) -> T
         if limit and remaining <= 0:
             break
         if is_prepared(entry):
-            part = _Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, cfg.drafter.block_size, remaining)
+            part = _Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, block_size, remaining)
         else:
-            part = _InMemory(entry, tokenizer, cfg.data.max_length, cfg.drafter.block_size, remaining, rejects_path,
+            part = _InMemory(entry, tokenizer, cfg.data.max_length, block_size, remaining, rejects_path,
                              cfg.data.skip_damaged_files)
         parts.append(part)
         rejected.update(part.rejected)
@@ -183,18 +184,20 @@ def require_label_counts(cfg) -> None:
             raise ValueError(f"config key 'drafter.draft_vocab_size': {no_label_counts_message(entry)}")
 
 
-def open_validation_data(cfg, tokenizer, rejects_path: Optional[Path] = None) -> Optional[TrainingData]:
-    """The val splits of prepared `data.train_files` plus `data.val_files`; None when there is none.
+def open_validation_data(cfg, tokenizer, block_size: int,
+                         rejects_path: Optional[Path] = None) -> Optional[TrainingData]:
+    """The val splits of prepared `data.train_files` plus `data.val_files`, for a drafter of `block_size`; None when
+    there is none.
     Rejected rows of raw `data.val_files` are summarised in the log and, with `rejects_path`, listed there."""
     parts = []
     for entry in cfg.data.train_files:
         if is_prepared(entry):
-            parts.append(_Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, cfg.drafter.block_size, 0, "val"))
+            parts.append(_Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, block_size, 0, "val"))
     for entry in cfg.data.val_files:
         if is_prepared(entry):
-            parts.append(_Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, cfg.drafter.block_size, 0, "val"))
+            parts.append(_Prepared(entry, tokenizer, cfg.target.path, cfg.data.max_length, block_size, 0, "val"))
         else:
-            parts.append(_InMemory(entry, tokenizer, cfg.data.max_length, cfg.drafter.block_size, 0, rejects_path,
+            parts.append(_InMemory(entry, tokenizer, cfg.data.max_length, block_size, 0, rejects_path,
                                    cfg.data.skip_damaged_files))
     _list_rejects_then_check(parts, rejects_path)
     parts = [p for p in parts if len(p.lengths)]

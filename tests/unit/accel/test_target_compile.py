@@ -61,6 +61,7 @@ def test_cli_names_the_key_before_anything_starts(tmp_path, capsys):
 
 
 def test_auto_resolving_to_cpu_is_refused_before_weights_load(tiny_target_dir, monkeypatch):
+    from dflash_train.architectures import architecture
     from dflash_train.train.start import rank_checks
     from dflash_train.train.start import target_load
 
@@ -68,7 +69,7 @@ def test_auto_resolving_to_cpu_is_refused_before_weights_load(tiny_target_dir, m
     monkeypatch.setattr(target_load, "load_target_model", lambda *a, **k: pytest.fail("weights loaded"))
     cfg = config_from_dict({"target": {"path": str(tiny_target_dir), "compile": True}})
     with pytest.raises(ConfigError, match=r"'target.compile'.*device is cpu \(run.device=auto\)"):
-        rank_checks.plan_run(cfg)
+        rank_checks.plan_run(cfg, architecture("dflash"))
 
 
 def test_a_cpu_model_refuses_the_compiled_capture():

@@ -115,12 +115,12 @@ def test_training_data_lists_the_rejects_of_every_raw_entry(tok, tiny_target_dir
     rejects = tmp_path / "rejects.jsonl"
     rejects.write_text("a stale list of an earlier start\n")
     with caplog.at_level(logging.WARNING, logger="dflash_train"):
-        data = open_training_data(cfg, tok, rejects)
+        data = open_training_data(cfg, tok, 8, rejects)
     assert len(data) == n_a + n_b
     assert [(r["where"], r["reason"]) for r in map(json.loads, rejects.read_text().splitlines())] == bad_a + bad_b
     assert set(_summary_lines(caplog, str(a))) == set(_summary_lines(caplog, str(b))) == set(BAD)
     val_rejects = tmp_path / "rejects-val.jsonl"
-    assert len(open_validation_data(cfg, tok, val_rejects)) == n_b
+    assert len(open_validation_data(cfg, tok, 8, val_rejects)) == n_b
     assert [(r["where"], r["reason"]) for r in map(json.loads, val_rejects.read_text().splitlines())] == bad_b
 
 

@@ -173,7 +173,7 @@ def test_an_architecture_that_reads_the_targets_final_state_quantises_every_laye
 
 def test_preflight_counts_one_byte_a_quantised_weight_plus_its_scales(tiny_target_dir):
     cfg = config_from_dict({"target": {"path": str(tiny_target_dir), "quantize": "fp8"}})
-    saved = check_fp8_shapes(cfg, tiny_target_dir, 5, torch.bfloat16, None)
+    saved = check_fp8_shapes(cfg, tiny_target_dir, 5, torch.bfloat16, None, None)
     model = load_target_model(tiny_target_dir, torch.bfloat16, torch.device("cpu"), fp8_layers=5)
     resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
                    if t.dtype != torch.float32 or t.ndim == 2)  # weights and scales (not the rotary buffer)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_tiny_target
+from dflash_train.architectures import architecture
 from dflash_train.config.load import load_config
 from dflash_train.errors import ConfigError
 from dflash_train.target.capture import default_mask_token_id, load_tokenizer
@@ -50,12 +51,12 @@ def test_the_shipped_gpu_config_trains_a_non_qwen_target_as_the_readme_says(tmp_
     spare = make_tiny_target(tmp_path / "spare", tokenizer_dir, vocab_size=49160)
     (spare / "dflash_target.json").unlink()  # no documented choice: the rule alone
     cfg = load_config(CONFIGS / "qwen3-8b.yaml", [f"target.path={spare}", *CPU])
-    plan, tok = plan_run(cfg)
+    plan, tok = plan_run(cfg, architecture(cfg.drafter.architecture))
     assert plan.mask_token_id == max(tok.get_vocab().values()) + 1 < 49160
     full = make_tiny_target(tmp_path / "full", tokenizer_dir, vocab_size=len(tok))
     (full / "dflash_target.json").unlink()
     with pytest.raises(ConfigError, match=r"set drafter.mask_token_id=ID \(an override, or in the config\)"):
-        plan_run(load_config(CONFIGS / "qwen3-8b.yaml", [f"target.path={full}", *CPU]))
+        plan_run(load_config(CONFIGS / "qwen3-8b.yaml", [f"target.path={full}", *CPU]), architecture("dflash"))
 
 
 def test_an_id_outside_the_vocabulary_says_what_to_set(tmp_path, tiny_target_dir):
@@ -63,4 +64,4 @@ def test_an_id_outside_the_vocabulary_says_what_to_set(tmp_path, tiny_target_dir
                                                   *CPU])
     with pytest.raises(ConfigError, match=r"'drafter.mask_token_id': 151669 is outside .*set it to null for the "
                                           r"target's default"):
-        plan_run(cfg)
+        plan_run(cfg, architecture(cfg.drafter.architecture))

@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ...architectures import architecture
-from ...architectures.contract import StepFlops
+from ...architectures.contract import Architecture, StepFlops
 from ...architectures.stats import DraftWork
 from ...target.hf_config import text_config
 
@@ -145,9 +145,10 @@ def drafter_shape(drafter) -> dict:
     return shape
 
 
-def own_flops(drafter) -> StepFlops:
-    """The FLOPs of the drafter's own modules: its architecture's `step_flops` of its config."""
-    return architecture(drafter.architecture).step_flops(drafter.config)
+def own_flops(drafter, arch: Optional[Architecture] = None) -> StepFlops:
+    """The FLOPs of the drafter's own modules: its architecture's `step_flops` of its config (`arch`: the run's
+    resolved architecture; without it, the one the drafter names)."""
+    return (arch if arch is not None else architecture(drafter.architecture)).step_flops(drafter.config)
 
 
 # ------------------------------------------------------------------------------------------------ the loop
@@ -167,12 +168,13 @@ class StepAccounting:
     own: StepFlops = StepFlops()
 
     @classmethod
-    def of(cls, target_config: Any, layer_ids: Sequence[int], reads_final: bool, drafter) -> "StepAccounting":
+    def of(cls, target_config: Any, layer_ids: Sequence[int], reads_final: bool, drafter,
+           arch: Optional[Architecture] = None) -> "StepAccounting":
         """`target_config`: the target's HF config when this rank runs the capture, else None; `reads_final`: the
-        captures run every layer (`architectures.reads_target_final`)."""
+        captures run every layer (`architectures.reads_target_final`); `arch`: the run's architecture."""
         target = model_shape(target_config) if target_config is not None else None
         last = (target["num_hidden_layers"] - 1) if target is not None and reads_final else max(layer_ids)
-        return cls(target, last, drafter_shape(drafter), len(drafter.layers), len(layer_ids), own_flops(drafter))
+        return cls(target, last, drafter_shape(drafter), len(drafter.layers), len(layer_ids), own_flops(drafter, arch))
 
     def step(self, lengths: Sequence[int], work: Optional[DraftWork]) -> tuple[float, Optional[float]]:
         """(target FLOPs, drafter FLOPs or None without host counts) of a step over rows of `lengths` tokens."""

@@ -1,6 +1,6 @@
 """One training step, start to end: the architecture's objective on each micro-batch (target capture,
 blocks, drafter forward, loss) -> backward -> clip -> AdamW -> schedule. Generic: the algorithm is reached
-through the registry (`architectures.architecture(cfg.drafter.architecture)`)."""
+through its `Architecture` (the one the run's start resolved, `rank_checks.Admitted.arch`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ...architectures import architecture
+from ...architectures.contract import Architecture
 from ...architectures.drafter import Drafter
 from ...architectures.stats import StepStats
 from ...config.schema import Config
@@ -25,16 +26,12 @@ class MicroBatch:
     hidden: torch.Tensor | None = None  # the target's capture, when another rank computed it
 
 
-def parameter_groups(drafter: Drafter, cfg: Config) -> list[dict]:
-    """AdamW's parameter groups: the architecture's (`Architecture.parameter_groups`; by default every trained
+def make_optimizer(drafter: Drafter, cfg: Config, arch: Architecture) -> torch.optim.AdamW:
+    """AdamW over the architecture's parameter groups (`Architecture.parameter_groups`; by default every trained
     parameter at `optim.lr`; a group with an "lr" of its own keeps its ratio through the schedule)."""
-    return architecture(cfg.drafter.architecture).parameter_groups(drafter, cfg)
-
-
-def make_optimizer(drafter: Drafter, cfg: Config, device: torch.device) -> torch.optim.AdamW:
     o = cfg.optim
     return torch.optim.AdamW(
-        parameter_groups(drafter, cfg),
+        arch.parameter_groups(drafter, cfg),
         lr=o.lr,
         betas=o.betas,
         eps=o.eps,
@@ -83,12 +80,15 @@ class TrainStep:
         group=None,
         rank: int = 0,
         replicas: int | None = None,
+        arch: Architecture | None = None,
     ):
         self.drafter, self.target, self.backend, self.cfg = drafter, target, backend, cfg
+        # The run's architecture: a run passes the one its start resolved; a step built alone resolves the config's.
+        self.arch = arch if arch is not None else architecture(cfg.drafter.architecture)
         self.compute_dtype = compute_dtype
         self.total_steps = total_steps
         # The loss on one micro-batch, also what validation and the warm-up run.
-        self.objective = architecture(cfg.drafter.architecture).objective(drafter, target, backend, cfg, compute_dtype)
+        self.objective = self.arch.objective(drafter, target, backend, cfg, compute_dtype)
         # `group` / `replicas`: the ranks that train the drafter together (DDP); `rank`: this rank's index.
         self.rank = rank
         self.model = drafter
@@ -99,7 +99,7 @@ class TrainStep:
 
             self.model = DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None,
                                                  process_group=group)
-        self.optimizer = make_optimizer(drafter, cfg, device)
+        self.optimizer = make_optimizer(drafter, cfg, self.arch)
         o = cfg.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,

@@ -227,7 +227,7 @@ def step_accounting(s: Session) -> flops.StepAccounting:
     ts = s.train_step
     runs_target = s.inbox is None and isinstance(ts.target, TargetCapture)
     return flops.StepAccounting.of(ts.target.model.config if runs_target else None, ts.drafter.target_layer_ids,
-                                   reads_target_final(s.cfg), ts.drafter)
+                                   reads_target_final(s.cfg, ts.arch), ts.drafter, ts.arch)
 
 
 @dataclass

@@ -61,7 +61,7 @@ def validation_batches_to_warm_up(train_step: TrainStep, val) -> list[tuple[int,
     `validation_plan`, rows, the edges it stands for), each batch once."""
     cfg = train_step.cfg
     plan = validation_plan(train_step, val)
-    edges = size_classes.plan_extremes(plan, val.lengths, cfg.drafter.block_size, cfg.objective.max_anchors,
+    edges = size_classes.plan_extremes(plan, val.lengths, train_step.drafter.block_size, cfg.objective.max_anchors,
                                        cfg.objective.max_anchors_per_batch, train_step.backend.blocks_multiple_of)
     chosen: dict[int, list[str]] = {}
     for edge, (_, c) in edges.items():

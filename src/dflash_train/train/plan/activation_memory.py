@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ...architectures import architecture, reads_target_final
-from ...architectures.contract import StepMemory
+from ...architectures.contract import Architecture, StepMemory
 from ...config.schema import Config
 from ...target.hf_config import text_config
 from .size_classes import blocks_for
@@ -50,11 +50,12 @@ class MicroBatchShape:
         return f"{self.rows} x {self.context} tokens, {self.blocks} blocks a row"
 
 
-def largest_micro_batches(cfg: Config, multiple_of: int) -> list[MicroBatchShape]:
+def largest_micro_batches(cfg: Config, multiple_of: int, bs: int) -> list[MicroBatchShape]:
     """For each row count the batching allows (1..data.max_batch_size), the largest micro-batch of it: rows as long
-    as data.max_length and data.token_budget let them be (padding included), with as many blocks a row as
-    `sample_anchors` gives such a row (objective.max_anchors, max_anchors_per_batch, rounded to `multiple_of`)."""
-    d, o, bs = cfg.data, cfg.objective, cfg.drafter.block_size
+    as data.max_length and data.token_budget let them be (padding included), with as many blocks of `bs` (the
+    drafter's block size) a row as `sample_anchors` gives such a row (objective.max_anchors, max_anchors_per_batch,
+    rounded to `multiple_of`)."""
+    d, o = cfg.data, cfg.objective
     shapes = []
     for rows in range(1, d.max_batch_size + 1):
         context = min(d.max_length, d.token_budget // rows)
@@ -233,8 +234,10 @@ class ActivationEstimate:
 
 
 def step_settings(cfg: Config, target_config, drafter_config, layer_ids: list[int], target_dtype: torch.dtype,
-                  compute_dtype: torch.dtype, device_type: str, trainable_params: int) -> DrafterStepSettings:
-    """The drafter step's settings of this run (the attention backend as `resolve_backend` picks it)."""
+                  compute_dtype: torch.dtype, device_type: str, trainable_params: int,
+                  arch: Architecture) -> DrafterStepSettings:
+    """The drafter step's settings of this run (the attention backend as `resolve_backend` picks it; `arch`: the
+    run's architecture)."""
     d, o = cfg.drafter, cfg.objective
     backend = "flex" if device_type == "cuda" and d.attention_backend in ("auto", "flex") else "sdpa"
     return DrafterStepSettings(
@@ -243,8 +246,8 @@ def step_settings(cfg: Config, target_config, drafter_config, layer_ids: list[in
         captured_layers=len(layer_ids),
         head_classes=d.draft_vocab_size or text_config(target_config).vocab_size,
         loss_chunk=o.loss_chunk_size, backend=backend, compiled_loss=device_type == "cuda",
-        own=architecture(d.architecture).step_memory(drafter_config),
-        distill=reads_target_final(cfg),
+        own=arch.step_memory(drafter_config),
+        distill=reads_target_final(cfg, arch),
         transformed=d.output_multiplier != 1.0 or bool(d.final_logit_softcapping),
         trainable_params=trainable_params, own_head=d.draft_vocab_size > 0,
         kept_head_gradient=cfg.keeps_head_gradient)
@@ -252,7 +255,7 @@ def step_settings(cfg: Config, target_config, drafter_config, layer_ids: list[in
 
 def activation_estimate(role: str, cfg: Config, target_config, drafter_config, layer_ids: list[int],
                         target_dtype: torch.dtype, compute_dtype: torch.dtype, device_type: str = "cuda",
-                        trainable_params: int = 0) -> ActivationEstimate:
+                        trainable_params: int = 0, *, arch: Optional[Architecture] = None) -> ActivationEstimate:
     """The activation peak of a rank of `role`, at the worst of the largest micro-batches (`largest_micro_batches`):
 
     - `target` (split placement): the capture (`capture_parts`) plus the transport's send buffers (`token_budget`
@@ -262,14 +265,17 @@ def activation_estimate(role: str, cfg: Config, target_config, drafter_config, l
     - `colocated`: the larger of the capture and the step with the captured states it feeds (and, distilling, the
       target's final states and their rows).
 
-    Weights, gradients and optimizer state are not in it (preflight.needed_bytes counts those)."""
+    Weights, gradients and optimizer state are not in it (preflight.needed_bytes counts those). `arch`: the run's
+    architecture (the preflight passes the one the start resolved; without it, `drafter.architecture`'s)."""
+    arch = arch if arch is not None else architecture(cfg.drafter.architecture)
     s = step_settings(cfg, target_config, drafter_config, layer_ids, target_dtype, compute_dtype, device_type,
-                      trainable_params)
-    multiple = max(FLEX_TILE // cfg.drafter.block_size, 1) if s.backend == "flex" else 1
+                      trainable_params, arch)
+    bs = drafter_config.block_size
+    multiple = max(FLEX_TILE // bs, 1) if s.backend == "flex" else 1
     h = text_config(target_config).hidden_size
     message = cfg.data.token_budget * len(layer_ids) * h * s.target_bytes
     best = ActivationEstimate({}, None)
-    for shape in largest_micro_batches(cfg, multiple):
+    for shape in largest_micro_batches(cfg, multiple, bs):
         capture = capture_parts(target_config, layer_ids, shape, s.target_bytes, with_final=s.distill)
         if role == "target":
             parts = {**capture, "transport buffers": (TRANSPORT_DEPTH + 1) * message}

@@ -84,7 +84,7 @@ def compiled_widths(cfg, drafter_config, target_config, backend, on_gpu: bool) -
         attention_key=d.num_key_value_heads * d_head if flex else 0,
         loss_row=(cfg.drafter.draft_vocab_size or t.vocab_size) if on_gpu else 0,  # the drafter's vocabulary
         loss_chunk=cfg.objective.loss_chunk_size,
-        block_size=cfg.drafter.block_size,
+        block_size=d.block_size,
         context_multiple=backend.context_multiple_of,
     )
 

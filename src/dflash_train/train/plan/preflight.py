@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 
-from ...architectures import architecture
+from ...architectures.contract import Architecture
 from ...config.schema import Config
 from ...errors import ResourceError
 from .activation_memory import KEPT_HEAD_GRADIENT, ActivationEstimate, activation_estimate
@@ -75,11 +75,11 @@ class TargetShare:
                 + self.GATHERED_LAYERS * self.largest_layer)
 
 
-def drafter_parameters(architecture_name: str, drafter_config) -> int:
+def drafter_parameters(arch: Architecture, drafter_config) -> int:
     """The trainable parameters of the drafter `drafter_config` describes (built on the meta device: no memory),
     a reduced draft vocabulary's own lm_head included."""
     with torch.device("meta"):
-        drafter = architecture(architecture_name).drafter_class(drafter_config)
+        drafter = arch.drafter_class(drafter_config)
     return sum(p.numel() for p in drafter.parameters() if p.requires_grad)
 
 
@@ -153,18 +153,18 @@ def remedies(activations_first: bool) -> str:
 def rank_need(cfg: Config, target_path: Path, target_config, drafter_config, layer_ids: list[int],
               target_dtype: torch.dtype, compute_dtype: torch.dtype, role: str, split: bool,
               share: Optional[TargetShare] = None, target_bytes_saved: int = 0,
-              device_type: str = "cuda") -> tuple[MemoryNeed, str]:
+              device_type: str = "cuda", *, arch: Architecture) -> tuple[MemoryNeed, str]:
     """(what a rank of `role` needs, the words for it) from the config, the target's config.json and its
     safetensors headers alone: nothing is loaded. `split`: the placement is split (a drafter rank then also holds the
-    target's embedding and lm_head)."""
-    drafter_params = drafter_parameters(cfg.drafter.architecture, drafter_config)  # its own lm_head included
+    target's embedding and lm_head). `arch`: the run's architecture, whose drafter `drafter_config` describes."""
+    drafter_params = drafter_parameters(arch, drafter_config)  # its own lm_head included
     trained = drafter_params
     if role == "drafter" and split:  # plus the target's embedding and lm_head (bf16 twice: a quarter of 16 bytes)
         drafter_params += target_config.vocab_size * target_config.hidden_size // 4
     weights = needed_bytes(checkpoint_parameters(target_path), target_dtype, drafter_params, role, share,
                            target_bytes_saved=target_bytes_saved) - MARGIN
     activations = activation_estimate(role, cfg, target_config, drafter_config, layer_ids, target_dtype, compute_dtype,
-                                      device_type, trained)
+                                      device_type, trained, arch=arch)
     what = f"the {role} rank's weights, optimizer state and activations" + (
         f" (a 1/{share.parts} shard of the target's layers, {share.GATHERED_LAYERS} layers gathered)" if share else "")
     return MemoryNeed(weights, activations), what
@@ -212,10 +212,10 @@ class SnapshotNeed:
         return self.weights + self.optimizer
 
 
-def snapshot_need(architecture_name: str, drafter_config) -> SnapshotNeed:
+def snapshot_need(arch: Architecture, drafter_config) -> SnapshotNeed:
     """From the drafter's config alone (built on the meta device)."""
     with torch.device("meta"):
-        drafter = architecture(architecture_name).drafter_class(drafter_config)
+        drafter = arch.drafter_class(drafter_config)
     weights = sum(t.numel() * (4 if t.is_floating_point() else t.element_size()) for t in drafter.state_dict().values())
     optimizer = sum(2 * p.numel() * 4 + 4 for p in drafter.parameters() if p.requires_grad)
     return SnapshotNeed(weights, optimizer)

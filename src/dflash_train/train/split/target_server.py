@@ -31,7 +31,7 @@ def run_target_server(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter, sto
     target = TargetCapture.from_model(load_target(cfg, a.plan, r, rep), a.plan.layer_ids, compile=cfg.target.compile)
     if target.compile:  # this rank's only compiled code: warm it before serving any step
         rep.report(phase="warmup")
-        target.warm_up(cfg.data.max_length, *batch_kinds(r.epoch0), with_final=reads_target_final(cfg))
+        target.warm_up(cfg.data.max_length, *batch_kinds(r.epoch0), with_final=reads_target_final(cfg, a.arch))
     compile_layer.seal()  # from here a compile counts as a recompile after the warm-up, with its guard
     groups = (g for _, _, _, g in micro_batch_groups(r.batching, r.per_step, r.state.epoch, r.state.batch_index))
     rep.report(phase="training", step=r.state.step)

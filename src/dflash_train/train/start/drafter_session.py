@@ -11,7 +11,6 @@ from ... import assets
 from ...config.schema import Config
 from ...data.label_counts import coverage, draft_vocabulary
 from ...data.source import open_validation_data
-from ...architectures import architecture
 from ...architectures.init_from_target import init_drafter_from_target
 from ...accel.fp8_training import use_fp8_training
 from ...target.provenance import serving_record, write_provenance
@@ -41,8 +40,7 @@ def build_drafter_session(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, r
     else:  # a split drafter rank: the target's embedding and lm_head, never its decoder
         target = load_target_head(plan.target_path, plan.target_dtype, r.device, cfg.target.trust_remote_code)
     torch.manual_seed(cfg.run.seed)
-    arch = architecture(cfg.drafter.architecture)
-    drafter = arch.drafter_class(a.dcfg)
+    drafter = a.arch.drafter_class(a.dcfg)
     if ctx.is_main:
         write_provenance(run.root, {**a.provenance, **serving_record(drafter)})
     if cfg.drafter.init_from_target and not resume:  # a resume loads the checkpoint's weights over it
@@ -57,9 +55,8 @@ def build_drafter_session(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, r
     drafter = drafter.to(r.device)
     if cfg.drafter.compile:  # compiled by the warm-up
         drafter.compile_layers()
-    backend = arch.resolve_backend(cfg.drafter.attention_backend, r.device, cfg.drafter.block_size)
-    train_step = TrainStep(drafter, target, backend, cfg, r.total, plan.compute_dtype, r.device, r.drafter_group,
-                           ctx.rank, r.drafters)
+    train_step = TrainStep(drafter, target, r.backend, cfg, r.total, plan.compute_dtype, r.device, r.drafter_group,
+                           ctx.rank, r.drafters, arch=a.arch)
     log.info("drafter: %d layers, %.1fM parameters; %d steps (%d micro-batches per epoch, %d per step)",
              a.dcfg.num_hidden_layers, sum(p.numel() for p in drafter.parameters()) / 1e6, r.total, len(r.epoch0),
              r.per_step)
@@ -82,7 +79,7 @@ def build_drafter_session(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, r
     # A sharded colocated target: every rank validates (the same batches and prompts, so the same captures, which
     # each needs its whole shard group); rank 0 alone records it.
     every_rank = r.target_mesh is not None and a.layout is None
-    val = open_validation_data(cfg, a.tokenizer, run.root / "rejects-val.jsonl" if ctx.is_main else None) \
+    val = open_validation_data(cfg, a.tokenizer, a.block_size, run.root / "rejects-val.jsonl" if ctx.is_main else None) \
         if (ctx.is_main or every_rank) and cfg.run.eval_every else None
     if ctx.is_main and cfg.run.eval_every and val is None:
         log.info("no validation data (prepared val split or data.val_files): validation is off")

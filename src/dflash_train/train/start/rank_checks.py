@@ -21,6 +21,7 @@ from ...config.validate import validate_against_target, validate_compile_device,
 from ...data.source import require_label_counts
 from ...errors import UserError
 from ...architectures import architecture
+from ...architectures.contract import Architecture
 from ...architectures.drafter import default_target_layer_ids
 from ...target.provenance import target_provenance
 from ...target.tensor_parallel import check_tp_target
@@ -49,8 +50,9 @@ class Plan:
     target_fp8_layers: int = 0  # target.quantize=fp8: decoder layers 0..n-1 load in FP8
 
 
-def plan_run(cfg: Config) -> tuple[Plan, object]:
-    """Resolve the target and check the config against its config.json and tokenizer; no weights load."""
+def plan_run(cfg: Config, arch: Architecture) -> tuple[Plan, object]:
+    """Resolve the target and check the config against its config.json and tokenizer; no weights load. `arch`:
+    the run's architecture (`admit` resolves it)."""
     target_path = assets.resolve_target(cfg.target.path)
     tcfg = read_target_config(target_path, cfg.target.trust_remote_code)
     validate_against_target(cfg, tcfg.num_hidden_layers, tcfg.vocab_size)
@@ -73,25 +75,32 @@ def plan_run(cfg: Config) -> tuple[Plan, object]:
     target_dtype = resolve_dtype(cfg.target.dtype, device)
     compute_dtype = resolve_dtype(cfg.run.dtype, device)
     check_fp8_device(cfg, device, target_dtype, compute_dtype)
-    fp8_layers = fp8_target_layers(cfg, layer_ids, tcfg.num_hidden_layers)
+    fp8_layers = fp8_target_layers(cfg, layer_ids, tcfg.num_hidden_layers, arch)
     return Plan(target_path, layer_ids, int(mask), device, target_dtype, compute_dtype, fp8_layers), tokenizer
 
 
 @dataclass
 class Admitted:
     """What a rank knows before it writes anything: the split layout, the resolved plan and tokenizer, the
-    drafter's config, what it trains against, and (on resume) the checkpoint that matches this setup."""
+    architecture (resolved once here from `drafter.architecture`: the rest of the start takes this object) and
+    the drafter's config, what it trains against, and (on resume) the checkpoint that matches this setup."""
 
     layout: Optional[SplitLayout]
     plan: Plan
     tokenizer: object
     target_config: object
+    arch: Architecture
     dcfg: object
     provenance: dict
     identity: dict
     placement: str
     resume_from: Optional[tuple[Path, dict]]
     target_fp8_saved_bytes: int = 0  # target.quantize=fp8: what the quantised linears save (preflight)
+
+    @property
+    def block_size(self) -> int:
+        """The drafter's block size, from its config: the one the objective and decoding read too."""
+        return self.dcfg.block_size
 
 
 DRAFTER_SHAPE = ("num_hidden_layers", "hidden_size", "intermediate_size", "block_size", "num_attention_heads",
@@ -106,14 +115,14 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
         raise UserError(holds_run_message(run))
     layout = SplitLayout(world, cfg.parallel.target_ranks, cfg.optim.grad_accum) \
         if cfg.parallel.placement == "split" else None
-    plan, tokenizer = plan_run(cfg)
+    arch = architecture(cfg.drafter.architecture)
+    plan, tokenizer = plan_run(cfg, arch)
     require_label_counts(cfg)  # a reduced draft vocabulary is chosen from the prepared data's label counts
     target_config = read_target_config(plan.target_path, cfg.target.trust_remote_code)
     if cfg.target.sharding == "tp":  # heads and MLP width must split over the group: refused before any load
         check_tp_target(target_config, shard_group_size(cfg, layout, world))
-    d = cfg.drafter
-    dcfg = architecture(d.architecture).config_for_run(target_config, cfg, plan.layer_ids, plan.mask_token_id)
-    fp8_saved = check_fp8_shapes(cfg, plan.target_path, plan.target_fp8_layers, plan.target_dtype, dcfg)
+    dcfg = arch.config_for_run(target_config, cfg, plan.layer_ids, plan.mask_token_id)
+    fp8_saved = check_fp8_shapes(cfg, plan.target_path, plan.target_fp8_layers, plan.target_dtype, dcfg, arch)
     named = assets.target_identity(cfg.target.path, plan.target_path)  # what names it on another machine too
     provenance = target_provenance(named, tokenizer, target_config)
     placement = "colocated" if layout is None else f"split {layout.target_ranks}+{layout.drafter_ranks}"
@@ -130,7 +139,7 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
         state = checkpoints.read_state(ckpt)
         checkpoints.check_compatible(ckpt, state, identity, {"drafter_shape": DRAFTER_SHAPE})
         resume_from = (ckpt, state)
-    return Admitted(layout, plan, tokenizer, target_config, dcfg, provenance, identity, placement, resume_from,
+    return Admitted(layout, plan, tokenizer, target_config, arch, dcfg, provenance, identity, placement, resume_from,
                     fp8_saved)
 
 

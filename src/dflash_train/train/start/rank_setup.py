@@ -1,6 +1,6 @@
-"""Setting a rank up before any weights load: its device and process groups, the target's shard mesh, the
-compile cache and workers, the GPU and host memory preflight, the data and its plan, the step count and (on
-resume) the data cursor, and the plan's indexing headroom."""
+"""Setting a rank up before any weights load: its device and process groups, the drafter's attention backend on
+that device, the target's shard mesh, the compile cache and workers, the GPU and host memory preflight, the data and
+its plan, the step count and (on resume) the data cursor, and the plan's indexing headroom."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from ...data.dataset import plan_batches
 from ...data.source import open_training_data
 from ...errors import UserError
 from ...accel import compile as compile_layer
-from ...architectures import architecture
 from ...target.shard import shard_mesh
 from ...run.directory import RunDir
 from ...run.reporter import Reporter
@@ -34,6 +33,7 @@ class RankSetup:
     """A rank after the process group is up and the data is planned, before any weights load."""
 
     device: torch.device
+    backend: object  # drafter.attention_backend resolved on this device, once: the indexing plan's and the drafter's
     role: str  # "drafter" (colocated or split) or "target" (split)
     drafter_group: object  # the drafter ranks' process group in the split placement (None: the default one)
     drafters: int
@@ -66,6 +66,7 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
             if a.layout.drafter_ranks > 1 else None
         drafters = a.layout.drafter_ranks
     role = "target" if a.layout is not None and a.layout.is_target(ctx.rank) else "drafter"
+    backend = a.arch.resolve_backend(cfg.drafter.attention_backend, device, a.block_size)
     mesh = None
     if cfg.target.sharding != "none":  # made by every rank (collectively), used by the target ranks
         mesh = shard_mesh(device, target_rank_ids(a.layout, ctx.world), shard_group_size(cfg, a.layout, ctx.world))
@@ -87,11 +88,11 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
             share.GATHERED_LAYERS = 0  # tensor parallel gathers no weights: a rank holds its slice only
         need, what = preflight.rank_need(cfg, plan.target_path, a.target_config, a.dcfg, plan.layer_ids,
                                          plan.target_dtype, plan.compute_dtype, need_role, a.layout is not None,
-                                         share, a.target_fp8_saved_bytes)
+                                         share, a.target_fp8_saved_bytes, arch=a.arch)
         preflight.check_gpu(device, need, ctx.rank, what)
     if ctx.is_main:  # rank 0 writes the checkpoints, from a snapshot in host memory
-        preflight.check_host_snapshot(preflight.snapshot_need(cfg.drafter.architecture, a.dcfg), ctx.rank)
-    data = open_training_data(cfg, a.tokenizer, run.root / "rejects.jsonl" if ctx.is_main else None)
+        preflight.check_host_snapshot(preflight.snapshot_need(a.arch, a.dcfg), ctx.rank)
+    data = open_training_data(cfg, a.tokenizer, a.block_size, run.root / "rejects.jsonl" if ctx.is_main else None)
     log.info("data: %s", data.describe())
     batching = (data.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed)
     per_step = drafters * cfg.optim.grad_accum
@@ -110,7 +111,7 @@ def set_up_rank(cfg: Config, run: RunDir, a: Admitted, ctx, rep: Reporter, fresh
         if state.step > total:
             raise UserError(f"--resume: the run is at step {state.step}, past the {total} steps its config now asks "
                             "for (optim.max_steps / optim.epochs); give a larger optim.max_steps")
-    setup = RankSetup(device, role, drafter_group, drafters, compile_cache, data, batching, per_step, epoch0,
+    setup = RankSetup(device, backend, role, drafter_group, drafters, compile_cache, data, batching, per_step, epoch0,
                       steps_per_epoch, total, state, mesh)
     check_indexing(cfg, a, setup, rep)
     return setup
@@ -120,12 +121,10 @@ def check_indexing(cfg: Config, a: Admitted, r: RankSetup, rep: Reporter) -> Non
     """How far the plan keeps the compiled graphs from 2^31 elements (indexing.py), over the whole run (the
     target's and the drafter's compiled code alike, so that every rank of a split placement decides the same):
     logged and in status.json, with a warning for a plan that crosses it (64-bit kernels, slower)."""
-    d = cfg.drafter
-    backend = architecture(d.architecture).resolve_backend(d.attention_backend, r.device, d.block_size)
-    widths = indexing.compiled_widths(cfg, a.dcfg, a.target_config, backend, r.device.type == "cuda")
+    widths = indexing.compiled_widths(cfg, a.dcfg, a.target_config, r.backend, r.device.type == "cuda")
     o = cfg.objective
     largest = indexing.largest_tensor(widths, *r.batching, r.epochs_left(), o.max_anchors, o.max_anchors_per_batch,
-                                      backend.blocks_multiple_of, r.data.anchor_positions)
+                                      r.backend.blocks_multiple_of, r.data.anchor_positions)
     log.info("%s", largest.describe())
     warning = indexing.over_limit_warning(largest)
     if warning:

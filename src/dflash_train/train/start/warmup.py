@@ -58,7 +58,7 @@ def warm_up(train_step: TrainStep, batch, cache_dir: Path, validation: Sequence[
     compile_layer.begin_warm_up()
     # target.compile: the target's layers first, batch 1 and >= 2, lengths near the first batch's (no-op when off)
     target_info = (train_step.target.warm_up(batch.input_ids.shape[1], *kinds,
-                                             with_final=reads_target_final(train_step.cfg))
+                                             with_final=reads_target_final(train_step.cfg, train_step.arch))
                    if isinstance(train_step.target, TargetCapture) else {})
     graphs = compile_layer.graphs_compiled()
     batches = [(batch, hidden), _other_batch_size(batch, hidden)] if all(kinds) else [(batch, hidden)]
@@ -110,7 +110,7 @@ def warm_up_drafter_rank(s: Session, a: Admitted, r: RankSetup, rep: Reporter) -
     cfg = s.cfg
     edges_of_plan = size_classes.extreme_classes(
         s.lengths, cfg.data.token_budget, cfg.data.max_batch_size, cfg.run.seed, r.epochs_left(),
-        cfg.drafter.block_size, cfg.objective.max_anchors, cfg.objective.max_anchors_per_batch,
+        s.train_step.drafter.block_size, cfg.objective.max_anchors, cfg.objective.max_anchors_per_batch,
         s.train_step.backend.blocks_multiple_of)
     log.info("size classes of the plan: %s", size_classes.describe(edges_of_plan))
     extremes = []
