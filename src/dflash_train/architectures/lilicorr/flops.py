@@ -1,5 +1,5 @@
-"""LiLiCorr's own work in the step's model FLOPs (train/flops.py, `StepFlops`), forward + backward, from its drafter
-config. The lattice is counted over every counted row (k nodes each; its blocks, counted rows / (B - 1)): exact when
+"""LiLiCorr's own work in the step's model FLOPs (train/loop/flops.py, `StepFlops`), forward + backward, from its
+drafter config. The lattice is counted over every counted row (k nodes each; its blocks, counted rows / (B - 1)): exact when
 every kept block's drafted slots all count, an upper bound otherwise (a block with an uncounted slot forms none).
 
 - `lilicorr_candidates`: the candidates' logits and the label's (with their input gradients) for the

@@ -1,4 +1,4 @@
-"""LiLiCorr's terms in the drafter step's activation estimate (train/activation_memory.py, `StepMemory`), beside
+"""LiLiCorr's terms in the drafter step's activation estimate (train/plan/activation_memory.py, `StepMemory`), beside
 DFlash's and the target's final states that `needs_target_final` counts: the head's activations over the lattice of
 every counted row's k candidates (at most `counted * k` nodes), which it keeps to the backward, and the candidate
 rows of the target's head gathered for the log-probabilities and the target's logits."""
