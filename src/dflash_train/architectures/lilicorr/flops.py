@@ -1,6 +1,7 @@
 """LiLiCorr's own work in the step's model FLOPs (train/loop/flops.py, `StepFlops`), forward + backward, from its
-drafter config. The lattice is counted over every counted row (k nodes each; its blocks, counted rows / (B - 1)): exact when
-every kept block's drafted slots all count, an upper bound otherwise (a block with an uncounted slot forms none).
+drafter config. The lattice is counted over every counted row (k nodes each; its blocks, counted rows / (B - 1)):
+exact when every kept block's drafted slots all count, an upper bound otherwise (a block with an uncounted slot forms
+none).
 
 - `lilicorr_candidates`: the candidates' logits and the label's (with their input gradients) for the
   log-probabilities, and the target's logits at the candidates (forward only: the target is frozen);
