@@ -31,7 +31,8 @@ from ..split.transport import DrafterInbox
 log = logging.getLogger(__name__)
 
 
-def build_drafter_session(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep: Reporter, ctx, resume: bool) -> Session:
+def build_drafter_session(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, rep: Reporter, ctx,
+                          resume: bool) -> Session:
     """Load the target (colocated) or its embedding and lm_head (split), build the drafter and its optimizer,
     continue from the checkpoint on resume, open validation data: the loop's Session."""
     plan = a.plan
@@ -79,7 +80,8 @@ def build_drafter_session(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, r
     # A sharded colocated target: every rank validates (the same batches and prompts, so the same captures, which
     # each needs its whole shard group); rank 0 alone records it.
     every_rank = r.target_mesh is not None and a.layout is None
-    val = open_validation_data(cfg, a.tokenizer, a.block_size, run.root / "rejects-val.jsonl" if ctx.is_main else None) \
+    val_rejects = run.root / "rejects-val.jsonl" if ctx.is_main else None
+    val = open_validation_data(cfg, a.tokenizer, a.block_size, val_rejects) \
         if (ctx.is_main or every_rank) and cfg.run.eval_every else None
     if ctx.is_main and cfg.run.eval_every and val is None:
         log.info("no validation data (prepared val split or data.val_files): validation is off")

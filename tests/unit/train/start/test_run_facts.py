@@ -58,7 +58,8 @@ def test_a_run_resolves_its_architecture_and_attention_backend_once(tmp_path, ti
     assert main(["train", str(config), "--run-dir", str(tmp_path / "R"), "--max-steps", "3"]) == 0
     by_training = [m for m in counting.resolutions if m.startswith("dflash_train.train")]
     assert by_training == ["dflash_train.train.start.rank_checks"]
-    assert [m for m in counting.backends if m.startswith("dflash_train.train")] == ["dflash_train.train.start.rank_setup"]
+    by_training = [m for m in counting.backends if m.startswith("dflash_train.train")]
+    assert by_training == ["dflash_train.train.start.rank_setup"]
 
 
 def test_generic_training_and_data_code_reads_the_block_size_from_the_drafters_config():
@@ -66,4 +67,5 @@ def test_generic_training_and_data_code_reads_the_block_size_from_the_drafters_c
     found = [f"{path.relative_to(TRAIN.parent)}:{n}: {line.strip()}"
              for folder in ("train", "data") for path in sorted((TRAIN / folder).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if key.search(line)]
-    assert not found, "read the drafter config's block size (Admitted.block_size, drafter.block_size):\n" + "\n".join(found)
+    assert not found, ("read the drafter config's block size (Admitted.block_size, drafter.block_size):\n"
+                       + "\n".join(found))
