@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+from .architectures import registry
 from .config.validate import validate_world
 from .data.dataset import FAR_FACTOR
 from .data.formats import BUILTIN_SOURCES
@@ -494,7 +495,7 @@ def _add_run_parsers(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-train", description="Train block drafters for speculative decoding "
-                                "(DFlash, DFlash2, DSpark, Domino) for your own LLM.")
+                                f"({', '.join(registry.names())}) for your own LLM.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: off)")
     p.add_argument("--version", action=_VersionAction, help="print the version (and torch's and transformers') and exit")
     p.add_argument("--debug", action="store_true",
@@ -523,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=BLOCK_SIZE.flag, default=None,
                    help="verify this many tokens per step, at most the trained block size (default: trained)")
     e.add_argument("--confidence-threshold", type=FRACTION.flag, default=0.0,
-                   help="a drafter with a confidence head (DSpark): each step verifies only the drafts before the "
+                   help="a drafter with a confidence head: each step verifies only the drafts before the "
                         "first whose predicted acceptance is below this (lossless: the drafter's own prediction); "
                         "the report gives verified_per_step beside tau; 0 = verify every draft (default: "
                         "%(default)s)")
