@@ -1,5 +1,5 @@
 """The DFlash2 drafter: DFlash's layers with a block-local dynamic convolution before and after each attention
-and MLP sublayer (`conv.BlockConv`), and a candidate selector over each slot's top-k logits
+and MLP sublayer (`family.conv.BlockConv`), and a candidate selector over each slot's top-k logits
 (`selector.CandidateSelector`). Parameter names equal the reference format's tensor names
 (`layers.{i}.attention_conv.base_kernel`, `candidate_selector.predecessor_codebook`, ...)."""
 
@@ -15,7 +15,7 @@ from transformers import Qwen3Config
 from ..drafter import BlockProposals
 from ..family.layers import BlockDecoderLayer, RopeTables
 from ..family.model import BlockDrafter
-from .conv import BlockConv
+from ..family.conv import BlockConv
 from .selector import CandidateSelector, Codebooks
 
 

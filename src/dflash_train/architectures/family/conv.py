@@ -1,10 +1,11 @@
-"""DFlash2's grouped dynamic causal convolution, applied inside each block of the packed layout.
+"""The grouped dynamic causal convolution around a block drafter's sublayers, applied inside each block of the
+packed layout.
 
 `y_t = sum_o (base[side, o] + dyn_t[side, o, group]) * x_{t-o}` for o = 0..K-1, where `x_{t-o}` is zero
 when it would lie before the block's first position (a block never reads the previous block). Both sides'
 taps (`side` 0 before the sublayer, 1 after it) come from one projection of the sublayer's normed input,
-one tap per group of `conv_group_size` channels. The identity start (tap 0 = 1, everything else 0)
-makes an untrained DFlash2 layer compute exactly what a DFlash layer does.
+one tap per group of `group_size` channels. The identity start (tap 0 = 1, everything else 0)
+makes an untrained layer with these convolutions compute exactly what a DFlash layer does.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ class BlockConv(nn.Module):
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
         super().__init__()
         if hidden_size % group_size:
-            raise ValueError(f"conv_group_size {group_size} must divide the hidden size {hidden_size}")
+            raise ValueError(f"the convolution's group size {group_size} must divide the hidden size {hidden_size}")
         if kernel_size < 1:
-            raise ValueError(f"conv_kernel_size must be >= 1 (got {kernel_size})")
+            raise ValueError(f"the convolution's kernel size must be >= 1 (got {kernel_size})")
         self.kernel_size, self.group_size = kernel_size, group_size
         self.groups = hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))

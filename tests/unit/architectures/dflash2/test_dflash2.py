@@ -24,7 +24,7 @@ from dflash_train.architectures.family.mask import dense_mask
 from dflash_train.architectures.dflash.model import DFlashDrafter
 from dflash_train.architectures.family.model import BlockDrafter
 from dflash_train.architectures.dflash2.config import make_dflash2_config
-from dflash_train.architectures.dflash2.conv import BlockConv
+from dflash_train.architectures.family.conv import BlockConv
 from dflash_train.architectures.dflash2.model import DFlash2Drafter
 from dflash_train.architectures.dflash2.objective import DFlash2Objective
 from dflash_train.config.load import config_from_dict
