@@ -95,7 +95,9 @@ def own_words() -> dict[str, list[re.Pattern]]:
         keys = {f.name for f in dataclasses.fields(section)} if section else set()
         keys |= added[name] - shared
         keys = sorted(k for k in keys - generic if "_" in k)
-        named = (re.compile(rf"""["']{re.escape(name)}["']|\barchitectures[./]{re.escape(name)}\b""")
+        # (vLLM's `"method": "dflash"` is the engines' name for the whole family's serving, not the architecture)
+        named = (re.compile(rf"""(?<!"method": )["']{re.escape(name)}["']|\barchitectures[./]{re.escape(name)}\b"""
+                            rf"""|from \.\.{re.escape(name)}\b""")
                  if name == registry.DEFAULT
                  else re.compile(rf"\b{re.escape(name)}\b", re.IGNORECASE))
         words[name] = [named, *(re.compile(rf"\b{re.escape(k)}\b") for k in keys)]
@@ -142,8 +144,10 @@ def test_the_leak_check_finds_a_planted_name_and_key(tmp_path):
     (tmp_path / "architectures" / "dflash2" / "model.py").write_text("self.selector_top_k = 1\n")
     (tmp_path / "architectures" / "dspark").mkdir(parents=True)
     (tmp_path / "architectures" / "dspark" / "model.py").write_text("from ..dflash2.model import X\n")
+    (tmp_path / "architectures" / "dspark" / "options.py").write_text("from ..dflash.options import SERVING\n")
     assert _leaks(tmp_path, words) == [
         "architectures/dspark/model.py:1: from ..dflash2.model import X",
+        "architectures/dspark/options.py:1: from ..dflash.options import SERVING",
         'train/step.py:1: if cfg.drafter.architecture == "dflash2":', "train/step.py:2: x.selector_top_k",
         'train/step.py:3: if arch != "dflash":', "train/step.py:4: pass  # DSpark's own head",
         'train/step.py:6: shape = {"gru_hidden_dim": 1, "loss": 2}',

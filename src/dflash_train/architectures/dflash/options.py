@@ -6,12 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ..family.serving import FULL_VOCABULARY, SGLANG_ARGUMENTS, VLLM_ARGUMENTS, reduced_vocabulary
 from ..registry import Engine, Note, Options, Serving
-
-
-def reduced_vocabulary(config_json: Mapping[str, Any]) -> bool:
-    """An export that scores a reduced draft vocabulary with its own lm_head (top-level `draft_vocab_size`)."""
-    return bool(config_json.get("draft_vocab_size"))
 
 
 def _output_fields_set(config_json: Mapping[str, Any]) -> bool:
@@ -25,11 +21,6 @@ def _output_fields_set(config_json: Mapping[str, Any]) -> bool:
     return (value("output_multiplier", 1.0) != 1.0 or bool(value("final_logit_softcapping", None))
             or value("input_embedding_scale", 1.0) != 1.0)
 
-
-FULL_VOCABULARY = Note("full vocabulary only", reduced_vocabulary, refuses=True)
-VLLM_ARGUMENTS = """--speculative-config '{"method": "dflash", "model": "{dir}", "num_speculative_tokens": {count}}'"""
-SGLANG_ARGUMENTS = ("--speculative-algorithm DFLASH --speculative-draft-model-path {dir} "
-                    "--speculative-num-draft-tokens {count}")
 
 SERVING = Serving(
     title="DFlash",

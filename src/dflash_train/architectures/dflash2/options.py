@@ -13,7 +13,7 @@ from typing import Any, Literal
 from ..registry import Engine, Note, Options, Serving
 from ...errors import ConfigError
 from ...numbers import NON_NEGATIVE_NUMBER, POSITIVE_INT, POSITIVE_NUMBER
-from ..dflash.options import FULL_VOCABULARY, SGLANG_ARGUMENTS, VLLM_ARGUMENTS
+from ..family.serving import FULL_VOCABULARY, SGLANG_ARGUMENTS, VLLM_ARGUMENTS
 
 NAME = "dflash2"
 

@@ -13,7 +13,7 @@ from typing import Any
 from ..registry import Engine, Note, Options, Serving
 from ...errors import ConfigError
 from ...numbers import FRACTION, POSITIVE_INT
-from ..dflash.options import FULL_VOCABULARY, SGLANG_ARGUMENTS
+from ..family.serving import FULL_VOCABULARY, SGLANG_ARGUMENTS
 
 NAME = "domino"
 

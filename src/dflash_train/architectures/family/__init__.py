@@ -11,5 +11,7 @@ a member that subclasses these parts and adds its own.
 - `model.py`: `BlockDrafter`, the drafter the members subclass;
 - `loss.py`: the chunked lm_head + weighted cross-entropy (full logits never exist);
 - `objective.py`: `BlockObjective`, a micro-batch's capture, blocks, forward and CE, which the members' objectives
-  subclass.
+  subclass;
+- `serving.py` (torch-free, for the members' `options.py`): the engines' DFlash serving arguments and the
+  full-vocabulary note.
 """

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..dflash.options import SGLANG_ARGUMENTS, VLLM_ARGUMENTS
+from ..family.serving import SGLANG_ARGUMENTS, VLLM_ARGUMENTS
 from ..registry import Engine, Note, Options, Serving
 from ...errors import ConfigError
 from ...numbers import NON_NEGATIVE_NUMBER, POSITIVE_INT, POSITIVE_NUMBER, Rule
