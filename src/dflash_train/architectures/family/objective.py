@@ -83,8 +83,8 @@ class BlockObjective:
         self.compute_dtype = compute_dtype
 
     def describe(self) -> str:
-        """What this objective optimises, for the run's log."""
-        raise NotImplementedError
+        """What this objective optimises, for the run's log: each member states its own."""
+        raise NotImplementedError(f"{type(self).__name__} must define describe() (what it optimises)")
 
     def capture(self, batch: Batch, hidden: Optional[torch.Tensor]):
         """(features `[B, S, K*H]`, the target's final normed hidden states or None): the target runs here
@@ -187,8 +187,9 @@ class BlockObjective:
     def rows_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor,
                   final: Optional[torch.Tensor]) -> StepStats:
         """The step's loss and sums from the counted rows' final hidden states `rows [M, H]` (graph kept) and the
-        target's final normed hidden states `final` (None unless the capture formed them)."""
-        raise NotImplementedError
+        target's final normed hidden states `final` (None unless the capture formed them). A member that keeps the
+        shared micro-batch path defines it; one that replaces the path (its own `__call__`) never reaches it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps the shared micro-batch path but defines no rows_loss")
 
 
 def block_stats(loss: torch.Tensor, correct_rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> StepStats:
