@@ -1,8 +1,8 @@
 """DFlash2: DFlash's one-pass block drafter with two cheap modules, both starting as the identity (so an
 untrained DFlash2 drafter computes what a DFlash one does):
 
-- `conv.py`: a grouped dynamic causal convolution before and after each attention and MLP sublayer, inside
-  each block only;
+- the family's `conv.py` (shared with other members): a grouped dynamic causal convolution before and
+  after each attention and MLP sublayer, inside each block only;
 - `selector.py`: a candidate selector over each slot's top-k logits, scored with a low-rank bilinear term
   between neighbours; decoding walks it from the anchor;
 - `model.py`: the drafter (DFlash's layers with the convolutions; the selector's `draft` and tree candidates);

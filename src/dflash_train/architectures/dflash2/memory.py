@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..contract import StepMemory
+from ..family.conv import conv_values_per_query
 
 _F32 = 4
 
@@ -22,9 +23,8 @@ class DFlash2StepMemory(StepMemory):
         return 2 * e
 
     def layer_per_query(self, hidden: int) -> int:
-        """The four block convolutions (kernel K): each keeps its K - 1 masked shifted inputs (H each), and the two
-        before a sublayer their output, which the sublayer's projections read (2 H)."""
-        return (4 * (self.conv_kernel - 1) + 2) * hidden
+        """The four block convolutions (`family.conv.conv_values_per_query`)."""
+        return conv_values_per_query(self.conv_kernel, hidden)
 
     def on_top(self, counted: int, head_classes: int, e: int) -> dict[str, int]:
         """The selector: its top-k candidates and `[counted, k, rank]` codebook gathers (forward and gradient);

@@ -13,49 +13,14 @@ from torch import nn
 from transformers import Qwen3Config
 
 from ..drafter import BlockProposals
-from ..family.layers import BlockDecoderLayer, RopeTables
 from ..family.model import BlockDrafter
-from ..family.conv import BlockConv
+from ..family.conv import ConvDecoderLayer, reset_convs
 from .selector import CandidateSelector, Codebooks
-
-
-class DFlash2DecoderLayer(BlockDecoderLayer):
-    def __init__(self, config: Qwen3Config):
-        super().__init__(config)
-        d = config.dflash_config
-        self.block_size = int(config.block_size)
-        shape = (config.hidden_size, int(d["conv_kernel_size"]), int(d["conv_group_size"]))
-        self.attention_conv = BlockConv(*shape)
-        self.mlp_conv = BlockConv(*shape)
-
-    def attention_inputs(self, x: torch.Tensor, context: torch.Tensor, rope: RopeTables, block_len: int):
-        normed = self.input_layernorm(x)
-        taps = self.attention_conv.taps(normed)  # both sides' taps, from the normed input
-        mixed = self.attention_conv(normed, taps, 0, block_len)
-        return (*self.self_attn.project(mixed, context, rope), taps)
-
-    def attention_output_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, taps: torch.Tensor,
-                                 block_len: int) -> torch.Tensor:
-        x = x + self.attention_conv(self.self_attn.output(attn), taps, 1, block_len)
-        normed = self.post_attention_layernorm(x)
-        mlp_taps = self.mlp_conv.taps(normed)
-        return x + self.mlp_conv(self.mlp(self.mlp_conv(normed, mlp_taps, 0, block_len)), mlp_taps, 1, block_len)
-
-    def forward(self, x, context, rope, attention, mask, cache=None, layer_idx=0, parts=None) -> torch.Tensor:
-        """As `BlockDecoderLayer.forward`; the convolutions need the block length: the trained block size in
-        the packed training layout, and the whole query (one block, possibly a shorter one) when decoding."""
-        inputs, output = parts or (type(self).attention_inputs, type(self).attention_output_and_mlp)
-        block_len = x.shape[1] if cache is not None else self.block_size
-        q, k_ctx, v_ctx, k_blk, v_blk, taps = inputs(self, x, context, rope, block_len)
-        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
-        if cache is not None:
-            k, v = cache.append(layer_idx, k, v)
-        return output(self, x, attention(q, k, v, mask), taps, block_len)
 
 
 class DFlash2Drafter(BlockDrafter):
     architecture = "dflash2"
-    layer_class = DFlash2DecoderLayer
+    layer_class = ConvDecoderLayer
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
@@ -93,9 +58,7 @@ class DFlash2Drafter(BlockDrafter):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         super().reset_parameters()  # every Linear N(0, std), norms 1: then the identity starts
-        for m in self.modules():
-            if isinstance(m, BlockConv):
-                m.reset_parameters()
+        reset_convs(self)
         if hasattr(self, "candidate_selector"):  # BlockDrafter's constructor calls this before the selector exists
             self.candidate_selector.reset_parameters(self.config.initializer_range)
 

@@ -1,5 +1,6 @@
 """The grouped dynamic causal convolution around a block drafter's sublayers, applied inside each block of the
-packed layout.
+packed layout (`BlockConv`), and the decoder layer that wraps each attention and MLP sublayer in it
+(`ConvDecoderLayer`, the layers of the members that take the convolution).
 
 `y_t = sum_o (base[side, o] + dyn_t[side, o, group]) * x_{t-o}` for o = 0..K-1, where `x_{t-o}` is zero
 when it would lie before the block's first position (a block never reads the previous block). Both sides'
@@ -12,6 +13,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import Qwen3Config
+
+from .layers import BlockDecoderLayer, RopeTables
+
+# The `dflash_config` fields of a drafter whose layers carry the convolutions (the engines build them from these).
+CONV_FIELDS = ("conv_kernel_size", "conv_group_size")
 
 
 class BlockConv(nn.Module):
@@ -55,3 +62,65 @@ class BlockConv(nn.Module):
             inside = (offset >= o).view(1, q, 1, 1)  # x_{t-o} lies in t's block
             out = out + torch.where(inside, shifted, 0) * (base[o] + dyn[:, :, o]).to(x.dtype)
         return out.view(b, q, h)
+
+
+def has_conv_layers(dflash_config: dict) -> bool:
+    """Whether a drafter config's layers carry the block convolutions (its `dflash_config` has `CONV_FIELDS`)."""
+    return all(k in dflash_config for k in CONV_FIELDS)
+
+
+class ConvDecoderLayer(BlockDecoderLayer):
+    """The family's decoder layer with a `BlockConv` before and after its attention and its MLP sublayer; the
+    parameter names are the engines' (`layers.{i}.attention_conv.base_kernel`, `layers.{i}.mlp_conv...`)."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        d = config.dflash_config
+        self.block_size = int(config.block_size)
+        shape = (config.hidden_size, int(d["conv_kernel_size"]), int(d["conv_group_size"]))
+        self.attention_conv = BlockConv(*shape)
+        self.mlp_conv = BlockConv(*shape)
+
+    def attention_inputs(self, x: torch.Tensor, context: torch.Tensor, rope: RopeTables, block_len: int):
+        normed = self.input_layernorm(x)
+        taps = self.attention_conv.taps(normed)  # both sides' taps, from the normed input
+        mixed = self.attention_conv(normed, taps, 0, block_len)
+        return (*self.self_attn.project(mixed, context, rope), taps)
+
+    def attention_output_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, taps: torch.Tensor,
+                                 block_len: int) -> torch.Tensor:
+        x = x + self.attention_conv(self.self_attn.output(attn), taps, 1, block_len)
+        normed = self.post_attention_layernorm(x)
+        mlp_taps = self.mlp_conv.taps(normed)
+        return x + self.mlp_conv(self.mlp(self.mlp_conv(normed, mlp_taps, 0, block_len)), mlp_taps, 1, block_len)
+
+    def forward(self, x, context, rope, attention, mask, cache=None, layer_idx=0, parts=None) -> torch.Tensor:
+        """As `BlockDecoderLayer.forward`; the convolutions need the block length: the trained block size in
+        the packed training layout, and the whole query (one block, possibly a shorter one) when decoding."""
+        inputs, output = parts or (type(self).attention_inputs, type(self).attention_output_and_mlp)
+        block_len = x.shape[1] if cache is not None else self.block_size
+        q, k_ctx, v_ctx, k_blk, v_blk, taps = inputs(self, x, context, rope, block_len)
+        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        if cache is not None:
+            k, v = cache.append(layer_idx, k, v)
+        return output(self, x, attention(q, k, v, mask), taps, block_len)
+
+
+def reset_convs(module: nn.Module) -> None:
+    """Every `BlockConv` under `module` back to its identity start (after a blanket init of every Linear)."""
+    for m in module.modules():
+        if isinstance(m, BlockConv):
+            m.reset_parameters()
+
+
+def conv_values_per_query(kernel_size: int, hidden: int) -> int:
+    """Activation values a `ConvDecoderLayer`'s four convolutions keep to the backward per query token: each its
+    K - 1 masked shifted inputs (H each), and the two before a sublayer their output, which the sublayer's
+    projections read (2 H)."""
+    return (4 * (kernel_size - 1) + 2) * hidden
+
+
+def conv_flops_per_query(kernel_size: int, group_size: int, hidden: int) -> float:
+    """Model FLOPs (forward + backward) of a `ConvDecoderLayer`'s two tap projections (H -> 2 K H / group) per query
+    token; the taps' elementwise products are not counted, as nowhere else."""
+    return 3.0 * 2 * 2 * hidden * (2 * kernel_size * hidden // group_size)

@@ -1,7 +1,8 @@
 """The LiLiCorr drafter config: the family's reference layout (`family.config`) with the head's fields in
 `dflash_config`, and the exported config.json the engines load: `architectures: ["LiLiCorrDraftModel"]`,
 `dflash_config` with `projector_type: lilicorr`, `lilicorr_enabled: true`, every `lilicorr_*` field (the loaders
-have no defaults for them), `causal: false` and `block_size` (also at the top level)."""
+have no defaults for them), `causal: false` and `block_size` (also at the top level); with `lilicorr.conv`, also
+`conv_kernel_size` and `conv_group_size`, from which the engines build the layers' convolutions."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers import PretrainedConfig, Qwen3Config
 from ...errors import ConfigError
 from ...target.hf_config import text_config
 from ..family.config import drafter_config_from_dict, drafter_config_json, make_drafter_config, reference_fields
+from ..family.conv import CONV_FIELDS
 from .options import MAX_TOPK, options_of
 
 HF_ARCHITECTURE = "LiLiCorrDraftModel"
@@ -53,6 +55,11 @@ def config_for_run(target_config: PretrainedConfig, run_cfg, target_layer_ids: l
         "lilicorr_num_layers": int(o.head_num_layers), "lilicorr_num_heads": int(o.head_num_heads),
         "lilicorr_mlp_ratio": float(o.mlp_ratio), "lilicorr_factor_dim": int(o.factor_dim),
         "lilicorr_vector_eps": float(o.vector_eps), "lilicorr_logit_scale": float(o.logit_scale)})
+    if o.conv:
+        if cfg.hidden_size % o.conv_group_size:
+            raise ConfigError(f"config key 'lilicorr.conv_group_size': {o.conv_group_size} does not divide the "
+                              f"target's hidden size {cfg.hidden_size}; pick a divisor (16 in the recipe)")
+        cfg.dflash_config.update(conv_kernel_size=int(o.conv_kernel_size), conv_group_size=int(o.conv_group_size))
     return cfg
 
 
@@ -64,6 +71,10 @@ def lilicorr_config_from_dict(data: dict[str, Any]) -> Qwen3Config:
         raise ValueError("not a LiLiCorr drafter config: dflash_config needs projector_type 'lilicorr' and "
                          "lilicorr_enabled true")
     head_fields(own)
+    present = [k for k in CONV_FIELDS if k in own]
+    if present and len(present) < len(CONV_FIELDS):
+        raise ValueError(f"a LiLiCorr drafter config with convolutions needs both {' and '.join(CONV_FIELDS)} in "
+                         f"dflash_config (it has only {present[0]})")
     return cfg
 
 

@@ -1,13 +1,15 @@
 """LiLiCorr's terms in the drafter step's activation estimate (train/plan/activation_memory.py, `StepMemory`), beside
 DFlash's and the target's final states that `needs_target_final` counts: the head's activations over the lattice of
 every counted row's k candidates (at most `counted * k` nodes), which it keeps to the backward, and the candidate
-rows of the target's head gathered for the log-probabilities and the target's logits."""
+rows of the target's head gathered for the log-probabilities and the target's logits; with `lilicorr.conv`, the
+layers' block convolutions."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..contract import StepMemory
+from ..family.conv import conv_values_per_query, has_conv_layers
 from .config import head_fields
 
 _F32 = 4
@@ -23,6 +25,11 @@ class LiLiCorrStepMemory(StepMemory):
     topk: int  # k
     heads: int
     block_size: int
+    conv_kernel: int = 0  # the layers' block convolutions' taps (lilicorr.conv), 0 without them
+
+    def layer_per_query(self, hidden: int) -> int:
+        """With `lilicorr.conv`, the four block convolutions of each layer (`family.conv.conv_values_per_query`)."""
+        return conv_values_per_query(self.conv_kernel, hidden) if self.conv_kernel else 0
 
     def values_per_node(self) -> int:
         """Values one lattice node keeps to the backward: its embedding and head row (H each), the input sum and its
@@ -46,8 +53,10 @@ class LiLiCorrStepMemory(StepMemory):
 
 
 def step_memory(drafter_config) -> LiLiCorrStepMemory:
-    f = head_fields(drafter_config.dflash_config)
+    d = drafter_config.dflash_config
+    f = head_fields(d)
     h = int(drafter_config.hidden_size)
     return LiLiCorrStepMemory(h, f["lilicorr_hidden_size"] or h, f["lilicorr_num_layers"], f["lilicorr_mlp_ratio"],
                               f["lilicorr_factor_dim"], f["lilicorr_candidate_topk"], f["lilicorr_num_heads"],
-                              int(drafter_config.block_size))
+                              int(drafter_config.block_size),
+                              int(d["conv_kernel_size"]) if has_conv_layers(d) else 0)

@@ -1,4 +1,5 @@
-"""The LiLiCorr drafter: the family's block drafter (`BlockDrafter`) with the `lilicorr` head (`head.py`). Slot 0
+"""The LiLiCorr drafter: the family's block drafter (`BlockDrafter`) with the `lilicorr` head (`head.py`), and with
+`lilicorr.conv` the family's convolution-wrapped layers (`family.conv.ConvDecoderLayer`). Slot 0
 reads the anchor and drafts nothing; slots 1..B-1 each take their k best tokens under the target's head as
 candidates, the head scores the lattice of transitions between them, and the drafts are the greedy walk through it
 (`head.greedy_walk`), or with a temperature a walk that samples each step from `softmax(row / T)` over the k
@@ -24,6 +25,8 @@ from transformers import Qwen3Config
 
 from ..attention import DrafterKVCache
 from ..drafter import BlockProposals
+from ..family.conv import ConvDecoderLayer, has_conv_layers, reset_convs
+from ..family.layers import BlockDecoderLayer
 from ..family.model import BlockDrafter
 from .config import head_fields
 from .head import LiLiCorrHead, greedy_walk
@@ -32,6 +35,14 @@ from .options import TREE_REFUSAL
 
 class LiLiCorrDrafter(BlockDrafter):
     architecture = "lilicorr"
+
+    @property
+    def layer_class(self) -> type:
+        """The family's layers, or with `lilicorr.conv` (its config's conv fields) the convolution-wrapped ones."""
+        return ConvDecoderLayer if has_conv_layers(self.config.dflash_config) else BlockDecoderLayer
+
+    def compiled_name(self) -> str:
+        return "lilicorr_conv_drafter" if self.layer_class is ConvDecoderLayer else "lilicorr_drafter"
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
@@ -45,6 +56,7 @@ class LiLiCorrDrafter(BlockDrafter):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         super().reset_parameters()
+        reset_convs(self)  # the identity start, after the blanket init of every Linear
         if "lilicorr" in self._modules:
             self.lilicorr.reset_parameters(self.config.initializer_range)
 

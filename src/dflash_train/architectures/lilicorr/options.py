@@ -45,6 +45,13 @@ class LiLiCorrOptions:
     w_pen: Optional[float] = None
     # The margin term's margin, in log-potential units (> 0 when w_margin > 0).
     margin: Optional[float] = None
+    # "+conv": the family's grouped dynamic convolution before and after each attention and MLP sublayer of the
+    # backbone, starting as the identity; the engines build it from conv_kernel_size and conv_group_size.
+    conv: bool = False
+    # The convolutions' taps (the recipe's 2). At most drafter.block_size. Read only with conv.
+    conv_kernel_size: int = 2
+    # Channels that share one dynamic tap (the recipe's 16); must divide the target's hidden size. Read only with conv.
+    conv_group_size: int = 16
 
 
 # The shipped recipe's (w_ce, w_margin, w_pen, margin) where the four loss keys are unset.
@@ -90,6 +97,9 @@ def validate(cfg: Any) -> None:
     d = cfg.drafter
     if d.block_size < 2:
         raise ConfigError(f"config key 'drafter.block_size': LiLiCorr needs at least 2 slots (got {d.block_size})")
+    if o.conv and o.conv_kernel_size > d.block_size:
+        raise ConfigError(f"config key 'lilicorr.conv_kernel_size': must be between 1 and drafter.block_size="
+                          f"{d.block_size} (got {o.conv_kernel_size})")
     if d.draft_vocab_size:
         raise ConfigError("config key 'drafter.draft_vocab_size': LiLiCorr drafts from the target's full vocabulary "
                           "(the engines refuse a reduced one); set drafter.draft_vocab_size=0")
@@ -137,7 +147,7 @@ OPTIONS = Options(
                   "head_num_layers": POSITIVE_INT, "head_num_heads": POSITIVE_INT, "mlp_ratio": POSITIVE_NUMBER,
                   "factor_dim": POSITIVE_INT, "vector_eps": POSITIVE_NUMBER, "logit_scale": POSITIVE_NUMBER,
                   "w_ce": NON_NEGATIVE_NUMBER, "w_margin": NON_NEGATIVE_NUMBER, "w_pen": NON_NEGATIVE_NUMBER,
-                  "margin": NON_NEGATIVE_NUMBER},
+                  "margin": NON_NEGATIVE_NUMBER, "conv_kernel_size": POSITIVE_INT, "conv_group_size": POSITIVE_INT},
     validate=validate,
     about="LiLiCorr's lattice head over the backbone's candidates and its loss",
     # the recipe's block loss: exp(-(k - 1) / 7) with the generic gamma (7.0), not DFlash's default acceptance
