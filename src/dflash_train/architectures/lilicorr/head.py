@@ -23,6 +23,10 @@ from torch.nn import functional as F
 from ..family.layers import RMSNorm
 
 FEATURES = 5
+# Lattice nodes the head trains on at once: with gradients it runs over chunks of whole blocks of about this many
+# nodes, each recomputed in the backward (activation checkpointing), so what it keeps to the backward is one chunk's
+# activations and not every block's (hundreds of GB at the bench's micro-batch of 16 rows x 512 blocks x 120 nodes).
+CHUNK_NODES = 16384
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """LiLiCorr's terms in the drafter step's activation estimate (train/plan/activation_memory.py, `StepMemory`), beside
-DFlash's and the target's final states that `needs_target_final` counts: the head's activations over the lattice of
-every counted row's k candidates (at most `counted * k` nodes), which it keeps to the backward, and the candidate
-rows of the target's head gathered for the log-probabilities and the target's logits; with `lilicorr.conv`, the
+DFlash's and the target's final states that `needs_target_final` counts: the candidate rows of the target's head
+gathered for the log-probabilities and the target's logits (every counted row's k candidates), and one chunk of the
+head's activations over the lattice (the head is checkpointed chunk by chunk); with `lilicorr.conv`, the
 layers' block convolutions."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ..contract import StepMemory
 from ..family.conv import conv_values_per_query, has_conv_layers
 from .config import head_fields
+from .head import CHUNK_NODES
 
 _F32 = 4
 
@@ -46,10 +47,15 @@ class LiLiCorrStepMemory(StepMemory):
         return self.layers * 2 * self.heads * nodes * nodes
 
     def loss_rows(self, counted: int) -> int:
-        """The lattice's nodes (k per counted row; a block per B - 1 of them) at float32, the widest compute
-        dtype."""
-        blocks = counted // (self.block_size - 1) + 1
-        return (counted * self.topk * self.values_per_node() + blocks * self.attention_per_block()) * _F32
+        """At float32, the widest compute dtype: each of the lattice's nodes (k per counted row) keeps its lm_head
+        row (H), its log-probability, target logit and scores (~3 k + 8); and one chunk of the head
+        (`head.CHUNK_NODES` nodes in whole blocks of (B - 1) k), recomputed in the backward, holds its activations
+        and their gradients."""
+        per_block = (self.block_size - 1) * self.topk
+        nodes = counted * self.topk
+        chunk_blocks = min(-(-nodes // per_block), max(1, CHUNK_NODES // per_block))
+        chunk = 2 * (chunk_blocks * per_block * self.values_per_node() + chunk_blocks * self.attention_per_block())
+        return (nodes * (self.hidden + 3 * self.topk + 8) + chunk) * _F32
 
 
 def step_memory(drafter_config) -> LiLiCorrStepMemory:

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 
 from ..attention import DrafterKVCache
@@ -29,7 +30,7 @@ from ..family.conv import ConvDecoderLayer, has_conv_layers, reset_convs
 from ..family.layers import BlockDecoderLayer
 from ..family.model import BlockDrafter
 from .config import head_fields
-from .head import LiLiCorrHead, greedy_walk
+from .head import CHUNK_NODES, LiLiCorrHead, greedy_walk
 from .options import TREE_REFUSAL
 
 
@@ -93,11 +94,22 @@ class LiLiCorrDrafter(BlockDrafter):
     def lattice(self, hidden: torch.Tensor, lp: torch.Tensor, cand: torch.Tensor,
                 embed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's (log_start, log_pair) for blocks whose `forward` output is `hidden [n, bs, H]`, their slots'
-        candidates `cand [n, S, k]` (target ids, best first) and log-probabilities `lp [n, S, k]`."""
+        candidates `cand [n, S, k]` (target ids, best first) and log-probabilities `lp [n, S, k]`. With gradients,
+        over chunks of `head.CHUNK_NODES` nodes, each recomputed in the backward."""
         anchor = hidden[:, 0]
-        with torch.no_grad():
-            embeds = embed(cand)
-        return self.lilicorr(embeds.to(hidden.dtype), hidden[:, 1:], lp, anchor, anchor.ne(0).any(-1))
+        inputs = (hidden[:, 1:], lp, cand, anchor, anchor.ne(0).any(-1))
+
+        def scores(pass_hidden, lp, cand, anchor, present):
+            with torch.no_grad():
+                embeds = embed(cand)
+            return self.lilicorr(embeds.to(pass_hidden.dtype), pass_hidden, lp, anchor, present)
+
+        n, slots, k = cand.shape
+        if not torch.is_grad_enabled() or n == 0:
+            return scores(*inputs)
+        step = max(1, CHUNK_NODES // (slots * k))  # whole blocks (the head's attention stays within a block)
+        parts = [checkpoint(scores, *(t[i:i + step] for t in inputs), use_reentrant=False) for i in range(0, n, step)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     # ------------------------------------------------------------ proposals
 
