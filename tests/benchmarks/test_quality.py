@@ -640,6 +640,7 @@ def test_a_block_size_flex_cannot_tile_is_named_before_anything_runs():
     assert "drafter.attention_backend=sdpa" in refused[0]
 
 
+@pytest.mark.long  # ~28 s: trains and replays a confidence head
 def test_confidence_thresholds_report_truncated_block_decoding_of_a_confidence_head(tmp_path, tiny_pair,
                                                                                    tiny_target_dir):
     """--confidence-thresholds: per drafter with a confidence head, tau and tokens verified per step of block decoding

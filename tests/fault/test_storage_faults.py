@@ -139,6 +139,7 @@ def test_a_save_that_fails_once_costs_that_checkpoint_only(setup):
     assert_same_losses(ref, losses(run_dir), STEPS)
 
 
+@pytest.mark.long  # ~13 s: a whole run before the failing export
 def test_an_export_that_cannot_be_written_names_the_checkpoint_to_export_from(setup, tmp_path):
     """RUN/export is a regular file and the name it would be moved aside to a non-empty folder (EISDIR), once
     training runs: the run ends `failed` (exit 2) with the export's path and error, the last checkpoint written,

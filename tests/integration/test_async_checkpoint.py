@@ -260,6 +260,7 @@ def _mid_write(run_dir: Path, step: int):
     return (tmp / "drafter" / "model.safetensors").is_file() and not (tmp / "optimizer.pt").exists()
 
 
+@pytest.mark.long  # ~12 s: a real process killed mid-write
 @pytest.mark.slow
 def test_sigkill_in_the_middle_of_a_background_write_keeps_the_previous_checkpoint(setup):
     root, cfg, ref = setup
@@ -290,6 +291,7 @@ def test_sigkill_in_the_middle_of_a_background_write_keeps_the_previous_checkpoi
     assert sum(r.get("checkpoint_write_s", 0) for r in records) > 0
 
 
+@pytest.mark.long  # ~20 s: real processes and signals
 @pytest.mark.slow
 def test_sigterm_and_the_end_of_the_run_wait_for_the_write_in_flight(setup, monkeypatch):
     root, cfg, ref = setup

@@ -66,6 +66,7 @@ def test_colocated_two_ranks_finish_and_report_both_heartbeats(reference, capsys
     assert "rank 0: colocated done" in out and "rank 1: colocated done" in out
 
 
+@pytest.mark.long  # ~21 s: two ranks in real processes, one killed, then a resume
 def test_killed_rank_stops_the_run_fast_and_resume_matches(setup, reference):
     root, cfg = setup
     run = root / "killed"

@@ -181,6 +181,7 @@ def single(setup):
     return _train(root, cfg, "single", 1)
 
 
+@pytest.mark.long  # ~12 s: three ranks in real processes
 @pytest.mark.slow
 def test_two_targets_one_drafter_log_the_losses_of_one_process(setup, single):
     root, cfg = setup

@@ -124,6 +124,7 @@ def test_training_data_lists_the_rejects_of_every_raw_entry(tok, tiny_target_dir
     assert [(r["where"], r["reason"]) for r in map(json.loads, val_rejects.read_text().splitlines())] == bad_b
 
 
+@pytest.mark.long  # ~12 s: a whole run
 def test_a_train_start_writes_rejects_jsonl_in_the_run_directory(tiny_target_dir, tmp_path):
     from conftest import counting_conversations
 

@@ -139,6 +139,7 @@ def test_replay_refuses_a_continuation_too_short_for_the_block(target):
         replay_turn(target, drafter, ReplayTurn("toy", "x", 0, [5, 6, 7], list(range(10, 30))), 16, (), STOPS)
 
 
+@pytest.mark.long  # ~18 s: decodes every turn for real beside the replay
 def test_eval_by_replay_reports_what_decoding_reports_multi_turn(target, tiny_target_dir, tmp_path):
     """`evaluate_by_replay` against `evaluate` (real decoding) on chat prompts, one of them two turns: the same
     outputs turn by turn (the second turn's prompt holds the first answer) and the same tau and histogram."""

@@ -145,6 +145,7 @@ def test_replay_equals_step_by_step_decoding(target):
     assert max(taus) > 1.3  # multi-token steps, chosen by the head, were compared
 
 
+@pytest.mark.long  # ~36 s: the real SmolLM2 decoding on CPU
 @pytest.mark.slow
 def test_greedy_decoding_with_the_real_smollm2_target_is_its_own_greedy_output(smollm2_dir):
     from transformers import AutoTokenizer

@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from dflash_train.architectures import architecture, registry
@@ -44,6 +45,7 @@ class CountingPackage:
         return self.real.resolve_backend(*args, **kwargs)
 
 
+@pytest.mark.long  # ~11 s: a whole run and its resume
 def test_a_run_resolves_its_architecture_and_attention_backend_once(tmp_path, tiny_target_dir, counting_jsonl,
                                                                     monkeypatch):
     counting = CountingPackage()
