@@ -29,11 +29,12 @@ def architecture(name: str) -> "Architecture":
 
 def reads_target_final(cfg: "Config", arch: Optional["Architecture"] = None) -> bool:
     """Whether the run's objective reads the target's final normed hidden states (`capture(..., with_final=True)`):
-    distillation, or an architecture that needs them (`Architecture.needs_target_final`). Its captures then run
+    distillation, the on-policy stage (its verification), or an architecture that needs them
+    (`Architecture.needs_target_final`). Its captures then run
     every decoder layer, not only those up to the last captured one. `arch`: the run's resolved architecture
     (training passes the one its start resolved; without it, `drafter.architecture`'s)."""
     arch = arch if arch is not None else architecture(cfg.drafter.architecture)
-    return cfg.objective.distill_weight > 0 or arch.needs_target_final
+    return cfg.objective.distill_weight > 0 or bool(cfg.onpolicy.start_from) or arch.needs_target_final
 
 
 def architecture_of_export(config: dict) -> "Architecture":

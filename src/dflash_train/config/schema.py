@@ -167,6 +167,25 @@ class ObjectiveConfig:
 
 
 @dataclass
+class OnPolicyConfig:
+    # The finished run this on-policy stage continues (its run directory, whose export/ it reads, or an exported
+    # drafter folder); empty: an ordinary training run. Its drafter's weights are the stage's start; the objective
+    # becomes Draft-OPD's: at the anchors real speculative decoding visits with the current weights, forward KL on
+    # the tokens each step commits and reverse KL on the draft the target rejected (docs/guide/onpolicy.md).
+    start_from: str = ""
+    # Weight of the committed tokens' term (the accepted drafts and the target's correction).
+    committed_weight: float = 1.0
+    # Weight of the rejected draft's term.
+    rejected_weight: float = 1.0
+    # A rejected draft at slot k weighs decay ** (k - 1).
+    decay: float = 0.8
+    # Log-probabilities are clamped from below to this (the estimators' log(1 - p) and ratios stay finite).
+    log_prob_min: float = -20.0
+    # Each position's loss term is clamped from above to this.
+    loss_max: float = 10.0
+
+
+@dataclass
 class OptimConfig:
     # Peak learning rate of the drafter's AdamW.
     lr: float = 6e-4
@@ -248,6 +267,7 @@ class Config:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    onpolicy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -39,6 +39,11 @@ NUMBER_RULES: dict[str, Rule] = {
     "data.max_batch_size": POSITIVE_INT,
     "objective.max_anchors": POSITIVE_INT,
     "objective.max_anchors_per_batch": Rule(int, low=0, zero="0 = no cap"),
+    "onpolicy.committed_weight": NON_NEGATIVE_NUMBER,
+    "onpolicy.rejected_weight": NON_NEGATIVE_NUMBER,
+    "onpolicy.decay": Rule(float, low=0, high=1, low_open=True),
+    "onpolicy.log_prob_min": Rule(float, high=0, high_open=True),
+    "onpolicy.loss_max": POSITIVE_NUMBER,
     "objective.gamma": POSITIVE_NUMBER,
     "objective.loss_chunk_size": POSITIVE_INT,
     "objective.acceptance_floor": Rule(float, low=0, high=1, low_open=True),
@@ -174,6 +179,8 @@ def validate(cfg: Config) -> None:
     if r.device == "cpu":
         validate_compile_device(cfg, "cpu")
     validate_sharding(cfg)
+    if cfg.onpolicy.start_from:
+        validate_onpolicy(cfg)
     if cfg.parallel.placement == "split":
         need(r.eval_every == 0, "run.eval_every",
              "validation during training needs the target on the drafter's rank; with parallel.placement=split set "
@@ -181,6 +188,33 @@ def validate(cfg: Config) -> None:
         need(o.distill_weight == 0, "objective.distill_weight",
              "distillation needs the target's final hidden states, which the split placement does not send to the "
              "drafter ranks yet; use parallel.placement=colocated or set objective.distill_weight=0")
+
+
+def validate_onpolicy(cfg: Config) -> None:
+    """The on-policy stage's cross-checks (`onpolicy.start_from` set)."""
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key '{key}': {msg}")
+
+    d, op = cfg.drafter, cfg.onpolicy
+    capable = [n for n in registry.names() if registry.options(n).on_policy]
+    need(registry.options(d.architecture).on_policy, "onpolicy.start_from",
+         f"the on-policy stage trains drafter.architecture={' / '.join(capable)}, whose drafts are each slot's argmax; "
+         f"{d.architecture} drafts otherwise (its probability of a draft is not one softmax): leave "
+         "onpolicy.start_from empty")
+    need(d.draft_vocab_size == 0, "drafter.draft_vocab_size",
+         "the on-policy stage compares the drafter's and the target's probabilities over the target's vocabulary; "
+         "continue a full-vocabulary run (drafter.draft_vocab_size=0)")
+    need(d.output_multiplier == 1.0 and not d.final_logit_softcapping, "drafter.output_multiplier",
+         "the on-policy stage reads the drafter's plain log-probabilities; leave drafter.output_multiplier and "
+         "drafter.final_logit_softcapping at their defaults")
+    need(cfg.parallel.placement == "colocated", "parallel.placement",
+         "the on-policy stage verifies drafts with the target's logits on the drafter's rank; use "
+         "parallel.placement=colocated")
+    need(cfg.objective.distill_weight == 0, "objective.distill_weight",
+         "the on-policy stage has its own loss; set objective.distill_weight=0")
+    need(op.committed_weight + op.rejected_weight > 0, "onpolicy.committed_weight",
+         "onpolicy.committed_weight and onpolicy.rejected_weight are both 0: nothing would train; give one a weight")
 
 
 SHARDINGS = ("none", "fsdp", "tp")

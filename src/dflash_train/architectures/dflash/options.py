@@ -36,4 +36,4 @@ SERVING = Serving(
     reference="z-lab/dflash",
 )
 
-OPTIONS = Options(draft_vocabulary=True, serving=SERVING)
+OPTIONS = Options(draft_vocabulary=True, on_policy=True, serving=SERVING)

@@ -25,6 +25,7 @@ from ..loop.train_loop import Session
 from .rank_checks import Admitted
 from .rank_setup import RankSetup
 from ..loop.step import TrainStep
+from .stage_start import load_stage_start
 from .target_load import load_target
 from ..split.transport import DrafterInbox
 
@@ -46,6 +47,8 @@ def build_drafter_session(cfg: Config, run: RunDir, a: Admitted, r: RankSetup, r
         write_provenance(run.root, {**a.provenance, **serving_record(drafter)})
     if cfg.drafter.init_from_target and not resume:  # a resume loads the checkpoint's weights over it
         init_drafter_from_target(drafter, plan.target_path)
+    if cfg.onpolicy.start_from and not resume:  # the stage continues the finished run's drafter
+        log.info("onpolicy.start_from: the drafter starts from %s", load_stage_start(drafter, cfg.onpolicy.start_from))
     if drafter.draft_vocab_size and not resume:  # a resume loads the checkpoint's vocabulary and head
         rep.report(**choose_draft_vocabulary(drafter, r.data, target.lm_head.weight))
     if cfg.drafter.fp8:  # the same parameters, FP8 matmuls; before the compile and the optimizer

@@ -1,0 +1,247 @@
+"""The on-policy stage's objective (Draft-OPD, arXiv 2605.29343; `onpolicy.start_from`), at temperature 0, for a
+member whose drafts are each slot's argmax (`registry.Options.on_policy`).
+
+The data are the target's own greedy answers, so greedy speculative decoding of a row commits exactly its tokens;
+what the drafter changes is where each step's block starts and what it drafts. Per micro-batch:
+
+1. acceptance at every anchor, without gradients: the drafter's greedy proposals of a block at every supervised
+   position, checked against the target's argmax there (verification), the leading run of matches;
+2. the decoding chain of each answer: the first anchor is its first token (the prefill yields it), the next one
+   `anchor + accepted + 1` (the target's correction or bonus token anchors the next block);
+3. the drafter's blocks at the chain's anchors, with gradients, and two streams of single-token estimators (the
+   official implementation's):
+   - committed: every slot up to the first rejection, included, on the token the step commits there (the data's),
+     `l = p log(p / q) + (1 - p) log((1 - p) / (1 - q))`, p and q the target's and the drafter's probabilities of it;
+   - rejected: the first rejected slot k on the drafter's draft d, `l = exp(r) - r - 1`, `r = log p(d) - log q(d)`
+     (k3, an estimate of KL(q || p)), weighted `decay ** (k - 1)`;
+   `L = (w_c sum l_c + w_r sum decay^(k-1) l_r) / (w_c N_c + w_r sum decay^(k-1))`, each l clamped to `loss_max`,
+   log-probabilities to `log_prob_min`.
+
+Only the first rejected draft is scored: the drafts before it were accepted, so its target distribution is the
+target's at that position of the committed sequence. A later draft sits behind a wrong token, whose distribution
+only a verify pass over the drafted prefix gives (the official SGLang fork records it; its vLLM patch and SpecForge's
+variant keep the first rejection only, as here).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ...config.schema import Config
+from ...data.batch import Batch
+from ..stats import StepStats
+from .blocks import Blocks
+from .loss import CEOptions, chunked_ce_rows
+from .objective import BlockObjective, block_stats
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """`x` in float32, or wider (float64 in tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def decode_chain(accepted: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Each row's decoding steps `(anchor, drafts accepted there)` (host tensors): every run of supervised positions
+    (an answer) starts a chain at its first position; the next anchor is `a + accepted[a] + 1`, while it leaves a
+    later position of the run."""
+    chains = []
+    for row, mask, length in zip(accepted.tolist(), loss_mask.tolist(), lengths.tolist()):
+        steps, p = [], 0
+        while p < length:
+            if not mask[p]:
+                p += 1
+                continue
+            end = p
+            while end + 1 < length and mask[end + 1]:
+                end += 1
+            a = p
+            while a < end:
+                steps.append((a, row[a]))
+                a += row[a] + 1
+            p = end + 1
+        chains.append(steps)
+    return chains
+
+
+def accept_lengths(drafts: torch.Tensor, target_next: torch.Tensor, anchors: torch.Tensor,
+                   counted: torch.Tensor) -> torch.Tensor:
+    """`[B, N]` drafts accepted at each anchor: the leading run of slots k >= 1 whose draft `drafts [B, N, bs-1]`
+    equals the target's argmax at `anchor + k - 1` (`target_next [B, S]`, the token it predicts next) and that count
+    (`counted [B, N, bs]`: supervised, inside the row)."""
+    bs = counted.shape[-1]
+    at = (anchors.unsqueeze(-1) + torch.arange(bs - 1, device=anchors.device)).clamp(max=target_next.shape[1] - 1)
+    verified = torch.gather(target_next, 1, at.view(at.shape[0], -1)).view_as(drafts)
+    return ((drafts == verified) & counted[..., 1:]).long().cumprod(-1).sum(-1)
+
+
+def committed_loss(logp: torch.Tensor, logq: torch.Tensor, low: float) -> torch.Tensor:
+    """The Bernoulli forward KL at the realised token, from its log-probabilities under the target (`logp`) and the
+    drafter (`logq`), both clamped to `low`."""
+    logp, logq = logp.clamp_min(low), logq.clamp_min(low)
+    p = logp.exp()
+    log1m = lambda lp: torch.log(-torch.expm1(lp.clamp_max(-1e-7))).clamp_min(low)  # noqa: E731 (log(1 - e^lp))
+    return p * (logp - logq) + (1 - p) * (log1m(logp) - log1m(logq))
+
+
+def rejected_loss(logp: torch.Tensor, logq: torch.Tensor, low: float) -> torch.Tensor:
+    """k3's estimate of KL(q || p) at the draft: `exp(r) - r - 1`, `r = log p - log q` (clamped to [-10, 10])."""
+    r = (logp.clamp_min(low) - logq.clamp_min(low)).clamp(-10.0, 10.0)
+    return r.exp() - r - 1
+
+
+def onpolicy_total(committed: torch.Tensor, rejected: torch.Tensor, rejected_weights: torch.Tensor,
+                   cfg: Config) -> torch.Tensor:
+    """`(w_c sum l_c + w_r sum w_k l_r) / (w_c N_c + w_r sum w_k)`, each term clamped to `onpolicy.loss_max`."""
+    o = cfg.onpolicy
+    numerator = (o.committed_weight * committed.clamp_max(o.loss_max).sum()
+                 + o.rejected_weight * (rejected_weights * rejected.clamp_max(o.loss_max)).sum())
+    denominator = o.committed_weight * committed.numel() + o.rejected_weight * rejected_weights.sum()
+    return numerator / denominator.clamp_min(1e-6)
+
+
+class OnPolicyObjective(BlockObjective):
+    """Draft-OPD on a micro-batch of the target's own answers (module docstring)."""
+
+    def describe(self) -> str:
+        o = self.cfg.onpolicy
+        return (f"on-policy (Draft-OPD, greedy): at the anchors greedy speculative decoding visits, {o.committed_weight:g}"
+                f" x forward KL on each step's committed tokens + {o.rejected_weight:g} x reverse KL (k3) on the first "
+                f"rejected draft, decay {o.decay:g} a slot")
+
+    def __call__(self, batch: Batch, generator: torch.Generator, call: Optional[Callable] = None,
+                 hidden: Optional[torch.Tensor] = None) -> StepStats:
+        if hidden is not None:
+            raise ValueError("the on-policy stage verifies drafts with the target's logits, which a capture computed "
+                             "on another rank (parallel.placement=split) does not carry")
+        features, final = self.target.capture(batch.input_ids, with_final=True)
+        plan = batch.host if batch.host is not None else batch
+        target_next = self.target_argmax(final)  # [B, S]: the token the target puts after each position
+        chains = self.chains(batch, plan, features, target_next.cpu())
+        blocks, idx, rejected_at = self.chain_blocks(plan, chains, target_next.cpu(), batch.input_ids.device)
+        rows = self.block_rows(batch, features, blocks, idx, call or self.drafter)
+        with self.autocast(batch.input_ids.device):
+            return self.chain_loss(rows, blocks, idx, rejected_at, final, target_next)
+
+    # ------------------------------------------------------------ decoding's chain under the current weights
+
+    @torch.no_grad()
+    def target_argmax(self, final: torch.Tensor) -> torch.Tensor:
+        head = self.target.lm_head.weight
+        flat = final.reshape(-1, final.shape[-1])
+        step = self.cfg.objective.loss_chunk_size
+        out = [(flat[i:i + step].to(head.dtype) @ head.T).argmax(-1) for i in range(0, flat.shape[0], step)]
+        return torch.cat(out).view(final.shape[:2])
+
+    @torch.no_grad()
+    def chains(self, batch: Batch, plan: Batch, features: torch.Tensor,
+               target_next: torch.Tensor) -> list[list[tuple[int, int]]]:
+        """Each row's decoding anchors: the drafter's proposals at every supervised position (in passes of
+        `objective.max_anchors` anchors a row), their acceptance, and the chain through them."""
+        b, s = plan.input_ids.shape
+        pos = torch.arange(s)
+        candidates = (plan.loss_mask > 0) & (pos.view(1, -1) + 1 < plan.lengths.view(-1, 1))
+        accepted = torch.zeros(b, s, dtype=torch.long)
+        per_pass, multiple = self.cfg.objective.max_anchors, self.backend.blocks_multiple_of
+        order = [row.nonzero().squeeze(1) for row in candidates]
+        most = max((len(o) for o in order), default=0)
+        for start in range(0, most, per_pass):
+            taken = [o[start:start + per_pass] for o in order]
+            n = -(-max(len(t) for t in taken) // multiple) * multiple
+            anchors = torch.zeros(b, n, dtype=torch.long)
+            keep = torch.zeros(b, n, dtype=torch.bool)
+            for r, t in enumerate(taken):
+                anchors[r, :len(t)], keep[r, :len(t)] = t, True
+            blocks = self.build_blocks(plan, anchors, keep)
+            device_blocks = blocks.to(batch.input_ids.device)
+            every = torch.arange(blocks.counted.numel(), device=batch.input_ids.device)
+            out = self.block_rows(batch, features, device_blocks, every, self.drafter)
+            bs = self.drafter.block_size
+            hidden = out.view(b * n, bs, -1)
+            drafts = self.drafter.greedy_proposals(hidden, self.target.lm_head,
+                                                   device_blocks.block_ids.view(b * n, bs)[:, 0]).drafts
+            got = accept_lengths(drafts.view(b, n, bs - 1).cpu(), target_next, anchors, blocks.counted)
+            for r, t in enumerate(taken):
+                accepted[r, t] = got[r, :len(t)]
+        return decode_chain(accepted, plan.loss_mask, plan.lengths)
+
+    def chain_blocks(self, plan: Batch, chains: list[list[tuple[int, int]]], target_next: torch.Tensor,
+                     device: torch.device) -> tuple[Blocks, torch.Tensor, torch.Tensor]:
+        """The blocks at the chains' anchors, counting each block's committed slots (the accepted drafts and the slot
+        after them, whose token the target corrects; supervised ones only), and which counted rows hold the rejected
+        draft (`[M]` bool, in `idx` order: the correction's slot, inside the block)."""
+        b, bs, multiple = plan.input_ids.shape[0], self.drafter.block_size, self.backend.blocks_multiple_of
+        n = max(-(-max((len(c) for c in chains), default=1) // multiple) * multiple, multiple)
+        anchors = torch.zeros(b, n, dtype=torch.long)
+        accepted = torch.zeros(b, n, dtype=torch.long)
+        keep = torch.zeros(b, n, dtype=torch.bool)
+        for r, steps in enumerate(chains):
+            if steps:
+                anchors[r, :len(steps)], accepted[r, :len(steps)] = torch.tensor(steps, dtype=torch.long).T
+                keep[r, :len(steps)] = True
+        blocks = self.build_blocks(plan, anchors, keep)
+        slot = torch.arange(bs).view(1, 1, -1)
+        correction = accepted.unsqueeze(-1) + 1
+        counted = blocks.counted & (slot <= correction)
+        rejected = counted & (slot == correction)
+        fields = {**blocks.moved(torch.device("cpu")), "counted": counted, "weights": blocks.weights * counted}
+        fields.pop("work")
+        chain = Blocks(**fields)
+        idx = chain.counted.view(-1).nonzero().squeeze(1)
+        return chain.to(device), idx.to(device), rejected.view(-1)[idx].to(device)
+
+    # ------------------------------------------------------------ the two streams
+
+    def chain_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, rejected_at: torch.Tensor,
+                   final: torch.Tensor, target_next: torch.Tensor) -> StepStats:
+        o, low = self.cfg.onpolicy, self.cfg.onpolicy.log_prob_min
+        bs = self.drafter.block_size
+        labels = blocks.labels.view(-1).index_select(0, idx)
+        head = self.target.lm_head.weight
+        res = chunked_ce_rows(rows, head, labels, CEOptions(self.cfg.objective.loss_chunk_size, top_k=1))
+        logq = -res.loss  # the committed tokens' log-probabilities, with gradient
+        rej = rejected_at.nonzero().squeeze(1)
+        drafts = res.top_ids[:, 0].index_select(0, rej)  # the argmax at a rejected slot: the draft the target refused
+        positions = self.label_positions(blocks, idx, final.shape[1])
+        with torch.no_grad():
+            logp_label, logp_draft = self.target_logprobs(final, positions, labels, positions.index_select(0, rej),
+                                                          drafts)
+            off_target = (target_next.to(labels.device).view(-1).index_select(0, positions - 1) != labels).sum()
+        h_rej = rows.index_select(0, rej)
+        labels_rej = labels.index_select(0, rej)
+        gap = wide(torch.einsum("mh,mh->m", h_rej, (head[drafts] - head[labels_rej]).to(h_rej.dtype)))
+        logq_draft = wide(logq.index_select(0, rej)) + gap  # log q(d) = log q(c) + z_d - z_c
+        weights = (o.decay ** ((idx.index_select(0, rej) % bs) - 1)).to(logq_draft.dtype)
+        committed = committed_loss(logp_label, wide(logq), low)
+        rejected = rejected_loss(logp_draft, logq_draft, low)
+        loss = onpolicy_total(committed, rejected, weights, self.cfg)
+        stats = block_stats(loss, res.correct, blocks, idx)
+        zero = loss.detach() * 0
+        stats.extra.update({
+            "onpolicy_committed_loss": committed.detach().mean() if committed.numel() else zero,
+            "onpolicy_rejected_loss": rejected.detach().mean() if rejected.numel() else zero,
+            "onpolicy_rejected": rejected_at.sum(),
+            "onpolicy_off_target": off_target})
+        return stats
+
+    @staticmethod
+    def label_positions(blocks: Blocks, idx: torch.Tensor, seq: int) -> torch.Tensor:
+        """The flat `[B * S]` position of each counted row's label."""
+        offset = torch.arange(blocks.anchors.shape[0], device=idx.device).view(-1, 1) * seq
+        return (blocks.block_positions + offset).view(-1).index_select(0, idx)
+
+    def target_logprobs(self, final: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
+                        draft_positions: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's log-probabilities (float32) of `labels` at their flat positions, and of `drafts` at theirs:
+        from the final normed states one position before (those predict the token), through its lm_head."""
+        head = self.target.lm_head.weight
+        flat = final.reshape(-1, final.shape[-1])
+        step = self.cfg.objective.loss_chunk_size
+
+        def at(where: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+            out = [torch.log_softmax(wide(flat.index_select(0, where[i:i + step] - 1).to(head.dtype) @ head.T), -1)
+                   .gather(1, tokens[i:i + step, None]).squeeze(1) for i in range(0, where.shape[0], step)]
+            return torch.cat(out) if out else wide(flat.new_zeros(0))
+
+        return at(positions, labels), at(draft_positions, drafts)

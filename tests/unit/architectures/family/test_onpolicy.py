@@ -1,0 +1,167 @@
+"""The on-policy objective against independent references, in float64: on the target's own greedy answers its chain
+of anchors and accepted drafts is the one real greedy speculative decoding takes, and its loss and gradients equal
+Draft-OPD's two streams computed block by block from full softmaxes of the target's and the drafter's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _memorise import memorise
+
+from dflash_train.architectures import architecture
+from dflash_train.architectures.attention import sdpa_attention
+from dflash_train.architectures.family.backend import resolve_backend
+from dflash_train.architectures.family.onpolicy import OnPolicyObjective, committed_loss, decode_chain, rejected_loss
+from dflash_train.config.load import config_from_dict
+from dflash_train.data.batch import Batch
+from dflash_train.infer.spec_decode import SpeculativeDecoder
+from dflash_train.target.capture import TargetCapture, load_target_model
+
+BLOCK, LAYERS, MASK, NEW = 5, [1, 2], 23, 28
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tokenizer_dir):
+    """A 4-layer target over 24 tokens in float64, the greedy answers it gives three prompts, and a drafter taught
+    them until it is often right (varied acceptance)."""
+    from conftest import make_tiny_target
+
+    path = make_tiny_target(tmp_path_factory.mktemp("opd-target"), tokenizer_dir, layers=4, vocab_size=24)
+    target = load_target_model(path, torch.float64, torch.device("cpu"))
+    cfg = config_from_dict({"drafter": {"block_size": BLOCK, "num_draft_layers": 1},
+                            "objective": {"max_anchors": 7, "loss_chunk_size": 13},
+                            "onpolicy": {"start_from": "unused", "decay": 0.7, "rejected_weight": 1.5},
+                            "data": {"max_length": 64, "token_budget": 256}})
+    torch.manual_seed(0)
+    arch = architecture("dflash")
+    drafter = arch.drafter_class(arch.config_for_run(target.config, cfg, LAYERS, MASK)).double()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 23, (n,), generator=g).tolist() for n in (6, 11, 9)]
+    plain = SpeculativeDecoder(target, drafter, stop_token_ids=[])
+    answers = [plain.generate_target_only(p, NEW).tokens for p in prompts]
+    memorise(drafter, target, [p + a for p, a in zip(prompts, answers)], steps=12)
+    return target, drafter.eval(), cfg, prompts, answers
+
+
+def batch_of(prompts, answers) -> Batch:
+    rows = [p + a for p, a in zip(prompts, answers)]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, (p, a) in enumerate(zip(prompts, answers)):
+        ids[r, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[r, len(p):len(p) + len(a)] = 1
+    return Batch(ids, mask, torch.tensor([len(r) for r in rows]))
+
+
+def objective_for(target, drafter, cfg):
+    capture = TargetCapture.from_model(target, LAYERS)
+    return OnPolicyObjective(drafter, capture, resolve_backend("sdpa", torch.device("cpu"), BLOCK), cfg,
+                             torch.float64), capture
+
+
+def test_the_chain_on_the_targets_answers_is_greedy_speculative_decodings(setup):
+    target, drafter, cfg, prompts, answers = setup
+    objective, capture = objective_for(target, drafter, cfg)
+    batch = batch_of(prompts, answers)
+    with torch.no_grad():
+        features, final = capture.capture(batch.input_ids, with_final=True)
+        chains = objective.chains(batch, batch, features, objective.target_argmax(final))
+    decoder = SpeculativeDecoder(target, drafter, stop_token_ids=[])
+    seen = set()
+    for prompt, answer, chain in zip(prompts, answers, chains):
+        result = decoder.generate_block(prompt, NEW)
+        assert result.tokens == answer  # lossless: the data are what decoding commits
+        anchor, steps = len(prompt), []
+        for accept in result.accept_lengths[:-1]:  # the last step is cut by the token limit, the chain by the data
+            steps.append((anchor, accept - 1))
+            anchor += accept
+        assert chain[:len(steps)] == steps
+        seen |= {n for _, n in steps}
+    assert len(seen) >= 3  # acceptance varies: rejections at several slots and full blocks
+
+
+def decode_chain_by_hand():
+    accepted = torch.tensor([[0, 0, 2, 0, 1, 3, 0, 0, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 1, 1]])
+    return decode_chain(accepted, mask, torch.tensor([10]))
+
+
+def test_a_chain_restarts_at_each_answer_and_stops_at_its_last_token():
+    # answer 1: positions 2-6 (2 accepts 2 -> 5 accepts 3, past the answer's end); answer 2: 8-9
+    assert decode_chain_by_hand() == [[(2, 2), (5, 3), (8, 0)]]
+
+
+def reference_loss(target, drafter, cfg, prompts, answers):
+    """Draft-OPD's streams block by block: every decoding step's block run on its own (the context before its
+    anchor), full softmaxes in float64."""
+    o = cfg.onpolicy
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    decoder = SpeculativeDecoder(target, drafter, stop_token_ids=[])
+    committed, rejected, weights = [], [], []
+    for prompt, answer in zip(prompts, answers):
+        seq = torch.tensor([prompt + answer])
+        out = target(seq, output_hidden_states=True)
+        logp_target = torch.log_softmax(out.logits[0].double(), -1)
+        features = torch.cat([out.hidden_states[i + 1] for i in LAYERS], -1)
+        end = len(prompt) + len(answer)
+        anchor = len(prompt)
+        for accept in decoder.generate_block(prompt, NEW).accept_lengths:
+            n = accept - 1
+            block = torch.tensor([[seq[0, anchor].item()] + [MASK] * (BLOCK - 1)])
+            positions = torch.arange(anchor + BLOCK).view(1, -1)
+            hidden = drafter(features[:, :anchor], drafter.embed_block(embed, block), positions, sdpa_attention, None)
+            logq = torch.log_softmax(drafter.logits(hidden, head)[0].double(), -1)
+            for k in range(1, min(n + 1, BLOCK - 1) + 1):
+                if anchor + k >= end:
+                    break
+                c = seq[0, anchor + k]
+                committed.append(committed_loss(logp_target[anchor + k - 1, c], logq[k, c], o.log_prob_min))
+                if k == n + 1:
+                    d = logq[k].argmax()
+                    rejected.append(rejected_loss(logp_target[anchor + k - 1, d], logq[k, d], o.log_prob_min))
+                    weights.append(o.decay ** (k - 1))
+            anchor += accept
+            if anchor >= end - 1:
+                break
+    c, r, w = torch.stack(committed), torch.stack(rejected), torch.tensor(weights, dtype=torch.float64)
+    total = (o.committed_weight * c.clamp_max(o.loss_max).sum() + o.rejected_weight * (w * r.clamp_max(o.loss_max)).sum())
+    return total / (o.committed_weight * len(c) + o.rejected_weight * w.sum()), len(c), len(r)
+
+
+def test_the_loss_and_gradients_equal_draft_opds_streams_block_by_block(setup):
+    target, drafter, cfg, prompts, answers = setup
+    drafter.train()
+    try:
+        objective, _ = objective_for(target, drafter, cfg)
+        stats = objective(batch_of(prompts, answers), torch.Generator().manual_seed(0))
+        ref, n_committed, n_rejected = reference_loss(target, drafter, cfg, prompts, answers)
+        assert n_rejected >= 3 and n_committed > n_rejected
+        assert int(stats.counted_per_slot.sum()) == n_committed
+        assert int(stats.extra["onpolicy_rejected"]) == n_rejected
+        assert int(stats.extra["onpolicy_off_target"]) == 0  # the data are the target's own answers
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
+        ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
+        # float64, yet not to the last bits: where the memorised drafter is nearly sure (q ~ 1 - 1e-9) the Bernoulli
+        # term's log(1 - q) magnifies the last bits of log q, which the chunked CE and a full softmax round apart
+        torch.testing.assert_close(stats.loss, ref, rtol=1e-7, atol=1e-9)
+        for a, b, p in zip(grads, ref_grads, params):
+            torch.testing.assert_close(torch.zeros_like(p) if a is None else a, torch.zeros_like(p) if b is None else b,
+                                       rtol=1e-5, atol=1e-7)
+        assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    finally:
+        drafter.eval()
+
+
+def test_the_estimators_are_zero_where_the_drafter_matches_the_target_and_grow_apart():
+    logp = torch.log(torch.tensor([0.3, 0.3, 0.9], dtype=torch.float64))
+    same = committed_loss(logp, logp, -20.0)
+    assert torch.allclose(same, torch.zeros(3, dtype=torch.float64), atol=1e-15)
+    assert torch.allclose(rejected_loss(logp, logp, -20.0), torch.zeros(3, dtype=torch.float64), atol=1e-15)
+    further = torch.log(torch.tensor([0.2, 0.05, 0.5], dtype=torch.float64))
+    p, q = logp.exp(), further.exp()
+    bernoulli = p * (logp - further) + (1 - p) * (torch.log(1 - p) - torch.log(1 - q))
+    assert torch.allclose(committed_loss(logp, further, -20.0), bernoulli, rtol=1e-12)
+    r = logp - further
+    assert torch.allclose(rejected_loss(logp, further, -20.0), r.exp() - r - 1, rtol=1e-12)
