@@ -34,6 +34,7 @@ from ..data.chat import prompt_ids
 from ..architectures.attention import sdpa_attention
 from ..architectures.drafter import Drafter
 from .spec_decode import SpeculativeDecoder, confident_drafts
+from ..target.hf_model import forward_with_layer_states
 
 
 @dataclass
@@ -113,10 +114,11 @@ class Proposals:
 
 @torch.no_grad()
 def target_pass(target, ids: list[int]):
-    """(hidden states per layer (embeddings first), argmax of the logits) over `ids`, no cache."""
+    """(the residual stream after each layer, embeddings first (`forward_with_layer_states`), argmax of the
+    logits) over `ids`, no cache."""
     device = next(target.parameters()).device
-    out = target(input_ids=torch.tensor([ids], device=device), use_cache=False, output_hidden_states=True)
-    return out.hidden_states, out.logits[0].argmax(-1)
+    out, states = forward_with_layer_states(target, input_ids=torch.tensor([ids], device=device), use_cache=False)
+    return states, out.logits[0].argmax(-1)
 
 
 @torch.no_grad()

@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..architectures.attention import DrafterKVCache, sdpa_attention
 from ..architectures.drafter import Drafter
+from ..target.hf_model import forward_with_layer_states
 
 
 @dataclass
@@ -193,16 +194,16 @@ class SpeculativeDecoder:
         """(logits `[Q, V]` float32, captured hidden `[Q, K*H]`); `last_only`: logits of the last position
         only (`[1, V]`)."""
         extra = {self.keep_kwarg: 1} if last_only and self.keep_kwarg else {}
-        out = self.target(
+        out, states = forward_with_layer_states(
+            self.target,
             input_ids=ids.view(1, -1),
             position_ids=positions.view(1, -1),
             use_cache=True,
-            output_hidden_states=True,
             **{self.cache_kwarg: cache},
             attention_mask=mask,
             **extra,
         )
-        hidden = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)[0]
+        hidden = torch.cat([states[i + 1] for i in self.layer_ids], dim=-1)[0]
         logits = out.logits[0]
         return (logits[-1:] if last_only else logits).float(), hidden
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from safetensors import safe_open
-from torch import nn
+from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ..errors import ModelError
@@ -62,3 +62,21 @@ def checkpoint_keys(path: Path) -> dict[str, Path]:
             return {k: single for k in f.keys()}
     raise FileNotFoundError(f"{path} has no model.safetensors(.index.json): the split placement reads the target's "
                             "embedding and lm_head from safetensors weights (convert the checkpoint with save_pretrained)")
+
+
+def forward_with_layer_states(model: PreTrainedModel, **kwargs) -> tuple[object, tuple[Tensor, ...]]:
+    """`model(**kwargs, output_hidden_states=True)` and the residual stream after each decoder layer, embeddings
+    first: HF's `hidden_states`, with the last entry the last layer's own output (what `TargetCapture` captures and
+    the engines read) instead of HF's, which comes after the final norm. Decoding and replay read the drafter's
+    target layers here, so that a drafter of the last layer sees what it trained on."""
+    last: dict[str, Tensor] = {}
+
+    def keep(_module, _args, out) -> None:
+        last["out"] = out[0] if isinstance(out, tuple) else out
+
+    hook = decoder_of(model).layers[-1].register_forward_hook(keep)
+    try:
+        out = model(**kwargs, output_hidden_states=True)
+    finally:
+        hook.remove()
+    return out, (*out.hidden_states[:-1], last["out"])
