@@ -16,8 +16,9 @@ from dflash_train.config.load import config_from_dict
 from dflash_train.data.batch import Batch
 from dflash_train.infer.spec_decode import SpeculativeDecoder
 from dflash_train.target.capture import TargetCapture, load_target_model
+from dflash_train.target.hf_model import forward_with_layer_states
 
-BLOCK, LAYERS, MASK, NEW = 5, [1, 2], 23, 28
+BLOCK, LAYERS, MASK, NEW = 5, [1, 3], 23, 28  # 3: the target's last layer
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +102,9 @@ def reference_loss(target, drafter, cfg, prompts, answers):
     committed, rejected, weights = [], [], []
     for prompt, answer in zip(prompts, answers):
         seq = torch.tensor([prompt + answer])
-        out = target(seq, output_hidden_states=True)
+        out, states = forward_with_layer_states(target, input_ids=seq)  # the last layer's own output, as trained
         logp_target = torch.log_softmax(out.logits[0].double(), -1)
-        features = torch.cat([out.hidden_states[i + 1] for i in LAYERS], -1)
+        features = torch.cat([states[i + 1] for i in LAYERS], -1)
         end = len(prompt) + len(answer)
         anchor = len(prompt)
         for accept in decoder.generate_block(prompt, NEW).accept_lengths:
