@@ -22,6 +22,7 @@ from ...data.batch import Batch, collate
 from ...data.dataset import plan_batches
 from ...infer.replay import teacher_forced_walk
 from ...infer.spec_decode import SpeculativeDecoder
+from ...architectures import reads_target_final
 from ...architectures.stats import StepStats, acceptance_estimate
 from ..plan import size_classes
 from .step import TrainStep
@@ -52,7 +53,8 @@ def validation_loss(train_step: TrainStep, batch: Batch, index: int) -> tuple[St
     cfg = train_step.cfg
     g = torch.Generator().manual_seed(cfg.run.seed * 7919 + index)
     hidden = train_step.target(batch.input_ids)
-    stats = train_step.objective(batch, g, hidden=None if cfg.objective.distill_weight > 0 else hidden)
+    # an objective that reads the target's final states captures them itself (a given capture holds none)
+    stats = train_step.objective(batch, g, hidden=None if reads_target_final(cfg, train_step.arch) else hidden)
     return stats, hidden
 
 

@@ -158,10 +158,11 @@ def test_a_conv_run_trains_the_convolutions_and_exports_them(tiny_target_dir, co
         "drafter": {"architecture": "lilicorr", "num_draft_layers": 1, "block_size": 4, "attention_backend": "sdpa"},
         "lilicorr": {"candidate_topk": 4, "head_hidden_size": 16, "head_num_layers": 1, "head_num_heads": 2,
                      "factor_dim": 8, "conv": True},
-        "data": {"train_files": [str(counting_jsonl)], "max_length": 256, "token_budget": 512, "max_batch_size": 2},
+        "data": {"train_files": [str(counting_jsonl)], "val_files": [str(counting_jsonl)], "max_length": 256,
+                 "token_budget": 512, "max_batch_size": 2},
         "objective": {"max_anchors": 16},
         "optim": {"lr": 3e-3, "epochs": 10, "warmup_ratio": 0.1, "max_steps": 6},
-        "run": {"device": "cpu", "log_every": 1, "save_every": 100, "progress_bar": False, "eval_every": 0,
+        "run": {"device": "cpu", "log_every": 1, "save_every": 100, "progress_bar": False, "eval_every": 3,
                 "export_dtype": "float32"},
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
@@ -169,6 +170,8 @@ def test_a_conv_run_trains_the_convolutions_and_exports_them(tiny_target_dir, co
     assert main(["train", str(tmp_path / "c.yaml"), "--run-dir", str(run)]) == 0
     steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(steps) == 6 and all(r["loss"] == r["loss"] for r in steps)
+    every = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in every if "val_loss" in r] == [3, 6]  # validation reads the target's final states too
     exported = load_drafter(run / "export")
     trained = [m for m in exported.modules() if isinstance(m, BlockConv)]
     assert len(trained) == 2 and all(m.kernel_projection.weight.abs().max() > 0 for m in trained)

@@ -47,8 +47,11 @@ def records(run):
 def test_the_stage_starts_from_the_export_trains_with_its_terms_and_exports(finished, tiny_target_dir, counting_jsonl,
                                                                             tmp_path, caplog):
     caplog.set_level("INFO")
-    cfg = config(tmp_path, tiny_target_dir, counting_jsonl, onpolicy={"start_from": str(finished)})
+    cfg = config(tmp_path, tiny_target_dir, counting_jsonl, onpolicy={"start_from": str(finished)},
+                 data={"val_files": [str(counting_jsonl)]}, run={"eval_every": 4})
     assert main(["train", cfg, "--run-dir", str(tmp_path / "S")]) == 0
+    every = [json.loads(line) for line in (tmp_path / "S" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in every if "val_loss" in r] == [4, 8]  # validation runs the stage's objective
     steps = records(tmp_path / "S")
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert all("onpolicy_committed_loss" in r and "onpolicy_rejected_loss" in r for r in steps)
