@@ -119,7 +119,7 @@ class OnPolicyObjective(BlockObjective):
         plan = batch.host if batch.host is not None else batch
         target_next = self.target_argmax(final)  # [B, S]: the token the target puts after each position
         chains = self.chains(batch, plan, features, target_next.cpu())
-        blocks, idx, rejected_at = self.chain_blocks(plan, chains, target_next.cpu(), batch.input_ids.device)
+        blocks, idx, rejected_at = self.chain_blocks(plan, chains, batch.input_ids.device)
         rows = self.block_rows(batch, features, blocks, idx, call or self.drafter)
         with self.autocast(batch.input_ids.device):
             return self.chain_loss(rows, blocks, idx, rejected_at, final, target_next)
@@ -128,6 +128,7 @@ class OnPolicyObjective(BlockObjective):
 
     @torch.no_grad()
     def target_argmax(self, final: torch.Tensor) -> torch.Tensor:
+        """`[B, S]` the target's greedy token after each position, from its final normed states (chunked)."""
         head = self.target.lm_head.weight
         flat = final.reshape(-1, final.shape[-1])
         step = self.cfg.objective.loss_chunk_size
@@ -166,7 +167,7 @@ class OnPolicyObjective(BlockObjective):
                 accepted[r, t] = got[r, :len(t)]
         return decode_chain(accepted, plan.loss_mask, plan.lengths)
 
-    def chain_blocks(self, plan: Batch, chains: list[list[tuple[int, int]]], target_next: torch.Tensor,
+    def chain_blocks(self, plan: Batch, chains: list[list[tuple[int, int]]],
                      device: torch.device) -> tuple[Blocks, torch.Tensor, torch.Tensor]:
         """The blocks at the chains' anchors, counting each block's committed slots (the accepted drafts and the slot
         after them, whose token the target corrects; supervised ones only), and which counted rows hold the rejected
