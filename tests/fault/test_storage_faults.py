@@ -319,17 +319,19 @@ def test_rewriting_the_same_checkpoint_never_loses_it(parts, tmp_path, monkeypat
     deleted first, and comes back if the new one cannot be put in place."""
     drafter, opt, sched = parts
     first = save_checkpoint(tmp_path, 8, drafter, opt, sched, {"epoch": 0, "tag": "old"}, keep_last=3)
-    real = Path.replace
+    real = os.replace
+    failed = []
 
-    def fail_rename(self, target):
-        if Path(target) == first:
+    def fail_rename(src, dst):  # the new folder's rename into place fails once
+        if Path(dst) == first and Path(src).name.endswith(".tmp") and not failed:
+            failed.append(src)
             raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(self, target)
+        return real(src, dst)
 
-    monkeypatch.setattr(Path, "replace", fail_rename)
+    monkeypatch.setattr(os, "replace", fail_rename)
     with pytest.raises(CheckpointWriteError, match="Input/output error"):
         save_checkpoint(tmp_path, 8, drafter, opt, sched, {"epoch": 0, "tag": "new"}, keep_last=3)
-    assert read_state(first)["tag"] == "old" and newest_valid(tmp_path) == first
+    assert failed and read_state(first)["tag"] == "old" and newest_valid(tmp_path) == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000008"]
     monkeypatch.undo()
     save_checkpoint(tmp_path, 8, drafter, opt, sched, {"epoch": 0, "tag": "new"}, keep_last=3)

@@ -28,6 +28,7 @@ from dflash_train.train import checkpoint as ck
 from dflash_train.train.checkpoint import (WRITE_DELAY_ENV, CheckpointWriteError, CheckpointWriter, HostStaging,
                                            Snapshot, load_optimizer_state, newest_valid, read_state)
 from dflash_train.files.io import write_json_atomic
+from dflash_train.files.io import hidden_old_name
 
 from conftest import tiny_drafter
 
@@ -176,10 +177,13 @@ def test_a_checkpoint_moved_aside_by_a_killed_rewrite_is_put_back(tmp_path):
     drafter, opt, sched = _trained()
     writer = CheckpointWriter(tmp_path, keep_last=3)
     writer.save(4, drafter, opt, sched, {"epoch": 0, "tag": "best at 4"}, name="best", wait=True)
-    (tmp_path / "best").rename(tmp_path / ".best.old")
+    (tmp_path / "best").rename(hidden_old_name(tmp_path / "best"))  # where replace_dir keeps it meanwhile
     writer.save(8, drafter, opt, sched, {"epoch": 0}, wait=True)
     assert read_state(tmp_path / "best")["tag"] == "best at 4"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step-00000008"]
+    (tmp_path / "best").rename(tmp_path / ".best.old")  # the name an earlier version's writer used
+    writer.save(12, drafter, opt, sched, {"epoch": 0}, wait=True)
+    assert read_state(tmp_path / "best")["tag"] == "best at 4"
 
 
 def test_host_buffers_are_allocated_once_and_reused():

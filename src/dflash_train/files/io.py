@@ -74,29 +74,67 @@ def move_aside(path: Path) -> Path:
     raise FileExistsError(f"no free name to move {path} aside")
 
 
+def hidden_old_name(final: Path) -> Path:
+    """Where `replace_dir` keeps the folder it replaces until the new one is in place: `.NAME.old-<pid>`."""
+    return final.with_name(f".{final.name}.old-{os.getpid()}")
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file and folder under `path`, and `path`, to the disk."""
+    for f in sorted(Path(path).rglob("*"), reverse=True):
+        fsync_path(f)
+    fsync_path(path)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush one file or directory entry to the disk (a filesystem that cannot fsync a directory is let be: the
+    rename is still atomic)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def replace_dir(tmp: Path, final: Path, *, keep_old: bool = False,
-                complete: Optional[Callable[[Path], bool]] = None) -> Optional[Path]:
+                complete: Optional[Callable[[Path], bool]] = None, durable: bool = False) -> Optional[Path]:
     """Put the finished temp folder `tmp` in place of `final` by renames: a kill at any moment leaves the old
-    folder or the new one, never half of one. Whatever stood at `final` (a folder, a file or a link) is, with
-    `keep_old`, moved aside to NAME.old-<time> and kept (its new path is returned); else moved to a hidden name and
-    deleted after the rename. With `complete`, a `final` for which it holds is left as it is and `tmp` stays for the
-    caller to delete: another process finished the same folder first."""
+    folder or the new one, never half of one (between the two renames the old one waits at `hidden_old_name`,
+    where a caller that knows a complete folder by its contents can restore it). Whatever stood at `final` (a folder,
+    a file or a link) is, with `keep_old`, moved aside to NAME.old-<time> and kept (its new path is returned); else
+    moved to the hidden name and deleted after the rename, or put back if the rename fails. With `complete`, a
+    `final` for which it holds is left as it is and `tmp` stays for the caller to delete: another process finished
+    the same folder first. `durable`: `tmp`'s files are flushed to the disk before it moves, the parent folder
+    after (the new folder survives a power loss whole)."""
     if complete is not None and complete(final):
         return None
+    if durable:
+        fsync_tree(tmp)
     if not (final.exists() or final.is_symlink()):
         _rename_into(tmp, final, complete)
-        return None
-    if keep_old:
+    elif keep_old:
         moved = move_aside(final)
         _rename_into(tmp, final, complete)
+        if durable:
+            fsync_path(final.parent)
         return moved
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    os.replace(final, old)
-    _rename_into(tmp, final, complete)
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-    else:  # a file or a link where the folder goes: it was replaced too, so it must not stay behind
-        old.unlink(missing_ok=True)
+    else:
+        old = hidden_old_name(final)
+        os.replace(final, old)
+        try:
+            _rename_into(tmp, final, complete)
+        except BaseException:
+            if not (final.exists() or final.is_symlink()):
+                os.replace(old, final)
+            raise
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:  # a file or a link where the folder goes: it was replaced too, so it must not stay behind
+            old.unlink(missing_ok=True)
+    if durable:
+        fsync_path(final.parent)
     return None
 
 

@@ -35,7 +35,7 @@ import torch
 from ..errors import DamagedFileError, UserError
 from ..files.layout import STATE, list_checkpoints, step_folder
 from ..architectures.io import drafter_config_text, load_drafter, write_drafter_files
-from ..files.io import write_json_atomic
+from ..files.io import replace_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -88,17 +88,6 @@ def _save_torch(obj: Any, path: Path) -> None:
             if rec.error is not None and rec.error is not e:
                 raise rec.error from e
             raise
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file or a directory entry to the disk: a renamed checkpoint survives a power loss whole."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
 
 
 def describe_error(e: BaseException) -> str:
@@ -265,7 +254,6 @@ def write_snapshot(snap: Snapshot, root: Path, keep_last: int) -> Path:
     root = Path(root)
     final = root / (snap.name or step_folder(snap.step))
     tmp = root / f".{final.name}.tmp"
-    old = None
     try:
         snap.wait_copied()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -276,21 +264,10 @@ def write_snapshot(snap: Snapshot, root: Path, keep_last: int) -> Path:
         _save_torch(snap.optimizer, tmp / "optimizer.pt")
         _test_delay()
         write_json_atomic(tmp / STATE, {"step": snap.step, **snap.record})
-        for f in sorted(tmp.rglob("*"), reverse=True):
-            _fsync(f)
-        _fsync(tmp)
-        if final.exists():  # the same step again (or `best`): move the old one aside, never delete it first
-            old = root / f".{final.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.replace(final)
-        _fsync(root)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        # the same step again (or `best`): the old one is moved aside, never deleted before the new one is in place
+        replace_dir(tmp, final, durable=True)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and old.exists() and not final.exists():
-            old.rename(final)
         if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: as they are
             raise
         intact = list_checkpoints(root)
@@ -299,8 +276,9 @@ def write_snapshot(snap: Snapshot, root: Path, keep_last: int) -> Path:
             + (f"The newest complete checkpoint, {intact[-1]}, is intact. " if intact else "No earlier checkpoint exists. ")
             + f"Free disk space or fix permissions on {root}, then continue with --resume"
         ) from e
-    for torn in root.glob(".*.old"):  # a process killed between the two renames above: put the old one back
-        kept = root / torn.name[1:-len(".old")]
+    # a process killed between replace_dir's two renames (or, before it, between this writer's own): put it back
+    for torn in [*root.glob(".*.old-*"), *root.glob(".*.old")]:
+        kept = root / (torn.name[1:].rpartition(".old-")[0] or torn.name[1:-len(".old")])
         if not kept.exists() and (torn / STATE).is_file():
             torn.rename(kept)
         else:

@@ -76,3 +76,18 @@ def test_a_text_file_is_written_whole_with_ordinary_modes_and_a_failed_write_lea
         write_text_atomic(path, "half \udc80")  # a lone surrogate cannot be encoded: the write fails midway
     assert path.read_text() == "{}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["status.json"]
+
+
+def test_a_replace_whose_new_folder_cannot_move_in_puts_the_old_one_back(tmp_path):
+    final = tmp_path / "step-00000008"
+    final.mkdir()
+    (final / "trainer_state.json").write_text("old")
+    with pytest.raises(FileNotFoundError):
+        replace_dir(tmp_path / ".gone.tmp", final, durable=True)  # the finished folder vanished before its rename
+    assert (final / "trainer_state.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000008"]
+    new = temp_dir_beside(final)
+    (new / "trainer_state.json").write_text("new")
+    assert replace_dir(new, final, durable=True) is None
+    assert (final / "trainer_state.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000008"]
