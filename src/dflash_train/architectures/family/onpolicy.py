@@ -42,7 +42,10 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def decode_chain(accepted: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor) -> list[list[tuple[int, int]]]:
+Chain = list[tuple[int, int]]  # one row's decoding steps: (anchor, drafts accepted there)
+
+
+def decode_chain(accepted: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor) -> list[Chain]:
     """Each row's decoding steps `(anchor, drafts accepted there)` (host tensors): every run of supervised positions
     (an answer) starts a chain at its first position; the next anchor is `a + accepted[a] + 1`, while it leaves a
     later position of the run."""
@@ -106,9 +109,9 @@ class OnPolicyObjective(BlockObjective):
 
     def describe(self) -> str:
         o = self.cfg.onpolicy
-        return (f"on-policy (Draft-OPD, greedy): at the anchors greedy speculative decoding visits, {o.committed_weight:g}"
-                f" x forward KL on each step's committed tokens + {o.rejected_weight:g} x reverse KL (k3) on the first "
-                f"rejected draft, decay {o.decay:g} a slot")
+        return (f"on-policy (Draft-OPD, greedy): at the anchors greedy speculative decoding visits, "
+                f"{o.committed_weight:g} x forward KL on each step's committed tokens + {o.rejected_weight:g} x "
+                f"reverse KL (k3) on the first rejected draft, decay {o.decay:g} a slot")
 
     def __call__(self, batch: Batch, generator: torch.Generator, call: Optional[Callable] = None,
                  hidden: Optional[torch.Tensor] = None) -> StepStats:
@@ -137,7 +140,7 @@ class OnPolicyObjective(BlockObjective):
 
     @torch.no_grad()
     def chains(self, batch: Batch, plan: Batch, features: torch.Tensor,
-               target_next: torch.Tensor) -> list[list[tuple[int, int]]]:
+               target_next: torch.Tensor) -> list[Chain]:
         """Each row's decoding anchors: the drafter's proposals at every supervised position (in passes of
         `objective.max_anchors` anchors a row), their acceptance, and the chain through them."""
         b, s = plan.input_ids.shape
@@ -167,7 +170,7 @@ class OnPolicyObjective(BlockObjective):
                 accepted[r, t] = got[r, :len(t)]
         return decode_chain(accepted, plan.loss_mask, plan.lengths)
 
-    def chain_blocks(self, plan: Batch, chains: list[list[tuple[int, int]]],
+    def chain_blocks(self, plan: Batch, chains: list[Chain],
                      device: torch.device) -> tuple[Blocks, torch.Tensor, torch.Tensor]:
         """The blocks at the chains' anchors, counting each block's committed slots (the accepted drafts and the slot
         after them, whose token the target corrects; supervised ones only), and which counted rows hold the rejected
