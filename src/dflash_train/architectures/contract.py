@@ -112,3 +112,6 @@ class Architecture:
     # Whether its objective reads the target's final normed hidden states (target.capture(..., with_final=True)):
     # the step's memory estimate then counts them and their counted rows, as it does for distillation.
     needs_target_final: bool = False
+    # The on-policy stage's objective (`onpolicy.start_from`; `family/onpolicy.py`, with the member's q), where its
+    # options declare `on_policy`: (drafter, target, backend, cfg, dtype) -> Objective.
+    onpolicy_objective: Optional[Callable[[Drafter, Any, Any, "Config", torch.dtype], Objective]] = None

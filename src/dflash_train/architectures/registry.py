@@ -89,8 +89,8 @@ class Options:
     training_layout: Optional[Callable[[dict], bool]] = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     draft_vocabulary: bool = False
-    # Whether the on-policy stage (`onpolicy.start_from`, `family/onpolicy.py`) trains it: its greedy drafts are each
-    # slot's argmax of its logits, so the drafter's probability of a token is that softmax's.
+    # Whether the on-policy stage (`onpolicy.start_from`, `family/onpolicy.py`) trains it: its `Architecture` then
+    # names the stage's objective (`onpolicy_objective`), which knows the drafter's decoding distribution.
     on_policy: bool = False
     confidence_head: Optional[Callable[[dict], bool]] = None
     tree_refusal: Optional[Callable[[dict], Optional[str]]] = None

@@ -199,9 +199,8 @@ def validate_onpolicy(cfg: Config) -> None:
     d, op = cfg.drafter, cfg.onpolicy
     capable = [n for n in registry.names() if registry.options(n).on_policy]
     need(registry.options(d.architecture).on_policy, "onpolicy.start_from",
-         f"the on-policy stage trains drafter.architecture={' / '.join(capable)}, whose drafts are each slot's argmax; "
-         f"{d.architecture} drafts otherwise (its probability of a draft is not one softmax): leave "
-         "onpolicy.start_from empty")
+         f"the on-policy stage trains drafter.architecture={' / '.join(capable)}, whose probability of each draft it "
+         f"knows; it does not train {d.architecture} yet: leave onpolicy.start_from empty")
     need(d.draft_vocab_size == 0, "drafter.draft_vocab_size",
          "the on-policy stage compares the drafter's and the target's probabilities over the target's vocabulary; "
          "continue a full-vocabulary run (drafter.draft_vocab_size=0)")

@@ -8,6 +8,7 @@ from .config import HF_ARCHITECTURE, config_for_run, dflash2_config_from_dict, d
 from .memory import step_memory
 from .model import DFlash2Drafter
 from .objective import DFlash2Objective
+from .onpolicy import DFlash2OnPolicyObjective
 from .options import options_of
 
 
@@ -32,6 +33,7 @@ ARCHITECTURE = Architecture(
     config_json=dflash2_config_json,
     resolve_backend=resolve_backend,
     objective=DFlash2Objective,
+    onpolicy_objective=DFlash2OnPolicyObjective,
     parameter_groups=parameter_groups,
     step_memory=step_memory,
 )

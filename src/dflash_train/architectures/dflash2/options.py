@@ -74,6 +74,10 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"config key 'dflash2.acceptance_from': selector chooses the probabilities of "
                           f"slot_weighting acceptance or dpace; objective.slot_weighting is "
                           f"{cfg.objective.slot_weighting!r}")
+    if o.selector_codebooks == "factored" and getattr(getattr(cfg, "onpolicy", None), "start_from", ""):
+        raise ConfigError("config key 'dflash2.selector_codebooks': the on-policy stage (onpolicy.start_from) "
+                          "continues an export, whose selector holds free tables (the factored codebooks computed "
+                          "once); set dflash2.selector_codebooks=free")
 
 
 def training_layout(config_json: dict) -> bool:
@@ -106,5 +110,6 @@ OPTIONS = Options(
              **{f"objective.{k}": k for k in ("selector_loss_weight", "selector_rows", "acceptance_from")}},
     about="DFlash2's block convolutions and candidate selector",
     training_layout=training_layout,
+    on_policy=True,
     serving=SERVING,
 )

@@ -1,5 +1,7 @@
 """The on-policy stage's objective (Draft-OPD, arXiv 2605.29343; `onpolicy.start_from`), at temperature 0, for a
-member whose drafts are each slot's argmax (`registry.Options.on_policy`).
+member that declares it (`registry.Options.on_policy`, `Architecture.onpolicy_objective`). The drafter's
+probabilities q are those of its own decoding (`draft_log_probs`): each slot's softmax here, DFlash's; a member
+whose greedy walk reads more (DFlash2's selector) overrides that one method.
 
 The data are the target's own greedy answers, so greedy speculative decoding of a row commits exactly its tokens;
 what the drafter changes is where each step's block starts and what it drafts. Per micro-batch:
@@ -25,6 +27,7 @@ variant keep the first rejection only, as here).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -43,6 +46,16 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 
 
 Chain = list[tuple[int, int]]  # one row's decoding steps: (anchor, drafts accepted there)
+
+
+@dataclass
+class DraftLogProbs:
+    """The drafter's decoding distribution q at the chain's counted rows, given the committed tokens before each."""
+
+    label: torch.Tensor  # [M] log q of each row's committed token, with gradient
+    draft: torch.Tensor  # [R] log q of the draft at each rejected row, with gradient
+    drafts: torch.Tensor  # [R] those drafts: q's argmax, the token greedy decoding proposed there
+    correct: torch.Tensor  # [M] whether q's argmax is the committed token
 
 
 def decode_chain(accepted: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor) -> list[Chain]:
@@ -202,25 +215,18 @@ class OnPolicyObjective(BlockObjective):
         o, low = self.cfg.onpolicy, self.cfg.onpolicy.log_prob_min
         bs = self.drafter.block_size
         labels = blocks.labels.view(-1).index_select(0, idx)
-        head = self.target.lm_head.weight
-        res = chunked_ce_rows(rows, head, labels, CEOptions(self.cfg.objective.loss_chunk_size, top_k=1))
-        logq = -res.loss  # the committed tokens' log-probabilities, with gradient
         rej = rejected_at.nonzero().squeeze(1)
-        drafts = res.top_ids[:, 0].index_select(0, rej)  # the argmax at a rejected slot: the draft the target refused
+        q = self.draft_log_probs(rows, blocks, idx, labels, rej)
         positions = self.label_positions(blocks, idx, final.shape[1])
         with torch.no_grad():
             logp_label, logp_draft = self.target_logprobs(final, positions, labels, positions.index_select(0, rej),
-                                                          drafts)
+                                                          q.drafts)
             off_target = (target_next.to(labels.device).view(-1).index_select(0, positions - 1) != labels).sum()
-        h_rej = rows.index_select(0, rej)
-        labels_rej = labels.index_select(0, rej)
-        gap = wide(torch.einsum("mh,mh->m", h_rej, (head[drafts] - head[labels_rej]).to(h_rej.dtype)))
-        logq_draft = wide(logq.index_select(0, rej)) + gap  # log q(d) = log q(c) + z_d - z_c
-        weights = (o.decay ** ((idx.index_select(0, rej) % bs) - 1)).to(logq_draft.dtype)
-        committed = committed_loss(logp_label, wide(logq), low)
-        rejected = rejected_loss(logp_draft, logq_draft, low)
+        weights = (o.decay ** ((idx.index_select(0, rej) % bs) - 1)).to(wide(q.draft).dtype)
+        committed = committed_loss(logp_label, wide(q.label), low)
+        rejected = rejected_loss(logp_draft, wide(q.draft), low)
         loss = onpolicy_total(committed, rejected, weights, self.cfg)
-        stats = block_stats(loss, res.correct, blocks, idx)
+        stats = block_stats(loss, q.correct, blocks, idx)
         zero = loss.detach() * 0
         stats.extra.update({
             "onpolicy_committed_loss": committed.detach().mean() if committed.numel() else zero,
@@ -228,6 +234,19 @@ class OnPolicyObjective(BlockObjective):
             "onpolicy_rejected": rejected_at.sum(),
             "onpolicy_off_target": off_target})
         return stats
+
+    def draft_log_probs(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, labels: torch.Tensor,
+                        rej: torch.Tensor) -> DraftLogProbs:
+        """q at the counted rows `rows [M, H]` (`labels [M]` their committed tokens, `rej [R]` the rows holding a
+        rejected draft): each slot's softmax over the target's lm_head, the distribution DFlash drafts the argmax
+        of."""
+        head = self.target.lm_head.weight
+        res = chunked_ce_rows(rows, head, labels, CEOptions(self.cfg.objective.loss_chunk_size, top_k=1))
+        logq = wide(-res.loss)
+        drafts = res.top_ids[:, 0].index_select(0, rej)
+        h_rej = rows.index_select(0, rej)
+        gap = wide(torch.einsum("mh,mh->m", h_rej, (head[drafts] - head[labels.index_select(0, rej)]).to(h_rej.dtype)))
+        return DraftLogProbs(logq, logq.index_select(0, rej) + gap, drafts, res.correct)  # log q(d) = log q(c) + z_d - z_c
 
     @staticmethod
     def label_positions(blocks: Blocks, idx: torch.Tensor, seq: int) -> torch.Tensor:

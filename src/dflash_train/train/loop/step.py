@@ -13,7 +13,6 @@ import torch
 from ...architectures import architecture
 from ...architectures.contract import Architecture
 from ...architectures.drafter import Drafter
-from ...architectures.family.onpolicy import OnPolicyObjective
 from ...architectures.stats import StepStats
 from ...config.schema import Config
 from ...data.batch import Batch
@@ -89,7 +88,7 @@ class TrainStep:
         self.compute_dtype = compute_dtype
         self.total_steps = total_steps
         # The loss on one micro-batch, also what validation and the warm-up run.
-        objective = OnPolicyObjective if cfg.onpolicy.start_from else self.arch.objective
+        objective = self.arch.onpolicy_objective if cfg.onpolicy.start_from else self.arch.objective
         self.objective = objective(drafter, target, backend, cfg, compute_dtype)
         # `group` / `replicas`: the ranks that train the drafter together (DDP); `rank`: this rank's index.
         self.rank = rank

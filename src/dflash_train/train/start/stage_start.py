@@ -48,7 +48,8 @@ def check_stage_start(start_from: str, dcfg, architecture_name: str) -> Path:
     own = data.get("dflash_config") or {}
     stage = dcfg.dflash_config
     differs = [(k, data.get(k), getattr(dcfg, k, None)) for k in SHAPE_FIELDS if data.get(k) != getattr(dcfg, k, None)]
-    differs += [(k, own.get(k), stage.get(k)) for k in DFLASH_FIELDS if own.get(k) != stage.get(k)]
+    shared = [k for k in own if k in stage and k not in DFLASH_FIELDS]  # the member's own fields both configs have
+    differs += [(k, own.get(k), stage.get(k)) for k in (*DFLASH_FIELDS, *shared) if own.get(k) != stage.get(k)]
     if differs:
         k, theirs, ours = differs[0]
         raise ConfigError(f"config key '{KEY}': the drafter in {folder} has {k} {theirs} where this stage's drafter "

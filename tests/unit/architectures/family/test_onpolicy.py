@@ -1,6 +1,8 @@
-"""The on-policy objective against independent references, in float64: on the target's own greedy answers its chain
-of anchors and accepted drafts is the one real greedy speculative decoding takes, and its loss and gradients equal
-Draft-OPD's two streams computed block by block from full softmaxes of the target's and the drafter's logits."""
+"""The on-policy objective against independent references, in float64, for each member that declares it: on the
+target's own greedy answers its chain of anchors and accepted drafts is the one real greedy speculative decoding
+takes, and its loss and gradients equal Draft-OPD's two streams computed block by block from full distributions of
+the target's logits and of the drafter's decoding (DFlash: each slot's softmax; DFlash2: the selector's rescoring of
+the unary top-k given the committed token before, which shares the mass those candidates hold)."""
 
 from __future__ import annotations
 
@@ -21,26 +23,32 @@ from dflash_train.target.hf_model import forward_with_layer_states
 BLOCK, LAYERS, MASK, NEW = 5, [1, 3], 23, 28  # 3: the target's last layer
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, tokenizer_dir):
+@pytest.fixture(scope="module", params=["dflash", "dflash2"])
+def setup(request, tmp_path_factory, tokenizer_dir):
     """A 4-layer target over 24 tokens in float64, the greedy answers it gives three prompts, and a drafter taught
-    them until it is often right (varied acceptance)."""
+    them until it is often right (varied acceptance); DFlash2's selector away from its identity start (S != U)."""
     from conftest import make_tiny_target
 
     path = make_tiny_target(tmp_path_factory.mktemp("opd-target"), tokenizer_dir, layers=4, vocab_size=24)
     target = load_target_model(path, torch.float64, torch.device("cpu"))
-    cfg = config_from_dict({"drafter": {"block_size": BLOCK, "num_draft_layers": 1},
+    own = {"dflash2": {"selector_top_k": 4, "selector_rank": 8, "conv_kernel_size": 3}} if request.param == "dflash2" else {}
+    cfg = config_from_dict({"drafter": {"block_size": BLOCK, "num_draft_layers": 1, "architecture": request.param},
+                            **own,
                             "objective": {"max_anchors": 7, "loss_chunk_size": 13},
                             "onpolicy": {"start_from": "unused", "decay": 0.7, "rejected_weight": 1.5},
                             "data": {"max_length": 64, "token_budget": 256}})
     torch.manual_seed(0)
-    arch = architecture("dflash")
+    arch = architecture(request.param)
     drafter = arch.drafter_class(arch.config_for_run(target.config, cfg, LAYERS, MASK)).double()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 23, (n,), generator=g).tolist() for n in (6, 11, 9)]
     plain = SpeculativeDecoder(target, drafter, stop_token_ids=[])
     answers = [plain.generate_target_only(p, NEW).tokens for p in prompts]
     memorise(drafter, target, [p + a for p, a in zip(prompts, answers)], steps=12)
+    if request.param == "dflash2":
+        with torch.no_grad():
+            drafter.candidate_selector.successor_codebook.normal_(0.0, 1.0, generator=g)
+            drafter.candidate_selector.predecessor_codebook.normal_(0.0, 1.0, generator=g)
     return target, drafter.eval(), cfg, prompts, answers
 
 
@@ -57,8 +65,26 @@ def batch_of(prompts, answers) -> Batch:
 
 def objective_for(target, drafter, cfg):
     capture = TargetCapture.from_model(target, LAYERS)
-    return OnPolicyObjective(drafter, capture, resolve_backend("sdpa", torch.device("cpu"), BLOCK), cfg,
-                             torch.float64), capture
+    stage = architecture(cfg.drafter.architecture).onpolicy_objective
+    assert issubclass(stage, OnPolicyObjective)
+    return stage(drafter, capture, resolve_backend("sdpa", torch.device("cpu"), BLOCK), cfg, torch.float64), capture
+
+
+def decoding_log_probs(drafter, hidden, head, seq, anchor):
+    """`[bs, V]` log q of each slot given the committed token before it (`seq`'s): DFlash's softmax, or DFlash2's
+    candidate rescoring written out from its parameters."""
+    logu = torch.log_softmax(drafter.logits(hidden, head)[0].double(), -1)
+    if not hasattr(drafter, "candidate_selector"):
+        return logu
+    sel, out = drafter.candidate_selector, logu.clone()
+    projected = sel.hidden_projection(hidden[0]).double()  # [bs, R]
+    for k in range(1, logu.shape[0]):
+        cand = logu[k].topk(drafter.selector_top_k).indices
+        previous = seq[0, min(anchor + k - 1, seq.shape[1] - 1)]  # slots past the data are never read
+        pair = (sel.predecessor_codebook[previous].double() * projected[k]) @ sel.successor_codebook[cand].double().T
+        scores = drafter.logits(hidden, head)[0, k].double()[cand] + pair
+        out[k, cand] = torch.log_softmax(scores, -1) + logu[k, cand].logsumexp(-1)
+    return out
 
 
 def test_the_chain_on_the_targets_answers_is_greedy_speculative_decodings(setup):
@@ -112,7 +138,7 @@ def reference_loss(target, drafter, cfg, prompts, answers):
             block = torch.tensor([[seq[0, anchor].item()] + [MASK] * (BLOCK - 1)])
             positions = torch.arange(anchor + BLOCK).view(1, -1)
             hidden = drafter(features[:, :anchor], drafter.embed_block(embed, block), positions, sdpa_attention, None)
-            logq = torch.log_softmax(drafter.logits(hidden, head)[0].double(), -1)
+            logq = decoding_log_probs(drafter, hidden, head, seq, anchor)
             for k in range(1, min(n + 1, BLOCK - 1) + 1):
                 if anchor + k >= end:
                     break

@@ -1,0 +1,48 @@
+"""DFlash2 in the on-policy stage: Draft-OPD (`family/onpolicy.py`) on the distribution DFlash2's greedy walk takes
+the argmax of. At slot t after the committed token a, with unary logits U and the selector's scores S over the top-k
+candidates C of U:
+
+    q(x) = softmax(U)(x)                               for x outside C
+    q(x) = softmax(S)(x) * sum_{c in C} softmax(U)(c)  for x in C
+
+the candidates share the unary mass they hold, as the selector redistributes it given a (the tree's scoring too).
+Its argmax is the walk's pick (no outside token outweighs the best candidate's share), and with S = U it is
+DFlash's softmax. The gradient reaches the unary logits, the selector and the hidden states alike."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..family.blocks import Blocks
+from ..family.loss import CEOptions, chunked_ce_rows
+from ..family.onpolicy import DraftLogProbs, OnPolicyObjective, wide
+from .objective import previous_tokens
+
+
+def candidate_logits(rows: torch.Tensor, head: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """`[M, k]` the unary logits of each row's candidates (float32 at least)."""
+    return wide(torch.einsum("mh,mkh->mk", rows, head[candidates].to(rows.dtype)))
+
+
+class DFlash2OnPolicyObjective(OnPolicyObjective):
+    def draft_log_probs(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, labels: torch.Tensor,
+                        rej: torch.Tensor) -> DraftLogProbs:
+        head, selector = self.target.lm_head.weight, self.drafter.candidate_selector
+        k = min(self.drafter.selector_top_k, head.shape[0])
+        res = chunked_ce_rows(rows, head, labels, CEOptions(self.cfg.objective.loss_chunk_size, top_k=k))
+        candidates = res.top_ids  # [M, k]
+        # recomputed in the backward: the gathered lm_head rows would hold M x k x hidden for it
+        z = checkpoint(candidate_logits, rows, head, candidates, use_reentrant=False)
+        log_unary = wide(-res.loss)  # log softmax(U) at the label
+        log_norm = candidate_logits(rows, head, labels.view(-1, 1)).squeeze(1) - log_unary  # log sum exp U
+        mass = z.logsumexp(-1) - log_norm  # log of the unary probability the candidates hold
+        previous = previous_tokens(blocks.labels).view(-1).index_select(0, idx)
+        codebooks = selector.codebooks(head if selector.factored else None)
+        log_s = torch.log_softmax(selector.scores(z, rows, previous, candidates, codebooks), -1)  # [M, k]
+        hit = candidates == labels.unsqueeze(1)
+        label = torch.where(hit.any(-1), (log_s * hit).sum(-1) + mass, log_unary)
+        pick = log_s.argmax(-1, keepdim=True)
+        best = candidates.gather(1, pick).squeeze(1)
+        draft = (log_s.gather(1, pick).squeeze(1) + mass).index_select(0, rej)
+        return DraftLogProbs(label, draft, best.index_select(0, rej), best == labels)
