@@ -13,12 +13,17 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+MEMBERS = {"dflash": [], "dflash2": [],
+           "lilicorr": ["lilicorr.head_hidden_size=64", "lilicorr.factor_dim=32", "lilicorr.head_num_heads=4"]}
+
+
+@pytest.mark.parametrize("arch", sorted(MEMBERS))
 def test_a_compiled_stage_never_recompiles_after_its_warm_up(tmp_path, tiny_target_dir, counting_jsonl, arch):
     from dflash_train.cli import main
 
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl)
-    common = ["drafter.compile=true", "target.compile=true", "data.token_budget=600", f"drafter.architecture={arch}"]
+    common = ["drafter.compile=true", "target.compile=true", "data.token_budget=600", f"drafter.architecture={arch}",
+              *MEMBERS[arch]]
     assert main(["train", str(cfg), *common, "--run-dir", str(tmp_path / "SFT"), "--max-steps", "10"]) == 0
     assert main(["train", str(cfg), *common, f"onpolicy.start_from={tmp_path / 'SFT'}", "--run-dir",
                  str(tmp_path / "R"), "--max-steps", "15"]) == 0

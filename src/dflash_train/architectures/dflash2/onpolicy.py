@@ -11,23 +11,20 @@ DFlash's softmax. The gradient reaches the unary logits, the selector and the hi
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..family.blocks import Blocks
 from ..family.loss import CEOptions, chunked_ce_rows
-from ..family.onpolicy import DraftLogProbs, OnPolicyObjective, wide
+from ..family.onpolicy import DraftLogProbs, OnPolicyObjective, candidate_logits, wide
 from .objective import previous_tokens
-
-
-def candidate_logits(rows: torch.Tensor, head: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """`[M, k]` the unary logits of each row's candidates (float32 at least)."""
-    return wide(torch.einsum("mh,mkh->mk", rows, head[candidates].to(rows.dtype)))
 
 
 class DFlash2OnPolicyObjective(OnPolicyObjective):
     def draft_log_probs(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, labels: torch.Tensor,
-                        rej: torch.Tensor) -> DraftLogProbs:
+                        rej: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
         head, selector = self.target.lm_head.weight, self.drafter.candidate_selector
         k = min(self.drafter.selector_top_k, head.shape[0])
         res = chunked_ce_rows(rows, head, labels, CEOptions(self.cfg.objective.loss_chunk_size, top_k=k))

@@ -48,6 +48,12 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 Chain = list[tuple[int, int]]  # one row's decoding steps: (anchor, drafts accepted there)
 
 
+def candidate_logits(rows: torch.Tensor, head: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """`[M, k]` the logits of each row's candidates `[M, k]` under `head [V, H]` (float32 at least), with gradient;
+    callers run it under `torch.utils.checkpoint` (the gathered head rows would be held M x k x hidden)."""
+    return wide(torch.einsum("mh,mkh->mk", rows, head[candidates].to(rows.dtype)))
+
+
 @dataclass
 class DraftLogProbs:
     """The drafter's decoding distribution q at the chain's counted rows, given the committed tokens before each."""
@@ -120,6 +126,10 @@ def onpolicy_total(committed: torch.Tensor, rejected: torch.Tensor, rejected_wei
 class OnPolicyObjective(BlockObjective):
     """Draft-OPD on a micro-batch of the target's own answers (module docstring)."""
 
+    # Whether `draft_log_probs` reads every slot of the chain's blocks (a head over whole blocks), not only the
+    # counted rows.
+    whole_blocks = False
+
     def describe(self) -> str:
         o = self.cfg.onpolicy
         return (f"on-policy (Draft-OPD, greedy): at the anchors greedy speculative decoding visits, "
@@ -136,9 +146,14 @@ class OnPolicyObjective(BlockObjective):
         target_next = self.target_argmax(final)  # [B, S]: the token the target puts after each position
         chains = self.chains(batch, plan, features, target_next.cpu())
         blocks, idx, rejected_at = self.chain_blocks(plan, chains, batch.input_ids.device)
-        rows = self.block_rows(batch, features, blocks, idx, call or self.drafter)
+        if self.whole_blocks:
+            every = torch.arange(blocks.counted.numel(), device=idx.device)
+            out = self.block_rows(batch, features, blocks, every, call or self.drafter)
+            rows = out.index_select(0, idx)
+        else:
+            out, rows = None, self.block_rows(batch, features, blocks, idx, call or self.drafter)
         with self.autocast(batch.input_ids.device):
-            return self.chain_loss(rows, blocks, idx, rejected_at, final, target_next)
+            return self.chain_loss(rows, blocks, idx, rejected_at, final, target_next, out)
 
     # ------------------------------------------------------------ decoding's chain under the current weights
 
@@ -211,12 +226,12 @@ class OnPolicyObjective(BlockObjective):
     # ------------------------------------------------------------ the two streams
 
     def chain_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, rejected_at: torch.Tensor,
-                   final: torch.Tensor, target_next: torch.Tensor) -> StepStats:
+                   final: torch.Tensor, target_next: torch.Tensor, out: Optional[torch.Tensor] = None) -> StepStats:
         o, low = self.cfg.onpolicy, self.cfg.onpolicy.log_prob_min
         bs = self.drafter.block_size
         labels = blocks.labels.view(-1).index_select(0, idx)
         rej = rejected_at.nonzero().squeeze(1)
-        q = self.draft_log_probs(rows, blocks, idx, labels, rej)
+        q = self.draft_log_probs(rows, blocks, idx, labels, rej, out)
         positions = self.label_positions(blocks, idx, final.shape[1])
         with torch.no_grad():
             logp_label, logp_draft = self.target_logprobs(final, positions, labels, positions.index_select(0, rej),
@@ -236,10 +251,10 @@ class OnPolicyObjective(BlockObjective):
         return stats
 
     def draft_log_probs(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, labels: torch.Tensor,
-                        rej: torch.Tensor) -> DraftLogProbs:
+                        rej: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
         """q at the counted rows `rows [M, H]` (`labels [M]` their committed tokens, `rej [R]` the rows holding a
-        rejected draft): each slot's softmax over the target's lm_head, the distribution DFlash drafts the argmax
-        of."""
+        rejected draft; `out`: every slot's output `[B * N * bs, H]` where `whole_blocks`): each slot's softmax over
+        the target's lm_head, the distribution DFlash drafts the argmax of."""
         head = self.target.lm_head.weight
         res = chunked_ce_rows(rows, head, labels, CEOptions(self.cfg.objective.loss_chunk_size, top_k=1))
         logq = wide(-res.loss)

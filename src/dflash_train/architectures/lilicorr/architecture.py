@@ -9,6 +9,7 @@ from .flops import step_flops
 from .memory import step_memory
 from .model import LiLiCorrDrafter
 from .objective import LiLiCorrObjective
+from .onpolicy import LiLiCorrOnPolicyObjective
 
 ARCHITECTURE = Architecture(
     name="lilicorr",
@@ -22,4 +23,5 @@ ARCHITECTURE = Architecture(
     step_memory=step_memory,
     step_flops=step_flops,
     needs_target_final=True,
+    onpolicy_objective=LiLiCorrOnPolicyObjective,
 )

@@ -153,5 +153,6 @@ OPTIONS = Options(
     # the recipe's block loss: exp(-(k - 1) / 7) with the generic gamma (7.0), not DFlash's default acceptance
     defaults={"objective.slot_weighting": "gamma"},
     tree_refusal=tree_refusal,
+    on_policy=True,
     serving=SERVING,
 )

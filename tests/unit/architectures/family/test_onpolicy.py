@@ -2,7 +2,8 @@
 target's own greedy answers its chain of anchors and accepted drafts is the one real greedy speculative decoding
 takes, and its loss and gradients equal Draft-OPD's two streams computed block by block from full distributions of
 the target's logits and of the drafter's decoding (DFlash: each slot's softmax; DFlash2: the selector's rescoring of
-the unary top-k given the committed token before, which shares the mass those candidates hold)."""
+the unary top-k given the committed token before, which shares the mass those candidates hold; LiLiCorr: the
+lattice's row leaving the committed token's candidate, over the slot's candidates)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dflash_train.target.hf_model import forward_with_layer_states
 BLOCK, LAYERS, MASK, NEW = 5, [1, 3], 23, 28  # 3: the target's last layer
 
 
-@pytest.fixture(scope="module", params=["dflash", "dflash2"])
+@pytest.fixture(scope="module", params=["dflash", "dflash2", "lilicorr"])
 def setup(request, tmp_path_factory, tokenizer_dir):
     """A 4-layer target over 24 tokens in float64, the greedy answers it gives three prompts, and a drafter taught
     them until it is often right (varied acceptance); DFlash2's selector away from its identity start (S != U)."""
@@ -31,7 +32,9 @@ def setup(request, tmp_path_factory, tokenizer_dir):
 
     path = make_tiny_target(tmp_path_factory.mktemp("opd-target"), tokenizer_dir, layers=4, vocab_size=24)
     target = load_target_model(path, torch.float64, torch.device("cpu"))
-    own = {"dflash2": {"selector_top_k": 4, "selector_rank": 8, "conv_kernel_size": 3}} if request.param == "dflash2" else {}
+    own = {"dflash2": {"dflash2": {"selector_top_k": 4, "selector_rank": 8, "conv_kernel_size": 3}},
+           "lilicorr": {"lilicorr": {"candidate_topk": 4, "head_hidden_size": 32, "factor_dim": 16,
+                                     "head_num_heads": 2}}}.get(request.param, {})
     cfg = config_from_dict({"drafter": {"block_size": BLOCK, "num_draft_layers": 1, "architecture": request.param},
                             **own,
                             "objective": {"max_anchors": 7, "loss_chunk_size": 13},
@@ -74,6 +77,8 @@ def decoding_log_probs(drafter, hidden, head, seq, anchor):
     """`[bs, V]` log q of each slot given the committed token before it (`seq`'s): DFlash's softmax, or DFlash2's
     candidate rescoring written out from its parameters."""
     logu = torch.log_softmax(drafter.logits(hidden, head)[0].double(), -1)
+    if hasattr(drafter, "lilicorr"):
+        return lattice_log_probs(drafter, hidden, head, seq, anchor)
     if not hasattr(drafter, "candidate_selector"):
         return logu
     sel, out = drafter.candidate_selector, logu.clone()
@@ -117,6 +122,25 @@ def decode_chain_by_hand():
 def test_a_chain_restarts_at_each_answer_and_stops_at_its_last_token():
     # answer 1: positions 2-6 (2 accepts 2 -> 5 accepts 3, past the answer's end); answer 2: 8-9
     assert decode_chain_by_hand() == [[(2, 2), (5, 3), (8, 0)]]
+
+
+def lattice_log_probs(drafter, hidden, head, seq, anchor):
+    """LiLiCorr's q: slot k's candidates (the top-k of its log-softmax), softmax of the lattice row leaving the
+    committed token before it (log_start at slot 1), -inf outside the candidates."""
+    lp, cand = torch.log_softmax(drafter.logits(hidden[:, 1:], head).double(), -1).topk(drafter.topk, dim=-1)
+    log_start, log_pair = drafter.lattice(hidden, lp, cand, drafter._embed())
+    out = torch.full((hidden.shape[1], head.weight.shape[0]), float("-inf"), dtype=torch.float64)
+    for k in range(1, hidden.shape[1]):
+        if k == 1:
+            row = log_start[0]
+        else:
+            previous = seq[0, min(anchor + k - 1, seq.shape[1] - 1)]
+            ranks = (cand[0, k - 2] == previous).nonzero()
+            if not len(ranks):  # off the lattice: decoding never reaches this slot
+                continue
+            row = log_pair[0, k - 2, ranks[0, 0]]
+        out[k, cand[0, k - 1]] = torch.log_softmax(row.double(), -1)
+    return out
 
 
 def reference_loss(target, drafter, cfg, prompts, answers):

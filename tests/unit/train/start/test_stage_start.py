@@ -63,9 +63,19 @@ def test_the_stage_starts_from_the_export_trains_with_its_terms_and_exports(fini
     assert f"the drafter starts from {finished / 'export'}" in log and "on-policy (Draft-OPD" in log
 
 
-def test_a_dflash2_stage_continues_a_dflash2_run_through_its_selector(tiny_target_dir, counting_jsonl, tmp_path):
-    """DFlash2's stage: its own q (the selector's rescoring) trains the selector too; the export stays DFlash2's."""
-    own = {"drafter": {"architecture": "dflash2"}, "dflash2": {"selector_top_k": 8, "selector_rank": 8}}
+MEMBERS = {  # a member whose q reads its own head: its sections, its export's class, the head's parameter prefix
+    "dflash2": ({"dflash2": {"selector_top_k": 8, "selector_rank": 8}}, "DFlash2Drafter", "candidate_selector."),
+    "lilicorr": ({"lilicorr": {"candidate_topk": 4, "head_hidden_size": 32, "factor_dim": 16, "head_num_heads": 2}},
+                 "LiLiCorrDrafter", "lilicorr."),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(MEMBERS))
+def test_a_members_stage_continues_its_run_through_its_own_head(tiny_target_dir, counting_jsonl, tmp_path, arch):
+    """DFlash2's and LiLiCorr's stages: their own q (the selector's rescoring, the lattice) trains their heads too;
+    the export stays the member's."""
+    sections, drafter_class, head = MEMBERS[arch]
+    own = {"drafter": {"architecture": arch}, **sections}
     assert main(["train", config(tmp_path, tiny_target_dir, counting_jsonl, optim={"max_steps": 4}, **own),
                  "--run-dir", str(tmp_path / "SFT")]) == 0
     cfg = config(tmp_path, tiny_target_dir, counting_jsonl, onpolicy={"start_from": str(tmp_path / "SFT")},
@@ -74,9 +84,9 @@ def test_a_dflash2_stage_continues_a_dflash2_run_through_its_selector(tiny_targe
     steps = records(tmp_path / "S")
     assert len(steps) == 4 and all(r["loss"] == r["loss"] and "onpolicy_rejected_loss" in r for r in steps)
     start, stage = load_drafter(tmp_path / "SFT" / "export"), load_drafter(tmp_path / "S" / "export")
-    assert type(stage).__name__ == "DFlash2Drafter"
+    assert type(stage).__name__ == drafter_class
     moved = [k for k, t in start.state_dict().items() if not torch.equal(t, stage.state_dict()[k])]
-    assert any(k.startswith("candidate_selector.") for k in moved), moved
+    assert any(k.startswith(head) for k in moved), moved
 
 
 @pytest.mark.long  # ~25 s: the stage in a real process, stopped and resumed
@@ -105,7 +115,7 @@ def test_a_start_that_is_not_this_stages_drafter_is_refused_naming_the_key(finis
              ({"onpolicy": {"start_from": str(finished)}, "drafter": {"architecture": "dflash2"}},
               "holds a dflash drafter and this stage trains drafter.architecture=dflash2"),
              ({"onpolicy": {"start_from": str(finished)}, "drafter": {"architecture": "dspark"}},
-              "the on-policy stage trains drafter.architecture=dflash / dflash2"),
+              "the on-policy stage trains drafter.architecture=dflash / dflash2 / lilicorr"),
              ({"onpolicy": {"start_from": str(finished)}, "drafter": {"architecture": "dflash2"},
                "dflash2": {"selector_codebooks": "factored"}}, "set dflash2.selector_codebooks=free")]
     for i, (sections, message) in enumerate(cases):

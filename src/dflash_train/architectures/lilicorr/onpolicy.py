@@ -1,0 +1,57 @@
+"""LiLiCorr in the on-policy stage: Draft-OPD (`family/onpolicy.py`) on the distribution LiLiCorr's greedy lattice walk
+takes the argmax of. Drafted slot s's k candidates are the top-k of its logits; given the committed token before it,
+q is `softmax` of the head's row leaving that token's candidate (`log_start` at the first drafted slot), over the k
+candidates, zero for every other token (as the engines sample it). A committed token outside the candidates (the
+target's correction of a slot whose candidates missed it) has q = 0: its term is clamped at `onpolicy.log_prob_min`
+and carries no gradient. The head reads whole blocks, so the stage runs the drafter on every slot of the chain's
+blocks; the candidates' log-probabilities keep their gradient into the backbone, as in training."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..family.blocks import Blocks
+from ..family.loss import CEOptions, chunked_ce_rows
+from ..family.onpolicy import DraftLogProbs, OnPolicyObjective, candidate_logits, wide
+
+
+class LiLiCorrOnPolicyObjective(OnPolicyObjective):
+    whole_blocks = True
+
+    def candidate_log_probs(self, hidden: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each drafted slot's k best tokens `[n, S, k]` (ids) and their log-probabilities over the full vocabulary
+        (with gradient), from the slots' outputs `hidden [n, S, H]`, chunked over the vocabulary."""
+        n, slots, width = hidden.shape
+        flat = hidden.reshape(-1, width)
+        anchor_token = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)  # any class: lse is CE + z
+        res = chunked_ce_rows(flat, head, anchor_token, CEOptions(self.cfg.objective.loss_chunk_size,
+                                                                  top_k=self.drafter.topk))
+        z = checkpoint(candidate_logits, flat, head, res.top_ids, use_reentrant=False)
+        log_norm = wide(res.loss) + candidate_logits(flat, head, anchor_token.view(-1, 1)).squeeze(1)
+        return (z - log_norm.unsqueeze(1)).view(n, slots, -1), res.top_ids.view(n, slots, -1)
+
+    def draft_log_probs(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, labels: torch.Tensor,
+                        rej: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
+        b, n, bs = blocks.counted.shape
+        hidden = out.view(b * n, bs, -1)
+        lp, cand = self.candidate_log_probs(hidden[:, 1:], self.target.lm_head.weight)
+        log_start, log_pair = self.drafter.lattice(hidden, lp, cand, self.target.embed_tokens)
+        block, slot = idx // bs, idx % bs - 1  # each counted row's block and drafted slot (0: the first draft)
+        before = (slot - 1).clamp_min(0)
+        previous = blocks.labels.view(b * n, bs)[block, slot]  # the committed token before it (the anchor at 0)
+        previous_hit = cand[block, before] == previous.unsqueeze(1)
+        rows_given = log_pair[block, before.clamp_max(max(log_pair.shape[1] - 1, 0)), previous_hit.long().argmax(-1)] \
+            if log_pair.shape[1] else log_start[block]
+        first = (slot == 0).unsqueeze(1)
+        logq = torch.log_softmax(torch.where(first, log_start[block], rows_given), -1)  # [M, k]
+        on_lattice = first.squeeze(1) | previous_hit.any(-1)
+        hit = (cand[block, slot] == labels.unsqueeze(1)) & on_lattice.unsqueeze(1)
+        outside = torch.full_like(logq[:, 0], self.cfg.onpolicy.log_prob_min)
+        label = torch.where(hit.any(-1), (logq * hit).sum(-1), outside)
+        pick = logq.argmax(-1, keepdim=True)
+        best = cand[block, slot].gather(1, pick).squeeze(1)
+        draft = logq.gather(1, pick).squeeze(1).index_select(0, rej)
+        return DraftLogProbs(label, draft, best.index_select(0, rej), (best == labels) & on_lattice)
