@@ -1,7 +1,7 @@
 """The on-policy stage's objective (Draft-OPD, arXiv 2605.29343; `onpolicy.start_from`), at temperature 0, for a
 member that declares it (`registry.Options.on_policy`, `Architecture.onpolicy_objective`). The drafter's
-probabilities q are those of its own decoding (`draft_log_probs`): each slot's softmax here, DFlash's; a member
-whose greedy walk reads more (DFlash2's selector) overrides that one method.
+probabilities q are those of its own decoding (`draft_log_probs`): each slot's softmax here; a member whose greedy
+walk reads more than its slot's logits (a selector, a lattice) overrides that one method.
 
 The data are the target's own greedy answers, so greedy speculative decoding of a row commits exactly its tokens;
 what the drafter changes is where each step's block starts and what it drafts. Per micro-batch:
