@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "its replay turn by turn")
     p.add_argument("--variant", action="append", metavar="NAME=K=V[,K=V...]",
                    help="also train this recipe (the overrides on top of the default's), at the same time, and "
-                        "replay it; repeat. The default run keeps GPU 0 to itself when there are several")
+                        "replay it; repeat. The default run keeps GPU 0 to itself when there are several. "
+                        "onpolicy.start_from=@RUN (default or an earlier variant) makes it the on-policy stage of that "
+                        "run: it trains once RUN has exported")
     p.add_argument("--confidence-thresholds", type=parse_thresholds, default=(), metavar="C[,C...]",
                    help="with --method replay: also report, per drafter with a confidence head, tau and tokens "
                         "verified per step of block decoding truncated at each threshold (eval "

@@ -27,9 +27,18 @@ from .shards import drafter_origin, file_sha256, merged_report, plan_shards, rea
 from .workers import DecodeJob, EvalSettings
 
 
+STAGE_KEY = "onpolicy.start_from="  # a variant's `onpolicy.start_from=@NAME`: the on-policy stage after run NAME
+
+
+def stage_source(overrides: list[str]) -> Optional[str]:
+    """The run an on-policy variant continues (`onpolicy.start_from=@NAME` -> NAME), or None."""
+    given = [o[len(STAGE_KEY):] for o in overrides if o.startswith(STAGE_KEY)]
+    return given[-1][1:] if given and given[-1].startswith("@") else None
+
+
 def parse_variants(specs: list[str], config: str, overrides: list[str]) -> dict[str, list[str]]:
-    """--variant NAME=K=V[,K=V...] -> {NAME: [K=V, ...]}; a bad spec or a variant whose config does not
-    load fails now, before anything runs."""
+    """--variant NAME=K=V[,K=V...] -> {NAME: [K=V, ...]}; a bad spec, a variant whose config does not load, or an
+    on-policy variant (`onpolicy.start_from=@RUN`) naming no earlier run fails now, before anything runs."""
     from dflash_train.config.load import load_config
 
     variants: dict[str, list[str]] = {}
@@ -39,6 +48,10 @@ def parse_variants(specs: list[str], config: str, overrides: list[str]) -> dict[
             raise SystemExit(f"--variant {spec!r}: expected NAME=key=value[,key=value...] with a new NAME of "
                              "letters, digits, _ . - (not 'default')")
         variants[name] = [o for o in extra.split(",") if o]
+        source = stage_source(variants[name])
+        if source is not None and source != "default" and source not in variants:
+            raise SystemExit(f"--variant {spec!r}: onpolicy.start_from=@{source} names no earlier run (default or a "
+                             f"--variant before it: {', '.join(['default', *variants][:-1])})")
         load_config(config, list(overrides) + variants[name])
     return variants
 
@@ -204,6 +217,9 @@ class Driver:
             base += [f"run.save_every={self.args.curve_every}", "run.keep_last=1000"]
         runs = {"default": (self.run, base)}
         for name, extra in self.variants.items():
+            source = stage_source(extra)
+            if source is not None:  # the on-policy stage continues that run's export
+                extra = [o for o in extra if not o.startswith(STAGE_KEY)] + [f"{STAGE_KEY}{runs[source][0]}"]
             runs[name] = (self.out / "variants" / name, list(self.args.overrides) + extra)
         return runs
 
@@ -235,21 +251,41 @@ class Driver:
         todo = {n: r for n, r in runs.items() if not exported(r[0] / "export")}
         for name in sorted(set(runs) - set(todo)):
             self.log(f"train {name}: reusing {runs[name][0] / 'export'}")
-        if not todo:
-            return
+        order = list(runs)  # each run keeps its GPU slot across waves
+        while todo:  # waves: an on-policy variant trains once the run it continues has exported
+            wave = {n: r for n, r in todo.items() if self.ready(n, runs)}
+            if not wave:
+                break
+            self.train_wave(wave, order)
+            todo = {n: r for n, r in todo.items() if n not in wave and n not in self.failed}
+            if not all(exported(r[0] / "export") for n, r in wave.items() if n not in self.failed):
+                break  # the deadline stopped this wave: later waves wait for the next call
+        for name, (run, _) in todo.items():
+            source = stage_source(self.variants.get(name, []))
+            if source in self.failed:
+                self.log(f"train {name}: not run, {source} (the run it continues) failed")
+                self.failed[name] = f"{source} failed"
+        if not all(exported(r[0] / "export") for n, r in runs.items() if n not in self.failed):
+            raise Unfinished("training stopped at the deadline with a checkpoint; run the same command again to "
+                             "continue")
+
+    def ready(self, name: str, runs: dict[str, tuple[Path, list[str]]]) -> bool:
+        """Whether run `name` may train now: it continues no run, or that run has exported."""
+        source = stage_source(self.variants.get(name, []))
+        return source is None or (source not in self.failed and exported(runs[source][0] / "export"))
+
+    def train_wave(self, wave: dict[str, tuple[Path, list[str]]], order: list[str]) -> None:
+        """Train these runs at the same time (spread over the GPUs)."""
         gpus = visible_gpus(self.args.device)
         jobs = [TrainJob(name, run, self.train_command(run, overrides),
                          self.out / ("train.stdout.log" if name == "default" else f"train-{name}.stdout.log"),
-                         gpu_env(child_env(), self.train_gpu(name, k, gpus), gpus))
-                for k, (name, (run, overrides)) in enumerate(todo.items())]
+                         gpu_env(child_env(), self.train_gpu(name, order.index(name), gpus), gpus))
+                for name, (run, overrides) in wave.items()]
         ends = run_trainings(jobs, self.runner, self.args.train_stop_margin_s, self.log)
         for name, (_, seconds) in ends.items():  # wall time of each training process (its share of this call)
             self.runner.add_time("train_s" if name == "default" else f"train_s:{name}", seconds)
         for job in jobs:
             self.check_training(job, ends[job.name][0])
-        if not all(exported(r[0] / "export") for n, r in runs.items() if n not in self.failed):
-            raise Unfinished("training stopped at the deadline with a checkpoint; run the same command again to "
-                             "continue")
 
     def check_training(self, job: TrainJob, code: int) -> None:
         """A run's exit: done or stopped at the deadline (3) are fine; the default's failure ends the call, a

@@ -640,6 +640,37 @@ def test_a_block_size_flex_cannot_tile_is_named_before_anything_runs():
     assert "drafter.attention_backend=sdpa" in refused[0]
 
 
+def test_an_onpolicy_variant_must_name_an_earlier_run():
+    config = str(REPO / "configs" / "smollm2-reference.yaml")
+    with pytest.raises(SystemExit, match=r"onpolicy.start_from=@later names no earlier run \(default or a --variant"):
+        parse_variants(["opd=onpolicy.start_from=@later", "later=optim.lr=1e-4"], config, [])
+    got = parse_variants(["d2=drafter.architecture=dflash2", "opd=onpolicy.start_from=@d2,drafter.architecture=dflash2"],
+                         config, [])
+    assert got["opd"] == ["onpolicy.start_from=@d2", "drafter.architecture=dflash2"]
+
+
+@pytest.mark.long  # ~30 s: two trainings, the second the on-policy stage of the first
+def test_an_onpolicy_variant_trains_after_the_run_it_continues(tmp_path, tiny_target_dir, counting_jsonl):
+    """`--variant opd=onpolicy.start_from=@default`: the stage waits for the default's export (a second wave), starts
+    from it and exports its own; the same command again trains nothing."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"target:\n  path: {tiny_target_dir}\ndrafter:\n  block_size: 4\n  num_draft_layers: 1\n"
+                      "data:\n  max_length: 256\n  token_budget: 512\n  max_batch_size: 2\nobjective:\n  max_anchors: 16\n"
+                      "run:\n  device: cpu\n  progress_bar: false\n  eval_every: 0\n  log_every: 1\n")
+    out = tmp_path / "q"
+    argv = ["--out", str(out), "--config", str(config), "--data", str(counting_jsonl), "--stages", "prepare,train",
+            "--device", "cpu", "optim.max_steps=3", "--variant", "opd=onpolicy.start_from=@default,optim.max_steps=2"]
+    assert Q.main(argv) == 0
+    stage_log = (out / "variants" / "opd" / "train.log").read_text()
+    assert f"the drafter starts from {out / 'run' / 'export'}" in stage_log
+    assert (out / "variants" / "opd" / "export" / "model.safetensors").is_file()
+    steps = [json.loads(line) for line in (out / "variants" / "opd" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if "onpolicy_committed_loss" in r] == [1, 2]
+    made = (out / "variants" / "opd" / "export" / "model.safetensors").stat().st_mtime_ns
+    assert Q.main(argv) == 0  # the same command again: both done, nothing retrained
+    assert (out / "variants" / "opd" / "export" / "model.safetensors").stat().st_mtime_ns == made
+
+
 @pytest.mark.long  # ~28 s: trains and replays a confidence head
 def test_confidence_thresholds_report_truncated_block_decoding_of_a_confidence_head(tmp_path, tiny_pair,
                                                                                    tiny_target_dir):
