@@ -13,7 +13,7 @@ pytestmark = [
 ]
 
 
-MEMBERS = {"dflash": [], "dflash2": [],
+MEMBERS = {"dflash": [], "dflash2": [], "domino": [],
            "lilicorr": ["lilicorr.head_hidden_size=64", "lilicorr.factor_dim=32", "lilicorr.head_num_heads=4"]}
 
 

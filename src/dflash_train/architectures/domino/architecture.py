@@ -9,6 +9,7 @@ from .flops import step_flops
 from .memory import step_memory
 from .model import DominoDrafter
 from .objective import DominoObjective
+from .onpolicy import DominoOnPolicyObjective
 
 ARCHITECTURE = Architecture(
     name="domino",
@@ -21,4 +22,5 @@ ARCHITECTURE = Architecture(
     objective=DominoObjective,
     step_memory=step_memory,
     step_flops=step_flops,
+    onpolicy_objective=DominoOnPolicyObjective,
 )

@@ -108,5 +108,6 @@ OPTIONS = Options(
     # comparison of the recipes
     defaults={"objective.slot_weighting": "gamma"},
     tree_refusal=tree_refusal,
+    on_policy=True,
     serving=SERVING,
 )

@@ -89,13 +89,24 @@ def decode_chain(accepted: torch.Tensor, loss_mask: torch.Tensor, lengths: torch
 
 def accept_lengths(drafts: torch.Tensor, target_next: torch.Tensor, anchors: torch.Tensor,
                    counted: torch.Tensor) -> torch.Tensor:
-    """`[B, N]` drafts accepted at each anchor: the leading run of slots k >= 1 whose draft `drafts [B, N, bs-1]`
-    equals the target's argmax at `anchor + k - 1` (`target_next [B, S]`, the token it predicts next) and that count
-    (`counted [B, N, bs]`: supervised, inside the row)."""
-    bs = counted.shape[-1]
-    at = (anchors.unsqueeze(-1) + torch.arange(bs - 1, device=anchors.device)).clamp(max=target_next.shape[1] - 1)
-    verified = torch.gather(target_next, 1, at.view(at.shape[0], -1)).view_as(drafts)
-    return ((drafts == verified) & counted[..., 1:]).long().cumprod(-1).sum(-1)
+    """`[B, N]` drafts accepted at each anchor: the leading run of drafts j >= 0 (`drafts [B, N, D]`, the tokens at
+    `anchor + 1 + j`) equal to the target's argmax at `anchor + j` (`target_next [B, S]`, the token it predicts
+    next) whose labels count (`counted [B, N, D]`, the drafts' slots: supervised, inside the row)."""
+    at = (anchors.unsqueeze(-1) + torch.arange(drafts.shape[-1], device=anchors.device))
+    verified = torch.gather(target_next, 1, at.clamp(max=target_next.shape[1] - 1).view(at.shape[0], -1))
+    return ((drafts == verified.view_as(drafts)) & counted).long().cumprod(-1).sum(-1)
+
+
+def softmax_log_probs(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rej: torch.Tensor,
+                      chunk_size: int) -> DraftLogProbs:
+    """`DraftLogProbs` of q = softmax(rows @ weight.T) (chunked over the vocabulary; a weight that requires grad
+    gets its gradient), drafts its argmax."""
+    res = chunked_ce_rows(rows, weight, labels, CEOptions(chunk_size, top_k=1))
+    logq = wide(-res.loss)
+    drafts = res.top_ids[:, 0].index_select(0, rej)
+    h_rej = rows.index_select(0, rej)
+    gap = wide(torch.einsum("mh,mh->m", h_rej, (weight[drafts] - weight[labels.index_select(0, rej)]).to(h_rej.dtype)))
+    return DraftLogProbs(logq, logq.index_select(0, rej) + gap, drafts, res.correct)  # log q(d) = log q(c) + z_d - z_c
 
 
 def committed_loss(logp: torch.Tensor, logq: torch.Tensor, low: float) -> torch.Tensor:
@@ -129,6 +140,9 @@ class OnPolicyObjective(BlockObjective):
     # Whether `draft_log_probs` reads every slot of the chain's blocks (a head over whole blocks), not only the
     # counted rows.
     whole_blocks = False
+    # The block slot whose label is the first draft (the token after the anchor): 1 where slot k labels `a + k`,
+    # 0 in a shifted layout, where slot k labels `a + k + 1`.
+    first_draft_slot = 1
 
     def describe(self) -> str:
         o = self.cfg.onpolicy
@@ -193,16 +207,18 @@ class OnPolicyObjective(BlockObjective):
             hidden = out.view(b * n, bs, -1)
             drafts = self.drafter.greedy_proposals(hidden, self.target.lm_head,
                                                    device_blocks.block_ids.view(b * n, bs)[:, 0]).drafts
-            got = accept_lengths(drafts.view(b, n, bs - 1).cpu(), target_next, anchors, blocks.counted)
+            drafts = drafts.view(b, n, -1).cpu()
+            f = self.first_draft_slot
+            got = accept_lengths(drafts, target_next, anchors, blocks.counted[..., f:f + drafts.shape[-1]])
             for r, t in enumerate(taken):
                 accepted[r, t] = got[r, :len(t)]
         return decode_chain(accepted, plan.loss_mask, plan.lengths)
 
     def chain_blocks(self, plan: Batch, chains: list[Chain],
                      device: torch.device) -> tuple[Blocks, torch.Tensor, torch.Tensor]:
-        """The blocks at the chains' anchors, counting each block's committed slots (the accepted drafts and the slot
-        after them, whose token the target corrects; supervised ones only), and which counted rows hold the rejected
-        draft (`[M]` bool, in `idx` order: the correction's slot, inside the block)."""
+        """The blocks at the chains' anchors, counting each block's committed slots (the accepted drafts and the
+        draft after them, whose token the target corrects; drafted and supervised ones only), and which counted rows
+        hold the rejected draft (`[M]` bool, in `idx` order: the correction's slot, inside the block)."""
         b, bs, multiple = plan.input_ids.shape[0], self.drafter.block_size, self.backend.blocks_multiple_of
         n = max(-(-max((len(c) for c in chains), default=1) // multiple) * multiple, multiple)
         anchors = torch.zeros(b, n, dtype=torch.long)
@@ -214,12 +230,13 @@ class OnPolicyObjective(BlockObjective):
                 keep[r, :len(steps)] = True
         blocks = self.build_blocks(plan, anchors, keep)
         slot = torch.arange(bs).view(1, 1, -1)
-        correction = accepted.unsqueeze(-1) + 1
-        counted = blocks.counted & (slot <= correction)
+        correction = accepted.unsqueeze(-1) + self.first_draft_slot
+        drafted = (slot >= self.first_draft_slot) & (slot < self.first_draft_slot + self.drafter.num_drafts())
+        counted = blocks.counted & drafted & (slot <= correction)
         rejected = counted & (slot == correction)
         fields = {**blocks.moved(torch.device("cpu")), "counted": counted, "weights": blocks.weights * counted}
         fields.pop("work")
-        chain = Blocks(**fields)
+        chain = type(blocks)(**fields)
         idx = chain.counted.view(-1).nonzero().squeeze(1)
         return chain.to(device), idx.to(device), rejected.view(-1)[idx].to(device)
 
@@ -237,11 +254,11 @@ class OnPolicyObjective(BlockObjective):
             logp_label, logp_draft = self.target_logprobs(final, positions, labels, positions.index_select(0, rej),
                                                           q.drafts)
             off_target = (target_next.to(labels.device).view(-1).index_select(0, positions - 1) != labels).sum()
-        weights = (o.decay ** ((idx.index_select(0, rej) % bs) - 1)).to(wide(q.draft).dtype)
+        weights = (o.decay ** ((idx.index_select(0, rej) % bs) - self.first_draft_slot)).to(wide(q.draft).dtype)
         committed = committed_loss(logp_label, wide(q.label), low)
         rejected = rejected_loss(logp_draft, wide(q.draft), low)
         loss = onpolicy_total(committed, rejected, weights, self.cfg)
-        stats = block_stats(loss, q.correct, blocks, idx)
+        stats = self.chain_stats(loss, q.correct, blocks, idx)
         zero = loss.detach() * 0
         stats.extra.update({
             "onpolicy_committed_loss": committed.detach().mean() if committed.numel() else zero,
@@ -254,20 +271,18 @@ class OnPolicyObjective(BlockObjective):
                         rej: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
         """q at the counted rows `rows [M, H]` (`labels [M]` their committed tokens, `rej [R]` the rows holding a
         rejected draft; `out`: every slot's output `[B * N * bs, H]` where `whole_blocks`): each slot's softmax over
-        the target's lm_head, the distribution DFlash drafts the argmax of."""
-        head = self.target.lm_head.weight
-        res = chunked_ce_rows(rows, head, labels, CEOptions(self.cfg.objective.loss_chunk_size, top_k=1))
-        logq = wide(-res.loss)
-        drafts = res.top_ids[:, 0].index_select(0, rej)
-        h_rej = rows.index_select(0, rej)
-        gap = wide(torch.einsum("mh,mh->m", h_rej, (head[drafts] - head[labels.index_select(0, rej)]).to(h_rej.dtype)))
-        return DraftLogProbs(logq, logq.index_select(0, rej) + gap, drafts, res.correct)  # log q(d) = log q(c) + z_d - z_c
+        the target's lm_head."""
+        return softmax_log_probs(rows, self.target.lm_head.weight, labels, rej, self.cfg.objective.loss_chunk_size)
 
-    @staticmethod
-    def label_positions(blocks: Blocks, idx: torch.Tensor, seq: int) -> torch.Tensor:
-        """The flat `[B * S]` position of each counted row's label."""
+    def chain_stats(self, loss: torch.Tensor, correct: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> StepStats:
+        """The step's sums from the counted rows' hits (the layout's acceptance estimate)."""
+        return block_stats(loss, correct, blocks, idx)
+
+    def label_positions(self, blocks: Blocks, idx: torch.Tensor, seq: int) -> torch.Tensor:
+        """The flat `[B * S]` position of each counted row's label (its slot's own, one on in a shifted layout)."""
         offset = torch.arange(blocks.anchors.shape[0], device=idx.device).view(-1, 1) * seq
-        return (blocks.block_positions + offset).view(-1).index_select(0, idx)
+        shift = 1 - self.first_draft_slot
+        return (blocks.block_positions + shift + offset).view(-1).index_select(0, idx)
 
     def target_logprobs(self, final: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
                         draft_positions: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

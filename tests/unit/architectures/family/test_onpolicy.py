@@ -3,7 +3,8 @@ target's own greedy answers its chain of anchors and accepted drafts is the one 
 takes, and its loss and gradients equal Draft-OPD's two streams computed block by block from full distributions of
 the target's logits and of the drafter's decoding (DFlash: each slot's softmax; DFlash2: the selector's rescoring of
 the unary top-k given the committed token before, which shares the mass those candidates hold; LiLiCorr: the
-lattice's row leaving the committed token's candidate, over the slot's candidates)."""
+lattice's row leaving the committed token's candidate, over the slot's candidates; Domino, shifted one slot: the
+corrected scores after the GRU over the committed tokens)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dflash_train.target.hf_model import forward_with_layer_states
 BLOCK, LAYERS, MASK, NEW = 5, [1, 3], 23, 28  # 3: the target's last layer
 
 
-@pytest.fixture(scope="module", params=["dflash", "dflash2", "lilicorr"])
+@pytest.fixture(scope="module", params=["dflash", "dflash2", "lilicorr", "domino"])
 def setup(request, tmp_path_factory, tokenizer_dir):
     """A 4-layer target over 24 tokens in float64, the greedy answers it gives three prompts, and a drafter taught
     them until it is often right (varied acceptance); DFlash2's selector away from its identity start (S != U)."""
@@ -34,7 +35,8 @@ def setup(request, tmp_path_factory, tokenizer_dir):
     target = load_target_model(path, torch.float64, torch.device("cpu"))
     own = {"dflash2": {"dflash2": {"selector_top_k": 4, "selector_rank": 8, "conv_kernel_size": 3}},
            "lilicorr": {"lilicorr": {"candidate_topk": 4, "head_hidden_size": 32, "factor_dim": 16,
-                                     "head_num_heads": 2}}}.get(request.param, {})
+                                     "head_num_heads": 2}},
+           "domino": {"domino": {"gru_hidden_dim": 16, "emb_dim": 16, "pure_draft_prefix_len": 1}}}.get(request.param, {})
     cfg = config_from_dict({"drafter": {"block_size": BLOCK, "num_draft_layers": 1, "architecture": request.param},
                             **own,
                             "objective": {"max_anchors": 7, "loss_chunk_size": 13},
@@ -76,6 +78,8 @@ def objective_for(target, drafter, cfg):
 def decoding_log_probs(drafter, hidden, head, seq, anchor):
     """`[bs, V]` log q of each slot given the committed token before it (`seq`'s): DFlash's softmax, or DFlash2's
     candidate rescoring written out from its parameters."""
+    if hasattr(drafter, "prefix_gru"):
+        return corrected_log_probs(drafter, hidden, head, seq, anchor)
     logu = torch.log_softmax(drafter.logits(hidden, head)[0].double(), -1)
     if hasattr(drafter, "lilicorr"):
         return lattice_log_probs(drafter, hidden, head, seq, anchor)
@@ -122,6 +126,23 @@ def decode_chain_by_hand():
 def test_a_chain_restarts_at_each_answer_and_stops_at_its_last_token():
     # answer 1: positions 2-6 (2 accepts 2 -> 5 accepts 3, past the answer's end); answer 2: 8-9
     assert decode_chain_by_hand() == [[(2, 2), (5, 3), (8, 0)]]
+
+
+def corrected_log_probs(drafter, hidden, head, seq, anchor):
+    """Domino's q of the token at anchor + k (row k, k >= 1): slot k - 1's head scores, plus from slot
+    pure_draft_prefix_len on embed_proj([z ; g]), g the GRU's state after the committed tokens anchor .. anchor + k - 1
+    (the anchor row and rows past the data stay -inf)."""
+    bs = hidden.shape[1]
+    out = torch.full((bs, head.weight.shape[0]), float("-inf"), dtype=torch.float64)
+    tokens = seq[0, anchor:anchor + bs - 1]
+    states = drafter.prefix_gru(drafter._token_embed(tokens).view(1, len(tokens), -1).to(hidden.dtype))[0][0]
+    for k in range(1, len(tokens) + 1):
+        z = hidden[0, k - 1]
+        scores = head(z).double()
+        if k - 1 >= drafter.pure_draft_prefix_len:
+            scores = scores + drafter.embed_proj(torch.cat([z, states[k - 1]])).double()
+        out[k] = torch.log_softmax(scores, -1)
+    return out
 
 
 def lattice_log_probs(drafter, hidden, head, seq, anchor):

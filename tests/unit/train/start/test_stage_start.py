@@ -67,13 +67,16 @@ MEMBERS = {  # a member whose q reads its own head: its sections, its export's c
     "dflash2": ({"dflash2": {"selector_top_k": 8, "selector_rank": 8}}, "DFlash2Drafter", "candidate_selector."),
     "lilicorr": ({"lilicorr": {"candidate_topk": 4, "head_hidden_size": 32, "factor_dim": 16, "head_num_heads": 2}},
                  "LiLiCorrDrafter", "lilicorr."),
+    # a few steps' Domino drafter has every first draft rejected: only its uncorrected slot 0 counts, so its layers
+    # move and its GRU waits (the gradients through the GRU: tests/unit/architectures/family/test_onpolicy.py)
+    "domino": ({"domino": {"gru_hidden_dim": 16, "emb_dim": 16}}, "DominoDrafter", "layers."),
 }
 
 
 @pytest.mark.parametrize("arch", sorted(MEMBERS))
 def test_a_members_stage_continues_its_run_through_its_own_head(tiny_target_dir, counting_jsonl, tmp_path, arch):
-    """DFlash2's and LiLiCorr's stages: their own q (the selector's rescoring, the lattice) trains their heads too;
-    the export stays the member's."""
+    """DFlash2's, LiLiCorr's and Domino's stages: their own q (the selector's rescoring, the lattice, the GRU's
+    correction in the shifted layout) trains them; the export stays the member's."""
     sections, drafter_class, head = MEMBERS[arch]
     own = {"drafter": {"architecture": arch}, **sections}
     assert main(["train", config(tmp_path, tiny_target_dir, counting_jsonl, optim={"max_steps": 4}, **own),
@@ -115,7 +118,7 @@ def test_a_start_that_is_not_this_stages_drafter_is_refused_naming_the_key(finis
              ({"onpolicy": {"start_from": str(finished)}, "drafter": {"architecture": "dflash2"}},
               "holds a dflash drafter and this stage trains drafter.architecture=dflash2"),
              ({"onpolicy": {"start_from": str(finished)}, "drafter": {"architecture": "dspark"}},
-              "the on-policy stage trains drafter.architecture=dflash / dflash2 / lilicorr"),
+              "the on-policy stage trains drafter.architecture=dflash / dflash2 / domino / lilicorr"),
              ({"onpolicy": {"start_from": str(finished)}, "drafter": {"architecture": "dflash2"},
                "dflash2": {"selector_codebooks": "factored"}}, "set dflash2.selector_codebooks=free")]
     for i, (sections, message) in enumerate(cases):
