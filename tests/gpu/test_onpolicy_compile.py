@@ -13,7 +13,7 @@ pytestmark = [
 ]
 
 
-MEMBERS = {"dflash": [], "dflash2": [], "domino": [],
+MEMBERS = {"dflash": [], "dflash2": [], "domino": [], "dspark": ["dspark.markov_rank=16"],
            "lilicorr": ["lilicorr.head_hidden_size=64", "lilicorr.factor_dim=32", "lilicorr.head_num_heads=4"]}
 
 

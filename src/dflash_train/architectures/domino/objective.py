@@ -23,7 +23,7 @@ import torch
 
 from ...data.batch import Batch
 from ..family.blocks import Blocks, build_blocks
-from ..family.objective import BlockObjective, row_weights, slot_weighting_text
+from ..family.objective import BlockObjective, row_weights, shifted_stats, slot_weighting_text
 from ..stats import StepStats
 from .loss import chunked_domino_rows, final_label_logp
 from .model import DominoDrafter
@@ -63,15 +63,6 @@ def shifted_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: to
     return DominoBlocks(anchors=same.anchors, keep=same.keep, block_ids=same.block_ids,
                         block_positions=same.block_positions, labels=after.labels, weights=weights, counted=counted,
                         tokens=same.labels)
-
-
-def shifted_stats(loss: torch.Tensor, correct_rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> StepStats:
-    """The step's sums: in the shifted layout every slot drafts, so a block's acceptance estimate is 1 plus the
-    leading run of correct slots from slot 0."""
-    correct = torch.zeros_like(blocks.counted).view(-1).index_put((idx,), correct_rows).view(blocks.labels.shape)
-    accept = 1 + correct.long().cumprod(-1).sum(-1)
-    return StepStats(loss=loss, correct_per_slot=correct.sum((0, 1)), counted_per_slot=blocks.counted.sum((0, 1)),
-                     accepted_sum=(accept * blocks.keep).sum(), kept_blocks=blocks.keep.sum(), work=blocks.work)
 
 
 class DominoObjective(BlockObjective):

@@ -12,9 +12,10 @@ from typing import Optional
 import torch
 
 from ..family.blocks import Blocks
+from ..family.objective import shifted_stats
 from ..family.onpolicy import DraftLogProbs, OnPolicyObjective, softmax_log_probs
 from ..stats import StepStats
-from .objective import DominoObjective, shifted_stats
+from .objective import DominoObjective
 
 
 class DominoOnPolicyObjective(OnPolicyObjective):

@@ -9,6 +9,7 @@ from .flops import step_flops
 from .memory import step_memory
 from .model import DSparkDrafter
 from .objective import DSparkObjective
+from .onpolicy import DSparkOnPolicyObjective
 
 ARCHITECTURE = Architecture(
     name="dspark",
@@ -22,4 +23,5 @@ ARCHITECTURE = Architecture(
     step_memory=step_memory,
     step_flops=step_flops,
     needs_target_final=True,
+    onpolicy_objective=DSparkOnPolicyObjective,
 )

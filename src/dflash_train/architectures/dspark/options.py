@@ -149,5 +149,6 @@ OPTIONS = Options(
     about="DSpark's Markov and confidence heads and its loss",
     confidence_head=confidence_head,
     tree_refusal=tree_refusal,
+    on_policy=True,
     serving=SERVING,
 )

@@ -205,3 +205,12 @@ def block_stats(loss: torch.Tensor, correct_rows: torch.Tensor, blocks: Blocks, 
         kept_blocks=blocks.keep.sum(),
         work=blocks.work,
     )
+
+
+def shifted_stats(loss: torch.Tensor, correct_rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> StepStats:
+    """The step's sums in a shifted layout, where every slot drafts (slot k the token at a + k + 1): a block's
+    acceptance estimate is 1 plus the leading run of correct slots from slot 0."""
+    correct = torch.zeros_like(blocks.counted).view(-1).index_put((idx,), correct_rows).view(blocks.labels.shape)
+    accept = 1 + correct.long().cumprod(-1).sum(-1)
+    return StepStats(loss=loss, correct_per_slot=correct.sum((0, 1)), counted_per_slot=blocks.counted.sum((0, 1)),
+                     accepted_sum=(accept * blocks.keep).sum(), kept_blocks=blocks.keep.sum(), work=blocks.work)

@@ -37,7 +37,9 @@ def check_stage_start(start_from: str, dcfg, architecture_name: str) -> Path:
     folder = export_folder(start_from)
     try:
         data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        found = architecture_of_export(data).name
+        member = architecture_of_export(data)
+        found = member.name
+        theirs = member.config_from_dict(data)  # the member's own layout of its fields, read back
     except (OSError, ValueError) as e:
         raise ConfigError(f"config key '{KEY}': {folder / 'config.json'} is not a readable drafter config ({e})") \
             from None
@@ -45,9 +47,9 @@ def check_stage_start(start_from: str, dcfg, architecture_name: str) -> Path:
         raise ConfigError(f"config key '{KEY}': {folder} holds a {found} drafter and this stage trains "
                           f"drafter.architecture={architecture_name}; set drafter.architecture={found} (and its run's "
                           "drafter keys)")
-    own = data.get("dflash_config") or {}
-    stage = dcfg.dflash_config
-    differs = [(k, data.get(k), getattr(dcfg, k, None)) for k in SHAPE_FIELDS if data.get(k) != getattr(dcfg, k, None)]
+    own, stage = theirs.dflash_config, dcfg.dflash_config
+    differs = [(k, getattr(theirs, k, None), getattr(dcfg, k, None)) for k in SHAPE_FIELDS
+               if getattr(theirs, k, None) != getattr(dcfg, k, None)]
     shared = [k for k in own if k in stage and k not in DFLASH_FIELDS]  # the member's own fields both configs have
     differs += [(k, own.get(k), stage.get(k)) for k in (*DFLASH_FIELDS, *shared) if own.get(k) != stage.get(k)]
     if differs:

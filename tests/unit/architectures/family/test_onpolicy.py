@@ -4,7 +4,8 @@ takes, and its loss and gradients equal Draft-OPD's two streams computed block b
 the target's logits and of the drafter's decoding (DFlash: each slot's softmax; DFlash2: the selector's rescoring of
 the unary top-k given the committed token before, which shares the mass those candidates hold; LiLiCorr: the
 lattice's row leaving the committed token's candidate, over the slot's candidates; Domino, shifted one slot: the
-corrected scores after the GRU over the committed tokens)."""
+corrected scores after the GRU over the committed tokens; DSpark, B drafts a block: the base scores plus the Markov
+head's bias from the committed token before, its gated or recurrent state teacher-forced)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from dflash_train.target.hf_model import forward_with_layer_states
 BLOCK, LAYERS, MASK, NEW = 5, [1, 3], 23, 28  # 3: the target's last layer
 
 
-@pytest.fixture(scope="module", params=["dflash", "dflash2", "lilicorr", "domino"])
+@pytest.fixture(scope="module", params=["dflash", "dflash2", "lilicorr", "domino", "dspark", "dspark-rnn"])
 def setup(request, tmp_path_factory, tokenizer_dir):
     """A 4-layer target over 24 tokens in float64, the greedy answers it gives three prompts, and a drafter taught
     them until it is often right (varied acceptance); DFlash2's selector away from its identity start (S != U)."""
@@ -36,20 +37,26 @@ def setup(request, tmp_path_factory, tokenizer_dir):
     own = {"dflash2": {"dflash2": {"selector_top_k": 4, "selector_rank": 8, "conv_kernel_size": 3}},
            "lilicorr": {"lilicorr": {"candidate_topk": 4, "head_hidden_size": 32, "factor_dim": 16,
                                      "head_num_heads": 2}},
-           "domino": {"domino": {"gru_hidden_dim": 16, "emb_dim": 16, "pure_draft_prefix_len": 1}}}.get(request.param, {})
-    cfg = config_from_dict({"drafter": {"block_size": BLOCK, "num_draft_layers": 1, "architecture": request.param},
+           "domino": {"domino": {"gru_hidden_dim": 16, "emb_dim": 16, "pure_draft_prefix_len": 1}},
+           "dspark": {"dspark": {"markov_rank": 8, "markov_head_type": "gated"}},
+           "dspark-rnn": {"dspark": {"markov_rank": 8, "markov_head_type": "rnn"}}}.get(request.param, {})
+    name = request.param.split("-")[0]
+    cfg = config_from_dict({"drafter": {"block_size": BLOCK, "num_draft_layers": 1, "architecture": name},
                             **own,
                             "objective": {"max_anchors": 7, "loss_chunk_size": 13},
                             "onpolicy": {"start_from": "unused", "decay": 0.7, "rejected_weight": 1.5},
                             "data": {"max_length": 64, "token_budget": 256}})
     torch.manual_seed(0)
-    arch = architecture(request.param)
+    arch = architecture(name)
     drafter = arch.drafter_class(arch.config_for_run(target.config, cfg, LAYERS, MASK)).double()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 23, (n,), generator=g).tolist() for n in (6, 11, 9)]
     plain = SpeculativeDecoder(target, drafter, stop_token_ids=[])
     answers = [plain.generate_target_only(p, NEW).tokens for p in prompts]
-    memorise(drafter, target, [p + a for p, a in zip(prompts, answers)], steps=12)
+    memorise(drafter, target, [p + a for p, a in zip(prompts, answers)], steps=24 if name == "dspark" else 12)
+    if name == "dspark":  # a small Markov bias beside the memorised base scores: drafts often right
+        with torch.no_grad():
+            drafter.markov_head.markov_w2.weight.normal_(0.0, 0.05, generator=g)
     if request.param == "dflash2":
         with torch.no_grad():
             drafter.candidate_selector.successor_codebook.normal_(0.0, 1.0, generator=g)
@@ -80,6 +87,8 @@ def decoding_log_probs(drafter, hidden, head, seq, anchor):
     candidate rescoring written out from its parameters."""
     if hasattr(drafter, "prefix_gru"):
         return corrected_log_probs(drafter, hidden, head, seq, anchor)
+    if hasattr(drafter, "markov_head"):
+        return markov_log_probs(drafter, hidden, head, seq, anchor)
     logu = torch.log_softmax(drafter.logits(hidden, head)[0].double(), -1)
     if hasattr(drafter, "lilicorr"):
         return lattice_log_probs(drafter, hidden, head, seq, anchor)
@@ -126,6 +135,18 @@ def decode_chain_by_hand():
 def test_a_chain_restarts_at_each_answer_and_stops_at_its_last_token():
     # answer 1: positions 2-6 (2 accepts 2 -> 5 accepts 3, past the answer's end); answer 2: 8-9
     assert decode_chain_by_hand() == [[(2, 2), (5, 3), (8, 0)]]
+
+
+def markov_log_probs(drafter, hidden, head, seq, anchor):
+    """DSpark's q of the token at anchor + k (row k, 1 <= k <= B): slot k - 1's scores from its own sequential
+    decoding, every choice forced to the committed token (rows past the data stay -inf)."""
+    bs = hidden.shape[1]
+    forced = iter(seq[0, anchor + 1:anchor + bs + 1].tolist() + [0] * bs)
+    choose = lambda z: torch.full((z.shape[0],), next(forced), dtype=torch.long)  # noqa: E731
+    _, logits, _ = drafter.sequential_logits(hidden, head, seq[0, anchor].view(1), choose)
+    out = torch.full((bs + 1, head.weight.shape[0]), float("-inf"), dtype=torch.float64)
+    out[1:] = torch.log_softmax(logits[0].double(), -1)
+    return out
 
 
 def corrected_log_probs(drafter, hidden, head, seq, anchor):
@@ -184,7 +205,7 @@ def reference_loss(target, drafter, cfg, prompts, answers):
             positions = torch.arange(anchor + BLOCK).view(1, -1)
             hidden = drafter(features[:, :anchor], drafter.embed_block(embed, block), positions, sdpa_attention, None)
             logq = decoding_log_probs(drafter, hidden, head, seq, anchor)
-            for k in range(1, min(n + 1, BLOCK - 1) + 1):
+            for k in range(1, min(n + 1, drafter.num_drafts()) + 1):
                 if anchor + k >= end:
                     break
                 c = seq[0, anchor + k]

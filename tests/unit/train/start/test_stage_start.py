@@ -70,13 +70,16 @@ MEMBERS = {  # a member whose q reads its own head: its sections, its export's c
     # a few steps' Domino drafter has every first draft rejected: only its uncorrected slot 0 counts, so its layers
     # move and its GRU waits (the gradients through the GRU: tests/unit/architectures/family/test_onpolicy.py)
     "domino": ({"domino": {"gru_hidden_dim": 16, "emb_dim": 16}}, "DominoDrafter", "layers."),
+    "dspark": ({"dspark": {"markov_rank": 8}}, "DSparkDrafter", "markov_head."),
 }
 
 
-@pytest.mark.parametrize("arch", sorted(MEMBERS))
+# ~20 s each: one member in the default run, the others with -m long
+@pytest.mark.parametrize("arch", [a if a == "dflash2" else pytest.param(a, marks=pytest.mark.long) for a in sorted(MEMBERS)])
 def test_a_members_stage_continues_its_run_through_its_own_head(tiny_target_dir, counting_jsonl, tmp_path, arch):
-    """DFlash2's, LiLiCorr's and Domino's stages: their own q (the selector's rescoring, the lattice, the GRU's
-    correction in the shifted layout) trains them; the export stays the member's."""
+    """DFlash2's, LiLiCorr's, Domino's and DSpark's stages: their own q (the selector's rescoring, the lattice, the
+    GRU's correction, the Markov bias, the last two in a shifted layout) trains them; the export stays the
+    member's."""
     sections, drafter_class, head = MEMBERS[arch]
     own = {"drafter": {"architecture": arch}, **sections}
     assert main(["train", config(tmp_path, tiny_target_dir, counting_jsonl, optim={"max_steps": 4}, **own),
@@ -118,7 +121,7 @@ def test_a_start_that_is_not_this_stages_drafter_is_refused_naming_the_key(finis
              ({"onpolicy": {"start_from": str(finished)}, "drafter": {"architecture": "dflash2"}},
               "holds a dflash drafter and this stage trains drafter.architecture=dflash2"),
              ({"onpolicy": {"start_from": str(finished)}, "drafter": {"architecture": "dspark"}},
-              "the on-policy stage trains drafter.architecture=dflash / dflash2 / domino / lilicorr"),
+              "holds a dflash drafter and this stage trains drafter.architecture=dspark"),
              ({"onpolicy": {"start_from": str(finished)}, "drafter": {"architecture": "dflash2"},
                "dflash2": {"selector_codebooks": "factored"}}, "set dflash2.selector_codebooks=free")]
     for i, (sections, message) in enumerate(cases):
