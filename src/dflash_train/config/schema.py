@@ -183,6 +183,10 @@ class OnPolicyConfig:
     log_prob_min: float = -20.0
     # Each position's loss term is clamped from above to this.
     loss_max: float = 10.0
+    # The most decoding steps (blocks) of a row one micro-batch trains on, a random subset of its chain beyond it
+    # (0: objective.max_anchors), and at most objective.max_anchors_per_batch in all where that is set: the step's
+    # blocks stay within what training's memory estimate counts.
+    max_blocks: int = 0
 
 
 @dataclass

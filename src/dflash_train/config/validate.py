@@ -44,6 +44,7 @@ NUMBER_RULES: dict[str, Rule] = {
     "onpolicy.decay": Rule(float, low=0, high=1, low_open=True),
     "onpolicy.log_prob_min": Rule(float, high=0, high_open=True),
     "onpolicy.loss_max": POSITIVE_NUMBER,
+    "onpolicy.max_blocks": Rule(int, low=0, zero="0 = objective.max_anchors"),
     "objective.gamma": POSITIVE_NUMBER,
     "objective.loss_chunk_size": POSITIVE_INT,
     "objective.acceptance_floor": Rule(float, low=0, high=1, low_open=True),

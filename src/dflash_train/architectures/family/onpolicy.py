@@ -158,7 +158,7 @@ class OnPolicyObjective(BlockObjective):
         features, final = self.target.capture(batch.input_ids, with_final=True)
         plan = batch.host if batch.host is not None else batch
         target_next = self.target_argmax(final)  # [B, S]: the token the target puts after each position
-        chains = self.chains(batch, plan, features, target_next.cpu())
+        chains = self.trained_steps(self.chains(batch, plan, features, target_next.cpu()), generator)
         blocks, idx, rejected_at = self.chain_blocks(plan, chains, batch.input_ids.device)
         if self.whole_blocks:
             every = torch.arange(blocks.counted.numel(), device=idx.device)
@@ -213,6 +213,19 @@ class OnPolicyObjective(BlockObjective):
             for r, t in enumerate(taken):
                 accepted[r, t] = got[r, :len(t)]
         return decode_chain(accepted, plan.loss_mask, plan.lengths)
+
+    def trained_steps(self, chains: list[Chain], generator: torch.Generator) -> list[Chain]:
+        """The steps of each chain this micro-batch trains on: all of them, or a random subset (in chain order) of
+        `onpolicy.max_blocks` a row (0: `objective.max_anchors`) and `objective.max_anchors_per_batch` in all."""
+        per_row = self.cfg.onpolicy.max_blocks or self.cfg.objective.max_anchors
+        kept = [sorted(torch.randperm(len(c), generator=generator)[:per_row].tolist()) if len(c) > per_row
+                else list(range(len(c))) for c in chains]
+        total = self.cfg.objective.max_anchors_per_batch
+        if total and sum(map(len, kept)) > total:
+            flat = [(r, i) for r, row in enumerate(kept) for i in row]
+            chosen = set(torch.randperm(len(flat), generator=generator)[:total].tolist())
+            kept = [[i for j, (r2, i) in enumerate(flat) if r2 == r and j in chosen] for r in range(len(chains))]
+        return [[c[i] for i in row] for c, row in zip(chains, kept)]
 
     def chain_blocks(self, plan: Batch, chains: list[Chain],
                      device: torch.device) -> tuple[Blocks, torch.Tensor, torch.Tensor]:

@@ -9,6 +9,8 @@ head's bias from the committed token before, its gated or recurrent state teache
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from _memorise import memorise
@@ -44,7 +46,7 @@ def setup(request, tmp_path_factory, tokenizer_dir):
     cfg = config_from_dict({"drafter": {"block_size": BLOCK, "num_draft_layers": 1, "architecture": name},
                             **own,
                             "objective": {"max_anchors": 7, "loss_chunk_size": 13},
-                            "onpolicy": {"start_from": "unused", "decay": 0.7, "rejected_weight": 1.5},
+                            "onpolicy": {"start_from": "unused", "decay": 0.7, "rejected_weight": 1.5, "max_blocks": 64},
                             "data": {"max_length": 64, "token_budget": 256}})
     torch.manual_seed(0)
     arch = architecture(name)
@@ -183,6 +185,21 @@ def lattice_log_probs(drafter, hidden, head, seq, anchor):
             row = log_pair[0, k - 2, ranks[0, 0]]
         out[k, cand[0, k - 1]] = torch.log_softmax(row.double(), -1)
     return out
+
+
+def test_a_micro_batch_trains_on_a_seeded_subset_of_each_chain_within_the_block_caps(setup):
+    target, drafter, cfg, _, _ = setup
+    chains = [[(p, p % 3) for p in range(10, 40, 2)], [(5, 0), (7, 1)], []]  # 15, 2 and 0 steps
+    capped = copy.deepcopy(cfg)
+    capped.onpolicy.max_blocks, capped.objective.max_anchors_per_batch = 4, 5
+    objective, _ = objective_for(target, drafter, capped)
+    got = objective.trained_steps(chains, torch.Generator().manual_seed(1))
+    assert got == objective.trained_steps(chains, torch.Generator().manual_seed(1))  # the step's generator: resumable
+    assert sum(map(len, got)) == 5 and len(got[0]) <= 4 and len(got[2]) == 0
+    for row, chain in zip(got, chains):
+        assert row == [s for s in chain if s in row]  # a subset, in chain order
+    capped.onpolicy.max_blocks, capped.objective.max_anchors_per_batch = 0, 0  # objective.max_anchors a row
+    assert [len(r) for r in objective.trained_steps(chains, torch.Generator().manual_seed(1))] == [7, 2, 0]
 
 
 def reference_loss(target, drafter, cfg, prompts, answers):
