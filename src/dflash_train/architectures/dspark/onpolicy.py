@@ -33,6 +33,13 @@ class DSparkOnPolicyObjective(OnPolicyObjective):
     first_draft_slot = 0
     whole_blocks = True
 
+    def __init__(self, drafter, target, backend, cfg, compute_dtype):
+        super().__init__(drafter, target, backend, cfg, compute_dtype)
+        # q does not read the confidence head: it stays as the finished run trained it, frozen, so that DDP (built
+        # after the objective) holds no trained parameter that a step leaves without a gradient
+        if drafter.with_confidence:
+            drafter.confidence_head.requires_grad_(False)
+
     def build_blocks(self, plan: Batch, anchors: torch.Tensor, keep: torch.Tensor) -> MarkovBlocks:
         d = self.drafter
         blocks, previous = dspark_blocks(plan.input_ids, plan.loss_mask, plan.lengths, anchors, keep, d.block_size,

@@ -95,6 +95,27 @@ def test_a_members_stage_continues_its_run_through_its_own_head(tiny_target_dir,
     assert any(k.startswith(head) for k in moved), moved
 
 
+@pytest.mark.long  # ~30 s: two drafter ranks over gloo
+@pytest.mark.parametrize("arch", ["dspark", "domino"])
+def test_a_stage_on_two_ranks_trains_what_its_q_reads_and_nothing_else(tiny_target_dir, counting_jsonl, tmp_path,
+                                                                      arch):
+    """DDP needs every trained parameter to get a gradient each step: DSpark's stage leaves its confidence head as the
+    finished run trained it (frozen), Domino's corrected slots may be absent from a micro-batch (its GRU still in the
+    graph); both run on two ranks, and the confidence head is exported unchanged."""
+    sections = {"dspark": {"dspark": {"markov_rank": 8, "confidence_head": True}},
+                "domino": {"domino": {"gru_hidden_dim": 16, "emb_dim": 16}}}[arch]
+    own = {"drafter": {"architecture": arch}, **sections}
+    assert main(["train", config(tmp_path, tiny_target_dir, counting_jsonl, optim={"max_steps": 3}, **own),
+                 "--run-dir", str(tmp_path / "SFT")]) == 0
+    cfg = config(tmp_path, tiny_target_dir, counting_jsonl, onpolicy={"start_from": str(tmp_path / "SFT")},
+                 optim={"max_steps": 3}, **own)
+    assert main(["train", cfg, "--run-dir", str(tmp_path / "S"), "--nproc", "2"]) == 0
+    start, stage = load_drafter(tmp_path / "SFT" / "export"), load_drafter(tmp_path / "S" / "export")
+    frozen = [k for k in start.state_dict() if k.startswith("confidence_head.")]
+    assert (len(frozen) > 0) == (arch == "dspark")
+    assert all(torch.equal(start.state_dict()[k], stage.state_dict()[k]) for k in frozen)
+
+
 @pytest.mark.long  # ~25 s: the stage in a real process, stopped and resumed
 def test_a_stopped_stage_resumes_to_the_uninterrupted_losses(finished, tiny_target_dir, counting_jsonl, tmp_path):
     cfg = config(tmp_path, tiny_target_dir, counting_jsonl, onpolicy={"start_from": str(finished)},
