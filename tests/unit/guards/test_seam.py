@@ -395,6 +395,22 @@ def test_a_reduced_draft_vocabulary_is_a_declared_capability(toy_registered):
         config_from_dict({"drafter": {"architecture": "dflash2", "draft_vocab_size": 10}})
 
 
+def test_the_onpolicy_stage_is_declared_and_built_together(toy_registered):
+    """An architecture whose options declare `on_policy` names the stage's objective in its `Architecture`, and one
+    that does not names none; the stage under one that does not is refused before any model loads, naming those
+    that do."""
+    from dflash_train.architectures import architecture
+    from dflash_train.architectures.family.onpolicy import OnPolicyObjective
+
+    for name in registry.names():
+        stage = architecture(name).onpolicy_objective
+        assert registry.options(name).on_policy == (stage is not None), name
+        assert stage is None or issubclass(stage, OnPolicyObjective), name
+    with pytest.raises(ConfigError, match=r"'onpolicy.start_from': the on-policy stage trains drafter.architecture="
+                                          r"dflash / .* it does not train toy yet"):
+        config_from_dict({"drafter": {"architecture": "toy"}, "onpolicy": {"start_from": "runs/finished"}})
+
+
 def _train(main, config: Path, run: Path) -> list[dict]:
     """Three steps of `train CONFIG` into `run`: its metrics records."""
     assert main(["train", str(config), "--run-dir", str(run), "--max-steps", "3"]) == 0
