@@ -205,8 +205,9 @@ class OnPolicyObjective(BlockObjective):
             out = self.block_rows(batch, features, device_blocks, every, self.drafter)
             bs = self.drafter.block_size
             hidden = out.view(b * n, bs, -1)
-            drafts = self.drafter.greedy_proposals(hidden, self.target.lm_head,
-                                                   device_blocks.block_ids.view(b * n, bs)[:, 0]).drafts
+            with self.autocast(batch.input_ids.device):  # a member's own head (float32 masters) meets bf16 states
+                drafts = self.drafter.greedy_proposals(hidden, self.target.lm_head,
+                                                       device_blocks.block_ids.view(b * n, bs)[:, 0]).drafts
             drafts = drafts.view(b, n, -1).cpu()
             f = self.first_draft_slot
             got = accept_lengths(drafts, target_next, anchors, blocks.counted[..., f:f + drafts.shape[-1]])
