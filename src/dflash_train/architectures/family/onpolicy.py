@@ -224,8 +224,9 @@ class OnPolicyObjective(BlockObjective):
         total = self.cfg.objective.max_anchors_per_batch
         if total and sum(map(len, kept)) > total:
             flat = [(r, i) for r, row in enumerate(kept) for i in row]
-            chosen = set(torch.randperm(len(flat), generator=generator)[:total].tolist())
-            kept = [[i for j, (r2, i) in enumerate(flat) if r2 == r and j in chosen] for r in range(len(chains))]
+            kept = [[] for _ in chains]
+            for j in sorted(torch.randperm(len(flat), generator=generator)[:total].tolist()):  # flat is in chain order
+                kept[flat[j][0]].append(flat[j][1])
         return [[c[i] for i in row] for c, row in zip(chains, kept)]
 
     def chain_blocks(self, plan: Batch, chains: list[Chain],

@@ -39,15 +39,14 @@ class LiLiCorrOnPolicyObjective(OnPolicyObjective):
         hidden = out.view(b * n, bs, -1)
         lp, cand = self.candidate_log_probs(hidden[:, 1:], self.target.lm_head.weight)
         log_start, log_pair = self.drafter.lattice(hidden, lp, cand, self.target.embed_tokens)
+        k = cand.shape[-1]
+        # each drafted slot's rows by the predecessor's rank: log_start for the first draft, whatever came before
+        rows_by_slot = torch.cat([log_start[:, None, None].expand(-1, 1, k, -1), log_pair], 1)  # [n, S, k, k]
         block, slot = idx // bs, idx % bs - 1  # each counted row's block and drafted slot (0: the first draft)
-        before = (slot - 1).clamp_min(0)
         previous = blocks.labels.view(b * n, bs)[block, slot]  # the committed token before it (the anchor at 0)
-        previous_hit = cand[block, before] == previous.unsqueeze(1)
-        rows_given = log_pair[block, before.clamp_max(max(log_pair.shape[1] - 1, 0)), previous_hit.long().argmax(-1)] \
-            if log_pair.shape[1] else log_start[block]
-        first = (slot == 0).unsqueeze(1)
-        logq = torch.log_softmax(torch.where(first, log_start[block], rows_given), -1)  # [M, k]
-        on_lattice = first.squeeze(1) | previous_hit.any(-1)
+        previous_hit = cand[block, (slot - 1).clamp_min(0)] == previous.unsqueeze(1)
+        logq = torch.log_softmax(rows_by_slot[block, slot, previous_hit.long().argmax(-1)], -1)  # [M, k]
+        on_lattice = (slot == 0) | previous_hit.any(-1)
         hit = (cand[block, slot] == labels.unsqueeze(1)) & on_lattice.unsqueeze(1)
         outside = torch.full_like(logq[:, 0], self.cfg.onpolicy.log_prob_min)
         label = torch.where(hit.any(-1), (logq * hit).sum(-1), outside)
