@@ -35,6 +35,9 @@ SHAPES = {
     # hidden, layers, heads, kv heads, head_dim, intermediate, vocab
     "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=12288, vocab_size=151936),
+    # the embedded SmolLM2-135M-Instruct's dimensions (tied embeddings): the quality bench's target
+    "smollm2-class": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=1000),  # CPU smoke runs of the benchmark code
     "qwen3-27b-class": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
