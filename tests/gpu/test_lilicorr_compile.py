@@ -17,9 +17,10 @@ pytestmark = [
 
 @pytest.mark.parametrize("conv", [False, True])
 def test_a_compiled_lilicorr_run_never_recompiles_after_its_warm_up(tmp_path, tiny_target_dir, counting_jsonl, conv):
-    """drafter.compile=true and target.compile=true with flex attention and validation: the head (eager, chunked and
-    recomputed in the backward) runs between the compiled layers in every step alike, so no step after the warm-up
-    compiles again; with conv the convolution-wrapped layers compile under their own names."""
+    """drafter.compile=true and target.compile=true with flex attention and validation: the head's vectors compile
+    as one graph of one padded chunk shape (chunked and recomputed in the backward), so no step after the warm-up
+    compiles again whatever its number of blocks; with conv the convolution-wrapped layers compile under their own
+    names."""
     from dflash_train.architectures.io import load_drafter
     from dflash_train.cli import main
     from dflash_train.infer.spec_decode import SpeculativeDecoder

@@ -124,6 +124,14 @@ class LiLiCorrHead(nn.Module):
         hidden states, `lp [n, S, k]` the candidates' log-probabilities (best first), `anchor_hidden [n, H]` the
         anchor row and `anchor_valid [n]` where there is one. Returns (log_start `[n, k]`, log_pair
         `[n, S-1, k, k]`), float32."""
+        return self.scores(*self.vectors(cand_embeds, pass_hidden, lp, anchor_hidden, anchor_valid))
+
+    def vectors(self, cand_embeds: torch.Tensor, pass_hidden: torch.Tensor, lp: torch.Tensor,
+                anchor_hidden: torch.Tensor, anchor_valid: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward`'s unit factor vectors (out `[n, S, k, f]`, in `[n, S, k, f]`, anchor_out `[n, f]`, float32):
+        all of the head but the cosines. The part a compiled training step fuses (`LiLiCorrDrafter.compile_layers`);
+        it enters no autocast context of its own, which a cached compiled graph may not hold."""
         n, slots, k = lp.shape
         lp = wide(lp)
         rank = torch.arange(k, device=lp.device, dtype=lp.dtype)
@@ -145,7 +153,13 @@ class LiLiCorrHead(nn.Module):
         out = F.normalize(wide(self.out_head(g)), dim=-1, eps=self.vector_eps).view(n, slots, k, -1)
         inn = F.normalize(wide(self.in_head(g)), dim=-1, eps=self.vector_eps).view(n, slots, k, -1)
         anchor_out = F.normalize(wide(self.anchor_out_head(u)), dim=-1, eps=self.vector_eps)
-        with torch.autocast(out.device.type, enabled=False):  # the cosines in float32, not the compute dtype
+        return out, inn, anchor_out
+
+    def scores(self, out: torch.Tensor, inn: torch.Tensor, anchor_out: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log_start `[n, k]`, log_pair `[n, S-1, k, k]`): the scaled cosines of `vectors`' output, in float32
+        (not the compute dtype)."""
+        with torch.autocast(out.device.type, enabled=False):
             log_start = self.logit_scale * torch.einsum("nf,nkf->nk", anchor_out, inn[:, 0])
             log_pair = self.logit_scale * torch.einsum("nsif,nsjf->nsij", out[:, :-1], inn[:, 1:])
         return log_start, log_pair

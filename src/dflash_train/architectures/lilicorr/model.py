@@ -45,6 +45,19 @@ class LiLiCorrDrafter(BlockDrafter):
     def compiled_name(self) -> str:
         return "lilicorr_conv_drafter" if self.layer_class is ConvDecoderLayer else "lilicorr_drafter"
 
+    def compile_layers(self, backend: Optional[str] = None) -> None:
+        """The family's compiled layers, and the head's vectors (`LiLiCorrHead.vectors`: its projections, lattice
+        layers and factor heads) as one graph for the training step's chunks, which `lattice` pads to one static
+        shape: fused, the head's many memory-bound kernels (norms, SiLU, casts, the normalisations) were most of
+        its time, eager, at the bench's shape."""
+        from ...accel.compile import compiled
+        from ..family import model as family_model
+
+        super().compile_layers(backend)
+        backend = backend or family_model.COMPILE_BACKEND
+        self._compiled_vectors = compiled(f"{self.compiled_name()}_head[{backend}]", LiLiCorrHead.vectors,
+                                          dynamic=False, backend=backend)
+
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
         f = head_fields(config.dflash_config)
@@ -52,6 +65,7 @@ class LiLiCorrDrafter(BlockDrafter):
             config.hidden_size, self.block_size, f["lilicorr_candidate_topk"], f["lilicorr_hidden_size"],
             f["lilicorr_num_layers"], f["lilicorr_num_heads"], f["lilicorr_mlp_ratio"], f["lilicorr_factor_dim"],
             f["lilicorr_vector_eps"], f["lilicorr_logit_scale"], config.rms_norm_eps)
+        self._compiled_vectors: Optional[Callable] = None
         self.reset_parameters()  # again, now that the head exists
 
     @torch.no_grad()
@@ -95,20 +109,31 @@ class LiLiCorrDrafter(BlockDrafter):
                 embed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's (log_start, log_pair) for blocks whose `forward` output is `hidden [n, bs, H]`, their slots'
         candidates `cand [n, S, k]` (target ids, best first) and log-probabilities `lp [n, S, k]`. With gradients,
-        over chunks of `head.CHUNK_NODES` nodes, each recomputed in the backward."""
+        over chunks of `head.CHUNK_NODES` nodes, each recomputed in the backward; after `compile_layers`, every
+        chunk padded to the same number of blocks and run through the compiled vectors (one shape: no
+        recompiles)."""
         anchor = hidden[:, 0]
         inputs = (hidden[:, 1:], lp, cand, anchor, anchor.ne(0).any(-1))
 
-        def scores(pass_hidden, lp, cand, anchor, present):
+        def scores(vectors, pass_hidden, lp, cand, anchor, present):
             with torch.no_grad():
                 embeds = embed(cand)
-            return self.lilicorr(embeds.to(pass_hidden.dtype), pass_hidden, lp, anchor, present)
+            return self.lilicorr.scores(*vectors(self.lilicorr, embeds.to(pass_hidden.dtype), pass_hidden, lp,
+                                                 anchor, present))
 
         n, slots, k = cand.shape
-        if not torch.is_grad_enabled() or n == 0:
-            return scores(*inputs)
+        if not torch.is_grad_enabled() or n == 0:  # decoding, replay, validation: eager, no chunks
+            return scores(LiLiCorrHead.vectors, *inputs)
+        compiled = self._compiled_vectors
         step = max(1, CHUNK_NODES // (slots * k))  # whole blocks (the head's attention stays within a block)
-        parts = [checkpoint(scores, *(t[i:i + step] for t in inputs), use_reentrant=False) for i in range(0, n, step)]
+        parts = []
+        for i in range(0, n, step):
+            chunk = [t[i:i + step] for t in inputs]
+            size = chunk[0].shape[0]
+            if compiled is not None:  # one shape and one layout (a slice's strides differ from a padded copy's)
+                chunk = [pad_blocks(t, step) if size < step else t.contiguous() for t in chunk]
+            start, pair = checkpoint(scores, compiled or LiLiCorrHead.vectors, *chunk, use_reentrant=False)
+            parts.append((start[:size], pair[:size]))
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     # ------------------------------------------------------------ proposals
@@ -162,3 +187,9 @@ def sampled_walk(log_start: torch.Tensor, log_pair: torch.Tensor, temperature: f
         ranks.append(torch.multinomial(p, 1, generator=generator).squeeze(1))
         dists.append(p)
     return torch.stack(ranks, 1), torch.stack(dists, 1)
+
+
+def pad_blocks(t: torch.Tensor, blocks: int) -> torch.Tensor:
+    """`t` with zero blocks appended along dim 0 up to `blocks` (a padded block: no anchor, token 0, zero inputs;
+    its scores are sliced off, so it adds no gradient)."""
+    return torch.cat([t, t.new_zeros(blocks - t.shape[0], *t.shape[1:])])

@@ -79,3 +79,35 @@ def test_chunked_scores_and_gradients_equal_the_whole_lattices_and_keep_less(tar
         start, pair = d.lattice(*inputs[:2], inputs[2], target.get_input_embeddings())
     assert torch.allclose(start, whole[0], rtol=1e-12, atol=1e-12) and torch.allclose(pair, whole[1], rtol=1e-12,
                                                                                        atol=1e-12)
+
+
+def test_compiled_head_pads_every_chunk_to_one_shape_and_equals_the_eager_head(target, monkeypatch, fresh_dynamo):
+    """After `compile_layers` the training step's chunks run through one compiled graph of the head's vectors:
+    7 blocks in chunks of 2 pad the last chunk, so Dynamo captures a single graph for all four calls (a second shape
+    would be a recompile mid-run); the scores and every gradient equal the eager head's over all blocks at once, and
+    no-grad calls (decoding, validation) keep the eager head."""
+    from dflash_train.accel import compile as compile_layer
+
+    monkeypatch.setattr(compile_layer, "_compiled", {})  # this test's graphs stay out of other tests
+    monkeypatch.setattr(compile_layer, "_codes", {})
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    d, inputs = drafter(target), lattice_inputs(target)
+    whole = scores_and_grads(d, target, inputs, head_at_once(d, target))
+    monkeypatch.setattr(model_module, "CHUNK_NODES", 32)
+    d.compile_layers(backend=recorder)
+    chunked = scores_and_grads(d, target, inputs)
+    # the family's layers do not run here: every graph is the head's; one static chunk shape, [2 blocks, 4 slots,
+    # 4 candidates, H] for the candidates' embeddings
+    assert len(graphs) == 1 and (2, 4, 4, target.config.hidden_size) in graphs[0], graphs
+    for a, b in zip(whole[:4], chunked[:4]):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert all(torch.allclose(whole[4][n], chunked[4][n], rtol=1e-10, atol=1e-12) for n in whole[4])
+    seen = len(graphs)
+    with torch.no_grad():
+        start, _ = d.lattice(*inputs[:2], inputs[2], target.get_input_embeddings())
+    assert len(graphs) == seen and torch.allclose(start, whole[0], rtol=1e-12, atol=1e-12)
