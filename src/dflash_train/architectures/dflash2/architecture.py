@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..contract import Architecture
 from ..family.backend import resolve_backend
 from .config import HF_ARCHITECTURE, config_for_run, dflash2_config_from_dict, dflash2_config_json
+from .flops import step_flops
 from .memory import step_memory
 from .model import DFlash2Drafter
 from .objective import DFlash2Objective
@@ -36,4 +37,5 @@ ARCHITECTURE = Architecture(
     onpolicy_objective=DFlash2OnPolicyObjective,
     parameter_groups=parameter_groups,
     step_memory=step_memory,
+    step_flops=step_flops,
 )

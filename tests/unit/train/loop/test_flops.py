@@ -111,6 +111,12 @@ OWN_MODULES = {  # name: (architecture, its section, the own parts the formula c
                                                "confidence_weight": 0.0}, {"target_logits", "markov"}),
     "dspark rnn": ("dspark", {"markov_rank": 8, "markov_head_type": "rnn"}, {"target_logits", "markov", "confidence"}),
     "domino": ("domino", {"gru_hidden_dim": 24, "emb_dim": 12}, {"gru", "correction"}),
+    "dflash2": ("dflash2", {"selector_rank": 8, "selector_top_k": 4}, {"convolutions", "selector"}),
+    "dflash2, every row": ("dflash2", {"selector_rank": 6, "selector_top_k": 8, "selector_rows": "all",
+                                      "conv_kernel_size": 3, "conv_group_size": 8}, {"convolutions", "selector"}),
+    "lilicorr conv": ("lilicorr", {"candidate_topk": 4, "head_hidden_size": 32, "head_num_layers": 1,
+                                   "head_num_heads": 2, "factor_dim": 8, "conv": True},
+                      {"lilicorr_candidates", "lilicorr_anchor_rows", "lilicorr_head", "lilicorr_conv"}),
     "lilicorr": ("lilicorr", {"candidate_topk": 4, "head_hidden_size": 32, "head_num_layers": 1, "head_num_heads": 2,
                               "factor_dim": 8}, {"lilicorr_candidates", "lilicorr_anchor_rows", "lilicorr_head"}),
     "lilicorr as wide as the drafter": ("lilicorr", {"candidate_topk": 2, "head_hidden_size": 0, "head_num_layers": 2,
@@ -120,8 +126,8 @@ OWN_MODULES = {  # name: (architecture, its section, the own parts the formula c
 
 
 @pytest.mark.parametrize("case", list(OWN_MODULES))
-def test_the_formula_counts_dspark_and_domino_modules_that_run(case, monkeypatch):
-    """DSpark's and Domino's steps under the FLOP counter, every block kept and every slot of it run: the formula's
+def test_the_formula_counts_each_members_own_modules_that_run(case, monkeypatch):
+    """Each member's step under the FLOP counter, every block kept and every slot of it run: the formula's
     DFlash core plus the architecture's own parts (its `Architecture.step_flops` hook) equal the matmuls that run, but for the
     fc's input gradient (as DFlash's) and, in Domino's GRU, the state gradient of each block's first step (its zero
     initial state needs none)."""
