@@ -148,7 +148,11 @@ def test_shipped_gpu_configs_match_their_descriptions():
     assert (f.data.token_budget, f.data.max_batch_size) == (49152, 64)
     assert (f.parallel.placement, f.parallel.target_ranks, f.run.eval_every) == ("split", 5, 0)
     assert (f.drafter.num_attention_heads, f.drafter.intermediate_size) == (32, 17408)
-    assert q.target.compile and f.target.compile  # the GPU configs compile the target (tests/gpu/ covers it)
+    d = load_config(CONFIGS / "qwen-27b-dflash2-fp8.yaml")
+    assert (d.drafter.architecture, d.drafter.block_size, d.objective.max_anchors, d.target.quantize) == \
+        ("dflash2", 8, 512, "fp8")
+    assert (d.drafter.num_attention_heads, d.drafter.intermediate_size, d.parallel.placement) == (32, 17408, "colocated")
+    assert q.target.compile and f.target.compile and d.target.compile  # the GPU configs compile the target
 
 
 def test_a_deprecated_key_is_named_where_it_was_written(tmp_path, caplog, monkeypatch):
