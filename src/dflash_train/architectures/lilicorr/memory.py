@@ -50,7 +50,8 @@ class LiLiCorrStepMemory(StepMemory):
         """At float32, the widest compute dtype: each of the lattice's nodes (k per counted row) keeps its lm_head
         row (H), its log-probability, target logit and scores (~3 k + 8); and one chunk of the head
         (`head.CHUNK_NODES` nodes in whole blocks of (B - 1) k), recomputed in the backward, holds its activations
-        and their gradients."""
+        and their gradients. A compiled head pads a step's last chunk to a whole one; a step with fewer nodes than
+        one chunk is counted at its own size (the largest micro-batches, which the preflight checks, fill chunks)."""
         per_block = (self.block_size - 1) * self.topk
         nodes = counted * self.topk
         chunk_blocks = min(-(-nodes // per_block), max(1, CHUNK_NODES // per_block))

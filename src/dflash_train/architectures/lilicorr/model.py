@@ -115,7 +115,14 @@ class LiLiCorrDrafter(BlockDrafter):
         anchor = hidden[:, 0]
         inputs = (hidden[:, 1:], lp, cand, anchor, anchor.ne(0).any(-1))
 
-        def scores(vectors, pass_hidden, lp, cand, anchor, present):
+        def scores(vectors, blocks, pass_hidden, lp, cand, anchor, present):
+            """`blocks` > 0: the inputs padded to that many blocks and contiguous first (one shape and one layout for
+            the compiled vectors: a slice's strides differ from a padded copy's); inside the checkpoint, so the
+            copies live while one chunk runs and are made again in the backward."""
+            if blocks:
+                pass_hidden, lp, cand, anchor, present = (
+                    pad_blocks(t, blocks) if t.shape[0] < blocks else t.contiguous()
+                    for t in (pass_hidden, lp, cand, anchor, present))
             with torch.no_grad():
                 embeds = embed(cand)
             return self.lilicorr.scores(*vectors(self.lilicorr, embeds.to(pass_hidden.dtype), pass_hidden, lp,
@@ -123,16 +130,15 @@ class LiLiCorrDrafter(BlockDrafter):
 
         n, slots, k = cand.shape
         if not torch.is_grad_enabled() or n == 0:  # decoding, replay, validation: eager, no chunks
-            return scores(LiLiCorrHead.vectors, *inputs)
+            return scores(LiLiCorrHead.vectors, 0, *inputs)
         compiled = self._compiled_vectors
         step = max(1, CHUNK_NODES // (slots * k))  # whole blocks (the head's attention stays within a block)
         parts = []
         for i in range(0, n, step):
             chunk = [t[i:i + step] for t in inputs]
             size = chunk[0].shape[0]
-            if compiled is not None:  # one shape and one layout (a slice's strides differ from a padded copy's)
-                chunk = [pad_blocks(t, step) if size < step else t.contiguous() for t in chunk]
-            start, pair = checkpoint(scores, compiled or LiLiCorrHead.vectors, *chunk, use_reentrant=False)
+            start, pair = checkpoint(scores, compiled or LiLiCorrHead.vectors, step if compiled else 0, *chunk,
+                                     use_reentrant=False)
             parts.append((start[:size], pair[:size]))
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 

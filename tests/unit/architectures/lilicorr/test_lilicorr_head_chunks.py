@@ -111,3 +111,32 @@ def test_compiled_head_pads_every_chunk_to_one_shape_and_equals_the_eager_head(t
     with torch.no_grad():
         start, _ = d.lattice(*inputs[:2], inputs[2], target.get_input_embeddings())
     assert len(graphs) == seen and torch.allclose(start, whole[0], rtol=1e-12, atol=1e-12)
+
+
+def test_the_compiled_head_compiles_once_with_its_backward_under_bf16_autocast(target, monkeypatch, fresh_dynamo):
+    """As training runs it: bf16 autocast, AOTAutograd's joint graph (aot_eager), the backward recomputing each chunk
+    through the compiled graph: two steps over full and padded chunks compile one graph and recompile nothing, and
+    the scores match the eager head's to bf16 rounding."""
+    from dflash_train.accel import compile as compile_layer
+
+    monkeypatch.setattr(compile_layer, "_compiled", {})
+    monkeypatch.setattr(compile_layer, "_codes", {})
+    monkeypatch.setattr(model_module, "CHUNK_NODES", 32)  # 7 blocks: three chunks of 2, one padded
+    d = drafter(target).float()
+    hidden, lp, cand = lattice_inputs(target)
+
+    def step():
+        h, p = (t.detach().float().requires_grad_() for t in (hidden, lp))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            start, pair = d.lattice(h, p, cand, target.get_input_embeddings())
+        (start.square().sum() + pair.sum()).backward()
+        return start.detach(), h.grad
+
+    eager = step()
+    d.compile_layers(backend="aot_eager")
+    graphs, recompiles = compile_layer.graphs_compiled(), compile_layer.recompiles()
+    first, second = step(), step()
+    assert compile_layer.graphs_compiled() - graphs == 1 and compile_layer.recompiles() == recompiles
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    torch.testing.assert_close(first[0], eager[0], rtol=0.05, atol=0.05)
+    assert first[1].abs().sum() > 0
