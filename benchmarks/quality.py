@@ -145,10 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "trained drafter (the default's with the target alone too: speedup) and compare each with "
                         "its replay turn by turn")
     p.add_argument("--variant", action="append", metavar="NAME=K=V[,K=V...]",
-                   help="also train this recipe (the overrides on top of the default's), at the same time, and "
-                        "replay it; repeat. The default run keeps GPU 0 to itself when there are several. "
-                        "onpolicy.start_from=@RUN (default or an earlier variant) makes it the on-policy stage of that "
-                        "run: it trains once RUN has exported")
+                   help="also train this recipe (the overrides on top of the default's), at the same time (see "
+                        "--one-at-a-time), and replay it; repeat. The default run keeps GPU 0 to itself when there "
+                        "are several. onpolicy.start_from=@RUN (default or an earlier variant) makes it the on-policy "
+                        "stage of that run: it trains once RUN has exported")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="train the runs one after another (the default first, then the variants in order), each alone "
+                        "on its GPU, instead of all at once: their training wall times compare (equal-GPU-time "
+                        "comparisons, e.g. the on-policy stage against longer training)")
     p.add_argument("--confidence-thresholds", type=parse_thresholds, default=(), metavar="C[,C...]",
                    help="with --method replay: also report, per drafter with a confidence head, tau and tokens "
                         "verified per step of block decoding truncated at each threshold (eval "

@@ -10,7 +10,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .children import (
     child_env, ChildFailed, count_lines, gpu_env, run_eval_workers, run_helpers, run_regen, run_trainings, TrainJob,
@@ -54,6 +54,17 @@ def parse_variants(specs: list[str], config: str, overrides: list[str]) -> dict[
                              f"--variant before it: {', '.join(['default', *variants][:-1])})")
         load_config(config, list(overrides) + variants[name])
     return variants
+
+
+def next_wave(todo: dict, ready: Callable[[str], bool], order: list[str], one_at_a_time: bool) -> dict:
+    """The runs of `todo` to train together next: every one that is ready (an on-policy variant once the run it
+    continues has exported), or with `one_at_a_time` the first of them in `order` alone (each run alone on its
+    GPU: training wall times that compare, for equal-GPU-time comparisons)."""
+    wave = {n: r for n, r in todo.items() if ready(n)}
+    if one_at_a_time and wave:
+        first = next(n for n in order if n in wave)
+        return {first: wave[first]}
+    return wave
 
 
 def flex_refusals(configs: dict) -> list[str]:
@@ -243,8 +254,8 @@ class Driver:
         return cmd
 
     def stage_train(self) -> None:
-        """Train every run not yet exported, at the same time (spread over the GPUs). Unfinished when the
-        deadline stopped them (with a checkpoint: the next call resumes)."""
+        """Train every run not yet exported, at the same time (spread over the GPUs; with --one-at-a-time one after
+        another). Unfinished when the deadline stopped them (with a checkpoint: the next call resumes)."""
         from dflash_train.commands.pipeline import Unfinished
 
         runs = self.runs()
@@ -253,7 +264,7 @@ class Driver:
             self.log(f"train {name}: reusing {runs[name][0] / 'export'}")
         order = list(runs)  # each run keeps its GPU slot across waves
         while todo:  # waves: an on-policy variant trains once the run it continues has exported
-            wave = {n: r for n, r in todo.items() if self.ready(n, runs)}
+            wave = next_wave(todo, lambda n: self.ready(n, runs), order, self.args.one_at_a_time)
             if not wave:
                 break
             self.train_wave(wave, order)

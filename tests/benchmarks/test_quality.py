@@ -9,6 +9,7 @@ import importlib.util
 import json
 import random
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ def _load_quality():
 
 Q = _load_quality()  # puts benchmarks/ on the path: its parts, quality_bench, import from there
 
-from quality_bench.driver import Driver, flex_refusals, parse_variants  # noqa: E402
+from quality_bench.driver import Driver, flex_refusals, next_wave, parse_variants  # noqa: E402
 from quality_bench.inputs import prepare_training_data  # noqa: E402
 from quality_bench.overlap import OverlapIndex, drop_overlap, training_user_turns  # noqa: E402
 from quality_bench.report import (  # noqa: E402
@@ -647,6 +648,37 @@ def test_an_onpolicy_variant_must_name_an_earlier_run():
     got = parse_variants(["d2=drafter.architecture=dflash2", "opd=onpolicy.start_from=@d2,drafter.architecture=dflash2"],
                          config, [])
     assert got["opd"] == ["onpolicy.start_from=@d2", "drafter.architecture=dflash2"]
+
+
+def test_one_at_a_time_trains_the_ready_runs_singly_in_order():
+    """--one-at-a-time: the first ready run in the runs' order alone (an on-policy stage still waits for its source);
+    without it, every ready run at once."""
+    todo = {"default": 0, "opd": 1, "longer": 2}
+    order = ["default", "opd", "longer"]
+    waiting = lambda n: n != "opd"  # noqa: E731 (opd continues default, not yet exported)
+    assert next_wave(todo, waiting, order, one_at_a_time=False) == {"default": 0, "longer": 2}
+    assert next_wave(todo, waiting, order, one_at_a_time=True) == {"default": 0}
+    assert next_wave({"opd": 1, "longer": 2}, lambda n: True, order, one_at_a_time=True) == {"opd": 1}
+    assert next_wave({"opd": 1}, lambda n: False, order, one_at_a_time=True) == {}
+
+
+@pytest.mark.long  # ~25 s: two trainings, one after the other
+def test_one_at_a_time_starts_a_variant_after_the_default_has_finished(tmp_path, tiny_target_dir, counting_jsonl):
+    """The variant's training process starts once the default's has exported (each alone on the device)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"target:\n  path: {tiny_target_dir}\ndrafter:\n  block_size: 4\n  num_draft_layers: 1\n"
+                      "data:\n  max_length: 256\n  token_budget: 512\n  max_batch_size: 2\nobjective:\n  max_anchors: 16\n"
+                      "run:\n  device: cpu\n  progress_bar: false\n  eval_every: 0\n  log_every: 1\n")
+    out = tmp_path / "q"
+    argv = ["--out", str(out), "--config", str(config), "--data", str(counting_jsonl), "--stages", "prepare,train",
+            "--device", "cpu", "--one-at-a-time", "optim.max_steps=6", "--variant", "lr=optim.lr=1e-4,optim.max_steps=2"]
+    assert Q.main(argv) == 0
+
+    def logged(run: Path, line: int) -> float:
+        text = (run / "train.log").read_text().splitlines()[line]
+        return datetime.strptime(text[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+    assert logged(out / "variants" / "lr", 0) >= logged(out / "run", -1)  # its first line after the default's last
 
 
 @pytest.mark.long  # ~30 s: two trainings, the second the on-policy stage of the first
