@@ -48,8 +48,7 @@ class LiLiCorrDrafter(BlockDrafter):
     def compile_layers(self, backend: Optional[str] = None) -> None:
         """The family's compiled layers, and the head's vectors (`LiLiCorrHead.vectors`: its projections, lattice
         layers and factor heads) as one graph for the training step's chunks, which `lattice` pads to one static
-        shape: fused, the head's many memory-bound kernels (norms, SiLU, casts, the normalisations) were most of
-        its time, eager, at the bench's shape."""
+        shape (eager, the head ran at about a quarter of the layers' rate: docs/results/performance.md)."""
         from ...accel.compile import compiled
         from ..family import model as family_model
 
