@@ -650,6 +650,20 @@ def test_an_onpolicy_variant_must_name_an_earlier_run():
     assert got["opd"] == ["onpolicy.start_from=@d2", "drafter.architecture=dflash2"]
 
 
+def _two_run_bench(tmp_path: Path, tiny_target_dir, counting_jsonl, *args: str) -> Path:
+    """The bench's prepare and train stages on the tiny target (CPU, block 4), with `args` (overrides, --variant);
+    returns its work dir."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"target:\n  path: {tiny_target_dir}\ndrafter:\n  block_size: 4\n  num_draft_layers: 1\n"
+                      "data:\n  max_length: 256\n  token_budget: 512\n  max_batch_size: 2\nobjective:\n  max_anchors: 16\n"
+                      "run:\n  device: cpu\n  progress_bar: false\n  eval_every: 0\n  log_every: 1\n")
+    out = tmp_path / "q"
+    argv = ["--out", str(out), "--config", str(config), "--data", str(counting_jsonl), "--stages", "prepare,train",
+            "--device", "cpu", *args]
+    assert Q.main(argv) == 0
+    return out
+
+
 def test_one_at_a_time_trains_the_ready_runs_singly_in_order():
     """--one-at-a-time: the first ready run in the runs' order alone (an on-policy stage still waits for its source);
     without it, every ready run at once."""
@@ -665,14 +679,8 @@ def test_one_at_a_time_trains_the_ready_runs_singly_in_order():
 @pytest.mark.long  # ~25 s: two trainings, one after the other
 def test_one_at_a_time_starts_a_variant_after_the_default_has_finished(tmp_path, tiny_target_dir, counting_jsonl):
     """The variant's training process starts once the default's has exported (each alone on the device)."""
-    config = tmp_path / "c.yaml"
-    config.write_text(f"target:\n  path: {tiny_target_dir}\ndrafter:\n  block_size: 4\n  num_draft_layers: 1\n"
-                      "data:\n  max_length: 256\n  token_budget: 512\n  max_batch_size: 2\nobjective:\n  max_anchors: 16\n"
-                      "run:\n  device: cpu\n  progress_bar: false\n  eval_every: 0\n  log_every: 1\n")
-    out = tmp_path / "q"
-    argv = ["--out", str(out), "--config", str(config), "--data", str(counting_jsonl), "--stages", "prepare,train",
-            "--device", "cpu", "--one-at-a-time", "optim.max_steps=6", "--variant", "lr=optim.lr=1e-4,optim.max_steps=2"]
-    assert Q.main(argv) == 0
+    out = _two_run_bench(tmp_path, tiny_target_dir, counting_jsonl, "--one-at-a-time", "optim.max_steps=6",
+                         "--variant", "lr=optim.lr=1e-4,optim.max_steps=2")
 
     def logged(run: Path, line: int) -> float:
         text = (run / "train.log").read_text().splitlines()[line]
@@ -685,21 +693,15 @@ def test_one_at_a_time_starts_a_variant_after_the_default_has_finished(tmp_path,
 def test_an_onpolicy_variant_trains_after_the_run_it_continues(tmp_path, tiny_target_dir, counting_jsonl):
     """`--variant opd=onpolicy.start_from=@default`: the stage waits for the default's export (a second wave), starts
     from it and exports its own; the same command again trains nothing."""
-    config = tmp_path / "c.yaml"
-    config.write_text(f"target:\n  path: {tiny_target_dir}\ndrafter:\n  block_size: 4\n  num_draft_layers: 1\n"
-                      "data:\n  max_length: 256\n  token_budget: 512\n  max_batch_size: 2\nobjective:\n  max_anchors: 16\n"
-                      "run:\n  device: cpu\n  progress_bar: false\n  eval_every: 0\n  log_every: 1\n")
-    out = tmp_path / "q"
-    argv = ["--out", str(out), "--config", str(config), "--data", str(counting_jsonl), "--stages", "prepare,train",
-            "--device", "cpu", "optim.max_steps=3", "--variant", "opd=onpolicy.start_from=@default,optim.max_steps=2"]
-    assert Q.main(argv) == 0
+    argv = ["optim.max_steps=3", "--variant", "opd=onpolicy.start_from=@default,optim.max_steps=2"]
+    out = _two_run_bench(tmp_path, tiny_target_dir, counting_jsonl, *argv)
     stage_log = (out / "variants" / "opd" / "train.log").read_text()
     assert f"the drafter starts from {out / 'run' / 'export'}" in stage_log
     assert (out / "variants" / "opd" / "export" / "model.safetensors").is_file()
     steps = [json.loads(line) for line in (out / "variants" / "opd" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if "onpolicy_committed_loss" in r] == [1, 2]
     made = (out / "variants" / "opd" / "export" / "model.safetensors").stat().st_mtime_ns
-    assert Q.main(argv) == 0  # the same command again: both done, nothing retrained
+    _two_run_bench(tmp_path, tiny_target_dir, counting_jsonl, *argv)  # the same command again: nothing retrained
     assert (out / "variants" / "opd" / "export" / "model.safetensors").stat().st_mtime_ns == made
 
 
