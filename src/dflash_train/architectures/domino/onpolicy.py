@@ -12,9 +12,7 @@ from typing import Optional
 import torch
 
 from ..family.blocks import Blocks
-from ..family.objective import shifted_stats
 from ..family.onpolicy import DraftLogProbs, OnPolicyObjective, softmax_log_probs
-from ..stats import StepStats
 from .objective import DominoObjective
 
 
@@ -22,9 +20,6 @@ class DominoOnPolicyObjective(OnPolicyObjective):
     first_draft_slot = 0
     build_blocks = DominoObjective.build_blocks
     prefix_rows = DominoObjective.prefix_rows
-
-    def chain_stats(self, loss: torch.Tensor, correct: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> StepStats:
-        return shifted_stats(loss, correct, blocks, idx)
 
     def draft_log_probs(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, labels: torch.Tensor,
                         rej: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:

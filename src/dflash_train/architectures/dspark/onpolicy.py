@@ -14,9 +14,7 @@ import torch
 
 from ...data.batch import Batch
 from ..family.blocks import Blocks
-from ..family.objective import shifted_stats
 from ..family.onpolicy import DraftLogProbs, OnPolicyObjective, softmax_log_probs
-from ..stats import StepStats
 from .blocks import dspark_blocks
 from .options import options_of
 
@@ -45,9 +43,6 @@ class DSparkOnPolicyObjective(OnPolicyObjective):
         blocks, previous = dspark_blocks(plan.input_ids, plan.loss_mask, plan.lengths, anchors, keep, d.block_size,
                                          d.mask_token_id, options_of(self.cfg).decay_gamma)
         return MarkovBlocks(**{f.name: getattr(blocks, f.name) for f in fields(blocks)}, previous=previous)
-
-    def chain_stats(self, loss: torch.Tensor, correct: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> StepStats:
-        return shifted_stats(loss, correct, blocks, idx)
 
     def draft_log_probs(self, rows: torch.Tensor, blocks: MarkovBlocks, idx: torch.Tensor, labels: torch.Tensor,
                         rej: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:

@@ -37,7 +37,7 @@ from ...data.batch import Batch
 from ..stats import StepStats
 from .blocks import Blocks
 from .loss import CEOptions, chunked_ce_rows
-from .objective import BlockObjective, block_stats
+from .objective import BlockObjective, block_stats, shifted_stats
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:
@@ -290,8 +290,10 @@ class OnPolicyObjective(BlockObjective):
         return softmax_log_probs(rows, self.target.lm_head.weight, labels, rej, self.cfg.objective.loss_chunk_size)
 
     def chain_stats(self, loss: torch.Tensor, correct: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> StepStats:
-        """The step's sums from the counted rows' hits (the layout's acceptance estimate)."""
-        return block_stats(loss, correct, blocks, idx)
+        """The step's sums from the counted rows' hits (the layout's acceptance estimate: a shifted layout's where
+        slot 0 drafts)."""
+        stats = shifted_stats if self.first_draft_slot == 0 else block_stats
+        return stats(loss, correct, blocks, idx)
 
     def label_positions(self, blocks: Blocks, idx: torch.Tensor, seq: int) -> torch.Tensor:
         """The flat `[B * S]` position of each counted row's label (its slot's own, one on in a shifted layout)."""

@@ -250,6 +250,10 @@ def test_the_loss_and_gradients_equal_draft_opds_streams_block_by_block(setup):
         assert int(stats.counted_per_slot.sum()) == n_committed
         assert int(stats.extra["onpolicy_rejected"]) == n_rejected
         assert int(stats.extra["onpolicy_off_target"]) == 0  # the data are the target's own answers
+        # each decoding step commits its accepted drafts (q's argmax, its label) and, where one was rejected, the
+        # target's correction: the layout's acceptance estimate reads 1 + the accepted drafts of every step
+        accepted = n_committed - n_rejected
+        assert int(stats.accepted_sum) == int(stats.kept_blocks) + accepted
         params = [p for p in drafter.parameters() if p.requires_grad]
         grads = torch.autograd.grad(stats.loss, params, allow_unused=True)
         ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
