@@ -23,12 +23,13 @@ def test_a_compiled_lilicorr_run_never_recompiles_after_its_warm_up(tmp_path, ti
     compiles again whatever its number of blocks; with conv the convolution-wrapped layers compile under their own
     names. Chunks of 4 blocks: steps run full chunks and, most of them, a padded last one."""
     from dflash_train.architectures.io import load_drafter
-    from dflash_train.architectures.lilicorr import model as lilicorr_model
+    from dflash_train.architectures.lilicorr import head as lilicorr_head
     from dflash_train.cli import main
     from dflash_train.infer.spec_decode import SpeculativeDecoder
     from dflash_train.target.capture import load_target_model
 
-    monkeypatch.setattr(lilicorr_model, "CHUNK_NODES", 4 * 15 * 8)  # block 16: 15 slots of k = 8 candidates
+    monkeypatch.setattr(lilicorr_head, "CHUNK_NODES", 4 * 15 * 8)  # block 16: 15 slots of k = 8 candidates
+    monkeypatch.setattr(lilicorr_head, "MAX_CHUNKS", 10**6)  # the least chunk whatever the run's largest batch
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, eval_every=5)
     assert main(["train", str(cfg), "drafter.architecture=lilicorr", "lilicorr.head_hidden_size=64",
                  "lilicorr.factor_dim=32", "lilicorr.head_num_heads=4", f"lilicorr.conv={str(conv).lower()}",

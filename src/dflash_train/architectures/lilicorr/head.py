@@ -23,10 +23,27 @@ from torch.nn import functional as F
 from ..family.layers import RMSNorm
 
 FEATURES = 5
-# Lattice nodes the head trains on at once: with gradients it runs over chunks of whole blocks of about this many
-# nodes, each recomputed in the backward (activation checkpointing), so what it keeps to the backward is one chunk's
-# activations and not every block's (hundreds of GB at the bench's micro-batch of 16 rows x 512 blocks x 120 nodes).
+# Lattice nodes the head trains on at once, at the least: with gradients it runs over chunks of whole blocks, each
+# recomputed in the backward (activation checkpointing), so what it keeps to the backward is one chunk's activations
+# and not every block's (hundreds of GB at the bench's micro-batch of 16 rows x 512 blocks x 120 nodes).
 CHUNK_NODES = 16384
+# The most chunks a step's lattice is split into. Each chunk costs the host a few milliseconds whatever its size (the
+# checkpoint's hooks, the compiled graph's calls, some 300 kernel launches): at the SmolLM2 bench's shape, 61 chunks
+# of CHUNK_NODES made a ~1.2 s step of 0.68 s of kernels (docs/results/performance.md).
+MAX_CHUNKS = 16
+
+
+def chunk_blocks(max_blocks: int, slots: int, topk: int) -> int:
+    """Blocks one training chunk holds where a step's lattice has at most `max_blocks` blocks of `slots` x `topk`
+    nodes: at least `CHUNK_NODES` nodes' worth, and enough that the lattice takes at most `MAX_CHUNKS` chunks."""
+    return max(1, CHUNK_NODES // (slots * topk), -(-max_blocks // MAX_CHUNKS))
+
+
+def most_blocks(max_batch_size: int, blocks_a_row: int, blocks_a_batch: int) -> int:
+    """The most blocks one micro-batch can hold: `blocks_a_row` in each of `max_batch_size` rows, at most
+    `blocks_a_batch` in all where that is set (> 0)."""
+    most = max_batch_size * blocks_a_row
+    return min(most, blocks_a_batch) if blocks_a_batch > 0 else most
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..contract import StepMemory
 from ..family.conv import conv_values_per_query, has_conv_layers
 from .config import head_fields
-from .head import CHUNK_NODES
+from .head import chunk_blocks
 
 _F32 = 4
 
@@ -48,15 +48,17 @@ class LiLiCorrStepMemory(StepMemory):
 
     def loss_rows(self, counted: int) -> int:
         """At float32, the widest compute dtype: each of the lattice's nodes (k per counted row) keeps its lm_head
-        row (H), its log-probability, target logit and scores (~3 k + 8); and one chunk of the head
-        (`head.CHUNK_NODES` nodes in whole blocks of (B - 1) k), recomputed in the backward, holds its activations
-        and their gradients. A compiled head pads a step's last chunk to a whole one; a step with fewer nodes than
-        one chunk is counted at its own size (the largest micro-batches, which the preflight checks, fill chunks)."""
+        row (H), its log-probability, target logit and scores (~3 k + 8); and one chunk of the head (the run's
+        `head.chunk_blocks`, whole blocks of (B - 1) k nodes), recomputed in the backward, holds its activations and
+        their gradients. The run's largest micro-batch sets the chunk; each micro-batch counted here stands for
+        that one. A compiled head pads a step's last chunk to a whole one; a step with fewer nodes than one chunk
+        is counted at its own size (the largest micro-batches, which the preflight checks, fill chunks)."""
         per_block = (self.block_size - 1) * self.topk
         nodes = counted * self.topk
-        chunk_blocks = min(-(-nodes // per_block), max(1, CHUNK_NODES // per_block))
-        chunk = 2 * (chunk_blocks * per_block * self.values_per_node() + chunk_blocks * self.attention_per_block())
-        return (nodes * (self.hidden + 3 * self.topk + 8) + chunk) * _F32
+        blocks = -(-nodes // per_block)
+        chunk = min(blocks, chunk_blocks(blocks, self.block_size - 1, self.topk))
+        held = 2 * (chunk * per_block * self.values_per_node() + chunk * self.attention_per_block())
+        return (nodes * (self.hidden + 3 * self.topk + 8) + held) * _F32
 
 
 def step_memory(drafter_config) -> LiLiCorrStepMemory:

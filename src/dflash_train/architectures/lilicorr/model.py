@@ -105,12 +105,12 @@ class LiLiCorrDrafter(BlockDrafter):
         return torch.cat([first.unsqueeze(2), out.view(b, -1, bs, h)[:, :, 1:]], 2).view(b, q, h)
 
     def lattice(self, hidden: torch.Tensor, lp: torch.Tensor, cand: torch.Tensor,
-                embed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                embed: Callable[[torch.Tensor], torch.Tensor], chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's (log_start, log_pair) for blocks whose `forward` output is `hidden [n, bs, H]`, their slots'
         candidates `cand [n, S, k]` (target ids, best first) and log-probabilities `lp [n, S, k]`. With gradients,
-        over chunks of `head.CHUNK_NODES` nodes, each recomputed in the backward; after `compile_layers`, every
-        chunk padded to the same number of blocks and run through the compiled vectors (one shape: no
-        recompiles)."""
+        over chunks of `chunk` blocks (0: `head.CHUNK_NODES` nodes' worth; a run passes one size for all its steps,
+        `head.chunk_blocks`), each recomputed in the backward; after `compile_layers`, every chunk padded to that
+        many blocks and run through the compiled vectors (one shape: no recompiles)."""
         anchor = hidden[:, 0]
         inputs = (hidden[:, 1:], lp, cand, anchor, anchor.ne(0).any(-1))
 
@@ -131,7 +131,7 @@ class LiLiCorrDrafter(BlockDrafter):
         if not torch.is_grad_enabled() or n == 0:  # decoding, replay, validation: eager, no chunks
             return scores(LiLiCorrHead.vectors, 0, *inputs)
         compiled = self._compiled_vectors
-        step = max(1, CHUNK_NODES // (slots * k))  # whole blocks (the head's attention stays within a block)
+        step = chunk or max(1, CHUNK_NODES // (slots * k))  # whole blocks (the head's attention stays within one)
         parts = []
         for i in range(0, n, step):
             chunk = [t[i:i + step] for t in inputs]

@@ -31,7 +31,7 @@ from ...data.batch import Batch
 from ..family.blocks import Blocks
 from ..family.objective import BlockObjective, block_stats, row_weights, slot_weighting_text
 from ..stats import StepStats
-from .head import greedy_walk, wide
+from .head import chunk_blocks, greedy_walk, most_blocks, wide
 from .options import loss_weights, options_of
 
 
@@ -72,6 +72,14 @@ def lattice_terms(lat: Lattice, margin: float, with_margin: bool) -> dict[str, t
     return out
 
 
+def lattice_chunk(cfg, drafter, blocks_a_row: int) -> int:
+    """Blocks one chunk of the head holds in every training step of a run (`head.chunk_blocks`) whose micro-batches
+    hold at most `blocks_a_row` blocks a row (and `cfg.data.max_batch_size` rows, `objective.max_anchors_per_batch`
+    blocks in all where set)."""
+    most = most_blocks(cfg.data.max_batch_size, blocks_a_row, cfg.objective.max_anchors_per_batch)
+    return chunk_blocks(most, drafter.block_size - 1, drafter.topk)
+
+
 class LiLiCorrObjective(BlockObjective):
     def describe(self) -> str:
         w_ce, w_margin, w_pen, margin = loss_weights(options_of(self.cfg))
@@ -103,7 +111,8 @@ class LiLiCorrObjective(BlockObjective):
         total = w.sum()
         l_dflash = torch.where(total > 1, (w * res.loss).sum() / (total + 1e-6), torch.zeros_like(total))
         lattice, block_out = self.lattice_inputs(out, rows, res, labels, blocks, idx, final)
-        log_start, log_pair = d.lattice(block_out, lattice.pop("lp"), lattice["cand"], self.target.embed_tokens)
+        log_start, log_pair = d.lattice(block_out, lattice.pop("lp"), lattice["cand"], self.target.embed_tokens,
+                                        lattice_chunk(self.cfg, d, self.cfg.objective.max_anchors))
         terms = lattice_terms(Lattice(log_start, log_pair, lattice["gold_in"], lattice["gold_rank"],
                                       lattice["target_logits"]), margin, w_margin > 0)
         loss = l_dflash + w_ce * terms["ce"] + w_margin * terms["margin"] + w_pen * terms["pen"]

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from ..family.blocks import Blocks
 from ..family.loss import CEOptions, chunked_ce_rows
 from ..family.onpolicy import DraftLogProbs, OnPolicyObjective, candidate_logits, wide
+from .objective import lattice_chunk
 
 
 class LiLiCorrOnPolicyObjective(OnPolicyObjective):
@@ -38,7 +39,9 @@ class LiLiCorrOnPolicyObjective(OnPolicyObjective):
         b, n, bs = blocks.counted.shape
         hidden = out.view(b * n, bs, -1)
         lp, cand = self.candidate_log_probs(hidden[:, 1:], self.target.lm_head.weight)
-        log_start, log_pair = self.drafter.lattice(hidden, lp, cand, self.target.embed_tokens)
+        per_row = self.cfg.onpolicy.max_blocks or self.cfg.objective.max_anchors
+        log_start, log_pair = self.drafter.lattice(hidden, lp, cand, self.target.embed_tokens,
+                                                   lattice_chunk(self.cfg, self.drafter, per_row))
         k = cand.shape[-1]
         # each drafted slot's rows by the predecessor's rank: log_start for the first draft, whatever came before
         rows_by_slot = torch.cat([log_start[:, None, None].expand(-1, 1, k, -1), log_pair], 1)  # [n, S, k, k]

@@ -349,3 +349,37 @@ def test_under_bfloat16_autocast_the_scores_are_float32_and_the_losses_finite(sm
     assert start.dtype == pair.dtype == torch.float32
     assert set(losses[torch.bfloat16]) == set(losses[torch.float32])
     assert all(math.isfinite(v) for v in losses[torch.bfloat16].values())
+
+
+def test_a_training_step_runs_the_lattice_in_the_runs_chunks(small_vocab_target, monkeypatch):
+    """The step's chunk is the run's (`head.chunk_blocks` of its largest micro-batch): with 2 rows of 12 blocks at
+    most, a step's lattice takes at most MAX_CHUNKS chunks of one size; a run whose micro-batches may hold 8 rows
+    takes larger chunks for the same batch (few chunks: the host's work per chunk stays behind the GPU's)."""
+    from dflash_train.architectures.lilicorr import head as head_module
+    from dflash_train.architectures.lilicorr import model as model_module
+
+    monkeypatch.setattr(head_module, "CHUNK_NODES", 1)  # the least chunk: one block
+    monkeypatch.setattr(head_module, "MAX_CHUNKS", 3)
+    chunks: list[int] = []
+    real = model_module.checkpoint
+
+    def counting(fn, vectors, blocks, pass_hidden, *rest, **kw):
+        chunks.append(pass_hidden.shape[0])
+        return real(fn, vectors, blocks, pass_hidden, *rest, **kw)
+
+    monkeypatch.setattr(model_module, "checkpoint", counting)
+    capture = TargetCapture.from_model(small_vocab_target, [1, 3])
+    ids = torch.randint(0, 24, (2, 30), generator=torch.Generator().manual_seed(5))
+    batch = Batch(ids, torch.ones_like(ids), torch.tensor([30, 30]))
+    steps = {}
+    for rows in (2, 8):
+        cfg = run_cfg(8)
+        cfg.data.max_batch_size = rows
+        objective = LiLiCorrObjective(drafter_for(small_vocab_target, cfg), capture,
+                                      resolve_backend("sdpa", torch.device("cpu"), BLOCK), cfg, torch.float32)
+        chunks.clear()
+        objective(batch, torch.Generator().manual_seed(7)).loss.backward()
+        steps[rows] = list(chunks)
+    # 2 rows x 12 anchors: 24 blocks at most, chunks of 8; the batch's whole blocks (up to 24) take 3 at most
+    assert 2 <= len(steps[2]) <= 3 and steps[2][0] == 8 and all(c == 8 for c in steps[2][:-1]), steps
+    assert steps[8] == [sum(steps[2])], steps  # 8 rows: 96 blocks at most, chunks of 32: one for this batch

@@ -103,9 +103,24 @@ STEPS = {  # name: (target shape, architecture, rows, length, block, anchors, CE
 def test_the_step_estimate_bounds_the_live_bytes_of_a_real_training_step(case):
     """One colocated training step (capture included), after a first step made the optimizer state: what it
     allocates minus the parameters' gradients (weights' memory, counted by preflight.needed_bytes)."""
+    _step_estimate_bounds_the_step(*STEPS[case])
+
+
+def test_lilicorrs_estimate_follows_the_runs_chunk_of_the_lattice(monkeypatch):
+    """LiLiCorr's head runs in the run's chunks (`head.chunk_blocks`: at least CHUNK_NODES nodes, at most MAX_CHUNKS
+    chunks): with a least chunk of 2 blocks and at most 2 chunks, the 16 blocks of the step take 2 chunks of 8,
+    and the estimate bounds that step too."""
+    from dflash_train.architectures.lilicorr import head
+
+    monkeypatch.setattr(head, "CHUNK_NODES", 2 * 15 * 8)
+    monkeypatch.setattr(head, "MAX_CHUNKS", 2)
+    assert head.chunk_blocks(16, 15, 8) == 8
+    _step_estimate_bounds_the_step(*STEPS["lilicorr's lattice"])
+
+
+def _step_estimate_bounds_the_step(shape, arch, rows, length, block, anchors, chunk, dtype, needed) -> None:
     from dflash_train.target.capture import TargetCapture
 
-    shape, arch, rows, length, block, anchors, chunk, dtype, needed = STEPS[case]
     model = _target(**shape)
     ids = [0, 1, 2, 3, 4] if shape.get("hidden_size") == 128 else [1, 3, 4]
     cfg = _config(rows, length, block, anchors, chunk, arch)
