@@ -74,10 +74,12 @@ def lattice_terms(lat: Lattice, margin: float, with_margin: bool) -> dict[str, t
 
 def lattice_chunk(cfg, drafter, blocks_a_row: int) -> int:
     """Blocks one chunk of the head holds in every training step of a run (`head.chunk_blocks`) whose micro-batches
-    hold at most `blocks_a_row` blocks a row (and `cfg.data.max_batch_size` rows, `objective.max_anchors_per_batch`
-    blocks in all where set)."""
-    most = most_blocks(cfg.data.max_batch_size, blocks_a_row, cfg.objective.max_anchors_per_batch)
-    return chunk_blocks(most, drafter.block_size - 1, drafter.topk)
+    hold at most `blocks_a_row` blocks a row (`head.most_blocks` of its data keys and
+    `objective.max_anchors_per_batch`)."""
+    d, bs = cfg.data, drafter.block_size
+    most = most_blocks(d.max_batch_size, d.token_budget, d.max_length, bs, blocks_a_row,
+                       cfg.objective.max_anchors_per_batch)
+    return chunk_blocks(most, bs - 1, drafter.topk)
 
 
 class LiLiCorrObjective(BlockObjective):
