@@ -588,8 +588,12 @@ def main() -> None:
             return final_capture if with_final else (hidden, None)
     step.target = step.objective.target = Precomputed()  # the objective runs the target it holds
     t_drafter, _ = timed(lambda: step(batch, 3), args.repeat)
+    profile_groups: dict[str, dict[str, float]] = {}  # --profile: each part's kernel milliseconds by kind
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from kernel_groups import describe, kernel_groups, profiled_kernels
 
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             step(batch, 4)
@@ -598,6 +602,8 @@ def main() -> None:
         print(averages.table(sort_by="cuda_time_total", row_limit=35, max_name_column_width=70))
         # the kernels themselves, by their own time: the many small ones that the table above leaves out
         print(averages.table(sort_by="self_device_time_total", row_limit=90, max_name_column_width=90))
+        profile_groups["drafter"] = kernel_groups(profiled_kernels(prof), t_drafter * 1000)
+        print("-- the drafter's step by kind:", describe(profile_groups["drafter"], t_drafter * 1000))
     step.target = step.objective.target = real_target
     if args.profile:  # and the target's capture alone
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -605,6 +611,8 @@ def main() -> None:
             torch.cuda.synchronize()
         print("-- the target's capture, kernels by their own time")
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
+        profile_groups["target"] = kernel_groups(profiled_kernels(prof), t_target * 1000)
+        print("-- the target's capture by kind:", describe(profile_groups["target"], t_target * 1000))
 
     tokens = sum(lengths)
     target_parts = target_flop_parts(shape, lengths, shape["num_hidden_layers"] - 1 if reads_final else max(ids))
@@ -638,6 +646,8 @@ def main() -> None:
         result["selector_codebooks"] = args.selector_codebooks
     if args.draft_vocab:
         result["head_gradient_kept"] = cfg.keeps_head_gradient
+    if profile_groups:
+        result["profile_ms"] = profile_groups
     print(json.dumps(result))
     if args.json:
         with open(args.json, "a") as f:
