@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ...runtime import to_device
@@ -89,6 +90,30 @@ def sample_anchors(
         keep = torch.cat([keep, keep.new_zeros(batch, pad)], 1)
     return anchors, keep
 
+
+def blocks_for(rows: np.ndarray, anchor_positions: np.ndarray, max_anchors: int, max_batch_anchors: int,
+               multiple_of: int) -> np.ndarray:
+    """Per batch (`rows` rows, at most `anchor_positions` positions a row that can anchor a block): the
+    blocks `sample_anchors` gives it, as it caps and rounds them."""
+    cap = np.full(rows.shape, max_anchors, dtype=np.int64)
+    if max_batch_anchors > 0:
+        cap = np.minimum(cap, np.maximum(max_batch_anchors // rows // multiple_of * multiple_of, multiple_of))
+    n = np.maximum(np.minimum(anchor_positions, cap), 1)
+    return -(-n // multiple_of) * multiple_of
+
+
+def most_blocks(max_batch_size: int, token_budget: int, max_length: int, block_size: int, blocks_a_row: int,
+                max_batch_anchors: int, multiple_of: int) -> int:
+    """The most blocks one micro-batch can hold (`blocks_for` over its row counts up to `max_batch_size`, each row
+    as long as `max_length` and `token_budget` let it be): the largest micro-batch the step's memory estimate
+    counts (train/plan/activation_memory.py `largest_micro_batches`)."""
+    rows = np.arange(1, max_batch_size + 1)
+    context = np.minimum(max_length, token_budget // rows)
+    fits = context >= block_size
+    if not fits.any():
+        return 1
+    blocks = blocks_for(rows[fits], context[fits] - block_size + 1, blocks_a_row, max_batch_anchors, multiple_of)
+    return int((rows[fits] * blocks).max())
 
 def gamma_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     """`w_k = exp(-(k - 1) / gamma)` for k >= 1, and 0 for the anchor slot."""

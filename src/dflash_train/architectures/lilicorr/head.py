@@ -39,21 +39,6 @@ def chunk_blocks(max_blocks: int, slots: int, topk: int) -> int:
     return max(1, CHUNK_NODES // (slots * topk), -(-max_blocks // MAX_CHUNKS))
 
 
-def most_blocks(max_batch_size: int, token_budget: int, max_length: int, block_size: int, blocks_a_row: int,
-                blocks_a_batch: int) -> int:
-    """The most blocks one micro-batch can hold: over its row counts r up to `max_batch_size`, r rows as long as
-    `max_length` and `token_budget` let them be, each with at most `blocks_a_row` blocks and one anchor a position
-    that leaves a whole block; at most `blocks_a_batch` in all where that is set (> 0). The largest micro-batches
-    the step's memory estimate counts (before their rounding to whole tiles) are these."""
-    most = 0
-    for rows in range(1, max_batch_size + 1):
-        positions = min(max_length, token_budget // rows) - block_size + 1
-        if positions < 1:
-            break
-        most = max(most, rows * min(blocks_a_row, positions))
-    return min(most, blocks_a_batch) if blocks_a_batch > 0 else most
-
-
 def wide(x: torch.Tensor) -> torch.Tensor:
     """`x` in float32, or wider (float64 in tests)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))

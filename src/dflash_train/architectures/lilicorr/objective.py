@@ -22,16 +22,17 @@ drafts), the backbone argmax's, and the oracle's (the gold among the candidates)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Optional
 
 import torch
 from torch.nn import functional as F
 
 from ...data.batch import Batch
-from ..family.blocks import Blocks
+from ..family.blocks import Blocks, most_blocks
 from ..family.objective import BlockObjective, block_stats, row_weights, slot_weighting_text
 from ..stats import StepStats
-from .head import chunk_blocks, greedy_walk, most_blocks, wide
+from .head import chunk_blocks, greedy_walk, wide
 from .options import loss_weights, options_of
 
 
@@ -72,17 +73,20 @@ def lattice_terms(lat: Lattice, margin: float, with_margin: bool) -> dict[str, t
     return out
 
 
-def lattice_chunk(cfg, drafter, blocks_a_row: int) -> int:
-    """Blocks one chunk of the head holds in every training step of a run (`head.chunk_blocks`) whose micro-batches
-    hold at most `blocks_a_row` blocks a row (`head.most_blocks` of its data keys and
-    `objective.max_anchors_per_batch`)."""
-    d, bs = cfg.data, drafter.block_size
-    most = most_blocks(d.max_batch_size, d.token_budget, d.max_length, bs, blocks_a_row,
-                       cfg.objective.max_anchors_per_batch)
-    return chunk_blocks(most, bs - 1, drafter.topk)
+def lattice_chunk(objective, blocks_a_row: int) -> int:
+    """Blocks one chunk of the head holds in every training step of `objective`'s run (`head.chunk_blocks` of its
+    largest micro-batch, `family.blocks.most_blocks`, at most `blocks_a_row` blocks a row)."""
+    cfg, d = objective.cfg, objective.drafter
+    most = most_blocks(cfg.data.max_batch_size, cfg.data.token_budget, cfg.data.max_length, d.block_size, blocks_a_row,
+                       cfg.objective.max_anchors_per_batch, objective.backend.blocks_multiple_of)
+    return chunk_blocks(most, d.block_size - 1, d.topk)
 
 
 class LiLiCorrObjective(BlockObjective):
+    @cached_property
+    def lattice_chunk(self) -> int:
+        return lattice_chunk(self, self.cfg.objective.max_anchors)
+
     def describe(self) -> str:
         w_ce, w_margin, w_pen, margin = loss_weights(options_of(self.cfg))
         terms = f"{w_ce:g} x lattice CE + {w_pen:g} x target penalty"
@@ -114,7 +118,7 @@ class LiLiCorrObjective(BlockObjective):
         l_dflash = torch.where(total > 1, (w * res.loss).sum() / (total + 1e-6), torch.zeros_like(total))
         lattice, block_out = self.lattice_inputs(out, rows, res, labels, blocks, idx, final)
         log_start, log_pair = d.lattice(block_out, lattice.pop("lp"), lattice["cand"], self.target.embed_tokens,
-                                        lattice_chunk(self.cfg, d, self.cfg.objective.max_anchors))
+                                        self.lattice_chunk)
         terms = lattice_terms(Lattice(log_start, log_pair, lattice["gold_in"], lattice["gold_rank"],
                                       lattice["target_logits"]), margin, w_margin > 0)
         loss = l_dflash + w_ce * terms["ce"] + w_margin * terms["margin"] + w_pen * terms["pen"]

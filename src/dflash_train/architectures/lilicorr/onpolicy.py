@@ -8,6 +8,7 @@ blocks; the candidates' log-probabilities keep their gradient into the backbone,
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -21,6 +22,10 @@ from .objective import lattice_chunk
 
 class LiLiCorrOnPolicyObjective(OnPolicyObjective):
     whole_blocks = True
+
+    @cached_property
+    def lattice_chunk(self) -> int:
+        return lattice_chunk(self, self.cfg.onpolicy.max_blocks or self.cfg.objective.max_anchors)
 
     def candidate_log_probs(self, hidden: torch.Tensor, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each drafted slot's k best tokens `[n, S, k]` (ids) and their log-probabilities over the full vocabulary
@@ -39,9 +44,7 @@ class LiLiCorrOnPolicyObjective(OnPolicyObjective):
         b, n, bs = blocks.counted.shape
         hidden = out.view(b * n, bs, -1)
         lp, cand = self.candidate_log_probs(hidden[:, 1:], self.target.lm_head.weight)
-        per_row = self.cfg.onpolicy.max_blocks or self.cfg.objective.max_anchors
-        log_start, log_pair = self.drafter.lattice(hidden, lp, cand, self.target.embed_tokens,
-                                                   lattice_chunk(self.cfg, self.drafter, per_row))
+        log_start, log_pair = self.drafter.lattice(hidden, lp, cand, self.target.embed_tokens, self.lattice_chunk)
         k = cand.shape[-1]
         # each drafted slot's rows by the predecessor's rank: log_start for the first draft, whatever came before
         rows_by_slot = torch.cat([log_start[:, None, None].expand(-1, 1, k, -1), log_pair], 1)  # [n, S, k, k]

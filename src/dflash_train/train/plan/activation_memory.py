@@ -16,7 +16,7 @@ from ...architectures import architecture, reads_target_final
 from ...architectures.contract import Architecture, StepMemory
 from ...config.schema import Config
 from ...target.hf_config import text_config
-from .size_classes import blocks_for
+from ...architectures.family.blocks import blocks_for
 
 _F32 = 4
 FLEX_TILE = 128  # architectures/family/backend.py: flex tiles whole query blocks and pads the context to tiles

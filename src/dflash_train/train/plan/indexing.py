@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 
 from ...data.dataset import plan_batches
-from .size_classes import blocks_for
+from ...architectures.family.blocks import blocks_for
 
 INT32_MAX = 2**31 - 1
 

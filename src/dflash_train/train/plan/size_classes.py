@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...data.dataset import plan_batches
+from ...architectures.family.blocks import blocks_for
 
 
 @dataclass(frozen=True)
@@ -46,17 +47,6 @@ def block_bound(rows: np.ndarray, longest: np.ndarray, block_size: int, max_anch
     per-batch cap and the rounding to `multiple_of` as it applies them; a short batch is padded with not-kept
     blocks up to that count)."""
     return blocks_for(rows, longest - block_size + 1, max_anchors, max_batch_anchors, multiple_of)
-
-
-def blocks_for(rows: np.ndarray, anchor_positions: np.ndarray, max_anchors: int, max_batch_anchors: int,
-               multiple_of: int) -> np.ndarray:
-    """Per batch (`rows` rows, at most `anchor_positions` positions a row that can anchor a block): the
-    blocks `sample_anchors` gives it, as it caps and rounds them."""
-    cap = np.full(rows.shape, max_anchors, dtype=np.int64)
-    if max_batch_anchors > 0:
-        cap = np.minimum(cap, np.maximum(max_batch_anchors // rows // multiple_of * multiple_of, multiple_of))
-    n = np.maximum(np.minimum(anchor_positions, cap), 1)
-    return -(-n // multiple_of) * multiple_of
 
 
 # The edges of the plan the warm-up runs: name -> the quantity to maximise.

@@ -118,19 +118,20 @@ def test_lilicorrs_estimate_follows_the_runs_chunk_of_the_lattice(monkeypatch):
     _step_estimate_bounds_the_step(*STEPS["lilicorr's lattice"])
 
 
-@pytest.mark.parametrize("rows,budget,length,anchors,per_batch", [(16, 16384, 1024, 512, 0), (64, 16384, 1024, 512, 0),
-                                                              (4, 8192, 2048, 512, 0), (8, 4096, 4096, 64, 300)])
-def test_lilicorrs_largest_lattice_is_the_estimates_largest_micro_batch(rows, budget, length, anchors, per_batch):
-    """The head's chunk is sized from `head.most_blocks` of the config; the estimate counts the largest
-    micro-batches' blocks: the two agree (no tile rounding), so the chunk the estimate counts is the one the run
-    takes."""
-    from dflash_train.architectures.lilicorr.head import most_blocks
+@pytest.mark.parametrize("rows,budget,length,anchors,per_batch,multiple", [
+    (16, 16384, 1024, 512, 0, 1), (64, 16384, 1024, 500, 0, 8), (4, 8192, 2048, 512, 0, 8), (8, 4096, 4096, 64, 300, 1),
+    (3, 40, 40, 8, 0, 1)])
+def test_the_most_blocks_a_micro_batch_is_the_estimates_largest_micro_batch(rows, budget, length, anchors, per_batch,
+                                                                            multiple):
+    """`family.blocks.most_blocks` (what sizes LiLiCorr's chunks) is the largest of the estimate's largest
+    micro-batches, so the chunk the estimate counts is the one the run takes."""
+    from dflash_train.architectures.family.blocks import most_blocks
 
     cfg = config_from_dict({"drafter": {"block_size": 16}, "objective": {"max_anchors": anchors,
                                                                          "max_anchors_per_batch": per_batch},
                             "data": {"max_length": length, "token_budget": budget, "max_batch_size": rows}})
-    largest = max(s.rows * s.blocks for s in am.largest_micro_batches(cfg, 1, 16))
-    assert most_blocks(rows, budget, length, 16, anchors, per_batch) == largest
+    largest = max(s.rows * s.blocks for s in am.largest_micro_batches(cfg, multiple, 16))
+    assert most_blocks(rows, budget, length, 16, anchors, per_batch, multiple) == largest
 
 
 def _step_estimate_bounds_the_step(shape, arch, rows, length, block, anchors, chunk, dtype, needed) -> None:

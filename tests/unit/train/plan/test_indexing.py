@@ -223,7 +223,7 @@ def test_block_counts_from_the_datas_anchor_positions_are_sample_anchors_own(tin
     from dflash_train.data.source import open_training_data
     from dflash_train.target.capture import load_tokenizer
     from dflash_train.architectures.family.blocks import sample_anchors
-    from dflash_train.train.plan.size_classes import blocks_for
+    from dflash_train.architectures.family.blocks import blocks_for
 
     cfg = config_from_dict({"target": {"path": str(tiny_target_dir)}, "drafter": {"block_size": BS},
                             "data": {"train_files": [str(counting_jsonl)], "max_length": 256}})
