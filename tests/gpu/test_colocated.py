@@ -20,31 +20,32 @@ pytestmark = [
 
 
 
-@pytest.mark.parametrize("compile_layers", [False, True])
-def test_a_colocated_step_never_waits_for_the_gpu(compile_layers):
-    """After its first steps, a colocated training step makes no synchronising CUDA call of its own: the
-    batch goes over from pinned memory, anchors, blocks and counted rows are planned on the host copy, and
-    a non-finite step is skipped on the device (fused AdamW's found_inf). CUDA's sync debug mode reports
-    every wait with the line that caused it; the only ones allowed are in `_SYNCS_NOT_OURS`."""
+@pytest.mark.parametrize("architecture,compile_layers", [
+    ("dflash", False), ("dflash", True), ("dflash2", True), ("dspark", True), ("domino", True), ("lilicorr", True)])
+def test_a_colocated_step_never_waits_for_the_gpu(architecture, compile_layers):
+    """After its first steps, a colocated training step of every architecture makes no synchronising CUDA call
+    of its own: the batch goes over from pinned memory, anchors, blocks, counted rows (and what a member
+    lays out beside them) are planned on the host copy, and a non-finite step is skipped on the device (fused
+    AdamW's found_inf). CUDA's sync debug mode reports every wait with the line that caused it; the only ones
+    allowed are in `_SYNCS_NOT_OURS`."""
+    from dflash_train.architectures import architecture as registered
     from dflash_train.config.load import config_from_dict
-    from dflash_train.architectures.family.backend import resolve_backend
-    from dflash_train.architectures.dflash.model import DFlashDrafter
-    from dflash_train.architectures.family.config import make_drafter_config
     from dflash_train.target.capture import TargetCapture
     from dflash_train.data.batch import Batch
     from dflash_train.train.loop.step import TrainStep
 
     model = _qwen3_target(layers=4)
-    cfg = config_from_dict({"drafter": {"block_size": 16, "num_draft_layers": 2}, "objective": {"max_anchors": 32},
-                            "data": {"max_length": 512, "token_budget": 2048}})
+    cfg = config_from_dict({"drafter": {"architecture": architecture, "block_size": 16, "num_draft_layers": 2,
+                                        "mask_token_id": 5},
+                            "objective": {"max_anchors": 32}, "data": {"max_length": 512, "token_budget": 2048}})
     torch.manual_seed(0)
-    drafter = DFlashDrafter(make_drafter_config(model.config, num_draft_layers=2, block_size=16,
-                                                target_layer_ids=[1, 2], mask_token_id=5)).cuda()
+    arch = registered(architecture)
+    drafter = arch.drafter_class(arch.config_for_run(model.config, cfg, [1, 2], 5)).cuda()
     if compile_layers:
         drafter.compile_layers()
     device = torch.device("cuda")
-    step = TrainStep(drafter, TargetCapture.from_model(model, [1, 2]), resolve_backend("flex", device, 16), cfg, 100,
-                     torch.bfloat16, device)
+    step = TrainStep(drafter, TargetCapture.from_model(model, [1, 2]), arch.resolve_backend("flex", device, 16), cfg,
+                     100, torch.bfloat16, device)
     g = torch.Generator().manual_seed(0)
 
     def host_batch(length):

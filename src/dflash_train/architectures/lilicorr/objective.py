@@ -21,7 +21,7 @@ drafts), the backbone argmax's, and the oracle's (the gold among the candidates)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Callable, Optional
 
@@ -45,6 +45,30 @@ class Lattice:
     gold_in: torch.Tensor  # [n, S] bool: the gold among the slot's candidates
     gold_rank: torch.Tensor  # [n, S] long: its rank (0 where absent)
     target_logits: torch.Tensor  # [n, S, k] float32 the target's logits at the candidates (detached)
+
+
+@dataclass
+class LatticeBlocks(Blocks):
+    """The family's blocks, with the lattice's rows planned beside them on the host (reading them on the device
+    would wait for it): the blocks whose every drafted slot counts and, for each, its slots' places among the
+    counted rows (`idx`'s order)."""
+
+    whole: torch.Tensor  # [n] long: flat block index over [B, N]
+    slot_rows: torch.Tensor  # [n, S] long
+
+    def to(self, device: torch.device) -> "LatticeBlocks":
+        return LatticeBlocks(**self.moved(device))
+
+
+def lattice_blocks(blocks: Blocks) -> LatticeBlocks:
+    """`blocks` with the lattice's rows: `whole` and `slot_rows`, a counted row's place being the number of counted
+    slots before it in flat [B, N, bs] order (how `plan_blocks` lays out `idx`)."""
+    b, n, bs = blocks.counted.shape
+    counted = blocks.counted.view(-1)
+    whole = blocks.counted[..., 1:].all(-1).view(-1).nonzero().squeeze(1)
+    place = counted.long().cumsum(0) - 1
+    slot_rows = place.view(b * n, bs).index_select(0, whole)[:, 1:]
+    return LatticeBlocks(**{f.name: getattr(blocks, f.name) for f in fields(blocks)}, whole=whole, slot_rows=slot_rows)
 
 
 def lattice_terms(lat: Lattice, margin: float, with_margin: bool) -> dict[str, torch.Tensor]:
@@ -86,6 +110,9 @@ class LiLiCorrObjective(BlockObjective):
     @cached_property
     def lattice_chunk(self) -> int:
         return lattice_chunk(self, self.cfg.objective.max_anchors)
+
+    def build_blocks(self, plan: Batch, anchors: torch.Tensor, keep: torch.Tensor) -> LatticeBlocks:
+        return lattice_blocks(super().build_blocks(plan, anchors, keep))
 
     def describe(self) -> str:
         w_ce, w_margin, w_pen, margin = loss_weights(options_of(self.cfg))
@@ -129,15 +156,14 @@ class LiLiCorrObjective(BlockObjective):
                             "oracle_prefix": terms["oracle_prefix"]})
         return stats
 
-    def lattice_inputs(self, out: torch.Tensor, rows: torch.Tensor, res, labels: torch.Tensor, blocks: Blocks,
-                       idx: torch.Tensor, final: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def lattice_inputs(self, out: torch.Tensor, rows: torch.Tensor, res, labels: torch.Tensor,
+                       blocks: LatticeBlocks, idx: torch.Tensor, final: torch.Tensor
+                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The candidates, their log-probabilities (with gradient) and target logits, the gold's place among them,
-        for the blocks whose every drafted slot counts; and those blocks' forward output `[n, bs, H]`."""
+        for the blocks whose every drafted slot counts (planned on the host: `LatticeBlocks`); and those blocks'
+        forward output `[n, bs, H]`."""
         b, n, bs = blocks.counted.shape
-        whole = blocks.counted[..., 1:].all(-1).view(-1).nonzero().squeeze(1)  # [n] blocks, flat over [B, N]
-        where = torch.full((b * n * bs,), -1, dtype=torch.long, device=idx.device)
-        where[idx] = torch.arange(idx.numel(), device=idx.device)
-        slot_rows = where.view(b * n, bs).index_select(0, whole)[:, 1:]  # [n, S] counted rows
+        whole, slot_rows = blocks.whole, blocks.slot_rows  # [n] blocks, flat over [B, N]; [n, S] counted rows
         cand = res.top_ids[slot_rows]
         gold = labels[slot_rows]
         hit = cand == gold.unsqueeze(-1)

@@ -383,3 +383,48 @@ def test_a_training_step_runs_the_lattice_in_the_runs_chunks(small_vocab_target,
     # 2 rows x 12 anchors: 24 blocks at most, chunks of 8; the batch's whole blocks (up to 24) take 3 at most
     assert 2 <= len(steps[2]) <= 3 and steps[2][0] == 8 and all(c == 8 for c in steps[2][:-1]), steps
     assert steps[8] == [sum(steps[2])], steps  # 8 rows: 96 blocks at most, chunks of 32: one for this batch
+
+
+# aten ops whose result's size or value the host reads off the device: on a GPU, each waits for it
+DEVICE_READS = {"nonzero", "_local_scalar_dense", "masked_select", "unique", "_unique2", "repeat_interleave"}
+
+
+def test_the_step_after_planning_reads_nothing_off_the_device(small_vocab_target, monkeypatch):
+    """The lattice's blocks and rows are planned on the host copy with the anchors (`LatticeBlocks`): the loss,
+    from the drafter's output on, calls no op whose size or value the host must read off the device (on a GPU a
+    wait that leaves the GPU idle while the host then launches the head's chunks)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DeviceReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::")[-1]
+            if name in DEVICE_READS:
+                self.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with DeviceReads() as control:
+        torch.tensor([1, 0]).nonzero()
+    assert control.seen == ["nonzero"]
+
+    reads = DeviceReads()
+    real = LiLiCorrObjective.lilicorr_loss
+
+    def watched(self, *args):
+        with reads:
+            return real(self, *args)
+
+    monkeypatch.setattr(LiLiCorrObjective, "lilicorr_loss", watched)
+    cfg = run_cfg(8)
+    objective = LiLiCorrObjective(drafter_for(small_vocab_target, cfg), TargetCapture.from_model(small_vocab_target, [1, 3]),
+                                  resolve_backend("sdpa", torch.device("cpu"), BLOCK), cfg, torch.float32)
+    ids = torch.randint(0, 24, (2, 30), generator=torch.Generator().manual_seed(5))
+    lengths = torch.tensor([30, 22])
+    loss_mask = (torch.arange(30) >= 6).long().expand(2, -1).clone()
+    stats = objective(Batch(ids, loss_mask, lengths), torch.Generator().manual_seed(7))
+    stats.loss.backward()
+    assert torch.isfinite(stats.loss) and int(stats.extra["oracle_prefix"]) > 0
+    assert reads.seen == [], f"the LiLiCorr loss read the device: {reads.seen}"
