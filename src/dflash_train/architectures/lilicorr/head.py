@@ -151,7 +151,7 @@ class LiLiCorrHead(nn.Module):
         features = features.to(self.feature_mlp[1].weight.dtype)  # autocast, where on, casts it again
         x = (self.token_proj(cand_embeds) + self.pass_hidden_proj(pass_hidden).unsqueeze(2)
              + self.feature_mlp(features) + self.slot_embedding[0, 0, :slots] + self.rank_embedding[0, 0, 0])
-        x = x.reshape(n, slots * k, -1)
+        x = x.reshape(n, slots * k, x.shape[-1])  # n may be 0 (no block whose every slot counts)
         bias = self.slot_bias(slots)
         for layer in self.layers:
             x = layer(x, bias)
@@ -160,8 +160,9 @@ class LiLiCorrHead(nn.Module):
         u = self.anchor_norm(self.context_proj(anchor_hidden.to(x.dtype) * valid) * valid)
         uu = u.unsqueeze(1).expand_as(x)
         g = F.silu(self.factor_input_proj(torch.cat([x, uu, x * uu], -1)))
-        out = F.normalize(wide(self.out_head(g)), dim=-1, eps=self.vector_eps).view(n, slots, k, -1)
-        inn = F.normalize(wide(self.in_head(g)), dim=-1, eps=self.vector_eps).view(n, slots, k, -1)
+        f = self.out_head.out_features
+        out = F.normalize(wide(self.out_head(g)), dim=-1, eps=self.vector_eps).view(n, slots, k, f)
+        inn = F.normalize(wide(self.in_head(g)), dim=-1, eps=self.vector_eps).view(n, slots, k, f)
         anchor_out = F.normalize(wide(self.anchor_out_head(u)), dim=-1, eps=self.vector_eps)
         return out, inn, anchor_out
 

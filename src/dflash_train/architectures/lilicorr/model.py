@@ -128,16 +128,18 @@ class LiLiCorrDrafter(BlockDrafter):
                                                  anchor, present))
 
         n, slots, k = cand.shape
-        if not torch.is_grad_enabled() or n == 0:  # decoding, replay, validation: eager, no chunks
+        if not torch.is_grad_enabled():  # decoding, replay, validation: eager, no chunks
             return scores(LiLiCorrHead.vectors, 0, *inputs)
         compiled = self._compiled_vectors
         step = chunk or max(1, CHUNK_NODES // (slots * k))  # whole blocks (the head's attention stays within one)
+        # No block (none whose every slot counts): one padded block, sliced off, so that every head parameter
+        # still gets its (zero) gradient, which data-parallel ranks reduce together.
+        padded_to = step if compiled else (1 if n == 0 else 0)
         parts = []
-        for i in range(0, n, step):
+        for i in range(0, max(n, 1), step):
             chunk = [t[i:i + step] for t in inputs]
             size = chunk[0].shape[0]
-            start, pair = checkpoint(scores, compiled or LiLiCorrHead.vectors, step if compiled else 0, *chunk,
-                                     use_reentrant=False)
+            start, pair = checkpoint(scores, compiled or LiLiCorrHead.vectors, padded_to, *chunk, use_reentrant=False)
             parts.append((start[:size], pair[:size]))
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 

@@ -428,3 +428,29 @@ def test_the_step_after_planning_reads_nothing_off_the_device(small_vocab_target
     stats.loss.backward()
     assert torch.isfinite(stats.loss) and int(stats.extra["oracle_prefix"]) > 0
     assert reads.seen == [], f"the LiLiCorr loss read the device: {reads.seen}"
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_micro_batch_without_a_whole_block_trains_the_block_loss_alone(small_vocab_target, grad):
+    """Answers shorter than a block: no block has every drafted slot counted, so the lattice has no block. The step
+    is the block loss alone (the lattice terms 0), and every head parameter still gets a gradient (zeros), as
+    data-parallel ranks all-reducing the same parameters need."""
+    cfg = run_cfg(8)
+    d = drafter_for(small_vocab_target, cfg)
+    objective = LiLiCorrObjective(d, TargetCapture.from_model(small_vocab_target, [1, 3]),
+                                  resolve_backend("sdpa", torch.device("cpu"), BLOCK), cfg, torch.float32)
+    ids = torch.randint(0, 24, (2, 30), generator=torch.Generator().manual_seed(5))
+    loss_mask = torch.zeros(2, 30, dtype=torch.long)
+    loss_mask[:, 10:13] = 1  # 3 supervised tokens: fewer than the block's 3 drafted slots after an anchor
+    loss_mask[:, 20:23] = 1
+    with torch.set_grad_enabled(grad):
+        stats = objective(Batch(ids, loss_mask, torch.tensor([30, 30])), torch.Generator().manual_seed(7))
+    assert int(stats.counted_per_slot.sum()) > 0
+    assert float(stats.extra["lattice_ce_loss"]) == 0 and float(stats.extra["lattice_pen_loss"]) == 0
+    assert float(stats.extra["oracle_prefix"]) == 0
+    torch.testing.assert_close(stats.loss, stats.extra["dflash_loss"])
+    if grad:
+        stats.loss.backward()
+        missing = [name for name, p in d.lilicorr.named_parameters() if p.grad is None]
+        assert not missing, f"head parameters without a gradient: {missing}"
+        assert all(float(p.grad.abs().sum()) == 0 for p in d.lilicorr.parameters())
