@@ -179,13 +179,14 @@ class OnPolicyConfig:
     rejected_weight: float = 1.0
     # A rejected draft at slot k weighs decay ** (k - 1).
     decay: float = 0.8
-    # Log-probabilities are clamped from below to this (the estimators' log(1 - p) and ratios stay finite).
-    log_prob_min: float = -20.0
+    # Log-probabilities are clamped from below to this (the estimators' log(1 - p) and ratios stay finite; a term
+    # clamped on the drafter's side carries no gradient). -10: Draft-OPD's official runs'.
+    log_prob_min: float = -10.0
     # Each position's loss term is clamped from above to this.
     loss_max: float = 10.0
     # The most decoding steps (blocks) of a row one micro-batch trains on, a random subset of its chain beyond it
-    # (0: objective.max_anchors), and at most objective.max_anchors_per_batch in all where that is set: the step's
-    # blocks stay within what training's memory estimate counts.
+    # (0: objective.max_anchors), and at most a row's share of objective.max_anchors_per_batch where that is set, as
+    # training's anchors: the step's blocks stay within what training's memory estimate counts.
     max_blocks: int = 0
 
 

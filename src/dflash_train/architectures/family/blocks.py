@@ -67,9 +67,8 @@ def sample_anchors(
     B * N: a row takes at most `max_batch_anchors // B` anchors, rounded down to `multiple_of` (at
     least `multiple_of`, so B * N <= max(max_batch_anchors, B * multiple_of))."""
     batch, seq = loss_mask.shape
-    if max_batch_anchors > 0 and batch:
-        per_row = max(max_batch_anchors // batch // multiple_of * multiple_of, multiple_of)
-        max_anchors = min(max_anchors, per_row)
+    if batch:
+        max_anchors = int(anchors_a_row(batch, max_anchors, max_batch_anchors, multiple_of))
     pos = torch.arange(seq, device=loss_mask.device)
     valid = (loss_mask > 0) & (pos.view(1, -1) <= (lengths.view(-1, 1) - block_size))
     keys = torch.rand(batch, seq, generator=generator).to(loss_mask.device)
@@ -91,13 +90,22 @@ def sample_anchors(
     return anchors, keep
 
 
+def anchors_a_row(rows, max_anchors: int, max_batch_anchors: int, multiple_of: int):
+    """The most anchors a row of a `rows`-row micro-batch takes (an int or an array of row counts):
+    `max_anchors`, and with `max_batch_anchors` > 0 its share of them, rounded down to `multiple_of` (at least
+    `multiple_of`)."""
+    cap = np.full(np.shape(rows), max_anchors, dtype=np.int64)
+    if max_batch_anchors > 0:
+        share = max_batch_anchors // np.asarray(rows) // multiple_of * multiple_of
+        cap = np.minimum(cap, np.maximum(share, multiple_of))
+    return cap
+
+
 def blocks_for(rows: np.ndarray, anchor_positions: np.ndarray, max_anchors: int, max_batch_anchors: int,
                multiple_of: int) -> np.ndarray:
     """Per batch (`rows` rows, at most `anchor_positions` positions a row that can anchor a block): the
     blocks `sample_anchors` gives it, as it caps and rounds them."""
-    cap = np.full(rows.shape, max_anchors, dtype=np.int64)
-    if max_batch_anchors > 0:
-        cap = np.minimum(cap, np.maximum(max_batch_anchors // rows // multiple_of * multiple_of, multiple_of))
+    cap = anchors_a_row(rows, max_anchors, max_batch_anchors, multiple_of)
     n = np.maximum(np.minimum(anchor_positions, cap), 1)
     return -(-n // multiple_of) * multiple_of
 

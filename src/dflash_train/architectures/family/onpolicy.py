@@ -35,7 +35,7 @@ import torch
 from ...config.schema import Config
 from ...data.batch import Batch
 from ..stats import StepStats
-from .blocks import Blocks
+from .blocks import Blocks, anchors_a_row
 from .loss import CEOptions, chunked_ce_rows
 from .objective import BlockObjective, block_stats, shifted_stats
 
@@ -205,9 +205,14 @@ class OnPolicyObjective(BlockObjective):
             out = self.block_rows(batch, features, device_blocks, every, self.drafter)
             bs = self.drafter.block_size
             hidden = out.view(b * n, bs, -1)
+            anchor_ids = device_blocks.block_ids.view(b * n, bs)[:, 0]
+            # the proposals' vocabulary scores [blocks, bs, V], a loss chunk's rows at a time (what training's memory
+            # estimate holds for the CE), not every block's at once
+            calls = max(1, self.cfg.objective.loss_chunk_size // bs)
             with self.autocast(batch.input_ids.device):  # a member's own head (float32 masters) meets bf16 states
-                drafts = self.drafter.greedy_proposals(hidden, self.target.lm_head,
-                                                       device_blocks.block_ids.view(b * n, bs)[:, 0]).drafts
+                drafts = torch.cat([self.drafter.greedy_proposals(hidden[i:i + calls], self.target.lm_head,
+                                                                  anchor_ids[i:i + calls]).drafts
+                                    for i in range(0, b * n, calls)])
             drafts = drafts.view(b, n, -1).cpu()
             f = self.first_draft_slot
             got = accept_lengths(drafts, target_next, anchors, blocks.counted[..., f:f + drafts.shape[-1]])
@@ -217,16 +222,13 @@ class OnPolicyObjective(BlockObjective):
 
     def trained_steps(self, chains: list[Chain], generator: torch.Generator) -> list[Chain]:
         """The steps of each chain this micro-batch trains on: all of them, or a random subset (in chain order) of
-        `onpolicy.max_blocks` a row (0: `objective.max_anchors`) and `objective.max_anchors_per_batch` in all."""
-        per_row = self.cfg.onpolicy.max_blocks or self.cfg.objective.max_anchors
+        `onpolicy.max_blocks` a row (0: `objective.max_anchors`), capped as training's anchors are (`objective.
+        max_anchors_per_batch` shared by the rows, `blocks.anchors_a_row`): every row's blocks are padded to the
+        longest row's, so rows x the most steps a row stays within training's memory estimate."""
+        per_row = int(anchors_a_row(len(chains), self.cfg.onpolicy.max_blocks or self.cfg.objective.max_anchors,
+                                    self.cfg.objective.max_anchors_per_batch, self.backend.blocks_multiple_of))
         kept = [sorted(torch.randperm(len(c), generator=generator)[:per_row].tolist()) if len(c) > per_row
                 else list(range(len(c))) for c in chains]
-        total = self.cfg.objective.max_anchors_per_batch
-        if total and sum(map(len, kept)) > total:
-            flat = [(r, i) for r, row in enumerate(kept) for i in row]
-            kept = [[] for _ in chains]
-            for j in sorted(torch.randperm(len(flat), generator=generator)[:total].tolist()):  # flat is in chain order
-                kept[flat[j][0]].append(flat[j][1])
         return [[c[i] for i in row] for c, row in zip(chains, kept)]
 
     def chain_blocks(self, plan: Batch, chains: list[Chain],

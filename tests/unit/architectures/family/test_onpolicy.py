@@ -107,7 +107,7 @@ def decoding_log_probs(drafter, hidden, head, seq, anchor):
     return out
 
 
-def test_the_chain_on_the_targets_answers_is_greedy_speculative_decodings(setup):
+def test_the_chain_on_the_targets_answers_is_greedy_speculative_decodings(setup, monkeypatch):
     target, drafter, cfg, prompts, answers = setup
     objective, capture = objective_for(target, drafter, cfg)
     batch = batch_of(prompts, answers)
@@ -126,6 +126,22 @@ def test_the_chain_on_the_targets_answers_is_greedy_speculative_decodings(setup)
         assert chain[:len(steps)] == steps
         seen |= {n for _, n in steps}
     assert len(seen) >= 3  # acceptance varies: rejections at several slots and full blocks
+
+    # the proposals' vocabulary scores a loss chunk's rows at a time: the same chain
+    small = copy.deepcopy(cfg)
+    small.objective.loss_chunk_size = 2 * drafter.block_size
+    chunked, _ = objective_for(target, drafter, small)
+    calls: list[int] = []
+    real = type(drafter).greedy_proposals
+
+    def counting(self, hidden, *args, **kwargs):
+        calls.append(hidden.shape[0])
+        return real(self, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(type(drafter), "greedy_proposals", counting)
+    with torch.no_grad():
+        assert chunked.chains(batch, batch, features, objective.target_argmax(final)) == chains
+    assert len(calls) > 1 and max(calls) <= 2, calls
 
 
 def decode_chain_by_hand():
@@ -188,16 +204,21 @@ def lattice_log_probs(drafter, hidden, head, seq, anchor):
 
 
 def test_a_micro_batch_trains_on_a_seeded_subset_of_each_chain_within_the_block_caps(setup):
+    """Every row's blocks are padded to the longest row's, so the caps bound the steps a row: onpolicy.max_blocks,
+    and objective.max_anchors_per_batch shared by the rows as training's anchors share it."""
     target, drafter, cfg, _, _ = setup
     chains = [[(p, p % 3) for p in range(10, 40, 2)], [(5, 0), (7, 1)], []]  # 15, 2 and 0 steps
     capped = copy.deepcopy(cfg)
-    capped.onpolicy.max_blocks, capped.objective.max_anchors_per_batch = 4, 5
+    capped.onpolicy.max_blocks, capped.objective.max_anchors_per_batch = 4, 0
     objective, _ = objective_for(target, drafter, capped)
     got = objective.trained_steps(chains, torch.Generator().manual_seed(1))
     assert got == objective.trained_steps(chains, torch.Generator().manual_seed(1))  # the step's generator: resumable
-    assert sum(map(len, got)) == 5 and len(got[0]) <= 4 and len(got[2]) == 0
+    assert [len(r) for r in got] == [4, 2, 0]
     for row, chain in zip(got, chains):
         assert row == [s for s in chain if s in row]  # a subset, in chain order
+    capped.objective.max_anchors_per_batch = 9  # 3 a row: the padded micro-batch holds 3 x 3 blocks
+    got = objective.trained_steps(chains, torch.Generator().manual_seed(1))
+    assert [len(r) for r in got] == [3, 2, 0] and len(chains) * max(map(len, got)) <= 9
     capped.onpolicy.max_blocks, capped.objective.max_anchors_per_batch = 0, 0  # objective.max_anchors a row
     assert [len(r) for r in objective.trained_steps(chains, torch.Generator().manual_seed(1))] == [7, 2, 0]
 
