@@ -124,8 +124,8 @@ def admit(cfg: Config, run: RunDir, world: int, is_main: bool, resume: bool) -> 
         check_tp_target(target_config, shard_group_size(cfg, layout, world))
     dcfg = arch.config_for_run(target_config, cfg, plan.layer_ids, plan.mask_token_id)
     fp8_saved = check_fp8_shapes(cfg, plan.target_path, plan.target_fp8_layers, plan.target_dtype, dcfg, arch)
-    if cfg.onpolicy.start_from:  # the finished run's drafter must be this stage's
-        check_stage_start(cfg.onpolicy.start_from, dcfg, arch.name)
+    if cfg.onpolicy.start_from and not resume:  # the finished run's drafter must be this stage's (a resumed stage
+        check_stage_start(cfg.onpolicy.start_from, dcfg, arch.name)  # reads its own checkpoint, not that export)
     named = assets.target_identity(cfg.target.path, plan.target_path)  # what names it on another machine too
     provenance = target_provenance(named, tokenizer, target_config)
     placement = "colocated" if layout is None else f"split {layout.target_ranks}+{layout.drafter_ranks}"
