@@ -54,7 +54,7 @@ class CandidateSelector(nn.Module):
             self.predecessor_projection = nn.Linear(hidden_size, rank, bias=False)
             self.successor_projection = nn.Linear(hidden_size, rank, bias=False)
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
-        self._decode_cache: Optional[tuple[tuple, Codebooks]] = None
+        self._decode_cache: Optional[tuple[tuple, tuple[torch.Tensor, ...], Codebooks]] = None
         self._scale_cache: Optional[tuple[tuple, float]] = None
 
     @property
@@ -100,15 +100,19 @@ class CandidateSelector(nn.Module):
         return self._scale_cache[1]
 
     def decode_codebooks(self, head_weight: torch.Tensor) -> Codebooks:
-        """`codebooks` for decoding (no graph): factored ones are computed once and reused until the lm_head or
-        a projection changes (their tensor versions key the cache)."""
+        """`codebooks` for decoding (no graph): factored ones are computed once and reused until the lm_head (its
+        tensor version: it is frozen) or a projection's values change. The projections are compared by value with
+        the copies the tables were made from: a fused optimizer step updates them in place without bumping their
+        tensor versions."""
         if not self.factored or torch.is_grad_enabled():
             return self.codebooks(head_weight)
-        key = tuple(map(_tensor_key, (head_weight, self.predecessor_projection.weight,
-                                      self.successor_projection.weight)))
-        if self._decode_cache is None or self._decode_cache[0] != key:
-            self._decode_cache = (key, self.codebooks(head_weight))
-        return self._decode_cache[1]
+        weights = (self.predecessor_projection.weight, self.successor_projection.weight)
+        cached = self._decode_cache
+        if (cached is None or cached[0] != _tensor_key(head_weight)
+                or not all(torch.equal(then, now) for then, now in zip(cached[1], weights))):
+            cached = (_tensor_key(head_weight), tuple(w.detach().clone() for w in weights), self.codebooks(head_weight))
+            self._decode_cache = cached
+        return cached[2]
 
     def scores(self, unary: torch.Tensor, hidden: torch.Tensor, previous: torch.Tensor,
                candidates: torch.Tensor, codebooks: Optional[Codebooks] = None) -> torch.Tensor:

@@ -607,6 +607,16 @@ def test_factored_codebooks_are_the_heads_rows_through_two_projections_and_start
         again = sel.decode_codebooks(head.weight)
     torch.testing.assert_close(again[1], reference_codebooks(d, head.weight)[1], rtol=1e-9, atol=1e-13)
     assert again[1].abs().sum() > 0
+    # training's fused AdamW updates the projections in place without bumping their tensor versions
+    optimizer = torch.optim.AdamW(sel.parameters(), lr=0.1, fused=True)
+    for p in sel.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        stepped = sel.decode_codebooks(head.weight)
+    torch.testing.assert_close(stepped[0], reference_codebooks(d, head.weight)[0], rtol=1e-9, atol=1e-13)
+    torch.testing.assert_close(stepped[1], reference_codebooks(d, head.weight)[1], rtol=1e-9, atol=1e-13)
+    assert not torch.allclose(stepped[1], again[1])
     with pytest.raises(ValueError, match="lm_head weight"):
         sel.codebooks(None)
 
