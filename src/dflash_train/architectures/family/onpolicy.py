@@ -183,13 +183,15 @@ class OnPolicyObjective(BlockObjective):
     @torch.no_grad()
     def chains(self, batch: Batch, plan: Batch, features: torch.Tensor,
                target_next: torch.Tensor) -> list[Chain]:
-        """Each row's decoding anchors: the drafter's proposals at every supervised position (in passes of
-        `objective.max_anchors` anchors a row), their acceptance, and the chain through them."""
+        """Each row's decoding anchors: the drafter's proposals at every supervised position (in passes of as many
+        anchors a row as training's micro-batch of these rows takes), their acceptance, and the chain through them."""
         b, s = plan.input_ids.shape
         pos = torch.arange(s)
         candidates = (plan.loss_mask > 0) & (pos.view(1, -1) + 1 < plan.lengths.view(-1, 1))
         accepted = torch.zeros(b, s, dtype=torch.long)
-        per_pass, multiple = self.cfg.objective.max_anchors, self.backend.blocks_multiple_of
+        multiple = self.backend.blocks_multiple_of
+        per_pass = int(anchors_a_row(b, self.cfg.objective.max_anchors, self.cfg.objective.max_anchors_per_batch,
+                                     multiple))
         order = [row.nonzero().squeeze(1) for row in candidates]
         most = max((len(o) for o in order), default=0)
         for start in range(0, most, per_pass):

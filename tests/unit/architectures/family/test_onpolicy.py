@@ -128,20 +128,30 @@ def test_the_chain_on_the_targets_answers_is_greedy_speculative_decodings(setup,
     assert len(seen) >= 3  # acceptance varies: rejections at several slots and full blocks
 
     # the proposals' vocabulary scores a loss chunk's rows at a time: the same chain
+    # and its passes take a row's share of objective.max_anchors_per_batch, as training's micro-batch does
     small = copy.deepcopy(cfg)
     small.objective.loss_chunk_size = 2 * drafter.block_size
+    rows = batch.input_ids.shape[0]
+    small.objective.max_anchors_per_batch = 4 * rows
     chunked, _ = objective_for(target, drafter, small)
     calls: list[int] = []
-    real = type(drafter).greedy_proposals
+    passes: list[int] = []
+    real, real_blocks = type(drafter).greedy_proposals, type(chunked).build_blocks
 
     def counting(self, hidden, *args, **kwargs):
         calls.append(hidden.shape[0])
         return real(self, hidden, *args, **kwargs)
 
+    def planned(self, plan, anchors, keep):
+        passes.append(anchors.numel())
+        return real_blocks(self, plan, anchors, keep)
+
     monkeypatch.setattr(type(drafter), "greedy_proposals", counting)
+    monkeypatch.setattr(type(chunked), "build_blocks", planned)
     with torch.no_grad():
         assert chunked.chains(batch, batch, features, objective.target_argmax(final)) == chains
     assert len(calls) > 1 and max(calls) <= 2, calls
+    assert len(passes) > 1 and max(passes) <= 4 * rows, passes
 
 
 def decode_chain_by_hand():
