@@ -53,7 +53,8 @@ class DFlash2Options:
     selector_rows: Literal["all", "covered"] = "covered"
     # With objective.slot_weighting acceptance or dpace: whose probability of each label the weights are made of.
     # unary: the unary logits' softmax (as DFlash); selector: softmax(S) over the slot's candidates with the label
-    # forced in, given the true previous token (what DFlash2's decoding accepts).
+    # forced in, given the true previous token (decoding's chance of the label where it is among the unary top-k;
+    # outside them decoding never drafts it, yet the weight counts it at the forced-in value).
     acceptance_from: Literal["unary", "selector"] = "unary"
 
 
