@@ -1,5 +1,5 @@
 # make demo: set up .venv and train a drafter for the embedded default target (SmolLM2-135M).
-# make test: set up .venv and run the test suite (CPU; GPU tests run with `pytest -m gpu`).
+# make test: set up .venv and run the test suite (CPU, in up to 4 processes; GPU tests run with `pytest -m gpu`).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -24,7 +24,7 @@ demo: setup
 	$(BIN)/dflash-train demo
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
