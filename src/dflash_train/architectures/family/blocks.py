@@ -123,6 +123,7 @@ def most_blocks(max_batch_size: int, token_budget: int, max_length: int, block_s
     blocks = blocks_for(rows[fits], context[fits] - block_size + 1, blocks_a_row, max_batch_anchors, multiple_of)
     return int((rows[fits] * blocks).max())
 
+
 def gamma_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     """`w_k = exp(-(k - 1) / gamma)` for k >= 1, and 0 for the anchor slot."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)

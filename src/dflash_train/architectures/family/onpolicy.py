@@ -210,11 +210,11 @@ class OnPolicyObjective(BlockObjective):
             anchor_ids = device_blocks.block_ids.view(b * n, bs)[:, 0]
             # the proposals' vocabulary scores [blocks, bs, V], a loss chunk's rows at a time (what training's memory
             # estimate holds for the CE), not every block's at once
-            calls = max(1, self.cfg.objective.loss_chunk_size // bs)
+            per_call = max(1, self.cfg.objective.loss_chunk_size // bs)  # blocks
             with self.autocast(batch.input_ids.device):  # a member's own head (float32 masters) meets bf16 states
-                drafts = torch.cat([self.drafter.greedy_proposals(hidden[i:i + calls], self.target.lm_head,
-                                                                  anchor_ids[i:i + calls]).drafts
-                                    for i in range(0, b * n, calls)])
+                drafts = torch.cat([self.drafter.greedy_proposals(hidden[i:i + per_call], self.target.lm_head,
+                                                                  anchor_ids[i:i + per_call]).drafts
+                                    for i in range(0, b * n, per_call)])
             drafts = drafts.view(b, n, -1).cpu()
             f = self.first_draft_slot
             got = accept_lengths(drafts, target_next, anchors, blocks.counted[..., f:f + drafts.shape[-1]])
