@@ -51,21 +51,36 @@ class StepStats:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     # Host counts of the drafter's work (`DraftWork`); None where the blocks were planned on the device.
     work: Optional[DraftWork] = None
+    # Where the loss is a mean over the whole step's terms (every micro-batch's and every rank's, as the on-policy
+    # stage's official estimator normalises): the weight of this micro-batch's mean `loss` in it, its terms'
+    # denominator (no gradient). The step then trains on `sum(loss * normaliser) / sum(normaliser)` over its
+    # micro-batches and ranks instead of the mean of the micro-batches' losses. None: a mean of micro-batch means.
+    normaliser: Optional[torch.Tensor] = None
 
     @staticmethod
     def sum(parts: "list[StepStats]") -> "StepStats":
-        """Counts add up over micro-batches; the losses are their mean."""
+        """Counts add up over micro-batches; the losses are their mean, weighted by their normalisers if they have
+        them."""
         extra = {k: (torch.stack([p.extra[k] for p in parts]).mean() if k.endswith("_loss")
                      else sum(p.extra[k] for p in parts)) for k in parts[0].extra}
         works = [p.work for p in parts]
+        weighted = [p.normaliser for p in parts if p.normaliser is not None]
+        if weighted and len(weighted) != len(parts):
+            raise ValueError("either every micro-batch's loss has a normaliser or none has")
+        if weighted:
+            normaliser = torch.stack(weighted).sum()
+            loss = torch.stack([p.loss * p.normaliser for p in parts]).sum() / normaliser.clamp_min(1e-6)
+        else:
+            normaliser, loss = None, torch.stack([p.loss for p in parts]).mean()
         return StepStats(
-            loss=torch.stack([p.loss for p in parts]).mean(),
+            loss=loss,
             correct_per_slot=sum(p.correct_per_slot for p in parts),
             counted_per_slot=sum(p.counted_per_slot for p in parts),
             accepted_sum=sum(p.accepted_sum for p in parts),
             kept_blocks=sum(p.kept_blocks for p in parts),
             extra=extra,
             work=None if None in works else sum(works[1:], works[0]),
+            normaliser=normaliser,
         )
 
 

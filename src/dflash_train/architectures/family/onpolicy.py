@@ -17,7 +17,8 @@ what the drafter changes is where each step's block starts and what it drafts. P
    - rejected: the first rejected slot k on the drafter's draft d, `l = exp(r) - r - 1`, `r = log p(d) - log q(d)`
      (k3, an estimate of KL(q || p)), weighted `decay ** (k - 1)`;
    `L = (w_c sum l_c + w_r sum decay^(k-1) l_r) / (w_c N_c + w_r sum decay^(k-1))`, each l clamped to `loss_max`,
-   log-probabilities to `log_prob_min`.
+   log-probabilities to `log_prob_min`; the denominator is the micro-batch's share of the step's (`StepStats.
+   normaliser`): the step normalises over every micro-batch and rank, as the official counts are global.
 
 Only the first rejected draft is scored: the drafts before it were accepted, so its target distribution is the
 target's at that position of the committed sequence. A later draft sits behind a wrong token, whose distribution
@@ -125,13 +126,14 @@ def rejected_loss(logp: torch.Tensor, logq: torch.Tensor, low: float) -> torch.T
 
 
 def onpolicy_total(committed: torch.Tensor, rejected: torch.Tensor, rejected_weights: torch.Tensor,
-                   cfg: Config) -> torch.Tensor:
-    """`(w_c sum l_c + w_r sum w_k l_r) / (w_c N_c + w_r sum w_k)`, each term clamped to `onpolicy.loss_max`."""
+                   cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(w_c sum l_c + w_r sum w_k l_r) / (w_c N_c + w_r sum w_k)`, each term clamped to `onpolicy.loss_max`, and
+    its denominator (the micro-batch's share of the step's: `StepStats.normaliser`)."""
     o = cfg.onpolicy
     numerator = (o.committed_weight * committed.clamp_max(o.loss_max).sum()
                  + o.rejected_weight * (rejected_weights * rejected.clamp_max(o.loss_max)).sum())
     denominator = o.committed_weight * committed.numel() + o.rejected_weight * rejected_weights.sum()
-    return numerator / denominator.clamp_min(1e-6)
+    return numerator / denominator.clamp_min(1e-6), denominator.detach()
 
 
 class OnPolicyObjective(BlockObjective):
@@ -276,8 +278,9 @@ class OnPolicyObjective(BlockObjective):
         weights = (o.decay ** ((idx.index_select(0, rej) % bs) - self.first_draft_slot)).to(wide(q.draft).dtype)
         committed = committed_loss(logp_label, wide(q.label), low)
         rejected = rejected_loss(logp_draft, wide(q.draft), low)
-        loss = onpolicy_total(committed, rejected, weights, self.cfg)
+        loss, normaliser = onpolicy_total(committed, rejected, weights, self.cfg)
         stats = self.chain_stats(loss, q.correct, blocks, idx)
+        stats.normaliser = normaliser
         zero = loss.detach() * 0
         stats.extra.update({
             "onpolicy_committed_loss": committed.detach().mean() if committed.numel() else zero,

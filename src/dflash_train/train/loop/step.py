@@ -91,7 +91,7 @@ class TrainStep:
         objective = self.arch.onpolicy_objective if cfg.onpolicy.start_from else self.arch.objective
         self.objective = objective(drafter, target, backend, cfg, compute_dtype)
         # `group` / `replicas`: the ranks that train the drafter together (DDP); `rank`: this rank's index.
-        self.rank = rank
+        self.rank, self.group = rank, group
         self.model = drafter
         if replicas is None:
             replicas = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
@@ -148,12 +148,16 @@ class TrainStep:
             sync = contextlib.nullcontext() if last or self.model is self.drafter else self.model.no_sync()
             with sync:
                 part = self.objective(mb.batch, self.generator, self.model, mb.hidden)
-                (part.loss / len(micro)).backward()
+                # a loss normalised over the whole step trains on its sum here, divided once every share is known
+                weight = part.normaliser if part.normaliser is not None else 1 / len(micro)
+                (part.loss * weight).backward()
             part.loss = part.loss.detach()
             parts.append(part)
         stats = StepStats.sum(parts)
-        clip = self.cfg.optim.grad_clip
         params = [p for p in self.drafter.parameters() if p.grad is not None]
+        if stats.normaliser is not None:
+            self._divide_by_the_steps_normaliser(params, stats.normaliser)
+        clip = self.cfg.optim.grad_clip
         stats.grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         # After DDP's all-reduce every rank sees the same norm, so every rank takes the same decision.
         bad = ~(torch.isfinite(stats.grad_norm) & torch.isfinite(stats.loss))
@@ -165,6 +169,15 @@ class TrainStep:
         self.scheduler.step()
         self._check_without_waiting(step)
         return stats
+
+    def _divide_by_the_steps_normaliser(self, params: list[torch.nn.Parameter], local: torch.Tensor) -> None:
+        """Gradients of the summed losses -> of their mean over every rank's terms: DDP has averaged the ranks'
+        sums, so times the replicas over the normalisers' total (one all-reduce, no wait for the device)."""
+        total, replicas = local.detach().clone(), 1
+        if self.model is not self.drafter:
+            torch.distributed.all_reduce(total, group=self.group)
+            replicas = torch.distributed.get_world_size(self.group)
+        torch._foreach_mul_([p.grad for p in params], replicas / total.clamp_min(1e-6))
 
     def _check_without_waiting(self, step: int) -> None:
         if self._worst_seen is None:  # CPU: reading is free

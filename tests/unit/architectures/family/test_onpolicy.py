@@ -24,6 +24,7 @@ from dflash_train.data.batch import Batch
 from dflash_train.infer.spec_decode import SpeculativeDecoder
 from dflash_train.target.capture import TargetCapture, load_target_model
 from dflash_train.target.hf_model import forward_with_layer_states
+from dflash_train.train.loop.step import MicroBatch, TrainStep
 
 BLOCK, LAYERS, MASK, NEW = 5, [1, 3], 23, 28  # 3: the target's last layer
 
@@ -297,6 +298,77 @@ def test_the_loss_and_gradients_equal_draft_opds_streams_block_by_block(setup):
         assert any(g is not None and g.abs().sum() > 0 for g in grads)
     finally:
         drafter.eval()
+
+
+def gradients_of(loss, drafter):
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True),
+                                                                    params)]
+
+
+def step_gradients(step: TrainStep, micro: list[MicroBatch]) -> list[torch.Tensor]:
+    """The gradients one optimizer step trained on (unclipped): they stay on the parameters until the next step."""
+    step(micro, 0)
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone()
+            for p in step.drafter.parameters() if p.requires_grad]
+
+
+def unclipped(cfg):
+    cfg = copy.deepcopy(cfg)
+    cfg.optim.grad_clip = 0.0
+    return cfg
+
+
+def test_a_step_of_several_micro_batches_trains_on_the_mean_over_all_their_terms(setup):
+    """The official estimator normalises over the whole batch: a micro-batch of one answer and one of two, in one
+    step, give the gradients of the loss over the three answers pooled, not the mean of the two micro-batches'."""
+    target, drafter, cfg, prompts, answers = setup
+    model = copy.deepcopy(drafter).train()
+    expected = gradients_of(reference_loss(target, model, cfg, prompts, answers)[0], model)
+    step = TrainStep(model, TargetCapture.from_model(target, LAYERS), resolve_backend("sdpa", torch.device("cpu"), BLOCK),
+                     unclipped(cfg), 10, torch.float64, torch.device("cpu"))
+    got = step_gradients(step, [MicroBatch(batch_of(prompts[:1], answers[:1])),
+                                MicroBatch(batch_of(prompts[1:], answers[1:]))])
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert any(g.abs().sum() > 0 for g in got)
+
+
+def _onpolicy_rank(rank: int, init_file: str, target_dir: str, cfg, rows, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        target = load_target_model(target_dir, torch.float64, torch.device("cpu"))
+        arch = architecture(cfg.drafter.architecture)
+        drafter = arch.drafter_class(arch.config_for_run(target.config, cfg, LAYERS, MASK)).double()
+        drafter.load_state_dict(torch.load(f"{out}/drafter.pt"))
+        step = TrainStep(drafter.train(), TargetCapture.from_model(target, LAYERS),
+                         resolve_backend("sdpa", torch.device("cpu"), BLOCK), cfg, 10, torch.float64,
+                         torch.device("cpu"), rank=rank)
+        torch.save(step_gradients(step, [MicroBatch(batch_of(*rows[rank]))]), f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.long  # ~17 s: two ranks in real processes
+@pytest.mark.parametrize("setup", ["dflash"], indirect=True)
+def test_ranks_with_unequal_answers_train_on_the_mean_over_every_ranks_terms(setup, tmp_path):
+    """Two data-parallel ranks over gloo, one answer on the first and two on the second: both step on the gradients
+    of the loss over the three answers pooled (DDP alone would average the two ranks' means)."""
+    import torch.multiprocessing as mp
+
+    target, drafter, cfg, prompts, answers = setup
+    model = copy.deepcopy(drafter).train()
+    expected = gradients_of(reference_loss(target, model, cfg, prompts, answers)[0], model)
+    target.save_pretrained(tmp_path / "target")
+    torch.save(drafter.state_dict(), tmp_path / "drafter.pt")
+    rows = [(prompts[:1], answers[:1]), (prompts[1:], answers[1:])]
+    mp.spawn(_onpolicy_rank, args=(str(tmp_path / "init"), str(tmp_path / "target"), unclipped(cfg), rows,
+                                   str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        for a, b in zip(torch.load(tmp_path / f"{rank}.pt"), expected):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_the_estimators_are_zero_where_the_drafter_matches_the_target_and_grow_apart():
