@@ -59,8 +59,8 @@ class StepMemory:
         these and the generic ones: the lm_head + CE chunk, one layer's backward), over `counted` rows."""
         return {}
 
-    def loss_rows(self, counted: int) -> int:
-        """Bytes more the loss keeps for its `counted` rows until the backward."""
+    def loss_rows(self, counted: int, e: int) -> int:
+        """Bytes more the loss keeps for its `counted` rows until the backward (`e`: the compute dtype's bytes)."""
         return 0
 
 

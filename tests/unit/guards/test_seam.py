@@ -348,7 +348,7 @@ class ToyStepFlops(StepFlops):
 class ToyStepMemory(StepMemory):
     hidden: int
 
-    def loss_rows(self, counted: int) -> int:
+    def loss_rows(self, counted: int, e: int) -> int:
         return counted * self.hidden * 4  # the gate's input rows, kept for its gradient
 
 
@@ -436,7 +436,7 @@ def test_the_activation_estimate_counts_the_toys_own_memory_terms(toy_registered
     registry._REGISTRY["toy"] = dataclasses.replace(registry._REGISTRY["toy"], package=TOY_PLAIN)
     plain = estimate()
     assert own.shape == plain.shape
-    assert own.parts["loss rows"] - plain.parts["loss rows"] == ToyStepMemory(64).loss_rows(own.shape.counted) > 0
+    assert own.parts["loss rows"] - plain.parts["loss rows"] == ToyStepMemory(64).loss_rows(own.shape.counted, 4) > 0
 
 
 def test_a_toy_architecture_from_a_test_file_trains_decodes_exports_and_reloads(toy_registered, tmp_path,

@@ -34,7 +34,7 @@ class DFlash2StepMemory(StepMemory):
             selector += 2 * head_classes * self.rank * (e + 2 * _F32)
         return {"selector": selector}
 
-    def loss_rows(self, counted: int) -> int:
+    def loss_rows(self, counted: int, e: int) -> int:
         """Each counted row's top-k values and ids."""
         return counted * self.top_k * (_F32 + 8)
 

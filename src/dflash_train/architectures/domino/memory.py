@@ -34,7 +34,7 @@ class DominoStepMemory(StepMemory):
         rows = counted * ((self.hidden + self.gru) * (e + _F32) + 3 * self.emb * _F32)
         return {"domino_correction": gru + rows}
 
-    def loss_rows(self, counted: int) -> int:
+    def loss_rows(self, counted: int, e: int) -> int:
         """The bottleneck's gradient rows `[M, E]` beside the hidden states' (float32), and the correction's output
         weight `[V, E]` in the compute dtype with its float32 gradient, which the loss keeps to the backward."""
         return counted * self.emb * _F32 + self.vocab * self.emb * 2 * _F32

@@ -39,17 +39,16 @@ class DSparkStepMemory(StepMemory):
         """The Markov table beside the lm_head in the loss's joint product `[h ; f] [W ; W2]^T`."""
         return self.rank
 
-    def loss_rows(self, counted: int) -> int:
+    def loss_rows(self, counted: int, e: int) -> int:
         """Over the block slots of the counted rows (at most `counted * block_size`) the Markov activations; per
         counted row the target's final state (at most one a row: rows share them), the Markov feature and embedding
         picked for it, their gradient and
         the confidence head's input (bytes at the widest compute dtype, float32); the Markov table's float32
-        gradient `[V, r]`."""
-        e = _F32
+        gradient `[V, r]`. Whatever the compute dtype `e`."""
         slots = counted * self.block_size
         per_row = self.hidden + 3 * self.rank + ((self.hidden + self.rank) if self.confidence else 0)
         table = self.vocab * self.rank * _F32
-        return slots * self.markov_values_per_slot() * e + counted * per_row * e + table
+        return slots * self.markov_values_per_slot() * _F32 + counted * per_row * _F32 + table
 
 
 def step_memory(drafter_config) -> DSparkStepMemory:

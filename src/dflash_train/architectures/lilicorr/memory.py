@@ -1,8 +1,8 @@
 """LiLiCorr's terms in the drafter step's activation estimate (train/plan/activation_memory.py, `StepMemory`), beside
 DFlash's and the target's final states that `needs_target_final` counts: the candidate rows of the target's head
-gathered for the log-probabilities and the target's logits (every counted row's k candidates), and one chunk of the
-head's activations over the lattice (the head is checkpointed chunk by chunk); with `lilicorr.conv`, the
-layers' block convolutions."""
+gathered for the log-probabilities and the target's logits (every counted row's k candidates), kept to the backward,
+and on top of everything else one chunk of the head's activations over the lattice (the head is checkpointed chunk
+by chunk); with `lilicorr.conv`, the layers' block convolutions."""
 
 from __future__ import annotations
 
@@ -46,19 +46,29 @@ class LiLiCorrStepMemory(StepMemory):
         nodes = (self.block_size - 1) * self.topk
         return self.layers * 2 * self.heads * nodes * nodes
 
-    def loss_rows(self, counted: int) -> int:
-        """At float32, the widest compute dtype: each of the lattice's nodes (k per counted row) keeps its lm_head
-        row (H), its log-probability, target logit and scores (~3 k + 8); and one chunk of the head (the run's
-        `head.chunk_blocks`, whole blocks of (B - 1) k nodes), recomputed in the backward, holds its activations and
-        their gradients. The run's largest micro-batch sets the chunk; each micro-batch counted here stands for
-        that one. A compiled head pads a step's last chunk to a whole one; a step with fewer nodes than one chunk
-        is counted at its own size (the largest micro-batches, which the preflight checks, fill chunks)."""
+    def lattice_chunk(self, counted: int) -> int:
+        """One chunk of the head (the run's `head.chunk_blocks`, whole blocks of (B - 1) k nodes), recomputed in the
+        backward: its saved activations at float32 (the widest compute dtype), which the backward frees layer by
+        layer as their gradients form (measured on the CPU, float32 and bfloat16 autocast: at most this). The run's largest
+        micro-batch sets the chunk; each micro-batch counted here stands for that one. A compiled head pads a step's
+        last chunk to a whole one; a step with fewer nodes than one chunk is counted at its own size (the largest
+        micro-batches, which the preflight checks, fill chunks)."""
         per_block = (self.block_size - 1) * self.topk
-        nodes = counted * self.topk
-        blocks = -(-nodes // per_block)
+        blocks = -(-counted * self.topk // per_block)
         chunk = min(blocks, chunk_blocks(blocks, self.block_size - 1, self.topk))
-        held = 2 * (chunk * per_block * self.values_per_node() + chunk * self.attention_per_block())
-        return (nodes * (self.hidden + 3 * self.topk + 8) + held) * _F32
+        return (chunk * per_block * self.values_per_node() + chunk * self.attention_per_block()) * _F32
+
+    def on_top(self, counted: int, head_classes: int, e: int) -> dict[str, int]:
+        """The head's chunk: its backward runs first, before the CE chunks' and the layers' (and no two of these
+        at once), on top of every layer's saved activations."""
+        return {"lilicorr lattice chunk": self.lattice_chunk(counted)}
+
+    def loss_rows(self, counted: int, e: int) -> int:
+        """Each of the lattice's nodes (k per counted row) keeps its lm_head row (H, the compute dtype: the target's
+        head gathered at the candidates) and its log-probability, target logit and scores (~3 k + 8 float32 a row);
+        each counted row its label's lm_head row (H)."""
+        nodes = counted * self.topk
+        return nodes * self.hidden * e + counted * self.hidden * e + nodes * (3 * self.topk + 8) * _F32
 
 
 def step_memory(drafter_config) -> LiLiCorrStepMemory:

@@ -200,7 +200,7 @@ def drafter_step_parts(drafter_config, shape: MicroBatchShape, s: DrafterStepSet
               "one layer's backward": one_layer, **s.own.on_top(counted, s.head_classes, e)}
     name = max(on_top, key=on_top.get)
     parts[name] = on_top[name]
-    parts["loss rows"] = counted * (h * e + 4 * _F32) + s.own.loss_rows(counted)
+    parts["loss rows"] = counted * (h * e + 4 * _F32) + s.own.loss_rows(counted, e)
     if s.kept_head_gradient:
         parts[KEPT_HEAD_GRADIENT] = counted * s.head_classes * e
     if e < _F32:

@@ -95,7 +95,12 @@ STEPS = {  # name: (target shape, architecture, rows, length, block, anchors, CE
     "domino's correction": (dict(vocab_size=1000), "domino", 2, 128, 16, 4, 128, torch.float32, "domino_correction"),
     "domino's chunk, both terms": (dict(vocab_size=8000), "domino", 2, 128, 16, 4, 128, torch.float32,
                                    "lm_head + CE chunk"),
-    "lilicorr's lattice": (dict(vocab_size=1000), "lilicorr", 2, 128, 16, 8, 128, torch.float32, "loss rows"),
+    "lilicorr's lattice": (dict(vocab_size=1000), "lilicorr", 2, 128, 16, 8, 128, torch.float32,
+                           "lilicorr lattice chunk"),
+    "lilicorr's lattice, bfloat16 autocast": (dict(vocab_size=1000), "lilicorr", 2, 128, 16, 8, 128, torch.bfloat16,
+                                              "lilicorr lattice chunk"),
+    "lilicorr's lattice on a wider drafter": (dict(hidden_size=512, vocab_size=1000), "lilicorr", 2, 128, 16, 8, 128,
+                                              torch.float32, "lilicorr lattice chunk"),
 }
 
 
