@@ -1,6 +1,6 @@
 """A profiled step's GPU kernels by kind (`throughput.py --profile`): how much of a part's time goes to matmuls,
-attention, the chunked CE, norms and other fused elementwise kernels, the optimizer, and how much passes with no
-kernel running."""
+attention, the chunked CE, norms and other fused elementwise kernels, the optimizer, the eager ops between compiled
+graphs (top-k, copies, gathers and scatters, reductions, elementwise), and how much passes with no kernel running."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("other attention", ("fmha", "sdpa", "flash")),
     ("matmuls", ("nvjet", "gemm", "xmma", "cutlass")),
     ("optimizer", ("multi_tensor_apply", "adam")),
+    # ATen's own kernels, where eager code runs between the compiled graphs
+    ("top-k", ("topk", "TopK", "radixFindKthValues")),
+    ("copies and concatenations", ("direct_copy", "CatArrayBatchedCopy", "copy_kernel")),
+    ("gathers and scatters", ("gather", "scatter", "indexFunc", "index_elementwise", "index_put")),
+    ("reductions", ("reduce_kernel",)),
+    ("eager elementwise", ("elementwise_kernel", "FillFunctor")),
 )
 OTHER = "other kernels"
 IDLE = "no kernel running"

@@ -1,6 +1,6 @@
 """`throughput.py --profile`'s grouping of a step's kernels (benchmarks/kernel_groups.py), on kernel names a profiled
-H200 step recorded: inductor's fused kernels go by the ops they hold, library kernels by their family, and the
-part's time that no kernel covers is reported as such."""
+H200 or H100 step recorded: inductor's fused kernels go by the ops they hold, library and ATen kernels by their family,
+and the part's time that no kernel covers is reported as such."""
 
 import importlib.util
 import sys
@@ -26,7 +26,21 @@ RECORDED = {  # a kernel name of a profiled compiled step -> the group it belong
     "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1": "other attention",
     "fmha_cutlassB_bf16_aligned_128x128_k128_sm80(PyTorchMemEffAttention::AttentionBackwardKernel)": "other attention",
     "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous)": "optimizer",
-    "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>": "other kernels",
+    "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>":
+        "eager elementwise",
+    "void at::native::vectorized_elementwise_kernel<8, at::native::FillFunctor<c10::BFloat16>>": "eager elementwise",
+    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)":
+        "copies and concatenations",
+    "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>":
+        "copies and concatenations",
+    "void at::native::vectorized_gather_kernel<16, long>(char*, char*, long*, int, long, long, long, long, bool)":
+        "gathers and scatters",
+    "void at::native::indexFuncLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true, at::native::":
+        "gathers and scatters",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, at::native::func_wrapper_t":
+        "reductions",
+    "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(at::cuda::detail::TensorInfo<float": "top-k",
+    "Memcpy DtoH (Device -> Pinned)": "other kernels",
 }
 
 
