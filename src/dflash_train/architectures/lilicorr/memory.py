@@ -49,10 +49,10 @@ class LiLiCorrStepMemory(StepMemory):
     def lattice_chunk(self, counted: int) -> int:
         """One chunk of the head (the run's `head.chunk_blocks`, whole blocks of (B - 1) k nodes), recomputed in the
         backward: its saved activations at float32 (the widest compute dtype), which the backward frees layer by
-        layer as their gradients form (measured on the CPU, float32 and bfloat16 autocast: at most this). The run's largest
-        micro-batch sets the chunk; each micro-batch counted here stands for that one. A compiled head pads a step's
-        last chunk to a whole one; a step with fewer nodes than one chunk is counted at its own size (the largest
-        micro-batches, which the preflight checks, fill chunks)."""
+        layer as their gradients form (measured on the CPU, float32 and bfloat16 autocast: at most this). The run's
+        largest micro-batch sets the chunk; each micro-batch counted here stands for that one. A compiled head pads a
+        step's last chunk to a whole one; a step with fewer nodes than one chunk is counted at its own size (the
+        largest micro-batches, which the preflight checks, fill chunks)."""
         per_block = (self.block_size - 1) * self.topk
         blocks = -(-counted * self.topk // per_block)
         chunk = min(blocks, chunk_blocks(blocks, self.block_size - 1, self.topk))

@@ -325,8 +325,9 @@ def test_a_step_of_several_micro_batches_trains_on_the_mean_over_all_their_terms
     target, drafter, cfg, prompts, answers = setup
     model = copy.deepcopy(drafter).train()
     expected = gradients_of(reference_loss(target, model, cfg, prompts, answers)[0], model)
-    step = TrainStep(model, TargetCapture.from_model(target, LAYERS), resolve_backend("sdpa", torch.device("cpu"), BLOCK),
-                     unclipped(cfg), 10, torch.float64, torch.device("cpu"))
+    step = TrainStep(model, TargetCapture.from_model(target, LAYERS),
+                     resolve_backend("sdpa", torch.device("cpu"), BLOCK), unclipped(cfg), 10, torch.float64,
+                     torch.device("cpu"))
     got = step_gradients(step, [MicroBatch(batch_of(prompts[:1], answers[:1])),
                                 MicroBatch(batch_of(prompts[1:], answers[1:]))])
     for a, b in zip(got, expected):
