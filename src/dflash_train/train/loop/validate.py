@@ -79,21 +79,22 @@ def validate(train_step: TrainStep, val, pad_id: int, device: torch.device, *, b
     with evaluating(drafter):
         if batches:
             plan = validation_plan(train_step, val)[:batches]
-            correct = counted = accepted = kept = 0.0
-            loss_sum = 0.0
+            parts: list[StepStats] = []
             walk_accepts: list[int] = []
             for i, rows in enumerate(plan):
                 batch = collate([val.example(r) for r in rows], pad_id).to(device)
                 stats, hidden = validation_loss(train_step, batch, i)
                 walk_accepts += _walks(train_step, batch, hidden)
-                loss_sum += float(stats.loss)
-                correct += float(stats.correct_per_slot.sum())
-                counted += float(stats.counted_per_slot.sum())
-                accepted += float(stats.accepted_sum)
-                kept += float(stats.kept_blocks)
-            out.update(val_loss=loss_sum / max(len(plan), 1), val_accuracy=correct / max(counted, 1),
-                       val_tau_estimate=accepted / max(kept, 1),
-                       val_tau_walk=sum(walk_accepts) / max(len(walk_accepts), 1))
+                parts.append(stats)
+            if parts:
+                # as a step pools its micro-batches: a loss over all the batches' terms, or the mean of their means
+                total = StepStats.sum(parts)
+                counted = float(total.counted_per_slot.sum())
+                out.update(val_loss=float(total.loss), val_accuracy=float(total.correct_per_slot.sum()) / max(counted, 1),
+                           val_tau_estimate=float(total.accepted_sum) / max(float(total.kept_blocks), 1))
+            else:
+                out.update(val_loss=0.0, val_accuracy=0.0, val_tau_estimate=0.0)
+            out.update(val_tau_walk=sum(walk_accepts) / max(len(walk_accepts), 1))
         if prompts:
             decoder = SpeculativeDecoder(train_step.target.model, drafter, stop_token_ids)
             taus, n_tokens = [], 0
