@@ -149,8 +149,7 @@ class TrainStep:
             with sync:
                 part = self.objective(mb.batch, self.generator, self.model, mb.hidden)
                 # a loss normalised over the whole step trains on its sum here, divided once every share is known
-                weight = part.normaliser if part.normaliser is not None else 1 / len(micro)
-                (part.loss * weight).backward()
+                (part.loss * part.normaliser if part.normaliser is not None else part.loss / len(micro)).backward()
             part.loss = part.loss.detach()
             parts.append(part)
         stats = StepStats.sum(parts)
