@@ -17,7 +17,7 @@ from .children import (
     visible_gpus
 )
 from .inputs import load_eval_items, prepare_training_data
-from .pooling import compare_with_decoding, confidence_truncation, metric_times, pooled_tau
+from .pooling import compare_with_decoding, confidence_truncation, metric_times, pooled_tau, reranker_rows
 from .report import (
     acceptance_by_slot, dataset_summaries, drafter_block_size, drafter_facts, pooled_by_mode,
     summary_markdown, train_summary, variant_row
@@ -557,6 +557,9 @@ class Driver:
                                  for name, (run, _) in self.runs().items()}
         if self.args.confidence_thresholds:
             extra["confidence_truncation"] = self.truncation_section(items, records, facts, reports, pooled_names)
+        reranked = self.reranker_section(items, records, facts, reports, pooled_names)
+        if reranked:
+            extra["reranker"] = reranked
         if self.args.curve_every and self.given_drafter is None:
             from dflash_train.files.layout import step_of
 
@@ -587,6 +590,21 @@ class Driver:
                 drafters[name] = confidence_truncation(reports[name], truncated, thresholds,
                                                        facts[name]["drafts_per_block"], pooled_names)
         return {"thresholds": list(thresholds), "drafters": drafters}
+
+    def reranker_section(self, items: list[dict], records: dict[str, dict[str, dict]], facts: dict[str, dict],
+                         reports: dict[str, dict], pooled_names: list[str]) -> dict:
+        """The summary's reranker section: for each drafter that reranks its backbone's candidates (its replay
+        records hold `replay.ARGMAX_MODE`), block tau of its drafts beside its backbone's argmax (`reranker_rows`)."""
+        from dflash_train.infer.evaluate import report_config
+        from dflash_train.infer.replay import ARGMAX_MODE
+
+        out = {}
+        for name, recs in records.items():
+            if recs and all(ARGMAX_MODE in r["modes"] for r in recs.values()):
+                plain = merged_report(report_config(self.settings.max_new_tokens, 0.0, facts[name]["block_size"], ()),
+                                      items, recs, [ARGMAX_MODE])
+                out[name] = reranker_rows(reports[name], plain, pooled_names)
+        return out
 
     def decode_check(self, items: list[dict], info: dict, replayed: dict[str, dict[str, dict]],
                      drafters: dict[str, Path]) -> tuple[bool, dict]:

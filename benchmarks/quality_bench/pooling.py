@@ -1,4 +1,5 @@
-"""Tau and verified tokens pooled over datasets and modes, DSpark's confidence truncation, replay against decoding."""
+"""Tau and verified tokens pooled over datasets and modes, DSpark's confidence truncation, a reranker against its
+backbone's argmax, replay against decoding."""
 
 from __future__ import annotations
 
@@ -50,6 +51,19 @@ def confidence_truncation(report: dict, truncated: dict, thresholds: tuple, draf
                       "verified_per_step_mt-bench+sharegpt": pooled_verified(truncated, [mode], pooled_names)[mode],
                       "verified_per_step_all": pooled_verified(truncated, [mode])[mode]}
     return {"drafts_per_block": drafts, "modes": rows}
+
+
+def reranker_rows(report: dict, plain: dict, pooled_names: list[str]) -> dict:
+    """One drafter's lines of the reranker table: block tau of its drafts (`report`, its replay report) and of its
+    backbone's argmax drafts (`plain`: its report of `replay.ARGMAX_MODE`), pooled over MT-Bench + ShareGPT and all,
+    and per dataset."""
+    from dflash_train.infer.replay import ARGMAX_MODE
+
+    return {mode: {"tau_mt-bench+sharegpt": pooled_tau(rep, [mode], pooled_names)[mode],
+                   "tau_all": pooled_tau(rep, [mode])[mode],
+                   "datasets": {ds: body["modes"][mode]["tau"] for ds, body in rep["datasets"].items()
+                                if mode in body["modes"]}}
+            for mode, rep in (("block", report), (ARGMAX_MODE, plain))}
 
 
 def compare_with_decoding(decoded: dict[str, dict], replayed: dict[str, dict], modes: list[str]) -> dict:

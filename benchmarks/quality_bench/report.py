@@ -247,6 +247,7 @@ def replay_markdown(s: dict, modes: list[str]) -> list[str]:
              f"with the batched greedy continuation: {s.get('argmax_mismatches')}.", ""]
     lines += variants_markdown(s.get("variants") or {}, modes)
     lines += truncation_markdown(s.get("confidence_truncation"))
+    lines += reranker_markdown(s.get("reranker"))
     if s.get("curve"):
         lines += ["## Tau against training time (default recipe)", "",
                   "| step | train s after the first logged step | " + " | ".join(f"tau {m} (MT-Bench+ShareGPT)" for m in modes)
@@ -297,6 +298,24 @@ def truncation_markdown(section: Optional[dict]) -> list[str]:
                          f"{_fmt(row['verified_per_step_mt-bench+sharegpt'], 2)} | {_fmt(row['verified_per_step_all'], 2)} |")
     if not section["drafters"]:
         lines.append("| (no drafter with a confidence head) | | | | | |")
+    return lines + [""]
+
+
+def reranker_markdown(section: Optional[dict]) -> list[str]:
+    """Block tau of each reranking drafter's drafts beside its backbone's argmax drafts, pooled and per dataset."""
+    if not section:
+        return []
+    datasets = list(dict.fromkeys(ds for d in section.values() for row in d.values() for ds in row["datasets"]))
+    lines = ["## Reranker against the backbone's argmax (block)", "",
+             "The same drafter's block tau with its own drafts (DFlash2's selector, LiLiCorr's walk) and with its "
+             "backbone's argmax at every slot, on the same turns.", "",
+             "| drafter | drafts | tau (MT-Bench+ShareGPT) | tau (all) | " + " | ".join(datasets) + " |",
+             "|---|---|---|---|" + "---|" * len(datasets)]
+    for name, d in section.items():
+        for mode, row in d.items():
+            lines.append(f"| {name} | {'reranked' if mode == 'block' else 'argmax'} | "
+                         f"{_fmt(row['tau_mt-bench+sharegpt'])} | {_fmt(row['tau_all'])} | "
+                         + " | ".join(_fmt(row["datasets"].get(ds)) for ds in datasets) + " |")
     return lines + [""]
 
 

@@ -817,3 +817,56 @@ def test_a_lilicorr_variant_loads_and_its_export_drafts_b_minus_1_without_ddtree
     assert {k: facts[k] for k in ("architecture", "block_size", "drafts_per_block", "confidence_head")} == {
         "architecture": "lilicorr", "block_size": 4, "drafts_per_block": 3, "confidence_head": False}
     assert "--tree-budget" in facts["tree"]
+
+
+@pytest.mark.long  # ~13 s: the bench's stages on a given drafter, and two replays
+def test_a_reranking_drafter_gets_its_backbones_argmax_beside_its_drafts(tmp_path, tiny_pair, tiny_target_dir):
+    """A LiLiCorr drafter (the walk reranks its backbone's candidates): the summary has a reranker section with its
+    block tau and its backbone argmax's, pooled and per set, the argmax's equal to `dflash-train eval --replay` of a
+    DFlash drafter holding the same backbone, whose report for the LiLiCorr drafter has the same mode beside block;
+    the bench's other tables keep their modes."""
+    from dflash_train.architectures import architecture
+    from dflash_train.architectures.io import save_drafter
+    from dflash_train.assets import stop_token_ids
+    from dflash_train.config.load import config_from_dict
+    from dflash_train.infer.evaluate import evaluate_by_replay
+
+    target, tok, _ = tiny_pair
+    cfg = config_from_dict({"drafter": {"architecture": "lilicorr", "block_size": 4, "num_draft_layers": 1},
+                            "lilicorr": {"candidate_topk": 4, "head_hidden_size": 32, "head_num_layers": 1,
+                                         "head_num_heads": 4, "factor_dim": 16}})
+    torch.manual_seed(0)
+    arch = architecture("lilicorr")
+    walker = arch.drafter_class(arch.config_for_run(target.config, cfg, [1, 4], 16))
+    with torch.no_grad():
+        for p in walker.lilicorr.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    given = save_drafter(walker, tmp_path / "walker" / "export", dtype="float32")
+    plain_cfg = config_from_dict({"drafter": {"architecture": "dflash", "block_size": 4, "num_draft_layers": 1}})
+    dflash = architecture("dflash")
+    plain = dflash.drafter_class(dflash.config_for_run(target.config, plain_cfg, [1, 4], 16))
+    own = plain.state_dict()
+    plain.load_state_dict({k: v for k, v in walker.state_dict().items() if k in own}, strict=True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "turns": [t]}) + "\n"
+                               for i, t in enumerate(["Name a river.", "Say hello.", "Count from 3."])))
+    argv = ["--drafter", str(given), f"target.path={tiny_target_dir}", "--eval", f"mt-bench={prompts}",
+            "--max-new-tokens", "12", "--device", "cpu"]
+    assert Q.main(["--out", str(tmp_path / "q"), *argv]) == 0
+    summary = json.loads((tmp_path / "q" / "summary.json").read_text())
+    rows = summary["reranker"]["default"]
+    assert list(rows) == ["block", "block-argmax"]
+    assert rows["block"]["tau_all"] == summary["eval"]["pooled_tau"]["all"]["block"]
+    with torch.no_grad():
+        alone = evaluate_by_replay(target, tok, plain.float().eval(), [str(prompts)], max_new_tokens=12,
+                                   stop_token_ids=stop_token_ids(tiny_target_dir, tok))
+        own = evaluate_by_replay(target, tok, walker.float().eval(), [str(prompts)], max_new_tokens=12,
+                                 stop_token_ids=stop_token_ids(tiny_target_dir, tok))
+    assert rows["block-argmax"]["tau_all"] == pytest.approx(alone["datasets"][str(prompts)]["modes"]["block"]["tau"])
+    assert list(own["datasets"][str(prompts)]["modes"]) == ["block", "block-argmax"]
+    assert own["datasets"][str(prompts)]["modes"]["block-argmax"]["tau"] == pytest.approx(rows["block-argmax"]["tau_all"])
+    assert rows["block-argmax"]["datasets"] == {"mt-bench": rows["block-argmax"]["tau_all"]}
+    by_slot = json.loads((tmp_path / "q" / "acceptance_by_slot.json").read_text())
+    assert set(by_slot["default"]["modes"]) == {"block"}
+    md = (tmp_path / "q" / "summary.md").read_text()
+    assert "## Reranker against the backbone's argmax (block)" in md and "| default | argmax |" in md

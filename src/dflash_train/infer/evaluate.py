@@ -29,7 +29,7 @@ from ..architectures.io import load_drafter
 from ..target.provenance import compare, read_provenance, target_provenance
 from ..target.capture import load_target_model, load_tokenizer, read_target_config, target_fp8_linears
 from ..files.io import write_text_atomic
-from .replay import build_corpus, replay_records
+from .replay import ARGMAX_MODE, build_corpus, replay_records
 from .spec_decode import DecodeResult, SpeculativeDecoder
 
 log = logging.getLogger(__name__)
@@ -315,7 +315,8 @@ def replay_reports(
     done: Optional[Callable[[int], None]] = None,
 ) -> dict[str, dict]:
     """One replay report per drafter (all of one block size) over the same prompts (`{"dataset", "id",
-    "turns"}`, datasets in order of first appearance): the target's continuations are generated once.
+    "turns"}`, datasets in order of first appearance): the target's continuations are generated once. A drafter
+    that reranks its backbone's candidates gets the `replay.ARGMAX_MODE` mode beside block.
     `done(n)`: progress, n turns at a time, twice per turn (generated, then replayed)."""
     if tree_budgets:
         for drafter in drafters.values():
@@ -332,8 +333,9 @@ def replay_reports(
     reports = {}
     for name, recs in records.items():
         by_ds = {ds: [r for r in recs if r["dataset"] == ds] for ds in datasets}
+        own = modes + [ARGMAX_MODE] * bool(recs and all(ARGMAX_MODE in r["modes"] for r in recs))
         report = report_from_records(report_config(max_new_tokens, 0.0, block_size, tree_budgets), by_ds,
-                                     {ds: modes for ds in datasets}, order)
+                                     {ds: own for ds in datasets}, order)
         report["config"]["method"] = "replay"
         reports[name] = report
     return reports

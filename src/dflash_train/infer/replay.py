@@ -103,13 +103,15 @@ class Proposals:
     """What the drafter would propose at every anchor `prompt_len + j`, j < `num_anchors`: greedy drafts
     `[N, D]` (D = `num_drafts()`), the tree candidates per drafted slot (`Drafter.tree_candidates`: ids
     `[N, D, k]`, log-probabilities `[N, D, k]` or, given the previous slot's candidate, `[N, D, k, k]`) and, for
-    a drafter with a confidence head, each draft's predicted acceptance `[N, D]` (`Drafter.greedy_proposals` of
-    each chunk of anchors)."""
+    a drafter with a confidence head, each draft's predicted acceptance `[N, D]`, and for a drafter that reranks its
+    backbone's candidates, the backbone's argmax drafts `[N, D]` (`Drafter.greedy_proposals` of each chunk of
+    anchors)."""
 
     drafts: torch.Tensor
     top_lp: Optional[torch.Tensor]
     top_ids: Optional[torch.Tensor]
     confidence: Optional[torch.Tensor] = None
+    argmax: Optional[torch.Tensor] = None
 
 
 @torch.no_grad()
@@ -143,7 +145,7 @@ def proposals_from_context(drafter: Drafter, embed: Callable, lm_head: torch.nn.
     context = context.to(dtype)
     length = context.shape[1]
     ids_t = torch.tensor(ids, device=device)
-    drafts, top_lp, top_ids, confidence = [], [], [], []
+    drafts, top_lp, top_ids, confidence, argmax = [], [], [], [], []
     for first in range(prompt_len, prompt_len + num_anchors, anchors_per_chunk):
         anchors = torch.arange(first, min(first + anchors_per_chunk, prompt_len + num_anchors), device=device)
         n = len(anchors)
@@ -160,11 +162,13 @@ def proposals_from_context(drafter: Drafter, embed: Callable, lm_head: torch.nn.
         drafts.append(chunk.drafts)  # [n, num_drafts]
         if chunk.confidence is not None:
             confidence.append(chunk.confidence.float())
+        if chunk.argmax is not None:
+            argmax.append(chunk.argmax)
         if top_k:
             top_lp.append(chunk.top_lp)
             top_ids.append(chunk.top_ids)
     return Proposals(torch.cat(drafts), torch.cat(top_lp) if top_k else None, torch.cat(top_ids) if top_k else None,
-                     torch.cat(confidence) if confidence else None)
+                     torch.cat(confidence) if confidence else None, torch.cat(argmax) if argmax else None)
 
 
 def _block_accepts(drafts: torch.Tensor, ids: torch.Tensor, prompt_len: int) -> list[int]:
@@ -221,6 +225,11 @@ def walk(accepted_at: Callable[[int], int], continuation: Sequence[int], max_new
         accepts.append(n_acc + 1)
         j += n_acc + 1
     return finish(tokens, max_new, stop), accepts
+
+
+# Block decoding with the backbone's argmax drafts of a drafter that reranks its candidates (Proposals.argmax): what
+# the reranker adds, measured on the same turns. Replay only (no engine decodes it).
+ARGMAX_MODE = "block-argmax"
 
 
 def confidence_mode(threshold: float) -> str:
@@ -303,7 +312,8 @@ class TurnReplay:
 def replay_turn(target, drafter: Drafter, turn: ReplayTurn, max_new: int, tree_budgets: Sequence[int],
                 stops: Iterable[int], target_out=None, confidence_thresholds: Sequence[float] = ()) -> TurnReplay:
     """Block and DDTree-`b` decoding of one turn by replay (block only for a drafter that refuses DDTree:
-    `tree_refusal`) and, for a drafter with a confidence head, block decoding truncated at each threshold C > 0 of
+    `tree_refusal`), block decoding with the backbone's argmax drafts (`ARGMAX_MODE`) for a drafter that reranks
+    its candidates and, for a drafter with a confidence head, block decoding truncated at each threshold C > 0 of
     `confidence_thresholds` (`confidence_mode(C)`: a step accepts at most the drafts before the first predicted below
     C; the others give none). `target_out`: `target_pass` of prompt + continuation, when already computed (several
     drafters share it)."""
@@ -326,6 +336,9 @@ def replay_turn(target, drafter: Drafter, turn: ReplayTurn, max_new: int, tree_b
     cont = turn.continuation
     block = _block_accepts(props.drafts, ids_t.to(props.drafts.device), p)
     modes = {"block": walk(lambda j: block[j], cont, max_new, stops)}
+    if props.argmax is not None:
+        plain = _block_accepts(props.argmax, ids_t.to(props.argmax.device), p)
+        modes[ARGMAX_MODE] = walk(lambda j: plain[j], cont, max_new, stops)
     sums = None if props.confidence is None else confidence_sums(props.confidence, modes["block"][1])
     if tree_budgets:
         top_lp, top_ids = props.top_lp.cpu(), props.top_ids.cpu()  # the tree builder reads a few rows of each

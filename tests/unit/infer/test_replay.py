@@ -1,6 +1,8 @@
 """Tau by replay equals real greedy speculative decoding: the same tokens and the same accept lengths,
 step for step, for block and DDTree verification (float64, where ties cannot flip)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -428,3 +430,70 @@ def test_replays_proposals_come_from_one_head_product_and_equal_the_separate_cal
         assert together.confidence is None and kind != "dspark"
     else:
         assert torch.equal(together.confidence, apart_conf) and torch.equal(block_only.confidence, apart_conf)
+
+
+# --------------------------------------------------------------------------- a reranker against its backbone's argmax
+
+
+def _lilicorr(target, block_size: int, topk: int = 4):
+    from dflash_train.architectures import architecture
+    from dflash_train.config.load import config_from_dict
+
+    cfg = config_from_dict({"drafter": {"architecture": "lilicorr", "block_size": block_size, "num_draft_layers": 1},
+                            "lilicorr": {"candidate_topk": topk, "head_hidden_size": 32, "head_num_layers": 1,
+                                         "head_num_heads": 4, "factor_dim": 16}})
+    torch.manual_seed(0)
+    arch = architecture("lilicorr")
+    drafter = arch.drafter_class(arch.config_for_run(target.config, cfg, [1, 4], 16))
+    with torch.no_grad():  # a head whose walk leaves the argmax
+        for p in drafter.lilicorr.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return drafter.double().eval()
+
+
+def _without_reranker(drafter, target):
+    """The same backbone drafting its own argmax: LiLiCorr's as a DFlash drafter holding every backbone weight,
+    DFlash2's with the identity selector (zero successor codebook: its path is the unary argmax)."""
+    if drafter.architecture == "lilicorr":
+        plain = _drafter(target, drafter.block_size)
+        own = plain.state_dict()
+        plain.load_state_dict({k: v for k, v in drafter.state_dict().items() if k in own}, strict=True)
+        return plain.eval()
+    plain = copy.deepcopy(drafter)
+    with torch.no_grad():
+        plain.candidate_selector.successor_codebook.zero_()
+    return plain.eval()
+
+
+@pytest.mark.parametrize("kind", ["lilicorr", "dflash2"])
+def test_a_reranking_drafters_replay_adds_its_backbones_argmax_as_the_backbone_alone_drafts_it(target, kind):
+    """A drafter that reranks its backbone's candidates (LiLiCorr's walk, DFlash2's selector) replays block decoding
+    with the backbone's argmax beside its own drafts (`ARGMAX_MODE`): the tokens and accept lengths of the same
+    backbone without the reranker. Its drafts differ from that argmax; a DFlash drafter has no such mode."""
+    from dflash_train.infer.replay import ARGMAX_MODE, drafter_proposals, target_pass
+
+    bs, max_new = 5, 12
+    if kind == "lilicorr":
+        drafter = _lilicorr(target, bs)
+    else:
+        drafter = _dflash2(target, bs).eval()
+        with torch.no_grad():  # a selector strong enough to leave the untrained unary argmax
+            for param in drafter.candidate_selector.parameters():
+                param.normal_(0.0, 1.0)
+    plain = _without_reranker(drafter, target)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    reranked = False
+    for i, p in enumerate(_prompts()):
+        turn = ReplayTurn("toy", str(i), 0, p, greedy_continuations(target, [p], max_new + bs - 1)[0])
+        rep, alone = (replay_turn(target, d, turn, max_new, (), STOPS) for d in (drafter, plain))
+        assert set(rep.modes) == {"block", ARGMAX_MODE} and rep.modes[ARGMAX_MODE] == alone.modes["block"]
+        assert ARGMAX_MODE not in alone.modes or kind == "dflash2"
+        ids = turn.prompt + turn.continuation
+        states = target_pass(target, ids)[0]
+        props, props_alone = (drafter_proposals(d, embed, head, states, ids, len(p), max_new) for d in (drafter, plain))
+        assert torch.equal(props.argmax, props_alone.drafts)
+        reranked |= not torch.equal(props.drafts, props.argmax)
+    assert reranked
+    dflash = _drafter(target, bs)
+    turn = ReplayTurn("toy", "0", 0, _prompts()[0], greedy_continuations(target, [_prompts()[0]], max_new + bs - 1)[0])
+    assert set(replay_turn(target, dflash, turn, max_new, (), STOPS).modes) == {"block"}

@@ -96,14 +96,13 @@ class DFlash2Drafter(BlockDrafter):
 
     def greedy_proposals(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
                          k: int = 0) -> BlockProposals:
-        """`draft`'s greedy path and, with `k > 0`, `tree_candidates(k)` from one product with the head (and one
-        decoding of the selector's codebooks)."""
+        """`draft`'s greedy path, the unary argmax beside it and, with `k > 0`, `tree_candidates(k)` from one product
+        with the head (and one decoding of the selector's codebooks)."""
         logits = self._slot_logits(hidden, lm_head)
         codebooks = self.candidate_selector.decode_codebooks(lm_head.weight)
         drafts = self._path(logits, codebooks, hidden, anchor_ids)[0]
-        if not k:
-            return BlockProposals(drafts)
-        return BlockProposals(drafts, *self._tree(logits, codebooks, hidden, anchor_ids, k))
+        top_lp, top_ids = self._tree(logits, codebooks, hidden, anchor_ids, k) if k else (None, None)
+        return BlockProposals(drafts, top_lp, top_ids, argmax=logits.argmax(-1))
 
     def _tree(self, logits: torch.Tensor, codebooks: Codebooks, hidden: torch.Tensor, anchor_ids: torch.Tensor,
               k: int) -> tuple[torch.Tensor, torch.Tensor]:

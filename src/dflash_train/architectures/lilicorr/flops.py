@@ -9,7 +9,11 @@ none).
   none);
 - `lilicorr_head`: the head's projections, layers (their attention over each block's nodes), factor heads and
   scores; the token projection reads detached embeddings (no input gradient);
-- `lilicorr_conv` (with `lilicorr.conv`): the layers' convolution tap projections over every query row."""
+- `lilicorr_conv` (with `lilicorr.conv`): the layers' convolution tap projections over every query row.
+
+With `lilicorr.backbone_gradient=false` (a training option the drafter config does not hold) the candidates' logits
+with their input gradients, the anchor rows' weight gradient and the head's input gradients are still counted though
+not computed: an upper bound by those few products."""
 
 from __future__ import annotations
 

@@ -151,6 +151,12 @@ class LiLiCorrDrafter(BlockDrafter):
         lp, cand = logp.topk(self.topk, dim=-1)
         return lp, cand
 
+    def _scored_lattice(self, hidden: torch.Tensor, lm_head: nn.Module
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The candidates `[n, S, k]` of blocks `[n, bs, H]` and the head's (log_start, log_pair) over them."""
+        lp, cand = self.candidates(hidden, lm_head)
+        return (cand, *self.lattice(hidden, lp, cand, self._embed()))
+
     def _embed(self) -> Callable[[torch.Tensor], torch.Tensor]:
         embed = self.__dict__.get("_target_embed")
         if embed is None:
@@ -160,13 +166,12 @@ class LiLiCorrDrafter(BlockDrafter):
 
     def draft(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor, temperature: float = 0.0,
               generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        lp, cand = self.candidates(hidden, lm_head)
-        log_start, log_pair = self.lattice(hidden, lp, cand, self._embed())
+        cand, log_start, log_pair = self._scored_lattice(hidden, lm_head)
         if temperature <= 0:
-            return cand.gather(-1, greedy_walk(log_start, log_pair).unsqueeze(-1)).squeeze(-1), None
+            return walked(cand, greedy_walk(log_start, log_pair)), None
         ranks, q = sampled_walk(log_start, log_pair, temperature, generator)
         dense = q.new_zeros(*cand.shape[:2], lm_head.weight.shape[0]).scatter_(-1, cand, q)
-        return cand.gather(-1, ranks.unsqueeze(-1)).squeeze(-1), dense
+        return walked(cand, ranks), dense
 
     def check_tree_decoding(self) -> None:
         raise ValueError(TREE_REFUSAL)
@@ -176,9 +181,16 @@ class LiLiCorrDrafter(BlockDrafter):
 
     def greedy_proposals(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
                          k: int = 0) -> BlockProposals:
+        """The greedy walk's drafts and the backbone's argmax (rank 0 of every slot) beside them."""
         if k:
             self.check_tree_decoding()
-        return BlockProposals(self.draft(hidden, lm_head, anchor_ids)[0])
+        cand, log_start, log_pair = self._scored_lattice(hidden, lm_head)
+        return BlockProposals(walked(cand, greedy_walk(log_start, log_pair)), argmax=cand[..., 0])
+
+
+def walked(cand: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+    """The candidates `[n, S, k]` a walk chose, by their ranks `[n, S]`: target ids `[n, S]`."""
+    return cand.gather(-1, ranks.unsqueeze(-1)).squeeze(-1)
 
 
 def sampled_walk(log_start: torch.Tensor, log_pair: torch.Tensor, temperature: float,

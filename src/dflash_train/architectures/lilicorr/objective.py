@@ -143,7 +143,8 @@ class LiLiCorrObjective(BlockObjective):
         w = (weights(res.label_logp) if callable(weights) else weights).detach().to(res.loss.dtype)
         total = w.sum()
         l_dflash = torch.where(total > 1, (w * res.loss).sum() / (total + 1e-6), torch.zeros_like(total))
-        lattice, block_out = self.lattice_inputs(out, rows, res, labels, blocks, idx, final)
+        lattice, block_out = self.lattice_inputs(out, rows, res, labels, blocks, idx, final,
+                                                 options_of(self.cfg).backbone_gradient)
         log_start, log_pair = d.lattice(block_out, lattice.pop("lp"), lattice["cand"], self.target.embed_tokens,
                                         self.lattice_chunk)
         terms = lattice_terms(Lattice(log_start, log_pair, lattice["gold_in"], lattice["gold_rank"],
@@ -157,11 +158,12 @@ class LiLiCorrObjective(BlockObjective):
         return stats
 
     def lattice_inputs(self, out: torch.Tensor, rows: torch.Tensor, res, labels: torch.Tensor,
-                       blocks: LatticeBlocks, idx: torch.Tensor, final: torch.Tensor
+                       blocks: LatticeBlocks, idx: torch.Tensor, final: torch.Tensor, backbone_gradient: bool = True
                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The candidates, their log-probabilities (with gradient) and target logits, the gold's place among them,
-        for the blocks whose every drafted slot counts (planned on the host: `LatticeBlocks`); and those blocks'
-        forward output `[n, bs, H]`."""
+        """The candidates, their log-probabilities and target logits, the gold's place among them, for the blocks
+        whose every drafted slot counts (planned on the host: `LatticeBlocks`); and those blocks' forward output
+        `[n, bs, H]`. The log-probabilities and the output carry the backbone's gradient where `backbone_gradient`
+        (`lilicorr.backbone_gradient`), else they are detached."""
         b, n, bs = blocks.counted.shape
         whole, slot_rows = blocks.whole, blocks.slot_rows  # [n] blocks, flat over [B, N]; [n, S] counted rows
         cand = res.top_ids[slot_rows]
@@ -172,10 +174,14 @@ class LiLiCorrObjective(BlockObjective):
         cand_rows = head[cand].to(h.dtype)
         # the values are the chunked CE's own (its logits, its log-sum-exp = CE + the label's logit); the gradient
         # is the same expression's: d lse / dh = d CE / dh + W[label]
-        z_cand = wide(torch.einsum("nsh,nskh->nsk", h, cand_rows))
-        z_gold = wide(torch.einsum("nsh,nsh->ns", h, head[gold].to(h.dtype)))
-        lse = res.loss[slot_rows] + res.label_logits[slot_rows] + (z_gold - z_gold.detach())
-        lp = res.top_values[slot_rows] + (z_cand - z_cand.detach()) - lse.unsqueeze(-1)
+        lse = res.loss[slot_rows] + res.label_logits[slot_rows]
+        if backbone_gradient:
+            z_cand = wide(torch.einsum("nsh,nskh->nsk", h, cand_rows))
+            z_gold = wide(torch.einsum("nsh,nsh->ns", h, head[gold].to(h.dtype)))
+            lse = lse + (z_gold - z_gold.detach())
+            lp = res.top_values[slot_rows] + (z_cand - z_cand.detach()) - lse.unsqueeze(-1)
+        else:
+            lp = (res.top_values[slot_rows] - lse.unsqueeze(-1)).detach()
         seq = final.shape[1]
         source = blocks.block_positions - 1 + torch.arange(b, device=idx.device).view(-1, 1) * seq
         source = source.view(b * n, bs).index_select(0, whole)[:, 1:]  # the position that predicted each label
@@ -183,5 +189,7 @@ class LiLiCorrObjective(BlockObjective):
             states = final.reshape(b * seq, -1)[source]
             target_logits = wide(torch.einsum("nsh,nskh->nsk", states.to(cand_rows.dtype), cand_rows))
         block_out = out.view(b * n, bs, -1).index_select(0, whole)
+        if not backbone_gradient:
+            block_out = block_out.detach()
         return ({"lp": lp, "cand": cand, "gold_in": hit.any(-1), "gold_rank": hit.long().argmax(-1),
                  "target_logits": target_logits}, block_out)

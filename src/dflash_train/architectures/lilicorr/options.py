@@ -45,6 +45,11 @@ class LiLiCorrOptions:
     w_pen: Optional[float] = None
     # The margin term's margin, in log-potential units (> 0 when w_margin > 0).
     margin: Optional[float] = None
+    # The lattice terms train the backbone too, through the candidates' log-probabilities, the slot states and the
+    # anchor row (the recipe: true). false: they train the head alone, on those inputs detached, so the backbone
+    # learns from the block loss only, as a DFlash drafter's does (the step's FLOP count then includes the few
+    # input gradients it no longer computes).
+    backbone_gradient: bool = True
     # "+conv": the family's grouped dynamic convolution before and after each attention and MLP sublayer of the
     # backbone, starting as the identity; the engines build it from conv_kernel_size and conv_group_size.
     conv: bool = False

@@ -108,10 +108,12 @@ def test_a_head_as_wide_as_the_drafter_has_no_token_projection(small_vocab_targe
 
 
 def reference_loss(d, target, capture, ids, loss_mask, lengths, cfg):
-    """The objective written out from the specification, block by block, in float64."""
+    """The objective written out from the specification, block by block, in float64; with
+    `lilicorr.backbone_gradient=false` the lattice terms read the backbone's outputs detached."""
     from dflash_train.architectures.lilicorr.options import loss_weights, options_of
 
     w_ce, w_margin, w_pen, margin = loss_weights(options_of(cfg))
+    cut = (lambda t: t) if options_of(cfg).backbone_gradient else (lambda t: t.detach())
     k = options_of(cfg).candidate_topk
     anchors, keep = sample_anchors(loss_mask, lengths, BLOCK, cfg.objective.max_anchors, torch.Generator().manual_seed(7), 1)
     hidden = capture(ids)
@@ -141,12 +143,12 @@ def reference_loss(d, target, capture, ids, loss_mask, lengths, cfg):
                     ce_sum, w_sum = ce_sum - w * logp[j][ids[row, a + j]], w_sum + w
             if not all(counted[1:]):
                 continue
-            lp, cand = zip(*[logp[j].topk(k) for j in range(1, BLOCK)])
+            lp, cand = zip(*[cut(logp[j]).topk(k) for j in range(1, BLOCK)])
             lp, cand = torch.stack(lp), torch.stack(cand)
             anchor = d.hidden_norm(d.fc(hidden[row, a - 1])) if a >= 1 else torch.zeros(64, dtype=torch.float64)
             log_start, log_pair = head_scores(tensors, fields, 64, d.config.rms_norm_eps,
-                                              capture.embed_tokens(cand).detach(), packed[row, n, 1:], lp, anchor,
-                                              float(a >= 1))
+                                              capture.embed_tokens(cand).detach(), cut(packed[row, n, 1:]), lp,
+                                              cut(anchor), float(a >= 1))
             alive = 1.0
             for s in range(BLOCK - 1):
                 gold = int(ids[row, a + s + 1])
@@ -173,7 +175,8 @@ def reference_loss(d, target, capture, ids, loss_mask, lengths, cfg):
     (8, {}, 2048),
     pytest.param(16, {"w_ce": 0.125, "w_margin": 0.125, "w_pen": 0.25, "margin": 2.0}, 5,
                  marks=pytest.mark.long),  # ~18 s: k 16 in float64
-    (4, {"w_ce": 1.0, "w_margin": 0.5, "w_pen": 0.0, "margin": 3.0}, 7)])
+    (4, {"w_ce": 1.0, "w_margin": 0.5, "w_pen": 0.0, "margin": 3.0}, 7),
+    (8, {"backbone_gradient": False}, 2048)])
 def test_the_objective_equals_the_specifications_loss_in_float64_with_gradients(small_vocab_target, topk, section,
                                                                                  chunk):
     cfg = run_cfg(topk, **section)

@@ -127,8 +127,11 @@ def test_sampled_drafts_come_from_the_walks_distribution_over_the_candidates(tar
 @pytest.mark.long  # ~20 s: memorising takes 20 float32 steps over the tiny target's 49,152-token head
 def test_replay_equals_step_by_step_decoding(target):
     """The anchor row replay forms (the whole context, an anchor at every position) is the one decoding forms (the
-    newest row of the KV-cached context): the same tokens and accept lengths, step for step."""
+    newest row of the KV-cached context): the same tokens and accept lengths, step for step. Replay's backbone
+    argmax mode is what a DFlash drafter holding the same backbone decodes."""
     from _memorise import memorise
+
+    from dflash_train.infer.replay import ARGMAX_MODE
 
     bs, max_new = 5, 20
     ps = prompts()
@@ -136,13 +139,28 @@ def test_replay_equals_step_by_step_decoding(target):
     d = memorise(lilicorr(target.config, topk=2, scale=0.1).double(), target, [p + c for p, c in zip(ps, conts)],
                  steps=20)
     dec = SpeculativeDecoder(target, d, stop_token_ids=STOPS)
-    taus = []
+    alone = SpeculativeDecoder(target, backbone_alone(d, target.config), stop_token_ids=STOPS)
+    taus, differ = [], False
     for i, (p, c) in enumerate(zip(ps, conts)):
         rep = replay_turn(target, d, ReplayTurn("toy", str(i), 0, p, c), max_new, (), STOPS)
         real = dec.generate_block(p, max_new)
         assert rep.modes["block"] == (real.tokens, real.accept_lengths)
+        plain = alone.generate_block(p, max_new)
+        assert rep.modes[ARGMAX_MODE] == (plain.tokens, plain.accept_lengths)
+        differ |= plain.accept_lengths != real.accept_lengths
         taus.append(sum(real.accept_lengths) / len(real.accept_lengths))
-    assert max(taus) > 1.3  # multi-token steps, chosen by the head, were compared
+    assert max(taus) > 1.3 and differ  # multi-token steps, chosen by the head, were compared
+
+
+def backbone_alone(d: LiLiCorrDrafter, target_config):
+    """A DFlash drafter holding every backbone weight of `d` (not its head): it drafts `d`'s backbone argmax."""
+    cfg = config_from_dict({"drafter": {"architecture": "dflash", "block_size": d.block_size,
+                                        "num_draft_layers": len(d.layers)}})
+    arch = architecture("dflash")
+    plain = arch.drafter_class(arch.config_for_run(target_config, cfg, list(d.target_layer_ids), d.mask_token_id))
+    own = plain.state_dict()
+    plain.load_state_dict({k: v for k, v in d.state_dict().items() if k in own}, strict=True)
+    return plain.to(next(d.parameters()).dtype).eval()
 
 
 @pytest.mark.long  # ~36 s: the real SmolLM2 decoding on CPU
