@@ -823,12 +823,13 @@ def test_a_lilicorr_variant_loads_and_its_export_drafts_b_minus_1_without_ddtree
 def test_a_reranking_drafter_gets_its_backbones_argmax_beside_its_drafts(tmp_path, tiny_pair, tiny_target_dir):
     """A LiLiCorr drafter (the walk reranks its backbone's candidates): the summary has a reranker section with its
     block tau and its backbone argmax's, pooled and per set, the argmax's equal to `dflash-train eval --replay` of a
-    DFlash drafter holding the same backbone, whose report for the LiLiCorr drafter has the same mode beside block;
-    the bench's other tables keep their modes."""
+    DFlash drafter holding the same backbone, whose report for the LiLiCorr drafter has the same mode beside block
+    (and the model card's eval table says what it is); the bench's other tables keep their modes."""
     from dflash_train.architectures import architecture
     from dflash_train.architectures.io import save_drafter
     from dflash_train.assets import stop_token_ids
     from dflash_train.config.load import config_from_dict
+    from dflash_train.exports.card import put_eval_table
     from dflash_train.infer.evaluate import evaluate_by_replay
 
     target, tok, _ = tiny_pair
@@ -865,6 +866,9 @@ def test_a_reranking_drafter_gets_its_backbones_argmax_beside_its_drafts(tmp_pat
     assert rows["block-argmax"]["tau_all"] == pytest.approx(alone["datasets"][str(prompts)]["modes"]["block"]["tau"])
     assert list(own["datasets"][str(prompts)]["modes"]) == ["block", "block-argmax"]
     assert own["datasets"][str(prompts)]["modes"]["block-argmax"]["tau"] == pytest.approx(rows["block-argmax"]["tau_all"])
+    put_eval_table(given, own)  # eval --replay --update-card: the card's table has the row and says what it is
+    card = (given / "README.md").read_text()
+    assert "| block-argmax |" in card and "`block-argmax`: the same turns drafted with the backbone's own" in card
     assert rows["block-argmax"]["datasets"] == {"mt-bench": rows["block-argmax"]["tau_all"]}
     by_slot = json.loads((tmp_path / "q" / "acceptance_by_slot.json").read_text())
     assert set(by_slot["default"]["modes"]) == {"block"}

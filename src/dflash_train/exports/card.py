@@ -12,6 +12,7 @@ from ..architectures.io import drafter_config_text
 from ..files.io import write_text_atomic
 from ..files.layout import CONFIG_NAME
 from ..infer.evaluate import markdown_table
+from ..infer.replay import ARGMAX_MODE
 from .serving import card_section, serving_of
 
 CARD_NAME = "README.md"
@@ -83,8 +84,11 @@ def put_eval_table(drafter_dir: Path, report: dict) -> None:
            if c.get("method") == "replay" else "Produced by `dflash-train eval`")
     truncation = (f", drafts verified up to the first of confidence below {c['confidence_threshold']}"
                   if c.get("confidence_threshold") else "")
+    argmax = (f" `{ARGMAX_MODE}`: the same turns drafted with the backbone's own argmax at every slot, without the "
+              "reranker: what the reranker adds (replay only; no engine drafts that way)."
+              if any(ARGMAX_MODE in body["modes"] for body in report["datasets"].values()) else "")
     text += (f"\nGreedy={c['temperature'] <= 0}, temperature {c['temperature']}, {c['max_new_tokens']} new tokens, "
-             f"block size {c['block_size']}{truncation}. {how}.\n\n" + markdown_table(report) + "\n")
+             f"block size {c['block_size']}{truncation}. {how}.{argmax}\n\n" + markdown_table(report) + "\n")
     write_text_atomic(card, text)
 
 
