@@ -15,13 +15,14 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("conv", [False, True])
+@pytest.mark.parametrize("conv,backbone_gradient", [(False, True), (True, True), (False, False)])
 def test_a_compiled_lilicorr_run_never_recompiles_after_its_warm_up(tmp_path, tiny_target_dir, counting_jsonl, conv,
-                                                                    monkeypatch):
+                                                                    backbone_gradient, monkeypatch):
     """drafter.compile=true and target.compile=true with flex attention and validation: the head's vectors compile
     as one graph of one padded chunk shape (chunked and recomputed in the backward), so no step after the warm-up
     compiles again whatever its number of blocks; with conv the convolution-wrapped layers compile under their own
-    names. Chunks of 4 blocks: steps run full chunks and, most of them, a padded last one."""
+    names; with lilicorr.backbone_gradient=false the head's graph reads detached inputs. Chunks of 4 blocks: steps
+    run full chunks and, most of them, a padded last one."""
     from dflash_train.architectures.io import load_drafter
     from dflash_train.architectures.lilicorr import head as lilicorr_head
     from dflash_train.cli import main
@@ -33,6 +34,7 @@ def test_a_compiled_lilicorr_run_never_recompiles_after_its_warm_up(tmp_path, ti
     cfg = _gpu_config(tmp_path / "c.yaml", tiny_target_dir, counting_jsonl, eval_every=5)
     assert main(["train", str(cfg), "drafter.architecture=lilicorr", "lilicorr.head_hidden_size=64",
                  "lilicorr.factor_dim=32", "lilicorr.head_num_heads=4", f"lilicorr.conv={str(conv).lower()}",
+                 f"lilicorr.backbone_gradient={str(backbone_gradient).lower()}",
                  "drafter.compile=true", "target.compile=true", "data.token_budget=600",
                  "--run-dir", str(tmp_path / "R"), "--max-steps", "15"]) == 0
     steps = _steps_of_a_run_compiled_in_its_warm_up_only(tmp_path / "R")
