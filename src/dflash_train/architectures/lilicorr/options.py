@@ -48,7 +48,8 @@ class LiLiCorrOptions:
     # The lattice terms train the backbone too, through the candidates' log-probabilities, the slot states and the
     # anchor row (the recipe: true). false: they train the head alone, on those inputs detached, so the backbone
     # learns from the block loss only, as a DFlash drafter's does (the step's FLOP count then includes the few
-    # input gradients it no longer computes).
+    # input gradients it no longer computes). Training's objective only: an on-policy stage trains the whole drafter
+    # on the walk's own distribution.
     backbone_gradient: bool = True
     # "+conv": the family's grouped dynamic convolution before and after each attention and MLP sublayer of the
     # backbone, starting as the identity; the engines build it from conv_kernel_size and conv_group_size.
