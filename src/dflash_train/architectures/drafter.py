@@ -23,7 +23,7 @@ class BlockProposals(NamedTuple):
     """A drafter's greedy proposals for `n` blocks (`Drafter.greedy_proposals`): drafts `[n, D]`, the DDTree
     candidates' log-probabilities (`[n, D, k]` or `[n, D, k, k]`) and target ids `[n, D, k]` when asked for,
     each draft's predicted acceptance `[n, D]` from a drafter with a confidence head, and, from a drafter whose
-    drafts rerank its backbone's candidates (DFlash2's selector, LiLiCorr's walk), the backbone's own argmax at
+    drafts rerank its backbone's candidates (a selector, a lattice walk), the backbone's own argmax at
     each slot `[n, D]`: what it would draft without the reranker."""
 
     drafts: torch.Tensor

@@ -14,11 +14,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..family.blocks import Blocks
-from ..family.loss import CEOptions, chunked_ce_rows
-from ..family.onpolicy import DraftLogProbs, OnPolicyObjective, candidate_logits, wide
+from ..family.loss import CEOptions, candidate_logits, chunked_ce_rows
+from ..family.onpolicy import DraftLogProbs, OnPolicyObjective, wide
 from .objective import previous_tokens
 
 
@@ -27,12 +26,12 @@ class DFlash2OnPolicyObjective(OnPolicyObjective):
                         rej: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
         head, selector = self.target.lm_head.weight, self.drafter.candidate_selector
         k = min(self.drafter.selector_top_k, head.shape[0])
-        res = chunked_ce_rows(rows, head, labels, CEOptions(self.cfg.objective.loss_chunk_size, top_k=k))
+        chunk = self.cfg.objective.loss_chunk_size
+        res = chunked_ce_rows(rows, head, labels, CEOptions(chunk, top_k=k))
         candidates = res.top_ids  # [M, k]
-        # recomputed in the backward: the gathered lm_head rows would hold M x k x hidden for it
-        z = checkpoint(candidate_logits, rows, head, candidates, use_reentrant=False)
+        z = candidate_logits(rows, head, candidates, chunk)
         log_unary = wide(-res.loss)  # log softmax(U) at the label
-        log_norm = candidate_logits(rows, head, labels.view(-1, 1)).squeeze(1) - log_unary  # log sum exp U
+        log_norm = candidate_logits(rows, head, labels.view(-1, 1), chunk).squeeze(1) - log_unary  # log sum exp U
         mass = z.logsumexp(-1) - log_norm  # log of the unary probability the candidates hold
         previous = previous_tokens(blocks.labels).view(-1).index_select(0, idx)
         codebooks = selector.codebooks(head if selector.factored else None)

@@ -314,3 +314,40 @@ def weighted_rows(out: RowLoss, labels: torch.Tensor,
     weight_sum = w.sum()
     norm = w / weight_sum.clamp_min(1e-12)
     return LossOutput((out.loss * norm).sum(), out.correct, weight_sum, w, out)
+
+
+class _CandidateLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, head, candidates, chunk_size, values):
+        acc = torch.promote_types(rows.dtype, torch.float32)
+        if values is None:
+            values = torch.empty(candidates.shape, device=rows.device, dtype=acc)
+            for start, end in chunk_bounds(rows.shape[0], chunk_size):
+                values[start:end] = torch.einsum("mh,mkh->mk", rows[start:end],
+                                                 head[candidates[start:end]].to(rows.dtype)).to(acc)
+        else:
+            values = values.to(acc).clone()
+        ctx.save_for_backward(head, candidates)
+        ctx.chunk_size, ctx.rows_dtype = chunk_size, rows.dtype
+        return values
+
+    @staticmethod
+    def backward(ctx, grad):
+        head, candidates = ctx.saved_tensors
+        grad_rows = torch.empty(candidates.shape[0], head.shape[1], device=grad.device, dtype=ctx.rows_dtype)
+        for start, end in chunk_bounds(candidates.shape[0], ctx.chunk_size):
+            grad_rows[start:end] = torch.einsum("mk,mkh->mh", grad[start:end].to(ctx.rows_dtype),
+                                                head[candidates[start:end]].to(ctx.rows_dtype))
+        return grad_rows, None, None, None, None
+
+
+def candidate_logits(rows: torch.Tensor, head: torch.Tensor, candidates: torch.Tensor, chunk_size: int = 2048,
+                     values: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`[M, k]` the logits `<rows[m], head[candidates[m, j]]>` (float32 at least) of each row's candidates under a
+    frozen head `[V, H]`, with their gradient into `rows [M, H]` (`head[c]`), `chunk_size` rows at a time: the
+    gathered head rows `[chunk, k, H]` exist one chunk at a time, in the forward and again in the backward, and no
+    `[M, k, H]` gather is kept to the backward. `values`: the logits already known (read off the chunked CE's own
+    lm_head pass): returned as they are, the forward computes nothing."""
+    if head.requires_grad:
+        raise ValueError("candidate_logits differentiates the rows only: the head must be frozen")
+    return _CandidateLogits.apply(rows, head, candidates, chunk_size, values)

@@ -49,12 +49,6 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 Chain = list[tuple[int, int]]  # one row's decoding steps: (anchor, drafts accepted there)
 
 
-def candidate_logits(rows: torch.Tensor, head: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """`[M, k]` the logits of each row's candidates `[M, k]` under `head [V, H]` (float32 at least), with gradient;
-    callers run it under `torch.utils.checkpoint` (the gathered head rows would be held M x k x hidden)."""
-    return wide(torch.einsum("mh,mkh->mk", rows, head[candidates].to(rows.dtype)))
-
-
 @dataclass
 class DraftLogProbs:
     """The drafter's decoding distribution q at the chain's counted rows, given the committed tokens before each."""

@@ -3,17 +3,18 @@ drafter config. The lattice is counted over every counted row (k nodes each; its
 exact when every kept block's drafted slots all count, an upper bound otherwise (a block with an uncounted slot forms
 none).
 
-- `lilicorr_candidates`: the candidates' logits and the label's (with their input gradients) for the
-  log-probabilities, and the target's logits at the candidates (forward only: the target is frozen);
+- `lilicorr_candidates`: the input gradients of the candidates' logits and the label's for the log-probabilities
+  (their values are the chunked CE's own: `family.loss.candidate_logits` computes no forward), and the target's
+  logits at the candidates (forward only: the target is frozen);
 - `lilicorr_anchor_rows`: `fc` over each kept block's anchor row (its weight gradient; the target's features need
   none);
 - `lilicorr_head`: the head's projections, layers (their attention over each block's nodes), factor heads and
   scores; the token projection reads detached embeddings (no input gradient);
 - `lilicorr_conv` (with `lilicorr.conv`): the layers' convolution tap projections over every query row.
 
-With `lilicorr.backbone_gradient=false` (a training option the drafter config does not hold) the candidates' logits
-with their input gradients, the anchor rows' weight gradient and the head's input gradients are still counted though
-not computed: an upper bound by those few products."""
+With `lilicorr.backbone_gradient=false` (a training option the drafter config does not hold) the candidates' input
+gradients, the anchor rows' weight gradient and the head's input gradients are still counted though not computed: an
+upper bound by those few products."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class LiLiCorrStepFlops(StepFlops):
         attention = self.layers * 4 * blocks * (slots * k) ** 2 * h
         per_block = big * h + h * f + k * f + (slots - 1) * k * k * f
         parts = {
-            "lilicorr_candidates": 4.0 * rows * k * big + 4.0 * rows * big + 2.0 * rows * k * big,
+            "lilicorr_candidates": 2.0 * rows * k * big + 2.0 * rows * big + 2.0 * rows * k * big,
             "lilicorr_anchor_rows": 4.0 * work.blocks * self.features * big,
             "lilicorr_head": token + 3.0 * (2 * nodes * per_node + attention + 2 * rows * big * h
                                             + 2 * blocks * per_block),

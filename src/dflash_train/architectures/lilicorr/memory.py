@@ -1,8 +1,9 @@
 """LiLiCorr's terms in the drafter step's activation estimate (train/plan/activation_memory.py, `StepMemory`), beside
-DFlash's and the target's final states that `needs_target_final` counts: the candidate rows of the target's head
-gathered for the log-probabilities and the target's logits (every counted row's k candidates), kept to the backward,
-and on top of everything else one chunk of the head's activations over the lattice (the head is checkpointed chunk
-by chunk); with `lilicorr.conv`, the layers' block convolutions."""
+DFlash's and the target's final states that `needs_target_final` counts: each lattice node's log-probability, target
+logit and scores kept to the backward, and on top of everything else one chunk of the head's activations over the
+lattice (the head is checkpointed chunk by chunk); with `lilicorr.conv`, the layers' block convolutions. The target
+head's rows at the candidates are gathered one loss chunk of rows at a time (`family.loss.candidate_logits`), in the
+backward and for the target's logits, never for every row at once: a transient far below the lattice chunk's."""
 
 from __future__ import annotations
 
@@ -64,11 +65,9 @@ class LiLiCorrStepMemory(StepMemory):
         return {"lilicorr lattice chunk": self.lattice_chunk(counted)}
 
     def loss_rows(self, counted: int, e: int) -> int:
-        """Each of the lattice's nodes (k per counted row) keeps its lm_head row (H, the compute dtype: the target's
-        head gathered at the candidates) and its log-probability, target logit and scores (~3 k + 8 float32 a row);
-        each counted row its label's lm_head row (H)."""
-        nodes = counted * self.topk
-        return nodes * self.hidden * e + counted * self.hidden * e + nodes * (3 * self.topk + 8) * _F32
+        """Each of the lattice's nodes (k per counted row) keeps its log-probability, target logit and scores
+        (~3 k + 8 float32 a row)."""
+        return counted * self.topk * (3 * self.topk + 8) * _F32
 
 
 def step_memory(drafter_config) -> LiLiCorrStepMemory:

@@ -30,9 +30,10 @@ from torch.nn import functional as F
 
 from ...data.batch import Batch
 from ..family.blocks import Blocks, most_blocks
+from ..family.loss import candidate_logits
 from ..family.objective import BlockObjective, block_stats, row_weights, slot_weighting_text
 from ..stats import StepStats
-from .head import chunk_blocks, greedy_walk, wide
+from .head import chunk_blocks, greedy_walk
 from .options import loss_weights, options_of
 
 
@@ -170,16 +171,20 @@ class LiLiCorrObjective(BlockObjective):
         gold = labels[slot_rows]
         hit = cand == gold.unsqueeze(-1)
         head = self.target.lm_head.weight
+        chunk = self.cfg.objective.loss_chunk_size
         h = rows[slot_rows]
-        cand_rows = head[cand].to(h.dtype)
         # the values are the chunked CE's own (its logits, its log-sum-exp = CE + the label's logit); the gradient
-        # is the same expression's: d lse / dh = d CE / dh + W[label]
+        # is the same expression's: d lse / dh = d CE / dh + W[label], d z_c / dh = W[c] (`candidate_logits` with
+        # the values given: the head's rows are gathered in the backward only, a chunk of rows at a time)
         lse = res.loss[slot_rows] + res.label_logits[slot_rows]
         if backbone_gradient:
-            z_cand = wide(torch.einsum("nsh,nskh->nsk", h, cand_rows))
-            z_gold = wide(torch.einsum("nsh,nsh->ns", h, head[gold].to(h.dtype)))
+            flat, width = h.reshape(-1, h.shape[-1]), cand.shape[-1]
+            both = torch.cat([res.top_values[slot_rows], res.label_logits[slot_rows].unsqueeze(-1)], -1)
+            z = candidate_logits(flat, head, torch.cat([cand, gold.unsqueeze(-1)], -1).view(-1, width + 1), chunk,
+                                 values=both.view(-1, width + 1)).view(both.shape)
+            z_cand, z_gold = z[..., :width], z[..., width]
             lse = lse + (z_gold - z_gold.detach())
-            lp = res.top_values[slot_rows] + (z_cand - z_cand.detach()) - lse.unsqueeze(-1)
+            lp = z_cand - lse.unsqueeze(-1)
         else:
             lp = (res.top_values[slot_rows] - lse.unsqueeze(-1)).detach()
         seq = final.shape[1]
@@ -187,7 +192,8 @@ class LiLiCorrObjective(BlockObjective):
         source = source.view(b * n, bs).index_select(0, whole)[:, 1:]  # the position that predicted each label
         with torch.no_grad():
             states = final.reshape(b * seq, -1)[source]
-            target_logits = wide(torch.einsum("nsh,nskh->nsk", states.to(cand_rows.dtype), cand_rows))
+            target_logits = candidate_logits(states.reshape(-1, states.shape[-1]).to(h.dtype), head,
+                                             cand.reshape(-1, cand.shape[-1]), chunk).view(cand.shape)
         block_out = out.view(b * n, bs, -1).index_select(0, whole)
         if not backbone_gradient:
             block_out = block_out.detach()

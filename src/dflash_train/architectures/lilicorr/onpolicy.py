@@ -12,11 +12,10 @@ from functools import cached_property
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..family.blocks import Blocks
-from ..family.loss import CEOptions, chunked_ce_rows
-from ..family.onpolicy import DraftLogProbs, OnPolicyObjective, candidate_logits, wide
+from ..family.loss import CEOptions, candidate_logits, chunked_ce_rows
+from ..family.onpolicy import DraftLogProbs, OnPolicyObjective, wide
 from .objective import lattice_chunk
 
 
@@ -33,10 +32,10 @@ class LiLiCorrOnPolicyObjective(OnPolicyObjective):
         n, slots, width = hidden.shape
         flat = hidden.reshape(-1, width)
         anchor_token = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)  # any class: lse is CE + z
-        res = chunked_ce_rows(flat, head, anchor_token, CEOptions(self.cfg.objective.loss_chunk_size,
-                                                                  top_k=self.drafter.topk))
-        z = checkpoint(candidate_logits, flat, head, res.top_ids, use_reentrant=False)
-        log_norm = wide(res.loss) + candidate_logits(flat, head, anchor_token.view(-1, 1)).squeeze(1)
+        chunk = self.cfg.objective.loss_chunk_size
+        res = chunked_ce_rows(flat, head, anchor_token, CEOptions(chunk, top_k=self.drafter.topk))
+        z = candidate_logits(flat, head, res.top_ids, chunk)
+        log_norm = wide(res.loss) + candidate_logits(flat, head, anchor_token.view(-1, 1), chunk).squeeze(1)
         return (z - log_norm.unsqueeze(1)).view(n, slots, -1), res.top_ids.view(n, slots, -1)
 
     def draft_log_probs(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, labels: torch.Tensor,
