@@ -71,11 +71,16 @@ class DFlash2Drafter(BlockDrafter):
         """The selector's path (see `Drafter.draft`); when sampling, q is the candidate distribution each draft was
         drawn from, scattered over the vocabulary (zero outside the k candidates)."""
         codebooks = self.candidate_selector.decode_codebooks(lm_head.weight)
-        return self._path(self._slot_logits(hidden, lm_head), codebooks, hidden, anchor_ids, temperature, generator)
+        logits = self._slot_logits(hidden, lm_head)
+        return self._path(self._candidates(logits), codebooks, hidden, anchor_ids, temperature, generator)
 
-    def _path(self, logits: torch.Tensor, codebooks: Codebooks, hidden: torch.Tensor, anchor_ids: torch.Tensor,
-              temperature: float = 0.0, generator: Optional[torch.Generator] = None):
-        unary, cand = logits.topk(min(self.selector_top_k, logits.shape[-1]), dim=-1)
+    def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unary scores, ids) `[n, bs-1, k]` of each slot's `selector_top_k` best tokens, best first."""
+        return logits.topk(min(self.selector_top_k, logits.shape[-1]), dim=-1)
+
+    def _path(self, candidates: tuple[torch.Tensor, torch.Tensor], codebooks: Codebooks, hidden: torch.Tensor,
+              anchor_ids: torch.Tensor, temperature: float = 0.0, generator: Optional[torch.Generator] = None):
+        unary, cand = candidates
         tokens, _, dists = self.candidate_selector.walk(unary, cand, hidden[:, 1:], anchor_ids, temperature, generator,
                                                         codebooks)
         if dists is None:
@@ -96,13 +101,14 @@ class DFlash2Drafter(BlockDrafter):
 
     def greedy_proposals(self, hidden: torch.Tensor, lm_head: nn.Module, anchor_ids: torch.Tensor,
                          k: int = 0) -> BlockProposals:
-        """`draft`'s greedy path, the unary argmax beside it and, with `k > 0`, `tree_candidates(k)` from one product
-        with the head (and one decoding of the selector's codebooks)."""
+        """`draft`'s greedy path, the unary argmax beside it (the first candidate) and, with `k > 0`,
+        `tree_candidates(k)` from one product with the head (and one decoding of the selector's codebooks)."""
         logits = self._slot_logits(hidden, lm_head)
         codebooks = self.candidate_selector.decode_codebooks(lm_head.weight)
-        drafts = self._path(logits, codebooks, hidden, anchor_ids)[0]
+        candidates = self._candidates(logits)
+        drafts = self._path(candidates, codebooks, hidden, anchor_ids)[0]
         top_lp, top_ids = self._tree(logits, codebooks, hidden, anchor_ids, k) if k else (None, None)
-        return BlockProposals(drafts, top_lp, top_ids, argmax=logits.argmax(-1))
+        return BlockProposals(drafts, top_lp, top_ids, argmax=candidates[1][..., 0])
 
     def _tree(self, logits: torch.Tensor, codebooks: Codebooks, hidden: torch.Tensor, anchor_ids: torch.Tensor,
               k: int) -> tuple[torch.Tensor, torch.Tensor]:
