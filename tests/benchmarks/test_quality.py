@@ -825,29 +825,17 @@ def test_a_reranking_drafter_gets_its_backbones_argmax_beside_its_drafts(tmp_pat
     block tau and its backbone argmax's, pooled and per set, the argmax's equal to `dflash-train eval --replay` of a
     DFlash drafter holding the same backbone, whose report for the LiLiCorr drafter has the same mode beside block
     (and the model card's eval table says what it is); the bench's other tables keep their modes."""
-    from dflash_train.architectures import architecture
+    from _lilicorr_drafters import backbone_alone, perturbed_lilicorr
+
     from dflash_train.architectures.io import save_drafter
     from dflash_train.assets import stop_token_ids
-    from dflash_train.config.load import config_from_dict
     from dflash_train.exports.card import put_eval_table
     from dflash_train.infer.evaluate import evaluate_by_replay
 
     target, tok, _ = tiny_pair
-    cfg = config_from_dict({"drafter": {"architecture": "lilicorr", "block_size": 4, "num_draft_layers": 1},
-                            "lilicorr": {"candidate_topk": 4, "head_hidden_size": 32, "head_num_layers": 1,
-                                         "head_num_heads": 4, "factor_dim": 16}})
-    torch.manual_seed(0)
-    arch = architecture("lilicorr")
-    walker = arch.drafter_class(arch.config_for_run(target.config, cfg, [1, 4], 16))
-    with torch.no_grad():
-        for p in walker.lilicorr.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
+    walker = perturbed_lilicorr(target.config, 4)
     given = save_drafter(walker, tmp_path / "walker" / "export", dtype="float32")
-    plain_cfg = config_from_dict({"drafter": {"architecture": "dflash", "block_size": 4, "num_draft_layers": 1}})
-    dflash = architecture("dflash")
-    plain = dflash.drafter_class(dflash.config_for_run(target.config, plain_cfg, [1, 4], 16))
-    own = plain.state_dict()
-    plain.load_state_dict({k: v for k, v in walker.state_dict().items() if k in own}, strict=True)
+    plain = backbone_alone(walker, target.config)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "turns": [t]}) + "\n"
                                for i, t in enumerate(["Name a river.", "Say hello.", "Count from 3."])))

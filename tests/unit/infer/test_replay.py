@@ -11,6 +11,7 @@ from dflash_train.infer.spec_decode import SpeculativeDecoder
 from dflash_train.architectures.dflash.model import DFlashDrafter
 from dflash_train.architectures.family.config import make_drafter_config
 from dflash_train.target.capture import load_target_model
+from _lilicorr_drafters import backbone_alone, perturbed_lilicorr
 from _memorise import memorise
 
 
@@ -435,30 +436,11 @@ def test_replays_proposals_come_from_one_head_product_and_equal_the_separate_cal
 # --------------------------------------------------------------------------- a reranker against its backbone's argmax
 
 
-def _lilicorr(target, block_size: int, topk: int = 4):
-    from dflash_train.architectures import architecture
-    from dflash_train.config.load import config_from_dict
-
-    cfg = config_from_dict({"drafter": {"architecture": "lilicorr", "block_size": block_size, "num_draft_layers": 1},
-                            "lilicorr": {"candidate_topk": topk, "head_hidden_size": 32, "head_num_layers": 1,
-                                         "head_num_heads": 4, "factor_dim": 16}})
-    torch.manual_seed(0)
-    arch = architecture("lilicorr")
-    drafter = arch.drafter_class(arch.config_for_run(target.config, cfg, [1, 4], 16))
-    with torch.no_grad():  # a head whose walk leaves the argmax
-        for p in drafter.lilicorr.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return drafter.double().eval()
-
-
 def _without_reranker(drafter, target):
     """The same backbone drafting its own argmax: LiLiCorr's as a DFlash drafter holding every backbone weight,
     DFlash2's with the identity selector (zero successor codebook: its path is the unary argmax)."""
     if drafter.architecture == "lilicorr":
-        plain = _drafter(target, drafter.block_size)
-        own = plain.state_dict()
-        plain.load_state_dict({k: v for k, v in drafter.state_dict().items() if k in own}, strict=True)
-        return plain.eval()
+        return backbone_alone(drafter, target.config)
     plain = copy.deepcopy(drafter)
     with torch.no_grad():
         plain.candidate_selector.successor_codebook.zero_()
@@ -474,7 +456,7 @@ def test_a_reranking_drafters_replay_adds_its_backbones_argmax_as_the_backbone_a
 
     bs, max_new = 5, 12
     if kind == "lilicorr":
-        drafter = _lilicorr(target, bs)
+        drafter = perturbed_lilicorr(target.config, bs).double().eval()
     else:
         drafter = _dflash2(target, bs).eval()
         with torch.no_grad():  # a selector strong enough to leave the untrained unary argmax

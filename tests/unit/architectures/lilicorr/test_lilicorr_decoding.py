@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _lilicorr_drafters import perturbed_lilicorr
 from _lilicorr_reference import head_scores, walk
 
-from dflash_train.architectures import architecture
 from dflash_train.architectures.attention import DrafterKVCache, sdpa_attention
 from dflash_train.architectures.lilicorr.head import greedy_walk
 from dflash_train.architectures.lilicorr.model import LiLiCorrDrafter
-from dflash_train.config.load import config_from_dict
 from dflash_train.infer.replay import ReplayTurn, greedy_continuations, replay_turn
 from dflash_train.infer.spec_decode import SpeculativeDecoder
 from dflash_train.target.capture import load_target_model
@@ -28,16 +27,8 @@ def target(tiny_target_dir):
 
 
 def lilicorr(target_config, layer_ids=(1, 4), block_size=5, topk=4, seed=0, mask=16, scale=0.3) -> LiLiCorrDrafter:
-    cfg = config_from_dict({"drafter": {"architecture": "lilicorr", "block_size": block_size, "num_draft_layers": 1},
-                            "lilicorr": {"candidate_topk": topk, "head_hidden_size": 32, "head_num_layers": 1,
-                                         "head_num_heads": 4, "factor_dim": 16}})
-    torch.manual_seed(seed)
-    arch = architecture("lilicorr")
-    d = arch.drafter_class(arch.config_for_run(target_config, cfg, list(layer_ids), mask))
-    with torch.no_grad():  # a head whose choices are not the backbone's argmax
-        for p in d.lilicorr.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return d.eval()
+    """A head whose choices are not the backbone's argmax (`_lilicorr_drafters.perturbed_lilicorr`), for decoding."""
+    return perturbed_lilicorr(target_config, block_size, topk, layer_ids, mask, scale, seed).eval()
 
 
 def prompts():
@@ -129,6 +120,7 @@ def test_replay_equals_step_by_step_decoding(target):
     """The anchor row replay forms (the whole context, an anchor at every position) is the one decoding forms (the
     newest row of the KV-cached context): the same tokens and accept lengths, step for step. Replay's backbone
     argmax mode is what a DFlash drafter holding the same backbone decodes."""
+    from _lilicorr_drafters import backbone_alone
     from _memorise import memorise
 
     from dflash_train.infer.replay import ARGMAX_MODE
@@ -151,16 +143,6 @@ def test_replay_equals_step_by_step_decoding(target):
         taus.append(sum(real.accept_lengths) / len(real.accept_lengths))
     assert max(taus) > 1.3 and differ  # multi-token steps, chosen by the head, were compared
 
-
-def backbone_alone(d: LiLiCorrDrafter, target_config):
-    """A DFlash drafter holding every backbone weight of `d` (not its head): it drafts `d`'s backbone argmax."""
-    cfg = config_from_dict({"drafter": {"architecture": "dflash", "block_size": d.block_size,
-                                        "num_draft_layers": len(d.layers)}})
-    arch = architecture("dflash")
-    plain = arch.drafter_class(arch.config_for_run(target_config, cfg, list(d.target_layer_ids), d.mask_token_id))
-    own = plain.state_dict()
-    plain.load_state_dict({k: v for k, v in d.state_dict().items() if k in own}, strict=True)
-    return plain.to(next(d.parameters()).dtype).eval()
 
 
 @pytest.mark.long  # ~36 s: the real SmolLM2 decoding on CPU
