@@ -127,7 +127,7 @@ def test_an_untrained_dflash2_drafter_computes_what_dflash_does(target):
     mask = dense_mask(anchors, keep, s, bs)
     out1, out2 = d1(hidden, block, pos, sdpa_attention, mask), d2(hidden, block, pos, sdpa_attention, mask)
     torch.testing.assert_close(out2, out1, rtol=0, atol=1e-12)
-    head = target.get_output_embeddings().double()
+    head = copy.deepcopy(target.get_output_embeddings()).double()  # .double() of a module is in place
     drafts, _ = d2.draft(out2.view(2, bs, -1), head, torch.tensor([5, 9]))
     assert torch.equal(drafts, head(out1.view(2, bs, -1))[:, 1:].argmax(-1))
     # and away from the identity start, the two differ
