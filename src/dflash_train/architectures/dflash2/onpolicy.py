@@ -23,7 +23,7 @@ from .objective import previous_tokens
 
 class DFlash2OnPolicyObjective(OnPolicyObjective):
     def draft_log_probs(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, labels: torch.Tensor,
-                        rej: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
+                        rej: torch.Tensor, drafts: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
         head, selector = self.target.lm_head.weight, self.drafter.candidate_selector
         k = min(self.drafter.selector_top_k, head.shape[0])
         chunk = self.cfg.objective.loss_chunk_size
@@ -38,7 +38,11 @@ class DFlash2OnPolicyObjective(OnPolicyObjective):
         log_s = torch.log_softmax(selector.scores(z, rows, previous, candidates, codebooks), -1)  # [M, k]
         hit = candidates == labels.unsqueeze(1)
         label = torch.where(hit.any(-1), (log_s * hit).sum(-1) + mass, log_unary)
-        pick = log_s.argmax(-1, keepdim=True)
-        best = candidates.gather(1, pick).squeeze(1)
-        draft = (log_s.gather(1, pick).squeeze(1) + mass).index_select(0, rej)
-        return DraftLogProbs(label, draft, best.index_select(0, rej), best == labels)
+        # the rollout's draft: a candidate (the selector's pick) whose rescored mass is q, else its unary probability
+        drafted = candidates.index_select(0, rej) == drafts.unsqueeze(1)
+        log_unary_draft = candidate_logits(rows.index_select(0, rej), head, drafts.view(-1, 1), chunk).squeeze(1) \
+            - log_norm.index_select(0, rej)
+        draft = torch.where(drafted.any(-1), (log_s.index_select(0, rej) * drafted).sum(-1) + mass.index_select(0, rej),
+                            log_unary_draft)
+        best = candidates.gather(1, log_s.argmax(-1, keepdim=True)).squeeze(1)
+        return DraftLogProbs(label, draft, best == labels)

@@ -22,11 +22,11 @@ class DominoOnPolicyObjective(OnPolicyObjective):
     prefix_rows = DominoObjective.prefix_rows
 
     def draft_log_probs(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, labels: torch.Tensor,
-                        rej: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
+                        rej: torch.Tensor, drafts: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
         d, head = self.drafter, self.target.lm_head.weight
         corrected = (idx % d.block_size >= d.pure_draft_prefix_len).unsqueeze(1)
         features = d.correction_features(rows, self.prefix_rows(blocks, idx))
         features = torch.where(corrected, features, torch.zeros_like(features)).to(rows.dtype)
         weight = torch.cat([head, d.embed_proj[2].weight.to(head.dtype)], 1)
-        return softmax_log_probs(torch.cat([rows, features], 1), weight, labels, rej,
+        return softmax_log_probs(torch.cat([rows, features], 1), weight, labels, rej, drafts,
                                  self.cfg.objective.loss_chunk_size)

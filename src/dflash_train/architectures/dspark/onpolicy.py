@@ -45,11 +45,11 @@ class DSparkOnPolicyObjective(OnPolicyObjective):
         return MarkovBlocks(**{f.name: getattr(blocks, f.name) for f in fields(blocks)}, previous=previous)
 
     def draft_log_probs(self, rows: torch.Tensor, blocks: MarkovBlocks, idx: torch.Tensor, labels: torch.Tensor,
-                        rej: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
+                        rej: torch.Tensor, drafts: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
         d, head, chunk = self.drafter, self.target.lm_head.weight, self.cfg.objective.loss_chunk_size
         if not d.markov_rank:
-            return softmax_log_probs(rows, head, labels, rej, chunk)
+            return softmax_log_probs(rows, head, labels, rej, drafts, chunk)
         feature, _ = d.markov(out.view(*blocks.labels.shape, -1), blocks.previous)
         feature = feature.reshape(-1, feature.shape[-1]).index_select(0, idx).to(rows.dtype)
         weight = torch.cat([head, d.markov_head.markov_w2.weight.to(head.dtype)], 1)
-        return softmax_log_probs(torch.cat([rows, feature], 1), weight, labels, rej, chunk)
+        return softmax_log_probs(torch.cat([rows, feature], 1), weight, labels, rej, drafts, chunk)

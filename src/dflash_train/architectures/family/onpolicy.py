@@ -14,7 +14,8 @@ what the drafter changes is where each step's block starts and what it drafts. P
    official implementation's):
    - committed: every slot up to the first rejection, included, on the token the step commits there (the data's),
      `l = p log(p / q) + (1 - p) log((1 - p) / (1 - q))`, p and q the target's and the drafter's probabilities of it;
-   - rejected: the first rejected slot k on the drafter's draft d, `l = exp(r) - r - 1`, `r = log p(d) - log q(d)`
+   - rejected: the first rejected slot k on the draft d the rollout proposed there (step 1's, not drafted again:
+     the gradient pass's argmax may differ by a rounding), `l = exp(r) - r - 1`, `r = log p(d) - log q(d)`
      (k3, an estimate of KL(q || p)), weighted `decay ** (k - 1)`;
    `L = (w_c sum l_c + w_r sum decay^(k-1) l_r) / (w_c N_c + w_r sum decay^(k-1))`, each l clamped to `loss_max`,
    log-probabilities to `log_prob_min`; the denominator is the micro-batch's share of the step's (`StepStats.
@@ -46,7 +47,7 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-Chain = list[tuple[int, int]]  # one row's decoding steps: (anchor, drafts accepted there)
+Chain = list[tuple[int, int, int]]  # one row's decoding steps: (anchor, drafts accepted, the first draft rejected)
 
 
 @dataclass
@@ -54,17 +55,19 @@ class DraftLogProbs:
     """The drafter's decoding distribution q at the chain's counted rows, given the committed tokens before each."""
 
     label: torch.Tensor  # [M] log q of each row's committed token, with gradient
-    draft: torch.Tensor  # [R] log q of the draft at each rejected row, with gradient
-    drafts: torch.Tensor  # [R] those drafts: q's argmax, the token greedy decoding proposed there
+    draft: torch.Tensor  # [R] log q of the rollout's draft at each rejected row, with gradient
     correct: torch.Tensor  # [M] whether q's argmax is the committed token
 
 
-def decode_chain(accepted: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor) -> list[Chain]:
-    """Each row's decoding steps `(anchor, drafts accepted there)` (host tensors): every run of supervised positions
-    (an answer) starts a chain at its first position; the next anchor is `a + accepted[a] + 1`, while it leaves a
-    later position of the run."""
+def decode_chain(accepted: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
+                 rejected: Optional[torch.Tensor] = None) -> list[Chain]:
+    """Each row's decoding steps `(anchor, drafts accepted there, the first draft rejected there)` (host tensors;
+    `rejected [B, S]` the rollout's draft after the accepted ones at each anchor, -1 where every draft was accepted
+    or none is given): every run of supervised positions (an answer) starts a chain at its first position; the next
+    anchor is `a + accepted[a] + 1`, while it leaves a later position of the run."""
     chains = []
-    for row, mask, length in zip(accepted.tolist(), loss_mask.tolist(), lengths.tolist()):
+    rejected = torch.full_like(accepted, -1) if rejected is None else rejected
+    for row, rej, mask, length in zip(accepted.tolist(), rejected.tolist(), loss_mask.tolist(), lengths.tolist()):
         steps, p = [], 0
         while p < length:
             if not mask[p]:
@@ -75,7 +78,7 @@ def decode_chain(accepted: torch.Tensor, loss_mask: torch.Tensor, lengths: torch
                 end += 1
             a = p
             while a < end:
-                steps.append((a, row[a]))
+                steps.append((a, row[a], rej[a]))
                 a += row[a] + 1
             p = end + 1
         chains.append(steps)
@@ -93,15 +96,14 @@ def accept_lengths(drafts: torch.Tensor, target_next: torch.Tensor, anchors: tor
 
 
 def softmax_log_probs(rows: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rej: torch.Tensor,
-                      chunk_size: int) -> DraftLogProbs:
+                      drafts: torch.Tensor, chunk_size: int) -> DraftLogProbs:
     """`DraftLogProbs` of q = softmax(rows @ weight.T) (chunked over the vocabulary; a weight that requires grad
-    gets its gradient), drafts its argmax."""
-    res = chunked_ce_rows(rows, weight, labels, CEOptions(chunk_size, top_k=1))
+    gets its gradient) at the labels and at the rollout's `drafts [R]` of the rejected rows."""
+    res = chunked_ce_rows(rows, weight, labels, CEOptions(chunk_size))
     logq = wide(-res.loss)
-    drafts = res.top_ids[:, 0].index_select(0, rej)
     h_rej = rows.index_select(0, rej)
     gap = wide(torch.einsum("mh,mh->m", h_rej, (weight[drafts] - weight[labels.index_select(0, rej)]).to(h_rej.dtype)))
-    return DraftLogProbs(logq, logq.index_select(0, rej) + gap, drafts, res.correct)  # log q(d) = log q(c) + z_d - z_c
+    return DraftLogProbs(logq, logq.index_select(0, rej) + gap, res.correct)  # log q(d) = log q(c) + z_d - z_c
 
 
 def committed_loss(logp: torch.Tensor, logq: torch.Tensor, low: float) -> torch.Tensor:
@@ -155,7 +157,7 @@ class OnPolicyObjective(BlockObjective):
         plan = batch.host if batch.host is not None else batch
         target_next = self.target_argmax(final)  # [B, S]: the token the target puts after each position
         chains = self.trained_steps(self.chains(batch, plan, features, target_next.cpu()), generator)
-        blocks, idx, rejected_at = self.chain_blocks(plan, chains, batch.input_ids.device)
+        blocks, idx, rejected_at, drafts = self.chain_blocks(plan, chains, batch.input_ids.device)
         if self.whole_blocks:
             every = torch.arange(blocks.counted.numel(), device=idx.device)
             out = self.block_rows(batch, features, blocks, every, call or self.drafter)
@@ -163,7 +165,7 @@ class OnPolicyObjective(BlockObjective):
         else:
             out, rows = None, self.block_rows(batch, features, blocks, idx, call or self.drafter)
         with self.autocast(batch.input_ids.device):
-            return self.chain_loss(rows, blocks, idx, rejected_at, final, target_next, out)
+            return self.chain_loss(rows, blocks, idx, rejected_at, drafts, final, target_next, out)
 
     # ------------------------------------------------------------ decoding's chain under the current weights
 
@@ -180,11 +182,13 @@ class OnPolicyObjective(BlockObjective):
     def chains(self, batch: Batch, plan: Batch, features: torch.Tensor,
                target_next: torch.Tensor) -> list[Chain]:
         """Each row's decoding anchors: the drafter's proposals at every supervised position (in passes of as many
-        anchors a row as training's micro-batch of these rows takes), their acceptance, and the chain through them."""
+        anchors a row as training's micro-batch of these rows takes), their acceptance, and the chain through them
+        with the draft each step's first rejection was of (the rollout's, which the rejected stream scores)."""
         b, s = plan.input_ids.shape
         pos = torch.arange(s)
         candidates = (plan.loss_mask > 0) & (pos.view(1, -1) + 1 < plan.lengths.view(-1, 1))
         accepted = torch.zeros(b, s, dtype=torch.long)
+        rejected = torch.full((b, s), -1, dtype=torch.long)
         multiple = self.backend.blocks_multiple_of
         per_pass = int(anchors_a_row(b, self.cfg.objective.max_anchors, self.cfg.objective.max_anchors_per_batch,
                                      multiple))
@@ -214,9 +218,12 @@ class OnPolicyObjective(BlockObjective):
             drafts = drafts.view(b, n, -1).cpu()
             f = self.first_draft_slot
             got = accept_lengths(drafts, target_next, anchors, blocks.counted[..., f:f + drafts.shape[-1]])
+            width = drafts.shape[-1]
+            first_miss = drafts.gather(-1, got.clamp(max=width - 1).unsqueeze(-1)).squeeze(-1)
+            first_miss = torch.where(got < width, first_miss, -1)
             for r, t in enumerate(taken):
-                accepted[r, t] = got[r, :len(t)]
-        return decode_chain(accepted, plan.loss_mask, plan.lengths)
+                accepted[r, t], rejected[r, t] = got[r, :len(t)], first_miss[r, :len(t)]
+        return decode_chain(accepted, plan.loss_mask, plan.lengths, rejected)
 
     def trained_steps(self, chains: list[Chain], generator: torch.Generator) -> list[Chain]:
         """The steps of each chain this micro-batch trains on: all of them, or a random subset (in chain order) of
@@ -230,18 +237,21 @@ class OnPolicyObjective(BlockObjective):
         return [[c[i] for i in row] for c, row in zip(chains, kept)]
 
     def chain_blocks(self, plan: Batch, chains: list[Chain],
-                     device: torch.device) -> tuple[Blocks, torch.Tensor, torch.Tensor]:
+                     device: torch.device) -> tuple[Blocks, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The blocks at the chains' anchors, counting each block's committed slots (the accepted drafts and the
-        draft after them, whose token the target corrects; drafted and supervised ones only), and which counted rows
-        hold the rejected draft (`[M]` bool, in `idx` order: the correction's slot, inside the block)."""
+        draft after them, whose token the target corrects; drafted and supervised ones only), which counted rows
+        hold the rejected draft (`[M]` bool, in `idx` order: the correction's slot, inside the block) and the
+        rollout's draft there (`[R]`, in the same order)."""
         b, bs, multiple = plan.input_ids.shape[0], self.drafter.block_size, self.backend.blocks_multiple_of
         n = max(-(-max((len(c) for c in chains), default=1) // multiple) * multiple, multiple)
         anchors = torch.zeros(b, n, dtype=torch.long)
         accepted = torch.zeros(b, n, dtype=torch.long)
+        proposed = torch.full((b, n), -1, dtype=torch.long)  # the rollout's draft after the accepted ones
         keep = torch.zeros(b, n, dtype=torch.bool)
         for r, steps in enumerate(chains):
             if steps:
-                anchors[r, :len(steps)], accepted[r, :len(steps)] = torch.tensor(steps, dtype=torch.long).T
+                anchors[r, :len(steps)], accepted[r, :len(steps)], proposed[r, :len(steps)] = \
+                    torch.tensor(steps, dtype=torch.long).T
                 keep[r, :len(steps)] = True
         blocks = self.build_blocks(plan, anchors, keep)
         slot = torch.arange(bs).view(1, 1, -1)
@@ -253,21 +263,26 @@ class OnPolicyObjective(BlockObjective):
         fields.pop("work")
         chain = type(blocks)(**fields)
         idx = chain.counted.view(-1).nonzero().squeeze(1)
-        return chain.to(device), idx.to(device), rejected.view(-1)[idx].to(device)
+        at = rejected.view(-1)[idx]
+        drafts = proposed.unsqueeze(-1).expand(-1, -1, bs).reshape(-1)[idx][at]
+        if bool((drafts < 0).any()):
+            raise ValueError("a chain step with a rejected slot carries no rollout draft")
+        return chain.to(device), idx.to(device), at.to(device), drafts.to(device)
 
     # ------------------------------------------------------------ the two streams
 
     def chain_loss(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, rejected_at: torch.Tensor,
-                   final: torch.Tensor, target_next: torch.Tensor, out: Optional[torch.Tensor] = None) -> StepStats:
+                   drafts: torch.Tensor, final: torch.Tensor, target_next: torch.Tensor,
+                   out: Optional[torch.Tensor] = None) -> StepStats:
         o, low = self.cfg.onpolicy, self.cfg.onpolicy.log_prob_min
         bs = self.drafter.block_size
         labels = blocks.labels.view(-1).index_select(0, idx)
         rej = rejected_at.nonzero().squeeze(1)
-        q = self.draft_log_probs(rows, blocks, idx, labels, rej, out)
+        q = self.draft_log_probs(rows, blocks, idx, labels, rej, drafts, out)
         positions = self.label_positions(blocks, idx, final.shape[1])
         with torch.no_grad():
             logp_label, logp_draft = self.target_logprobs(final, positions, labels, positions.index_select(0, rej),
-                                                          q.drafts)
+                                                          drafts)
             off_target = (target_next.to(labels.device).view(-1).index_select(0, positions - 1) != labels).sum()
         weights = (o.decay ** ((idx.index_select(0, rej) % bs) - self.first_draft_slot)).to(wide(q.draft).dtype)
         committed = committed_loss(logp_label, wide(q.label), low)
@@ -284,11 +299,12 @@ class OnPolicyObjective(BlockObjective):
         return stats
 
     def draft_log_probs(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, labels: torch.Tensor,
-                        rej: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
+                        rej: torch.Tensor, drafts: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
         """q at the counted rows `rows [M, H]` (`labels [M]` their committed tokens, `rej [R]` the rows holding a
-        rejected draft; `out`: every slot's output `[B * N * bs, H]` where `whole_blocks`): each slot's softmax over
-        the target's lm_head."""
-        return softmax_log_probs(rows, self.target.lm_head.weight, labels, rej, self.cfg.objective.loss_chunk_size)
+        rejected draft, `drafts [R]` the rollout's draft there; `out`: every slot's output `[B * N * bs, H]` where
+        `whole_blocks`): each slot's softmax over the target's lm_head."""
+        return softmax_log_probs(rows, self.target.lm_head.weight, labels, rej, drafts,
+                                 self.cfg.objective.loss_chunk_size)
 
     def chain_stats(self, loss: torch.Tensor, correct: torch.Tensor, blocks: Blocks, idx: torch.Tensor) -> StepStats:
         """The step's sums from the counted rows' hits (the layout's acceptance estimate: a shifted layout's where

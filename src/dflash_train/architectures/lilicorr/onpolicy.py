@@ -39,7 +39,7 @@ class LiLiCorrOnPolicyObjective(OnPolicyObjective):
         return (z - log_norm.unsqueeze(1)).view(n, slots, -1), res.top_ids.view(n, slots, -1)
 
     def draft_log_probs(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, labels: torch.Tensor,
-                        rej: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
+                        rej: torch.Tensor, drafts: torch.Tensor, out: Optional[torch.Tensor] = None) -> DraftLogProbs:
         b, n, bs = blocks.counted.shape
         hidden = out.view(b * n, bs, -1)
         lp, cand = self.candidate_log_probs(hidden[:, 1:], self.target.lm_head.weight)
@@ -55,7 +55,10 @@ class LiLiCorrOnPolicyObjective(OnPolicyObjective):
         hit = (cand[block, slot] == labels.unsqueeze(1)) & on_lattice.unsqueeze(1)
         outside = torch.full_like(logq[:, 0], self.cfg.onpolicy.log_prob_min)
         label = torch.where(hit.any(-1), (logq * hit).sum(-1), outside)
-        pick = logq.argmax(-1, keepdim=True)
-        best = cand[block, slot].gather(1, pick).squeeze(1)
-        draft = logq.gather(1, pick).squeeze(1).index_select(0, rej)
-        return DraftLogProbs(label, draft, best.index_select(0, rej), (best == labels) & on_lattice)
+        # the rollout's draft, on the lattice (a candidate of its slot after the committed token) or q = 0
+        on = on_lattice.index_select(0, rej).unsqueeze(1)
+        drafted = (cand[block, slot].index_select(0, rej) == drafts.unsqueeze(1)) & on
+        draft = torch.where(drafted.any(-1), (logq.index_select(0, rej) * drafted).sum(-1),
+                            outside.index_select(0, rej))
+        best = cand[block, slot].gather(1, logq.argmax(-1, keepdim=True)).squeeze(1)
+        return DraftLogProbs(label, draft, (best == labels) & on_lattice)

@@ -124,7 +124,9 @@ def test_the_chain_on_the_targets_answers_is_greedy_speculative_decodings(setup,
         for accept in result.accept_lengths[:-1]:  # the last step is cut by the token limit, the chain by the data
             steps.append((anchor, accept - 1))
             anchor += accept
-        assert chain[:len(steps)] == steps
+        assert [step[:2] for step in chain[:len(steps)]] == steps
+        # the rollout's draft after the accepted ones: recorded wherever a draft was left (scored in the loss test)
+        assert all((rejected == -1) == (n == drafter.num_drafts()) for _, n, rejected in chain)
         seen |= {n for _, n in steps}
     assert len(seen) >= 3  # acceptance varies: rejections at several slots and full blocks
 
@@ -163,7 +165,7 @@ def decode_chain_by_hand():
 
 def test_a_chain_restarts_at_each_answer_and_stops_at_its_last_token():
     # answer 1: positions 2-6 (2 accepts 2 -> 5 accepts 3, past the answer's end); answer 2: 8-9
-    assert decode_chain_by_hand() == [[(2, 2), (5, 3), (8, 0)]]
+    assert decode_chain_by_hand() == [[(2, 2, -1), (5, 3, -1), (8, 0, -1)]]
 
 
 def markov_log_probs(drafter, hidden, head, seq, anchor):
@@ -234,9 +236,10 @@ def test_a_micro_batch_trains_on_a_seeded_subset_of_each_chain_within_the_block_
     assert [len(r) for r in objective.trained_steps(chains, torch.Generator().manual_seed(1))] == [7, 2, 0]
 
 
-def reference_loss(target, drafter, cfg, prompts, answers):
+def reference_loss(target, drafter, cfg, prompts, answers, redraft=None):
     """Draft-OPD's streams block by block: every decoding step's block run on its own (the context before its
-    anchor), full softmaxes in float64."""
+    anchor), full softmaxes in float64. `redraft`: the rollout's draft at each rejection from q's argmax there
+    (the argmax itself when None)."""
     o = cfg.onpolicy
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     decoder = SpeculativeDecoder(target, drafter, stop_token_ids=[])
@@ -260,7 +263,7 @@ def reference_loss(target, drafter, cfg, prompts, answers):
                 c = seq[0, anchor + k]
                 committed.append(committed_loss(logp_target[anchor + k - 1, c], logq[k, c], o.log_prob_min))
                 if k == n + 1:
-                    d = logq[k].argmax()
+                    d = logq[k].argmax() if redraft is None else redraft(logq[k].argmax())
                     rejected.append(rejected_loss(logp_target[anchor + k - 1, d], logq[k, d], o.log_prob_min))
                     weights.append(o.decay ** (k - 1))
             anchor += accept
@@ -298,6 +301,24 @@ def test_the_loss_and_gradients_equal_draft_opds_streams_block_by_block(setup):
         assert any(g is not None and g.abs().sum() > 0 for g in grads)
     finally:
         drafter.eval()
+
+
+def test_the_rejected_stream_scores_the_rollouts_draft_not_the_gradient_passs_argmax(setup, monkeypatch):
+    """Each rejection's draft is the rollout's, recorded in the chain: a rollout whose drafts were other tokens (as a
+    rounding flip between the two passes would make them) is scored at those tokens, as the reference scores them."""
+    target, drafter, cfg, prompts, answers = setup
+    objective, _ = objective_for(target, drafter, cfg)
+    vocab = target.config.vocab_size
+    other = lambda d: (d + 1) % vocab  # noqa: E731
+    real = objective.chains
+    monkeypatch.setattr(objective, "chains", lambda *a: [[(anchor, n, -1 if d < 0 else other(d)) for anchor, n, d in c]
+                                                          for c in real(*a)])
+    with torch.no_grad():
+        stats = objective(batch_of(prompts, answers), torch.Generator().manual_seed(0))
+        ref, _, n_rejected = reference_loss(target, drafter, cfg, prompts, answers, redraft=other)
+        plain, _, _ = reference_loss(target, drafter, cfg, prompts, answers)
+    assert n_rejected >= 3 and abs(float(ref - plain)) > 1e-6
+    torch.testing.assert_close(stats.loss, ref, rtol=1e-7, atol=1e-9)
 
 
 def gradients_of(loss, drafter):
