@@ -29,9 +29,11 @@ class DFlash2OnPolicyObjective(OnPolicyObjective):
         chunk = self.cfg.objective.loss_chunk_size
         res = chunked_ce_rows(rows, head, labels, CEOptions(chunk, top_k=k))
         candidates = res.top_ids  # [M, k]
-        z = candidate_logits(rows, head, candidates, chunk)
+        # the logits are the chunked pass's own; `candidate_logits` adds their gradient (the head's rows)
+        z = candidate_logits(rows, head, candidates, chunk, values=res.top_values)
         log_unary = wide(-res.loss)  # log softmax(U) at the label
-        log_norm = candidate_logits(rows, head, labels.view(-1, 1), chunk).squeeze(1) - log_unary  # log sum exp U
+        label_logit = candidate_logits(rows, head, labels.view(-1, 1), chunk, values=res.label_logits.view(-1, 1))
+        log_norm = label_logit.squeeze(1) - log_unary  # log sum exp U
         mass = z.logsumexp(-1) - log_norm  # log of the unary probability the candidates hold
         previous = previous_tokens(blocks.labels).view(-1).index_select(0, idx)
         codebooks = selector.codebooks(head if selector.factored else None)

@@ -34,8 +34,10 @@ class LiLiCorrOnPolicyObjective(OnPolicyObjective):
         anchor_token = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)  # any class: lse is CE + z
         chunk = self.cfg.objective.loss_chunk_size
         res = chunked_ce_rows(flat, head, anchor_token, CEOptions(chunk, top_k=self.drafter.topk))
-        z = candidate_logits(flat, head, res.top_ids, chunk)
-        log_norm = wide(res.loss) + candidate_logits(flat, head, anchor_token.view(-1, 1), chunk).squeeze(1)
+        # the logits are the chunked pass's own; `candidate_logits` adds their gradient (the head's rows)
+        z = candidate_logits(flat, head, res.top_ids, chunk, values=res.top_values)
+        log_norm = wide(res.loss) + candidate_logits(flat, head, anchor_token.view(-1, 1), chunk,
+                                                     values=res.label_logits.view(-1, 1)).squeeze(1)
         return (z - log_norm.unsqueeze(1)).view(n, slots, -1), res.top_ids.view(n, slots, -1)
 
     def draft_log_probs(self, rows: torch.Tensor, blocks: Blocks, idx: torch.Tensor, labels: torch.Tensor,
